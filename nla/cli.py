@@ -1,0 +1,58 @@
+"""The `nla` command line.
+
+Each subcommand lives in `nla/commands/<name>.py` and exposes
+`register(subparsers)`, which adds its parser and sets `func` on it. The CLI
+only wires them together, so a stage can be found from DESIGN.md in one step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from nla import __version__
+
+# Subcommand modules, in the order `nla --help` lists them.
+COMMANDS = ("world", "datagen", "train", "rl", "eval", "verbalize", "score", "quickstart", "explore")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nla", description="Natural Language Autoencoders: train and use verbalizer/reconstructor pairs."
+    )
+    parser.add_argument("--version", action="version", version=f"nla {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"nla.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"nla.commands.{name}":
+                continue  # subcommand not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0 if args.command is None else 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

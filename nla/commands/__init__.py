@@ -1,0 +1,1 @@
+"""CLI subcommands: one module per `nla <command>`, each with `register(subparsers)`."""
