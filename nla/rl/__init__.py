@@ -1,0 +1,6 @@
+"""Reinforcement learning for the verbalizer (DESIGN §4).
+
+``nla.rl.algorithms`` holds the pure tensor math (advantages, losses, KL,
+DAPO helpers). Nothing is imported here, so importing one submodule never
+pulls in the heavier ones (workers, Ray backend).
+"""
