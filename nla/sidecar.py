@@ -1,0 +1,507 @@
+"""The ``nla_meta.yaml`` sidecar: what a checkpoint or dataset needs to be used correctly (DESIGN §3.1).
+
+A sidecar pins the extraction layer, the scales, the injection marker and its token ids,
+and the two prompt templates. Token ids are computed from a live tokenizer
+(:meth:`NLAConfig.from_tokenizer`) and re-checked at load time (:func:`verify_tokenizer`);
+a mismatch is an error that names the field, never a silent fix, because a drifted id
+makes injection write into the wrong position and training quietly learns nothing.
+
+Readers accept the published layout (``prompt_templates.av/ar`` or the older
+``actor/critic``; layer under ``extraction.layer_index`` or ``critic.extraction_layer_index``;
+``d_model`` top level or under ``extraction``) and ignore unknown keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from nla.vectors import SQRT_D_MODEL, resolve_scale
+
+logger = logging.getLogger(__name__)
+
+SIDECAR_NAME = "nla_meta.yaml"
+KINDS = ("nla_model", "nla_dataset")
+ROLES = ("av", "ar", None)
+
+# Explanations used to check that the AR template's tail tokenises the same whatever precedes it.
+_PROBE_EXPLANATIONS = ("the", "A short explanation.", "x 42 )")
+
+
+class SidecarError(ValueError):
+    """A sidecar file is missing, malformed or lacks a required key."""
+
+
+class SidecarMismatchError(ValueError):
+    """The live tokenizer disagrees with what the sidecar recorded."""
+
+
+class MarkerNotSingleTokenError(SidecarMismatchError):
+    """The injection character encodes to more (or fewer) than one token."""
+
+
+class MarkerIsUnknownError(SidecarMismatchError):
+    """The injection character encodes to the tokenizer's UNK token."""
+
+
+class MarkerIdMismatchError(SidecarMismatchError):
+    """The injection character encodes to an id other than ``injection_token_id``."""
+
+
+class MarkerCountError(SidecarMismatchError):
+    """The canonical AV prompt contains the marker token other than exactly once."""
+
+
+class NeighborMismatchError(SidecarMismatchError):
+    """The tokens around the marker in the canonical AV prompt differ from the recorded neighbours."""
+
+
+class ARSuffixMismatchError(SidecarMismatchError):
+    """The tokenised tail of the AR template differs from ``critic_suffix_ids``."""
+
+
+@dataclass(frozen=True)
+class NLAConfig:
+    """Resolved contents of a sidecar.
+
+    kind: "nla_model" (checkpoint) or "nla_dataset" (parquet).
+    role: "av", "ar" or None (datasets).
+    d_model: width of the subject model's residual stream.
+    layer_index: K; vectors are the output of block K (HF ``hidden_states[K+1]``).
+    injection_char / injection_token_id / injection_{left,right}_neighbor_id: the marker and the
+        token ids that must surround it in the canonical AV prompt.
+    critic_suffix_ids: ids of the AR template's constant tail after ``{explanation}``.
+    av_template: user message of the AV prompt, with ``{injection_char}``.
+    ar_template: AR input text, with ``{explanation}`` followed by a constant tail.
+    injection_scale: norm the vector is rescaled to before injection; "sqrt_d_model"; None = raw.
+    mse_scale: norm both vectors are rescaled to before MSE; default "sqrt_d_model"; None = raw.
+    base_model: name or path of the subject model (provenance).
+    ar_num_hidden_layers: blocks kept by the AR (K+1), recorded by AR sidecars.
+    training: free-form provenance (lr, batch, step, parents).
+    """
+
+    kind: str
+    role: str | None
+    d_model: int
+    layer_index: int
+    injection_char: str
+    injection_token_id: int
+    injection_left_neighbor_id: int
+    injection_right_neighbor_id: int
+    critic_suffix_ids: tuple[int, ...]
+    av_template: str
+    ar_template: str
+    injection_scale: float | str | None
+    mse_scale: float | str | None = SQRT_D_MODEL
+    base_model: str | None = None
+    ar_num_hidden_layers: int | None = None
+    training: dict = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"NLAConfig.kind: expected one of {KINDS}, found {self.kind!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"NLAConfig.role: expected 'av', 'ar' or None, found {self.role!r}")
+        for name in ("d_model", "layer_index", "injection_token_id", "injection_left_neighbor_id",
+                     "injection_right_neighbor_id"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"NLAConfig.{name}: expected a non-negative int, found {value!r}")
+        if self.d_model == 0:
+            raise ValueError("NLAConfig.d_model: expected a positive int, found 0")
+        if not isinstance(self.injection_char, str) or not self.injection_char:
+            raise ValueError(f"NLAConfig.injection_char: expected a non-empty string, found {self.injection_char!r}")
+        suffix = self.critic_suffix_ids
+        if isinstance(suffix, (str, bytes)) or not isinstance(suffix, Sequence):
+            raise ValueError(f"NLAConfig.critic_suffix_ids: expected a list of token ids, found {suffix!r}")
+        suffix = tuple(suffix)
+        if not suffix or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in suffix):
+            raise ValueError(
+                f"NLAConfig.critic_suffix_ids: expected a non-empty list of non-negative ints, found {list(suffix)!r}"
+            )
+        object.__setattr__(self, "critic_suffix_ids", suffix)
+        _check_template("av_template", self.av_template, "injection_char")
+        _check_template("ar_template", self.ar_template, "explanation")
+        if not self.ar_template.split("{explanation}")[-1].strip():
+            raise ValueError(
+                f"NLAConfig.ar_template: needs a constant tail after {{explanation}} (the AR reads its prediction "
+                f"at the tail's last token), found {self.ar_template!r}"
+            )
+        for name in ("injection_scale", "mse_scale"):
+            try:
+                resolve_scale(getattr(self, name), self.d_model)
+            except ValueError as err:
+                raise ValueError(f"NLAConfig.{name}: {err}") from None
+        if self.ar_num_hidden_layers is not None and (
+            isinstance(self.ar_num_hidden_layers, bool) or not isinstance(self.ar_num_hidden_layers, int)
+            or self.ar_num_hidden_layers < 1
+        ):
+            raise ValueError(f"NLAConfig.ar_num_hidden_layers: expected a positive int or None, found "
+                             f"{self.ar_num_hidden_layers!r}")
+        if not isinstance(self.training, Mapping):
+            raise ValueError(f"NLAConfig.training: expected a mapping, found {type(self.training).__name__}")
+        object.__setattr__(self, "training", dict(self.training))
+
+    # -- derived values ---------------------------------------------------------------------------
+    def injection_scale_value(self) -> float | None:
+        return resolve_scale(self.injection_scale, self.d_model)
+
+    def mse_scale_value(self) -> float | None:
+        return resolve_scale(self.mse_scale, self.d_model)
+
+    def av_messages(self, placeholder: str | None = None) -> list[dict]:
+        """The canonical AV chat messages; ``placeholder`` (e.g. ``"<INJECT>"``) replaces the marker."""
+        marker = placeholder or self.injection_char
+        return [{"role": "user", "content": self.av_template.format(injection_char=marker)}]
+
+    def ar_text(self, explanation: str) -> str:
+        return self.ar_template.format(explanation=explanation)
+
+    def replace(self, **kw: Any) -> NLAConfig:
+        return dataclasses.replace(self, **kw)
+
+    # -- construction from a live tokenizer -----------------------------------------------------
+    @classmethod
+    def from_tokenizer(
+        cls,
+        tokenizer: Any,
+        *,
+        kind: str,
+        role: str | None,
+        d_model: int,
+        layer_index: int,
+        av_template: str,
+        ar_template: str,
+        injection_char: str,
+        injection_scale: float | str | None,
+        mse_scale: float | str | None = SQRT_D_MODEL,
+        base_model: str | None = None,
+        training: dict | None = None,
+        ar_num_hidden_layers: int | None = None,
+    ) -> NLAConfig:
+        """Build a config whose token ids are computed from ``tokenizer``, then verify it."""
+        marker_id = _single_marker_id(tokenizer, injection_char)
+        draft = dict(
+            kind=kind, role=role, d_model=d_model, layer_index=layer_index, injection_char=injection_char,
+            av_template=av_template, ar_template=ar_template, injection_scale=injection_scale,
+            mse_scale=mse_scale, base_model=base_model, ar_num_hidden_layers=ar_num_hidden_layers,
+            training=dict(training or {}),
+        )
+        messages = [{"role": "user", "content": av_template.format(injection_char=injection_char)}]
+        prompt = canonical_av_prompt_ids(tokenizer, messages)
+        pos = _marker_position(prompt, marker_id, injection_char)
+        n_tail = len(tokenizer.encode(ar_template.split("{explanation}")[-1], add_special_tokens=False))
+        if n_tail == 0:
+            raise SidecarError(f"ar_template: the tail after {{explanation}} tokenises to nothing: {ar_template!r}")
+        tail = tuple(_ar_ids(tokenizer, ar_template.format(explanation=_PROBE_EXPLANATIONS[0]))[-n_tail:])
+        cfg = cls(
+            injection_token_id=marker_id,
+            injection_left_neighbor_id=prompt[pos - 1],
+            injection_right_neighbor_id=prompt[pos + 1],
+            critic_suffix_ids=tail,
+            **draft,
+        )
+        verify_tokenizer(cfg, tokenizer)
+        return cfg
+
+
+def _check_template(name: str, template: Any, key: str) -> None:
+    if not isinstance(template, str) or "{" + key + "}" not in template:
+        raise ValueError(f"NLAConfig.{name}: expected a string containing {{{key}}}, found {template!r}")
+    if template.count("{" + key + "}") != 1:
+        raise ValueError(f"NLAConfig.{name}: {{{key}}} must appear exactly once, found {template!r}")
+    try:
+        template.format(**{key: "x"})
+    except (KeyError, IndexError, ValueError) as err:
+        raise ValueError(
+            f"NLAConfig.{name}: the template has braces other than {{{key}}} ({err!r}); double literal braces "
+            f"as {{{{ and }}}}. Found {template!r}"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer verification
+# ---------------------------------------------------------------------------------------------
+def canonical_av_prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """Token ids of the AV prompt as training and generation build it: chat template, generation prompt on."""
+    try:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except ValueError as err:
+        raise SidecarMismatchError(
+            f"the tokenizer cannot build the canonical AV prompt ({err}); give it a chat template "
+            "(tokenizer.chat_template) before using it with an NLA verbalizer"
+        ) from None
+    if isinstance(out, Mapping):  # transformers 5 returns a BatchEncoding
+        out = out["input_ids"]
+    ids = list(out)
+    if ids and isinstance(ids[0], (list, tuple)):
+        ids = list(ids[0])
+    return [int(i) for i in ids]
+
+
+def _ar_ids(tokenizer: Any, text: str) -> list[int]:
+    # No special tokens: the tail must be the last ids of the text itself, whatever BOS/EOS policy.
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _single_marker_id(tokenizer: Any, injection_char: str) -> int:
+    ids = tokenizer.encode(injection_char, add_special_tokens=False)
+    if len(ids) != 1:
+        raise MarkerNotSingleTokenError(
+            f"injection_char: expected {injection_char!r} to encode to exactly 1 token, found {len(ids)} "
+            f"tokens {ids}; add it to the tokenizer (tokenizer.add_tokens([{injection_char!r}])) or pick a "
+            "character the tokenizer already has as a single token"
+        )
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is not None and ids[0] == unk:
+        raise MarkerIsUnknownError(
+            f"injection_char: {injection_char!r} encodes to the UNK token (id {unk}); the model cannot tell "
+            "it apart from other unknown text. Add it to the tokenizer or choose another marker"
+        )
+    return int(ids[0])
+
+
+def _marker_position(prompt: list[int], marker_id: int, injection_char: str) -> int:
+    count = prompt.count(marker_id)
+    if count != 1:
+        raise MarkerCountError(
+            f"injection_token_id: the canonical AV prompt (chat template, generation prompt on) must contain "
+            f"the marker {injection_char!r} (id {marker_id}) exactly once, found {count} times in {prompt}; "
+            "remove the marker from the chat template / system prompt, and keep a single {injection_char} "
+            "in av_template"
+        )
+    pos = prompt.index(marker_id)
+    if pos == 0 or pos == len(prompt) - 1:
+        raise NeighborMismatchError(
+            f"injection_left_neighbor_id/injection_right_neighbor_id: the marker sits at the "
+            f"{'start' if pos == 0 else 'end'} of the canonical AV prompt, so it has no neighbour there; "
+            "put delimiters around {injection_char} in av_template"
+        )
+    return pos
+
+
+def verify_tokenizer(cfg: NLAConfig, tokenizer: Any) -> None:
+    """Check the live tokenizer against the sidecar; raise a :class:`SidecarMismatchError` subclass."""
+    marker_id = _single_marker_id(tokenizer, cfg.injection_char)
+    if marker_id != cfg.injection_token_id:
+        raise MarkerIdMismatchError(
+            f"injection_token_id: the sidecar records {cfg.injection_token_id} but the tokenizer encodes "
+            f"{cfg.injection_char!r} to {marker_id}; load the tokenizer saved with this checkpoint/dataset "
+            "(or rebuild the sidecar with NLAConfig.from_tokenizer)"
+        )
+    prompt = canonical_av_prompt_ids(tokenizer, cfg.av_messages())
+    pos = _marker_position(prompt, marker_id, cfg.injection_char)
+    for side, name, found in (
+        ("left", "injection_left_neighbor_id", prompt[pos - 1]),
+        ("right", "injection_right_neighbor_id", prompt[pos + 1]),
+    ):
+        expected = getattr(cfg, name)
+        if found != expected:
+            raise NeighborMismatchError(
+                f"{name}: the sidecar records {expected} but the token {side} of the marker in the canonical AV "
+                f"prompt is {found} ({tokenizer.convert_ids_to_tokens([found])}); the chat template or "
+                "av_template changed since the sidecar was written. Use the original tokenizer/template or "
+                "rebuild the sidecar with NLAConfig.from_tokenizer"
+            )
+    n = len(cfg.critic_suffix_ids)
+    for explanation in _PROBE_EXPLANATIONS:
+        tail = tuple(_ar_ids(tokenizer, cfg.ar_text(explanation))[-n:])
+        if tail != cfg.critic_suffix_ids:
+            raise ARSuffixMismatchError(
+                f"critic_suffix_ids: the sidecar records {list(cfg.critic_suffix_ids)} but the tokenised AR text "
+                f"for explanation {explanation!r} ends in {list(tail)}; the AR template's tail must tokenise the "
+                "same whatever the explanation (start it with a newline or space-separated constant text) "
+                "and the tokenizer must be the one the AR was trained with"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading and writing
+# ---------------------------------------------------------------------------------------------
+def sidecar_path_for(path: str | os.PathLike) -> Path:
+    """Where the sidecar of ``path`` lives: ``dir/nla_meta.yaml`` or ``x.parquet.nla_meta.yaml``."""
+    p = Path(path)
+    if p.is_dir():
+        return p / SIDECAR_NAME
+    if p.suffix == ".parquet":
+        return p.with_name(p.name + "." + SIDECAR_NAME)
+    if p.name.endswith(".yaml") or p.name.endswith(".yml"):
+        return p
+    raise SidecarError(
+        f"cannot tell where the sidecar of {str(p)!r} lives: expected a checkpoint directory, a .parquet file "
+        "or a .yaml sidecar file"
+    )
+
+
+_MISSING = object()
+
+
+def _lookup(doc: Mapping, *paths: tuple[str, ...]) -> Any:
+    for path in paths:
+        node: Any = doc
+        for key in path:
+            if not isinstance(node, Mapping) or key not in node:
+                node = _MISSING
+                break
+            node = node[key]
+        if node is not _MISSING:
+            return node
+    return _MISSING
+
+
+def load_sidecar(path: str | os.PathLike) -> NLAConfig:
+    """Read a sidecar file, a checkpoint dir's ``nla_meta.yaml`` or a parquet's ``{file}.nla_meta.yaml``."""
+    file = sidecar_path_for(path)
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"no NLA sidecar at {str(file)!r} (looked for it from {str(path)!r}); write one with "
+            "nla.sidecar.write_sidecar or pass the sidecar path explicitly"
+        )
+    try:
+        doc = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise SidecarError(f"{file}: not valid YAML ({err})") from None
+    if not isinstance(doc, Mapping):
+        raise SidecarError(f"{file}: expected a YAML mapping at the top level, found {type(doc).__name__}")
+
+    def need(name: str, *paths: tuple[str, ...]) -> Any:
+        value = _lookup(doc, *paths)
+        if value is _MISSING:
+            where = " or ".join(".".join(p) for p in paths)
+            raise SidecarError(f"{file}: missing required key {where} ({name}); the sidecar is incomplete")
+        return value
+
+    role = _lookup(doc, ("role",))
+    role = None if role is _MISSING else role
+    scale = _lookup(doc, ("extraction", "injection_scale"), ("injection_scale",))
+    if scale is _MISSING:
+        if role != "ar":  # the AR never injects, so its sidecar may leave the scale out
+            need("injection_scale", ("extraction", "injection_scale"), ("injection_scale",))
+        scale = None
+    mse_scale = _lookup(doc, ("extraction", "mse_scale"), ("mse_scale",))
+    ar_layers = _lookup(doc, ("ar", "num_hidden_layers"))
+    base = _lookup(doc, ("extraction", "base_model"), ("base_model",))
+    training = _lookup(doc, ("training",))
+    try:
+        return NLAConfig(
+            kind=need("kind", ("kind",)),
+            role=role,
+            d_model=need("d_model", ("d_model",), ("extraction", "d_model")),
+            layer_index=need("layer_index", ("extraction", "layer_index"), ("critic", "extraction_layer_index"),
+                             ("layer_index",)),
+            injection_char=need("injection_char", ("tokens", "injection_char")),
+            injection_token_id=need("injection_token_id", ("tokens", "injection_token_id")),
+            injection_left_neighbor_id=need("injection_left_neighbor_id", ("tokens", "injection_left_neighbor_id")),
+            injection_right_neighbor_id=need("injection_right_neighbor_id",
+                                             ("tokens", "injection_right_neighbor_id")),
+            critic_suffix_ids=need("critic_suffix_ids", ("tokens", "critic_suffix_ids")),
+            av_template=need("AV template", ("prompt_templates", "av"), ("prompt_templates", "actor")),
+            ar_template=need("AR template", ("prompt_templates", "ar"), ("prompt_templates", "critic")),
+            injection_scale=scale,
+            mse_scale=SQRT_D_MODEL if mse_scale is _MISSING else mse_scale,
+            base_model=None if base is _MISSING else base,
+            ar_num_hidden_layers=None if ar_layers is _MISSING else ar_layers,
+            training={} if training is _MISSING or training is None else training,
+        )
+    except SidecarError:
+        raise
+    except ValueError as err:
+        raise SidecarError(f"{file}: {err}") from None
+
+
+def _plain(value: Any) -> Any:
+    """Turn provenance values into YAML-safe builtins (paths, tuples, numpy scalars)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", None) == 0:
+        return value.item()
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+def sidecar_document(cfg: NLAConfig, **provenance: Any) -> dict:
+    """The published-layout mapping for ``cfg`` (what :func:`write_sidecar` dumps)."""
+    doc: dict[str, Any] = {"kind": cfg.kind}
+    if cfg.role is not None:
+        doc["role"] = cfg.role
+    extraction: dict[str, Any] = {}
+    if cfg.kind == "nla_model":
+        doc["d_model"] = cfg.d_model
+    else:
+        extraction["d_model"] = cfg.d_model
+    if cfg.base_model is not None:
+        extraction["base_model"] = cfg.base_model
+    extraction.update(layer_index=cfg.layer_index, injection_scale=cfg.injection_scale, mse_scale=cfg.mse_scale)
+    doc["extraction"] = extraction
+    doc["tokens"] = {
+        "injection_char": cfg.injection_char,
+        "injection_token_id": cfg.injection_token_id,
+        "injection_left_neighbor_id": cfg.injection_left_neighbor_id,
+        "injection_right_neighbor_id": cfg.injection_right_neighbor_id,
+        "critic_suffix_ids": list(cfg.critic_suffix_ids),
+    }
+    doc["prompt_templates"] = {"av": cfg.av_template, "ar": cfg.ar_template}
+    if cfg.ar_num_hidden_layers is not None:
+        doc["ar"] = {"num_hidden_layers": cfg.ar_num_hidden_layers}
+    doc["training"] = _plain({**cfg.training, **provenance})
+    return doc
+
+
+def write_sidecar(path: str | os.PathLike, cfg: NLAConfig, **provenance: Any) -> Path:
+    """Write ``cfg`` (provenance merged into ``training``) atomically; returns the file written.
+
+    ``path`` may be the sidecar file itself, a checkpoint dir or a parquet path.
+    """
+    p = Path(path)
+    file = p / SIDECAR_NAME if p.is_dir() else sidecar_path_for(p) if p.suffix == ".parquet" else p
+    file.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(sidecar_document(cfg, **provenance), sort_keys=False, allow_unicode=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=file.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, file)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return file
+
+
+def resolve_sidecar(
+    explicit: str | os.PathLike | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    dataset: str | os.PathLike | None = None,
+) -> NLAConfig:
+    """Pick the sidecar that applies: explicit path > the checkpoint's own > the dataset's.
+
+    An explicit path that does not exist is an error (not a silent fall-through).
+    """
+    if explicit is not None:
+        return load_sidecar(explicit)
+    tried: list[str] = []
+    for label, source in (("checkpoint", checkpoint), ("dataset", dataset)):
+        if source is None:
+            continue
+        file = sidecar_path_for(source)
+        if file.is_file():
+            logger.info("using the %s sidecar %s", label, file)
+            return load_sidecar(file)
+        tried.append(f"{label}: {file}")
+    raise FileNotFoundError(
+        "no NLA sidecar found; tried "
+        + ("; ".join(tried) if tried else "nothing (no explicit, checkpoint or dataset path given)")
+        + ". Pass the sidecar path explicitly or write one with nla.sidecar.write_sidecar"
+    )

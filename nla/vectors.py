@@ -1,0 +1,121 @@
+"""Vector normalisation and the reconstruction metrics shared by training, reward and eval.
+
+Notation: ``B`` rows, ``d`` = model width. All metrics compute in fp32 whatever the
+input dtype, because bf16 squared errors of vectors with norm ~60 lose most of their bits.
+
+Both vectors are L2-normalised to ``scale`` before comparison, so with ``scale = sqrt(d)``
+``mse_nrm = mean_d((p̂ - ĝ)^2) = 2 (1 - cos)``: 0 is perfect, 2 is orthogonal, 4 is opposite.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from torch import Tensor
+
+SQRT_D_MODEL = "sqrt_d_model"
+
+# Norms below this are treated as zero so a zero vector normalises to zero instead of NaN.
+_EPS = 1e-12
+
+
+def resolve_scale(spec: float | str | None, d_model: int) -> float | None:
+    """Turn a sidecar scale sentinel into a number.
+
+    ``"sqrt_d_model"`` -> ``sqrt(d_model)``; a number -> ``float(number)``; ``None`` -> ``None``
+    (meaning: do not normalise, use the raw vector).
+    """
+    if spec is None:
+        return None
+    if isinstance(spec, bool):
+        raise ValueError(f"scale: expected a positive number, 'sqrt_d_model' or null, found {spec!r}")
+    if isinstance(spec, str):
+        if spec == SQRT_D_MODEL:
+            if d_model <= 0:
+                raise ValueError(f"scale 'sqrt_d_model' needs a positive d_model, found d_model={d_model}")
+            return math.sqrt(d_model)
+        raise ValueError(
+            f"scale: expected a positive number, 'sqrt_d_model' or null, found the string {spec!r}; "
+            "fix the sidecar's injection_scale / mse_scale"
+        )
+    if isinstance(spec, (int, float)):
+        value = float(spec)
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"scale: expected a positive finite number, found {spec!r}")
+        return value
+    raise ValueError(f"scale: expected a positive number, 'sqrt_d_model' or null, found {spec!r} ({type(spec).__name__})")
+
+
+def normalize_activation(v: Tensor, scale: float | None) -> Tensor:
+    """L2-normalise the last dim of ``v`` to norm ``scale``, in fp32.
+
+    ``scale=None`` is a no-op (returns ``v`` unchanged, original dtype): the sidecar's null
+    means "inject / compare raw". Zero vectors stay zero.
+    """
+    if scale is None:
+        return v
+    v32 = v.float()
+    norm = v32.norm(dim=-1, keepdim=True)
+    # clamp keeps 0/0 away; a zero vector then gives 0 * scale / eps = 0.
+    return v32 * (scale / norm.clamp_min(_EPS))
+
+
+def mse_nrm(pred: Tensor, gold: Tensor, scale: float | None) -> Tensor:
+    """Per-row ``mean_d((normalize(pred) - normalize(gold))^2)``.  pred, gold: [B, d] -> [B]."""
+    _check_pair(pred, gold)
+    p = normalize_activation(pred.float(), scale)
+    g = normalize_activation(gold.float(), scale)
+    return ((p - g) ** 2).mean(dim=-1)
+
+
+def cosine(pred: Tensor, gold: Tensor) -> Tensor:
+    """Per-row cosine similarity in fp32.  [B, d] x [B, d] -> [B]; zero vectors give 0."""
+    _check_pair(pred, gold)
+    p, g = pred.float(), gold.float()
+    denom = (p.norm(dim=-1) * g.norm(dim=-1)).clamp_min(_EPS)
+    return (p * g).sum(dim=-1) / denom
+
+
+class MeanBaselines(NamedTuple):
+    """MSE of predicting the mean gold vector, the denominators of FVE.
+
+    raw_mean: ``mean_rows mean_d((ĝ - μ)^2)`` with ĝ the normalised golds and μ their mean,
+        μ NOT renormalised. This is the headline FVE baseline (published: 0.72).
+    normalized_mean: μ renormalised to ``scale`` and scored like a prediction with
+        ``mse_nrm``. Larger (published: 0.94) because the mean of unit vectors is shorter than
+        a unit vector; using it inflates FVE, so it is reported but never the headline.
+    """
+
+    raw_mean: float
+    normalized_mean: float
+
+
+def predict_mean_baselines(gold: Tensor, scale: float | None) -> MeanBaselines:
+    """Both predict-the-mean baselines for the gold vectors ``gold`` [B, d]."""
+    if gold.ndim != 2 or gold.shape[0] == 0:
+        raise ValueError(f"gold: expected a non-empty [B, d] tensor, found shape {tuple(gold.shape)}")
+    g = normalize_activation(gold.float(), scale)
+    mu = g.mean(dim=0, keepdim=True)  # [1, d]
+    raw = ((g - mu) ** 2).mean(dim=-1).mean()
+    normalized = mse_nrm(mu.expand_as(g), g, scale).mean()
+    return MeanBaselines(raw_mean=float(raw), normalized_mean=float(normalized))
+
+
+def fve(pred: Tensor, gold: Tensor, scale: float | None) -> float:
+    """Fraction of variance explained: ``1 - mean(mse_nrm) / raw_mean baseline``."""
+    _check_pair(pred, gold)
+    baseline = predict_mean_baselines(gold, scale).raw_mean
+    if baseline <= 0:
+        raise ValueError(
+            "fve: the gold vectors have zero spread after normalisation (all rows point the same way "
+            "or there is a single row); FVE is undefined. Evaluate on more than one distinct vector."
+        )
+    return 1.0 - float(mse_nrm(pred, gold, scale).mean()) / baseline
+
+
+def _check_pair(pred: Tensor, gold: Tensor) -> None:
+    if pred.shape != gold.shape:
+        raise ValueError(
+            f"pred and gold must have the same shape [B, d], found {tuple(pred.shape)} vs {tuple(gold.shape)}"
+        )

@@ -1,0 +1,111 @@
+"""Shared tiny-model fixtures: a word-level tokenizer with a chat template and an injection
+marker, and tiny random Llama / Qwen2 / Gemma-3 / GPT-2 checkpoints saved to disk.
+
+Other test files may use ``tiny_tokenizer``, ``tiny_model_dir`` (a factory: ``tiny_model_dir("llama")``
+-> Path) and ``ARCHS``. Everything is built locally from configs; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from nla.templates import DEFAULT_INJECTION_CHAR
+
+ARCHS = ("llama", "qwen2", "gemma3", "gpt2")
+
+SPECIAL_TOKENS = ["<pad>", "<unk>", "<bos>", "<eos>", "<|user|>", "<|assistant|>", "<|end|>", DEFAULT_INJECTION_CHAR]
+WORDS = (
+    "Explain the hidden state << >> in a few short sentences . Explanation : Summary vector "
+    "< > </ explanation a an of to and is was were it he she they we I you this that there here "
+    "cat dog bird fish tree house garden river city forest village market school kitchen "
+    "red blue green happy sad calm angry tired morning evening night noon "
+    "walks runs reads cooks sings plays sleeps talks about story person place mood time "
+    "Alice Bob Carol Dave Eve 0 1 2 3 4 5 6 7 8 9 , ! ? ' \" ( )"
+).split()
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_tiny_tokenizer():
+    """A PreTrainedTokenizerFast over a fixed word list; the injection marker is an added token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab: dict[str, int] = {}
+    for tok in SPECIAL_TOKENS + WORDS:
+        vocab.setdefault(tok, len(vocab))
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    core.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+    )
+    # Added tokens split out of any surrounding text, which is what makes the marker one token.
+    tok.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>", "<|end|>"]})
+    tok.add_tokens([DEFAULT_INJECTION_CHAR])
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_tiny_config(arch: str, vocab_size: int, pad_id: int):
+    """Tiny random config: d=32 (64 for gemma3, whose head_dim must be even and large enough), 4 layers."""
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+    from transformers.models.gemma3 import Gemma3TextConfig
+
+    common = dict(vocab_size=vocab_size, pad_token_id=pad_id, bos_token_id=2, eos_token_id=3)
+    if arch == "llama":
+        return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=128, **common)
+    if arch == "qwen2":
+        return Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=128, **common)
+    if arch == "gemma3":
+        return Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16, max_position_embeddings=128, sliding_window=8,
+                                layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                             "full_attention"], **common)
+    if arch == "gpt2":
+        return GPT2Config(n_embd=32, n_layer=4, n_head=4, n_positions=128, **common)
+    raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
+
+
+def build_tiny_model(arch: str, tokenizer, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = build_tiny_config(arch, len(tokenizer), tokenizer.pad_token_id)
+    model = AutoModelForCausalLM.from_config(config)
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
+    """Factory: ``tiny_model_dir(arch) -> Path`` of a saved tiny causal LM + tokenizer (cached per session)."""
+    cache: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch not in cache:
+            path = tmp_path_factory.mktemp(f"tiny_{arch}")
+            model = build_tiny_model(arch, tiny_tokenizer)
+            model.save_pretrained(path)
+            tiny_tokenizer.save_pretrained(path)
+            cache[arch] = path
+        return cache[arch]
+
+    return make
