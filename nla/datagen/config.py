@@ -1,0 +1,251 @@
+"""`DatagenConfig`: one frozen, validated config for all datagen stages.
+
+YAML keys map one to one onto the fields; nested sections (`provider`,
+`world_explainer`) map onto their own frozen dataclasses. CLI overrides use the
+same names (`--set provider.model=claude-x`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SPLITS = ("av_sft", "ar_sft", "rl")
+SOURCES = ("world", "file")
+BAD_VECTOR_POLICIES = ("error", "drop")
+SCALE_WORDS = ("sqrt_d_model",)
+
+
+def _err(cls: str, name: str, expected: str, found: Any) -> ValueError:
+    return ValueError(f"{cls}.{name}: expected {expected}, found {found!r}")
+
+
+def _check_scale(cls: str, name: str, value: Any) -> None:
+    if value is None or value in SCALE_WORDS:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise _err(cls, name, "a positive number, 'sqrt_d_model' or null", value)
+
+
+@dataclass(frozen=True)
+class ProviderConfig:
+    """Settings for the HTTP explainers (`anthropic`, `openai`)."""
+
+    model: str = ""
+    base_url: str | None = None  # None: the provider's public endpoint
+    api_key_env: str | None = None  # None: ANTHROPIC_API_KEY / OPENAI_API_KEY
+    max_concurrency: int = 8
+    max_retries: int = 4  # retries after the first attempt, on 429/5xx/timeouts
+    backoff_base_s: float = 1.0  # sleep backoff_base_s * 2**attempt, capped at backoff_max_s
+    backoff_max_s: float = 30.0
+    timeout_s: float = 60.0
+    max_tokens: int = 300
+    temperature: float = 0.7
+
+    def __post_init__(self) -> None:
+        c = "provider"
+        if not isinstance(self.model, str):
+            raise _err(c, "model", "a string", self.model)
+        for name in ("max_concurrency", "max_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise _err(c, name, "an integer >= 1", v)
+        if (
+            isinstance(self.max_retries, bool)
+            or not isinstance(self.max_retries, int)
+            or self.max_retries < 0
+        ):
+            raise _err(c, "max_retries", "an integer >= 0", self.max_retries)
+        for name in ("backoff_base_s", "backoff_max_s", "temperature"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or v < 0:
+                raise _err(c, name, "a number >= 0", v)
+        if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
+            raise _err(c, "timeout_s", "a number > 0", self.timeout_s)
+
+
+@dataclass(frozen=True)
+class WorldExplainerConfig:
+    """Arguments of the world's TextExplainer (imperfect on purpose, DESIGN §5)."""
+
+    min_facts: int = 2
+    max_facts: int = 3
+    wrong_rate: float = 0.1
+
+    def __post_init__(self) -> None:
+        c = "world_explainer"
+        if not isinstance(self.min_facts, int) or self.min_facts < 1:
+            raise _err(c, "min_facts", "an integer >= 1", self.min_facts)
+        if not isinstance(self.max_facts, int) or self.max_facts < self.min_facts:
+            raise _err(c, "max_facts", f"an integer >= min_facts ({self.min_facts})", self.max_facts)
+        if not isinstance(self.wrong_rate, (int, float)) or not 0 <= self.wrong_rate <= 1:
+            raise _err(c, "wrong_rate", "a number in [0, 1]", self.wrong_rate)
+
+
+@dataclass(frozen=True)
+class DatagenConfig:
+    """Everything the four datagen stages need. Defaults live here, nowhere else."""
+
+    out_dir: str = "runs/datagen"
+    # corpus
+    source: str = "world"  # world | file
+    world_preset: str = "tiny"  # source=world: nla.world.build_world(preset)
+    n_docs: int | None = None  # world: documents to generate (None: the world config's n_docs)
+    doc_start_id: int = 0  # world: first doc id
+    corpus_path: str | None = None  # source=file: .txt, .jsonl or .parquet
+    text_column: str = "text"  # .jsonl/.parquet text field
+    # extraction
+    model_dir: str | None = None  # None with source=world: the world's subject model
+    layer_index: int | None = None  # K; None with source=world: the world's default_layer
+    positions_per_doc: int = 8
+    skip_first: int = 4
+    seed: int = 0
+    batch_size: int = 8
+    max_len: int = 256
+    batches_per_shard: int = 16  # one parquet shard per this many batches (resume unit)
+    device: str = "cpu"  # cpu | cuda | auto
+    bad_vectors: str = "error"  # error | drop (NaN/inf/zero-norm activations)
+    # split
+    split_fractions: tuple[float, float, float] = (0.4, 0.4, 0.2)  # av_sft, ar_sft, rl
+    # explain
+    explainer: str = "world"  # world | context | anthropic | openai
+    world_explainer: WorldExplainerConfig = field(default_factory=WorldExplainerConfig)
+    provider: ProviderConfig = field(default_factory=ProviderConfig)
+    # build
+    av_template: str | None = None  # None: nla.templates.DEFAULT_AV_TEMPLATE
+    ar_template: str | None = None  # None: nla.templates.DEFAULT_AR_TEMPLATE
+    injection_char: str = "㈎"
+    injection_scale: float | str | None = "sqrt_d_model"
+    mse_scale: float | str | None = "sqrt_d_model"
+    shuffled_baseline: bool = True
+
+    def __post_init__(self) -> None:
+        c = "DatagenConfig"
+        if self.source not in SOURCES:
+            raise _err(c, "source", f"one of {SOURCES}", self.source)
+        if self.source == "file":
+            if not self.corpus_path:
+                raise _err(c, "corpus_path", "a .txt/.jsonl/.parquet path when source=file", self.corpus_path)
+            if not self.model_dir:
+                raise _err(c, "model_dir", "a local HF model directory when source=file", self.model_dir)
+            if self.layer_index is None:
+                raise _err(c, "layer_index", "an integer when source=file", self.layer_index)
+        if self.explainer == "world" and self.source != "world":
+            raise _err(
+                c, "explainer", "not 'world' unless source=world (no ground-truth facts)", self.explainer
+            )
+        for name in ("positions_per_doc", "batch_size", "max_len", "batches_per_shard"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise _err(c, name, "an integer >= 1", v)
+        for name in ("skip_first", "seed", "doc_start_id"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise _err(c, name, "an integer >= 0", v)
+        if self.n_docs is not None and (not isinstance(self.n_docs, int) or self.n_docs < 1):
+            raise _err(c, "n_docs", "an integer >= 1 or null", self.n_docs)
+        if self.layer_index is not None and (not isinstance(self.layer_index, int) or self.layer_index < 0):
+            raise _err(c, "layer_index", "an integer >= 0 or null", self.layer_index)
+        if self.skip_first >= self.max_len:
+            raise _err(c, "skip_first", f"less than max_len ({self.max_len})", self.skip_first)
+        if self.bad_vectors not in BAD_VECTOR_POLICIES:
+            raise _err(c, "bad_vectors", f"one of {BAD_VECTOR_POLICIES}", self.bad_vectors)
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise _err(c, "device", "cpu, cuda or auto", self.device)
+        fr = self.split_fractions
+        if (
+            not isinstance(fr, tuple)
+            or len(fr) != 3
+            or any(isinstance(x, bool) or not isinstance(x, (int, float)) or x < 0 for x in fr)
+            or abs(sum(fr) - 1.0) > 1e-6
+        ):
+            raise _err(c, "split_fractions", f"three numbers >= 0 for {SPLITS} summing to 1", fr)
+        if not isinstance(self.injection_char, str) or len(self.injection_char) != 1:
+            raise _err(c, "injection_char", "a single character", self.injection_char)
+        _check_scale(c, "injection_scale", self.injection_scale)
+        _check_scale(c, "mse_scale", self.mse_scale)
+        if not isinstance(self.world_explainer, WorldExplainerConfig):
+            raise _err(c, "world_explainer", "a WorldExplainerConfig", self.world_explainer)
+        if not isinstance(self.provider, ProviderConfig):
+            raise _err(c, "provider", "a ProviderConfig", self.provider)
+
+    # --- (de)serialisation -------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DatagenConfig:
+        data = dict(data)
+        valid = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - valid)
+        if unknown:
+            raise ValueError(f"DatagenConfig: unknown key(s) {unknown}; valid keys: {sorted(valid)}")
+        nested = {"provider": ProviderConfig, "world_explainer": WorldExplainerConfig}
+        for key, sub in nested.items():
+            if key in data and isinstance(data[key], dict):
+                sub_valid = {f.name for f in dataclasses.fields(sub)}
+                bad = sorted(set(data[key]) - sub_valid)
+                if bad:
+                    raise ValueError(
+                        f"DatagenConfig.{key}: unknown key(s) {bad}; valid keys: {sorted(sub_valid)}"
+                    )
+                data[key] = sub(**data[key])
+        if "split_fractions" in data:
+            fr = data["split_fractions"]
+            if isinstance(fr, dict):
+                missing = [s for s in SPLITS if s not in fr]
+                if missing or set(fr) - set(SPLITS):
+                    raise ValueError(
+                        f"DatagenConfig.split_fractions: expected keys {SPLITS}, found {sorted(fr)}"
+                    )
+                fr = [fr[s] for s in SPLITS]
+            if isinstance(fr, list):
+                data["split_fractions"] = tuple(fr)
+        return cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, overrides: dict[str, Any] | None = None) -> DatagenConfig:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"datagen config {path} not found; see configs/datagen/ for examples")
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"{path}: expected a YAML mapping of DatagenConfig fields, found {type(data).__name__}"
+            )
+        return cls.from_dict(apply_overrides(data, overrides or {}))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["split_fractions"] = dict(zip(SPLITS, self.split_fractions, strict=True))
+        return d
+
+    def replace(self, **changes: Any) -> DatagenConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Apply dotted-key overrides (`provider.model`) onto a plain config dict."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for key, value in overrides.items():
+        head, _, tail = key.partition(".")
+        if tail:
+            sub = out.setdefault(head, {})
+            if not isinstance(sub, dict):
+                raise ValueError(f"override {key!r}: {head!r} is not a section")
+            sub[tail] = value
+        else:
+            out[key] = value
+    return out
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`key=value` with the value parsed as YAML (numbers, null, lists)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ValueError(
+            f"override {text!r}: expected key=value, e.g. n_docs=100 or provider.model=gpt-4o-mini"
+        )
+    return key.strip(), yaml.safe_load(raw)

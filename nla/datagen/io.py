@@ -1,0 +1,113 @@
+"""Parquet helpers shared by every datagen stage.
+
+Vectors are read as one zero-copy numpy view of the flattened list column:
+millions of Python float objects would stall the garbage collector (DESIGN §3.2).
+Every write goes to a temp file in the same directory and is renamed into
+place, so a crash never leaves a partial file that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+VECTOR_COLUMN = "activation_vector"
+
+
+class DatagenError(ValueError):
+    """Bad input or state in a datagen stage; the message names the field/row and the fix."""
+
+
+def read_parquet(path: str | os.PathLike) -> pa.Table:
+    """Read a parquet file, turning low-level arrow errors into one that names the path."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: parquet file not found; run the stage that writes it first")
+    try:
+        return pq.read_table(path)
+    except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
+        raise DatagenError(
+            f"{path}: not a readable parquet file ({exc}); it is corrupted or truncated - "
+            "delete it and rerun the stage that writes it (with --force)"
+        ) from exc
+
+
+def read_vectors(path_or_table: str | os.PathLike | pa.Table, column: str = VECTOR_COLUMN) -> np.ndarray:
+    """Return the vector column as a float32 array [N, d] without building Python floats.
+
+    Rows must all have the same length; a ragged column is an error naming the first bad row.
+    """
+    table = path_or_table if isinstance(path_or_table, pa.Table) else read_parquet(path_or_table)
+    if column not in table.column_names:
+        raise DatagenError(f"column {column!r} missing; found columns {table.column_names}")
+    col = table.column(column).combine_chunks()
+    n = len(col)
+    if n == 0:
+        return np.zeros((0, 0), dtype=np.float32)
+    if col.null_count:
+        bad = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+        raise DatagenError(f"column {column!r}: row {bad} is null; every row needs a vector")
+    if pa.types.is_fixed_size_list(col.type):
+        d = col.type.list_size
+    else:
+        lengths = np.diff(col.offsets.to_numpy())
+        d = int(lengths[0])
+        if not (lengths == d).all():
+            bad = int(np.flatnonzero(lengths != d)[0])
+            raise DatagenError(
+                f"column {column!r}: row {bad} has {int(lengths[bad])} values, expected {d} like row 0; "
+                "all vectors of one dataset must share d_model"
+            )
+    flat = col.flatten()
+    if flat.type != pa.float32():
+        flat = flat.cast(pa.float32())
+    arr = flat.to_numpy(zero_copy_only=True)
+    return arr.reshape(n, d)
+
+
+def vectors_to_arrow(vectors: np.ndarray) -> pa.Array:
+    """[N, d] float array -> list<float32> arrow array (no Python floats involved)."""
+    vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+    n, d = vectors.shape
+    offsets = pa.array(np.arange(0, (n + 1) * d, d, dtype=np.int32))
+    return pa.ListArray.from_arrays(offsets, pa.array(vectors.reshape(-1)))
+
+
+def write_parquet_atomic(table: pa.Table, path: str | os.PathLike) -> Path:
+    """Write `table` to `path` through a temp file + rename, creating parent dirs."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json_atomic(obj: Any, path: str | os.PathLike) -> Path:
+    return write_text_atomic(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", path)
