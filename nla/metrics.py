@@ -1,0 +1,122 @@
+"""Scalar metrics: JSONL (always), TensorBoard (when importable), and PNG curves."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class MetricsLogger:
+    """Append ``{"step": s, key: value, ...}`` lines to ``{out_dir}/{name}.jsonl``.
+
+    A resumed run reopens the file in append mode; :meth:`read` keeps the last record per
+    step so the curves never double back.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, name: str, tensorboard: bool = True) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self.path = self.out_dir / f"{name}.jsonl"
+        self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(self.out_dir / "tensorboard" / name))
+            except Exception as exc:  # tensorboard is optional; JSONL is the record
+                logger.debug("TensorBoard disabled (%s): logging to JSONL only", exc)
+
+    def log(self, step: int, **scalars: Any) -> None:
+        """Record scalars at ``step``. Non-numeric values go to JSONL only (e.g. flags, text)."""
+        record: dict[str, Any] = {"step": int(step)}
+        for key, value in scalars.items():
+            record[key] = _plain(value)
+        self._fh.write(json.dumps(record) + "\n")
+        self._fh.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, int(step))
+
+    def read(self) -> list[dict[str, Any]]:
+        """All records so far, ordered by step, the last record winning when keys repeat at a step."""
+        return read_metrics(self.path)
+
+    def plot(self, png_path: str | os.PathLike, keys: list[str], title: str = "") -> Path | None:
+        """Save a PNG with one panel per key (x = step). Returns the path, or None when nothing to plot."""
+        return plot_metrics(self.read(), png_path, keys, title)
+
+    def close(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep them visible as strings
+    return value
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Parse a metrics JSONL; records with the same step and key: the later one wins."""
+    merged: dict[int, dict[str, Any]] = {}
+    p = Path(path)
+    if not p.is_file():
+        return []
+    with open(p, encoding="utf-8") as fh:
+        for line in fh:
+            line = line.strip()
+            if not line:
+                continue
+            rec = json.loads(line)
+            merged.setdefault(int(rec["step"]), {}).update(rec)
+    return [merged[s] for s in sorted(merged)]
+
+
+def plot_metrics(
+    records: list[dict[str, Any]], png_path: str | os.PathLike, keys: list[str], title: str = ""
+) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    present = [k for k in keys if any(isinstance(r.get(k), (int, float)) for r in records)]
+    if not present:
+        logger.info("plot %s: none of %s were logged, no figure written", png_path, keys)
+        return None
+    fig, axes = plt.subplots(len(present), 1, figsize=(6, 2.4 * len(present)), squeeze=False)
+    for ax, key in zip(axes[:, 0], present, strict=True):
+        pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+        xs, ys = zip(*pts, strict=True)
+        ax.plot(xs, ys, marker="." if len(xs) < 50 else None)
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("step")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(png_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

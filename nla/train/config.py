@@ -1,0 +1,247 @@
+"""Frozen configs for the two warm-start stages, loaded from YAML with ``key=value`` overrides.
+
+One dataclass per stage; YAML keys map one to one onto fields. Every field is validated in
+``__post_init__`` with an error that names it, so bad values fail before any model loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+_DEVICES_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class _TrainBase:
+    """Fields shared by both stages.
+
+    dataset: training parquet (``ar_sft.parquet`` / ``av_sft.parquet``) with its sidecar.
+    out_dir: run directory; checkpoints go to ``{out_dir}/checkpoints/step_*``, metrics beside.
+    base_model: HF directory to start from; null = the dataset sidecar's ``base_model``.
+    sidecar: explicit sidecar path, overriding the dataset's (DESIGN §3.1 precedence).
+    eval_dataset: a separate held-out parquet; null = hold out ``eval_fraction`` of the
+        training documents (by ``doc_id``; by row when there is no doc_id column).
+    max_steps: optimiser steps in the whole run (the LR schedule spans it).
+    stop_after_steps: end this invocation after this global step, keeping the schedule of
+        ``max_steps`` (to split a run into resumable chunks); null = run to max_steps.
+    batch_size / micro_batch_size: rows per optimiser step / per forward (gradient
+        accumulation in between; micro_batch_size null = batch_size).
+    lr, weight_decay, betas, warmup_steps, min_lr_ratio: AdamW with warmup + cosine.
+    max_grad_norm: gradient clipping (<= 0 disables); non-finite steps are skipped.
+    log_every / eval_every / save_every: in optimiser steps; the last step always logs,
+        evaluates and saves. keep_last: checkpoints kept (0 = all).
+    max_length: token cap per row (AR truncates on the left so the suffix survives).
+    eval_max_rows: cap on held-out rows scored at each evaluation.
+    """
+
+    dataset: str = ""
+    out_dir: str = "runs/train"
+    base_model: str | None = None
+    sidecar: str | None = None
+    eval_dataset: str | None = None
+    eval_fraction: float = 0.1
+    eval_max_rows: int = 256
+    max_steps: int = 100
+    stop_after_steps: int | None = None
+    batch_size: int = 32
+    micro_batch_size: int | None = None
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+    log_every: int = 10
+    eval_every: int = 50
+    save_every: int = 100
+    keep_last: int = 2
+    max_length: int = 256
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "float32"
+    tensorboard: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(self.betas))
+        if not self.dataset:
+            _bad("dataset", "a path to the training parquet", self.dataset)
+        if not self.out_dir:
+            _bad("out_dir", "a run directory", self.out_dir)
+        _positive_float("lr", self.lr)
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            _bad("weight_decay", "a number >= 0", self.weight_decay)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            _bad("betas", "two numbers in [0, 1)", self.betas)
+        for name in ("max_steps", "batch_size", "log_every", "eval_every", "save_every", "max_length",
+                     "eval_max_rows"):
+            _positive_int(name, getattr(self, name))
+        if self.micro_batch_size is not None:
+            _positive_int("micro_batch_size", self.micro_batch_size)
+            if self.micro_batch_size > self.batch_size:
+                _bad("micro_batch_size", f"<= batch_size ({self.batch_size})", self.micro_batch_size)
+        if self.stop_after_steps is not None:
+            _positive_int("stop_after_steps", self.stop_after_steps)
+        if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps <= self.max_steps:
+            _bad("warmup_steps", f"an integer in [0, max_steps={self.max_steps}]", self.warmup_steps)
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            _bad("min_lr_ratio", "a number in [0, 1]", self.min_lr_ratio)
+        if not math.isfinite(self.max_grad_norm):
+            _bad("max_grad_norm", "a finite number (<= 0 disables clipping)", self.max_grad_norm)
+        if not 0.0 <= self.eval_fraction < 1.0:
+            _bad("eval_fraction", "a number in [0, 1)", self.eval_fraction)
+        if not isinstance(self.keep_last, int) or self.keep_last < 0:
+            _bad("keep_last", "an integer >= 0 (0 keeps all)", self.keep_last)
+        if self.dtype not in _DEVICES_DTYPES:
+            _bad("dtype", f"one of {list(_DEVICES_DTYPES)}", self.dtype)
+        if not isinstance(self.seed, int):
+            _bad("seed", "an integer", self.seed)
+
+    @property
+    def micro(self) -> int:
+        return self.micro_batch_size or self.batch_size
+
+    def replace(self, **changes: Any):
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+
+@dataclass(frozen=True)
+class ARTrainConfig(_TrainBase):
+    """Reconstructor warm-start (regression of the activation from the explanation text).
+
+    layer_index: K, the extraction layer; null = the dataset sidecar's. Set it only to
+        override a sidecar that lacks it.
+    """
+
+    out_dir: str = "runs/train_ar"
+    layer_index: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.layer_index is not None and (not isinstance(self.layer_index, int) or self.layer_index < 0):
+            _bad("layer_index", "an integer >= 0 or null (take it from the sidecar)", self.layer_index)
+
+
+@dataclass(frozen=True)
+class AVTrainConfig(_TrainBase):
+    """Verbalizer warm-start (next-token loss on the explanation, vector injected).
+
+    injection_scale: overrides the sidecar's (a number or "sqrt_d_model"); when both are
+        null training refuses to start.
+    padding_side: how training batches are padded ("right" or "left"); positions are
+        computed from the attention mask, so both give the same loss.
+    smoke_num / smoke_max_new_tokens: the injection smoke check decodes this many held-out
+        vectors greedily at every save.
+    """
+
+    out_dir: str = "runs/train_av"
+    injection_scale: float | str | None = None
+    padding_side: str = "right"
+    smoke_num: int = 3
+    smoke_max_new_tokens: int = 40
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.padding_side not in ("left", "right"):
+            _bad("padding_side", "'left' or 'right'", self.padding_side)
+        if self.injection_scale is not None:
+            ok = self.injection_scale == "sqrt_d_model" or (
+                isinstance(self.injection_scale, (int, float))
+                and not isinstance(self.injection_scale, bool)
+                and math.isfinite(self.injection_scale)
+                and self.injection_scale > 0
+            )
+            if not ok:
+                _bad("injection_scale", "a positive number, 'sqrt_d_model' or null (use the sidecar's)",
+                     self.injection_scale)
+        if not isinstance(self.smoke_num, int) or self.smoke_num < 0:
+            _bad("smoke_num", "an integer >= 0", self.smoke_num)
+        _positive_int("smoke_max_new_tokens", self.smoke_max_new_tokens)
+
+
+def _bad(name: str, expected: str, found: Any) -> None:
+    raise ValueError(f"config field '{name}': expected {expected}, found {found!r}; fix it in the YAML or with --set {name}=...")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        _bad(name, "a positive integer", value)
+
+
+def _positive_float(name: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        _bad(name, "a positive finite number", value)
+
+
+C = TypeVar("C", bound=_TrainBase)
+
+
+def parse_overrides(items: list[str] | None) -> dict[str, Any]:
+    """``["lr=1e-4", "betas=[0.9, 0.95]"]`` -> dict, values parsed as YAML scalars/lists."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ValueError(f"override {item!r}: expected key=value (e.g. --set lr=1e-4)")
+        key, raw = item.split("=", 1)
+        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+    return out
+
+
+def config_from_dict(cls: type[C], data: dict[str, Any]) -> C:
+    """Build ``cls`` from a dict, rejecting unknown keys with the list of valid ones."""
+    valid = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - valid)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown config key(s) {unknown}; valid keys: {sorted(valid)}")
+    data = dict(data)
+    # YAML reads 1e-4 as a string under YAML 1.1 rules (no dot); accept it as the number it means.
+    for f in fields(cls):
+        v = data.get(f.name)
+        if isinstance(v, str) and f.name in _FLOAT_FIELDS:
+            try:
+                data[f.name] = float(v)
+            except ValueError:
+                pass
+    return cls(**data)
+
+
+_FLOAT_FIELDS = {"lr", "weight_decay", "min_lr_ratio", "max_grad_norm", "eval_fraction", "injection_scale"}
+
+
+def load_config(
+    cls: type[C], path: str | os.PathLike | None = None, overrides: dict[str, Any] | list[str] | None = None
+) -> C:
+    """Read a YAML config (optional) and apply overrides on top."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"config file not found: {p}")
+        loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{p}: expected a mapping of config keys, found {type(loaded).__name__}")
+        data.update(loaded)
+    if isinstance(overrides, list):
+        overrides = parse_overrides(overrides)
+    data.update(overrides or {})
+    return config_from_dict(cls, data)
+
+
+def save_config(cfg: _TrainBase, path: str | os.PathLike) -> None:
+    """Write the resolved config as YAML (the file `load_config` reads back to the same object)."""
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
+
+
+__all__ = ["ARTrainConfig", "AVTrainConfig", "config_from_dict", "load_config", "parse_overrides", "save_config"]

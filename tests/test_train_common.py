@@ -1,0 +1,177 @@
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from nla.train.common import (
+    DataCursor,
+    apply_training_state,
+    atomic_dir,
+    build_optimizer,
+    latest_checkpoint,
+    load_training_state,
+    micro_batches,
+    optimizer_step_guarded,
+    save_training_state,
+    sqrt_lr,
+    warmup_cosine,
+    warn_if_lr_far,
+)
+
+
+def test_warmup_cosine_values_by_hand():
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = build_optimizer([p], lr=1.0)
+    sched = warmup_cosine(opt, warmup=2, total=10, min_lr_ratio=0.1)
+    lrs = []
+    for _ in range(11):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    # warmup: 0/2, 1/2, then 1.0 at step 2.
+    assert lrs[0] == pytest.approx(0.0)
+    assert lrs[1] == pytest.approx(0.5)
+    assert lrs[2] == pytest.approx(1.0)
+    # step 6: progress (6-2)/8 = 0.5 -> 0.1 + 0.9 * 0.5 * (1 + cos(pi/2)) = 0.55
+    assert lrs[6] == pytest.approx(0.55)
+    # end: the floor, 0.1
+    assert lrs[10] == pytest.approx(0.1)
+
+
+def test_warmup_cosine_rejects_bad_values():
+    opt = build_optimizer([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    with pytest.raises(ValueError, match="warmup"):
+        warmup_cosine(opt, warmup=11, total=10)
+    with pytest.raises(ValueError, match="min_lr_ratio"):
+        warmup_cosine(opt, warmup=1, total=10, min_lr_ratio=2.0)
+    with pytest.raises(ValueError, match="lr"):
+        build_optimizer([torch.nn.Parameter(torch.zeros(1))], lr=-1.0)
+
+
+def test_micro_batches_weights():
+    # 10 rows in micros of 4: 4, 4, 2 rows -> weights 0.4, 0.4, 0.2
+    mb = micro_batches(10, 4)
+    assert [(s.start, s.stop) for s, _ in mb] == [(0, 4), (4, 8), (8, 10)]
+    assert [w for _, w in mb] == pytest.approx([0.4, 0.4, 0.2])
+    with pytest.raises(ValueError, match="micro"):
+        micro_batches(10, 0)
+
+
+def test_accumulated_4x2_equals_batch_of_8():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(5, 3)
+    x, y = torch.randn(8, 5), torch.randn(8, 3)
+
+    def loss_fn(xb, yb):
+        return ((lin(xb) - yb) ** 2).mean()
+
+    loss_fn(x, y).backward()
+    full = [p.grad.clone() for p in lin.parameters()]
+    lin.zero_grad()
+    for sl, w in micro_batches(8, 2):
+        (loss_fn(x[sl], y[sl]) * w).backward()
+    for g_full, p in zip(full, lin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, g_full, rtol=1e-6, atol=1e-7)
+
+
+def test_guard_skips_nonfinite_and_counts():
+    lin = torch.nn.Linear(2, 1)
+    opt = build_optimizer(lin, lr=0.1)
+    sched = warmup_cosine(opt, warmup=0, total=4)
+    before = [p.detach().clone() for p in lin.parameters()]
+    lin(torch.ones(1, 2)).sum().backward()
+    lin.weight.grad[0, 0] = float("nan")
+    stepped, gn = optimizer_step_guarded(lin, opt, sched, max_grad_norm=1.0)
+    assert not stepped and not math.isfinite(gn)
+    for b, p in zip(before, lin.parameters(), strict=True):
+        assert torch.equal(b, p.detach())
+        assert p.grad is None  # bad gradients are dropped
+    assert sched.last_epoch == 1  # schedule still follows the global step
+    # a clean step updates and clips: grad of sum(w.x+b) at x=1 is (1,1,1), norm sqrt(3) -> clipped to 1
+    lin(torch.ones(1, 2)).sum().backward()
+    stepped, gn = optimizer_step_guarded(lin, opt, sched, max_grad_norm=1.0)
+    assert stepped and gn == pytest.approx(math.sqrt(3))
+    assert not torch.equal(before[0], lin.weight.detach())
+
+
+def test_sqrt_lr_and_warning(caplog):
+    assert sqrt_lr(256) == pytest.approx(2e-5)
+    assert sqrt_lr(1024) == pytest.approx(4e-5)  # 2e-5 * sqrt(4)
+    assert sqrt_lr(64) == pytest.approx(1e-5)
+    assert not warn_if_lr_far(3e-5, 1024)
+    with caplog.at_level("WARNING"):
+        assert warn_if_lr_far(1e-3, 1024)
+    assert "sqrt-scaled" in caplog.text
+
+
+def test_atomic_dir_keeps_old_on_failure(tmp_path):
+    final = tmp_path / "ckpt"
+    with atomic_dir(final) as d:
+        (d / "a.txt").write_text("one")
+    assert (final / "a.txt").read_text() == "one"
+    with pytest.raises(RuntimeError), atomic_dir(final) as d:
+        (d / "a.txt").write_text("two")
+        raise RuntimeError("crash mid-save")
+    assert (final / "a.txt").read_text() == "one"
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temp dirs left behind
+    with atomic_dir(final) as d:
+        (d / "a.txt").write_text("three")
+    assert (final / "a.txt").read_text() == "three"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_training_state_roundtrip_restores_everything(tmp_path):
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(3, 1)
+    opt = build_optimizer(lin, lr=0.01)
+    sched = warmup_cosine(opt, warmup=1, total=10, min_lr_ratio=0.1)
+    for _ in range(3):
+        lin(torch.randn(4, 3)).pow(2).mean().backward()
+        optimizer_step_guarded(lin, opt, sched, 1.0)
+    cursor = DataCursor(n=7, seed=3)
+    cursor.next_indices(5)
+    random.seed(5)
+    np.random.seed(5)
+    save_training_state(tmp_path, opt, sched, step=3, data_cursor=cursor)
+    expected = (random.random(), float(np.random.rand()), torch.rand(1).item())
+    lr_before = opt.param_groups[0]["lr"]
+
+    opt2 = build_optimizer(lin, lr=0.01)
+    sched2 = warmup_cosine(opt2, warmup=1, total=10, min_lr_ratio=0.1)
+    state = load_training_state(tmp_path)
+    apply_training_state(state, opt2, sched2)
+    assert state.step == 3
+    assert (random.random(), float(np.random.rand()), torch.rand(1).item()) == expected
+    assert opt2.param_groups[0]["lr"] == pytest.approx(lr_before)
+    assert sched2.last_epoch == 3
+    for k, v in opt.state_dict()["state"][0].items():
+        torch.testing.assert_close(opt2.state_dict()["state"][0][k], v)
+    c2 = DataCursor(n=7, seed=3)
+    c2.load_state_dict(state.data_cursor)
+    assert (c2.epoch, c2.position) == (0, 5)
+
+
+def test_load_training_state_missing_is_clear(tmp_path):
+    with pytest.raises(FileNotFoundError, match="cannot be resumed"):
+        load_training_state(tmp_path)
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_data_cursor_epochs_and_resume():
+    c = DataCursor(n=5, seed=0)
+    first = c.next_indices(3)
+    second = c.next_indices(4)  # crosses into epoch 1
+    allidx = np.concatenate([first, second])
+    assert sorted(allidx[:5].tolist()) == [0, 1, 2, 3, 4]  # epoch 0 is a permutation
+    assert (c.epoch, c.position) == (1, 2)
+    straight = DataCursor(n=5, seed=0)
+    a = straight.next_indices(7)
+    b = straight.next_indices(6)
+    resumed = DataCursor(n=5, seed=0)
+    resumed.load_state_dict(c.state_dict())
+    np.testing.assert_array_equal(a, allidx)
+    np.testing.assert_array_equal(resumed.next_indices(6), b)
+    with pytest.raises(ValueError, match="same dataset"):
+        DataCursor(n=6, seed=0).load_state_dict(c.state_dict())
