@@ -1,0 +1,345 @@
+"""Build (or load from cache) the world: corpus -> tokenizer -> pretrained subject model.
+
+A build lives in ``<base>/<name>-<hash>`` where ``<base>`` is ``out`` or
+``$NLA_CACHE/world`` (``NLA_CACHE`` defaults to ``~/.cache/nla``) and ``<hash>`` covers
+every config field plus ``WORLD_FORMAT_VERSION``. Building is atomic: everything is
+written to a temporary sibling directory that is renamed into place at the end, so an
+interrupted build never leaves a half-written world that a later call would trust.
+
+Layout of a build::
+
+    world_config.yaml   resolved WorldConfig
+    summary.json        sizes, losses, timings, marker ids
+    loss_curve.png      train loss per step, held-out loss, unigram entropy
+    subject/            HF dir: LlamaForCausalLM + tokenizer (chat template, marker)
+
+Documents ``0 .. n_docs-1`` of ``generate_documents(seed, ...)`` are the training
+stories; ``n_docs .. n_docs+n_heldout_docs-1`` are held out (``WorldConfig.heldout_start``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from nla.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE
+from nla.world.explain import TextExplainer
+from nla.world.facts import Document, facts_at, words_with_spans
+from nla.world.generator import generate_documents
+
+logger = logging.getLogger(__name__)
+
+WORLD_FORMAT_VERSION = 1  # bump when the build's output changes for the same config
+
+
+@dataclass(frozen=True)
+class WorldConfig:
+    """Everything that determines a world build (one YAML key per field).
+
+    ``default_layer``: recommended extraction layer K (output of block K); ``None``
+    resolves to ``n_layers // 2``.
+    """
+
+    name: str = "default"
+    seed: int = 0
+    n_docs: int = 20000
+    n_heldout_docs: int = 1000
+    chat_fraction: float = 0.3  # explanation samples per training story
+    explainer_wrong_rate: float = 0.1
+    vocab_size: int = 1024
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 344
+    seq_len: int = 128
+    train_steps: int = 400
+    batch_size: int = 16
+    lr: float = 2e-3
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    default_layer: int | None = None
+
+    def __post_init__(self) -> None:
+        positive = ("n_docs", "n_heldout_docs", "d_model", "n_heads", "d_ff", "seq_len", "train_steps", "batch_size")
+        for f in positive:
+            if getattr(self, f) < 1:
+                raise ValueError(f"WorldConfig.{f}: must be >= 1, found {getattr(self, f)}")
+        if self.n_layers < 3:
+            raise ValueError(
+                f"WorldConfig.n_layers: must be >= 3 so datagen can extract from a middle layer, found {self.n_layers}"
+            )
+        if self.d_model % self.n_heads:
+            raise ValueError(f"WorldConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.vocab_size < 300:
+            raise ValueError(f"WorldConfig.vocab_size: must be >= 300 (256 bytes + specials), found {self.vocab_size}")
+        if not 0.0 <= self.chat_fraction <= 2.0:
+            raise ValueError(f"WorldConfig.chat_fraction: expected 0..2, found {self.chat_fraction}")
+        if not 0.0 <= self.explainer_wrong_rate <= 1.0:
+            raise ValueError(f"WorldConfig.explainer_wrong_rate: expected 0..1, found {self.explainer_wrong_rate}")
+        if not self.lr > 0:
+            raise ValueError(f"WorldConfig.lr: must be > 0, found {self.lr}")
+        if self.default_layer is None:
+            object.__setattr__(self, "default_layer", self.n_layers // 2)
+        if not 0 <= self.default_layer < self.n_layers - 1:
+            raise ValueError(
+                f"WorldConfig.default_layer: expected 0..{self.n_layers - 2} (a block before the last), "
+                f"found {self.default_layer}"
+            )
+
+    @property
+    def heldout_start(self) -> int:
+        return self.n_docs
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def config_hash(self) -> str:
+        blob = json.dumps({"format": WORLD_FORMAT_VERSION, **self.to_dict()}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WorldConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"WorldConfig: unknown keys {unknown}; valid keys are {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> WorldConfig:
+        return cls.from_dict(yaml.safe_load(Path(path).read_text()) or {})
+
+
+WORLD_PRESETS: dict[str, WorldConfig] = {
+    # Seconds on a laptop CPU; for tests and smoke runs.
+    "tiny": WorldConfig(
+        name="tiny", n_docs=1500, n_heldout_docs=200, vocab_size=512, d_model=64, n_layers=3, n_heads=4,
+        d_ff=172, seq_len=64, train_steps=150, batch_size=16, lr=3e-3, warmup_steps=15,
+    ),
+    # About two to three minutes on 2 CPU cores.
+    "default": WorldConfig(name="default"),
+}
+
+
+@dataclass(frozen=True)
+class WorldArtifacts:
+    """A finished world build (see the module docstring for the layout)."""
+
+    root: Path
+    subject_dir: Path
+    config: WorldConfig
+    heldout_loss: float
+    unigram_entropy: float
+    train_seconds: float
+    loss_curve_png: Path
+    summary_json: Path
+    summary: dict[str, Any]
+    from_cache: bool = False
+
+
+def resolve_config(preset_or_config: str | WorldConfig) -> WorldConfig:
+    if isinstance(preset_or_config, WorldConfig):
+        return preset_or_config
+    if preset_or_config not in WORLD_PRESETS:
+        raise ValueError(f"unknown world preset {preset_or_config!r}; choose one of {sorted(WORLD_PRESETS)}")
+    return WORLD_PRESETS[preset_or_config]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("NLA_CACHE", "~/.cache/nla")).expanduser() / "world"
+
+
+def world_dir(config: WorldConfig, out: str | Path | None = None) -> Path:
+    base = Path(out) if out is not None else default_cache_dir()
+    return base / f"{config.name}-{config.config_hash()}"
+
+
+def load_world(root: str | Path) -> WorldArtifacts:
+    """Open a finished build directory."""
+    root = Path(root)
+    summary_json = root / "summary.json"
+    if not summary_json.exists():
+        raise FileNotFoundError(f"{root} is not a finished world build (no summary.json); run `nla world build`")
+    summary = json.loads(summary_json.read_text())
+    return WorldArtifacts(
+        root=root,
+        subject_dir=root / "subject",
+        config=WorldConfig.from_yaml(root / "world_config.yaml"),
+        heldout_loss=summary["heldout_loss"],
+        unigram_entropy=summary["unigram_entropy"],
+        train_seconds=summary["train_seconds"],
+        loss_curve_png=root / "loss_curve.png",
+        summary_json=summary_json,
+        summary=summary,
+        from_cache=True,
+    )
+
+
+def build_world(
+    preset_or_config: str | WorldConfig,
+    out: str | Path | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> WorldArtifacts:
+    """Build the world (or return the cached build of the same config unless ``force``)."""
+    config = resolve_config(preset_or_config)
+    root = world_dir(config, out)
+    if (root / "summary.json").exists() and not force:
+        logger.info("world %s: using cached build %s", config.name, root)
+        return load_world(root)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = root.parent / f".tmp-{root.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        _build_into(config, tmp, progress)
+        if root.exists():  # force: swap the old build out only once the new one is complete
+            trash = root.parent / f".old-{root.name}-{uuid.uuid4().hex[:8]}"
+            root.rename(trash)
+            tmp.rename(root)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            tmp.rename(root)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    artifacts = load_world(root)
+    return dataclasses.replace(artifacts, from_cache=False)
+
+
+def explanation_samples(config: WorldConfig, docs: list[Document]) -> list[str]:
+    """Text-explainer outputs for random (document, word end) positions of the training docs."""
+    rng = random.Random(f"nla-world-explanations:{config.seed}")
+    explainer = TextExplainer(seed=config.seed, wrong_rate=config.explainer_wrong_rate)
+    out = []
+    for key in range(int(config.chat_fraction * len(docs))):
+        doc = rng.choice(docs)
+        ends = [e for _, _, e in words_with_spans(doc.text)]
+        out.append(explainer.explain(facts_at(doc, rng.choice(ends)), key))
+    return out
+
+
+def _build_into(config: WorldConfig, tmp: Path, progress: bool) -> None:
+    # Heavy imports here so `import nla.world` stays light for the generator and grader.
+    import torch
+
+    from nla.world.subject import (
+        ModelShape,
+        PretrainSettings,
+        build_model,
+        count_params,
+        evaluate_loss,
+        pack_blocks,
+        pretrain,
+        unigram_entropy,
+    )
+    from nla.world.tokenizer import canonical_av_messages, marker_ids, train_tokenizer
+
+    t_start = time.perf_counter()
+    tmp.mkdir(parents=True)
+    docs = generate_documents(config.seed, config.n_docs)
+    heldout = generate_documents(config.seed, config.n_heldout_docs, start_id=config.heldout_start)
+    explanations = explanation_samples(config, docs)
+    tagged = [f"<explanation>\n{e}\n</explanation>" for e in explanations]
+    av_prompt_text = DEFAULT_AV_TEMPLATE.format(injection_char="")
+    tok_texts = [d.text for d in docs] + tagged + [DEFAULT_AR_TEMPLATE.format(explanation=e) for e in explanations]
+    tok_texts += [av_prompt_text] * max(1, len(explanations))
+    logger.info("world %s: training tokenizer (vocab %d) on %d texts", config.name, config.vocab_size, len(tok_texts))
+    tok = train_tokenizer(tok_texts, config.vocab_size)
+
+    # Half the explanations as AV chat samples, half in the AR template.
+    samples: list[list[int]] = [tok.encode(d.text, add_special_tokens=False) for d in docs]
+    for i, (e, t) in enumerate(zip(explanations, tagged)):
+        if i % 2 == 0:
+            messages = canonical_av_messages() + [{"role": "assistant", "content": t}]
+            text = tok.apply_chat_template(messages, tokenize=False)
+        else:
+            text = DEFAULT_AR_TEMPLATE.format(explanation=e)
+        samples.append(tok.encode(text, add_special_tokens=False))
+    random.Random(f"nla-world-order:{config.seed}").shuffle(samples)
+    blocks = pack_blocks(samples, config.seq_len, tok.eos_token_id)
+    heldout_blocks = pack_blocks(
+        [tok.encode(d.text, add_special_tokens=False) for d in heldout], config.seq_len, tok.eos_token_id
+    )
+
+    shape = ModelShape(len(tok), config.d_model, config.n_layers, config.n_heads, config.d_ff, config.seq_len)
+    model = build_model(shape, tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, seed=config.seed)
+    n_params = count_params(model)
+    logger.info(
+        "world %s: pretraining %.2fM params on %d blocks x %d tokens for %d steps",
+        config.name, n_params / 1e6, blocks.shape[0], config.seq_len, config.train_steps,
+    )
+    settings = PretrainSettings(
+        steps=config.train_steps, batch_size=config.batch_size, lr=config.lr,
+        warmup_steps=config.warmup_steps, weight_decay=config.weight_decay, seed=config.seed,
+    )
+    result = pretrain(model, blocks, settings, progress=progress)
+    heldout_loss = evaluate_loss(model, heldout_blocks)
+    entropy = unigram_entropy(heldout_blocks)
+
+    subject_dir = tmp / "subject"
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(subject_dir, safe_serialization=True)
+    tok.save_pretrained(subject_dir)
+    (tmp / "world_config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    _plot_losses(result.losses, heldout_loss, entropy, tmp / "loss_curve.png", config.name)
+
+    inj, left, right = marker_ids(tok)
+    summary = {
+        "name": config.name,
+        "config_hash": config.config_hash(),
+        "format_version": WORLD_FORMAT_VERSION,
+        "n_docs": config.n_docs,
+        "n_heldout_docs": config.n_heldout_docs,
+        "n_explanation_samples": len(explanations),
+        "train_tokens": int(blocks.numel()),
+        "heldout_tokens": int(heldout_blocks.numel()),
+        "vocab_size": len(tok),
+        "n_params": n_params,
+        "d_model": config.d_model,
+        "n_layers": config.n_layers,
+        "default_layer": config.default_layer,
+        "heldout_loss": heldout_loss,
+        "unigram_entropy": entropy,
+        "final_train_loss": result.losses[-1],
+        "train_seconds": result.seconds,
+        "train_tokens_seen": result.tokens,
+        "tokens_per_second": result.tokens / max(result.seconds, 1e-9),
+        "build_seconds": time.perf_counter() - t_start,
+        "torch_threads": torch.get_num_threads(),
+        "injection_token_id": inj,
+        "injection_left_neighbor_id": left,
+        "injection_right_neighbor_id": right,
+        "train_losses": result.losses,
+    }
+    (tmp / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+def _plot_losses(losses: list[float], heldout: float, entropy: float, path: Path, name: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless; never open a window
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(losses) + 1), losses, label="train loss", lw=1)
+    ax.axhline(heldout, color="C1", ls="--", label=f"held-out loss {heldout:.3f}")
+    ax.axhline(entropy, color="C2", ls=":", label=f"unigram entropy {entropy:.3f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("nats / token")
+    ax.set_title(f"world '{name}' subject pretraining")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,180 @@
+"""The world's explanation language: render facts to English, parse them back, grade.
+
+Explanations use a controlled vocabulary: each fact is named by one of its surface
+words (see ``nla.world.facts.VOCAB``); the glue words of the templates never collide
+with surface words, so ``parse_facts`` recovers exactly the facts a text names,
+whatever its casing, punctuation or word order.
+
+Scoring conventions (``grade``):
+1. ``recall = n_correct / n_true``; with nothing to recall (``n_true == 0``) recall is 1.0.
+2. ``precision = n_correct / n_pred``; an empty prediction gets precision 1.0 when the
+   truth is empty too (it claimed nothing, and nothing was there) and 0.0 otherwise, so
+   saying nothing is never a free win.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from nla.world.facts import KINDS, SURFACE_INDEX, Fact, all_facts, words_with_spans
+
+# Several phrasings per kind; "{w}" is the fact's canonical word.
+FACT_TEMPLATES: dict[str, tuple[str, ...]] = {
+    "person": (
+        "The story is about {w}.",
+        "{w} is one of the characters.",
+        "It mentions someone named {w}.",
+        "A person called {w} appears.",
+    ),
+    "place": (
+        "The scene is set at the {w}.",
+        "It takes place at the {w}.",
+        "The location is the {w}.",
+        "Someone is at the {w}.",
+    ),
+    "activity": (
+        "Someone is {w}.",
+        "The activity is {w}.",
+        "There is some {w} going on.",
+        "It involves {w}.",
+    ),
+    "object": (
+        "There is a {w} in the story.",
+        "The text mentions a {w}.",
+        "An object appears: a {w}.",
+        "Someone has a {w}.",
+    ),
+    "mood": (
+        "The mood is {w}.",
+        "Someone feels {w}.",
+        "The tone is {w}.",
+        "A character seems {w}.",
+    ),
+    "time": (
+        "It happens in the {w}.",
+        "The time of day is {w}.",
+        "This is set at {w}.",
+        "It is {w} in the story.",
+    ),
+}
+
+# Said when nothing is revealed yet; contains no surface word, so it parses to no facts.
+GENERIC_EXPLANATIONS: tuple[str, ...] = (
+    "This is the start of a story.",
+    "The text has only just begun.",
+    "Nothing specific has been said yet.",
+    "A new story is beginning.",
+)
+
+
+def render_fact(fact: Fact, rng: random.Random) -> str:
+    w = fact.value.capitalize() if fact.kind == "person" else fact.value
+    return rng.choice(FACT_TEMPLATES[fact.kind]).format(w=w)
+
+
+def render_facts(facts: Iterable[Fact], rng: random.Random) -> str:
+    """English sentences naming each fact once, in random order with random phrasing.
+
+    An empty set renders a generic sentence that parses to no facts.
+    """
+    ordered = sorted(facts)  # sort first: set order depends on PYTHONHASHSEED
+    if not ordered:
+        return rng.choice(GENERIC_EXPLANATIONS)
+    rng.shuffle(ordered)
+    return " ".join(render_fact(f, rng) for f in ordered)
+
+
+def parse_facts(text: str) -> set[Fact]:
+    """Every fact named anywhere in ``text`` (any surface word, any case or order)."""
+    return {SURFACE_INDEX[w] for w, _, _ in words_with_spans(text) if w in SURFACE_INDEX}
+
+
+@dataclass(frozen=True)
+class Grade:
+    """Fact-level faithfulness of one explanation (conventions in the module docstring).
+
+    ``by_kind[kind] = (recall, precision)`` for each kind present in truth or prediction.
+    """
+
+    recall: float
+    precision: float
+    n_pred: int
+    n_true: int
+    n_correct: int
+    by_kind: dict[str, tuple[float, float]]
+
+    @property
+    def f1(self) -> float:
+        s = self.recall + self.precision
+        return 0.0 if s == 0 else 2 * self.recall * self.precision / s
+
+
+def _recall_precision(pred: set[Fact], truth: set[Fact]) -> tuple[float, float, int]:
+    n_correct = len(pred & truth)
+    recall = 1.0 if not truth else n_correct / len(truth)
+    if pred:
+        precision = n_correct / len(pred)
+    else:
+        precision = 1.0 if not truth else 0.0
+    return recall, precision, n_correct
+
+
+def grade(text: str, truth: Iterable[Fact]) -> Grade:
+    """Parse ``text`` for facts and score them against ``truth``."""
+    truth = set(truth)
+    pred = parse_facts(text)
+    recall, precision, n_correct = _recall_precision(pred, truth)
+    by_kind: dict[str, tuple[float, float]] = {}
+    for kind in KINDS:
+        p = {f for f in pred if f.kind == kind}
+        t = {f for f in truth if f.kind == kind}
+        if p or t:
+            r, pr, _ = _recall_precision(p, t)
+            by_kind[kind] = (r, pr)
+    return Grade(recall, precision, len(pred), len(truth), n_correct, by_kind)
+
+
+class TextExplainer:
+    """Mimics an API model reading the context: names a few revealed facts, imperfectly.
+
+    ``explain(facts, key)`` names ``min_facts..max_facts`` of the revealed facts (fewer if
+    fewer are known), and with probability ``wrong_rate`` adds one fact that is *not*
+    revealed (a plausible mistake), so RL has room to improve on the SFT data. The RNG is
+    keyed on ``(seed, key)``: the same row always gets the same explanation.
+    """
+
+    def __init__(self, seed: int = 0, min_facts: int = 2, max_facts: int = 3, wrong_rate: float = 0.1):
+        if not 1 <= min_facts <= max_facts:
+            raise ValueError(
+                f"TextExplainer: need 1 <= min_facts <= max_facts, found min_facts={min_facts}, max_facts={max_facts}"
+            )
+        if not 0.0 <= wrong_rate <= 1.0:
+            raise ValueError(f"TextExplainer.wrong_rate: expected a probability in [0, 1], found {wrong_rate}")
+        self.seed = seed
+        self.min_facts = min_facts
+        self.max_facts = max_facts
+        self.wrong_rate = wrong_rate
+        self._all = all_facts()
+
+    def choose(self, facts: frozenset[Fact], key: int) -> tuple[list[Fact], random.Random]:
+        """The facts the explanation will name (true ones first, then any wrong one)."""
+        rng = random.Random(f"nla-explainer:{self.seed}:{key}")
+        known = sorted(facts)
+        chosen: list[Fact] = []
+        if known:
+            k = min(len(known), rng.randint(self.min_facts, self.max_facts))
+            chosen = rng.sample(known, k)
+        if rng.random() < self.wrong_rate:
+            wrong = [f for f in self._all if f not in facts]
+            chosen.append(rng.choice(wrong))
+        return chosen, rng
+
+    def explain(self, facts: frozenset[Fact], key: int) -> str:
+        chosen, rng = self.choose(facts, key)
+        if not facts:
+            # Nothing revealed yet: a generic remark, plus the occasional wrong guess.
+            generic = rng.choice(GENERIC_EXPLANATIONS)
+            return generic if not chosen else generic + " " + render_facts(chosen, rng)
+        return render_facts(chosen, rng)

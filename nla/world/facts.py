@@ -1,0 +1,192 @@
+"""Typed facts, the world's vocabulary, and documents with exact ground truth.
+
+Every fact has a set of *surface words* (its canonical word plus inflections and
+synonyms). Surface words are unique across facts and never appear in story filler
+text, so a surface word in a document reveals exactly one fact, at the end of that
+word. This is what makes the ground truth exact and checkable.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from dataclasses import dataclass
+
+# activity -> (gerund surface words, base-verb surface words); templates pick the form
+# that fits the sentence ("was {activity}" vs "wanted to {activity_verb}").
+ACTIVITY_FORMS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "reading": (("reading",), ("read",)),
+    "painting": (("painting",), ("paint",)),
+    "cooking": (("cooking",), ("cook",)),
+    "swimming": (("swimming",), ("swim",)),
+    "running": (("running", "jogging"), ("run", "jog")),
+    "singing": (("singing",), ("sing",)),
+    "fishing": (("fishing",), ("fish",)),
+    "dancing": (("dancing",), ("dance",)),
+    "writing": (("writing",), ("write",)),
+    "climbing": (("climbing",), ("climb",)),
+    "hiking": (("hiking",), ("hike",)),
+    "knitting": (("knitting",), ("knit",)),
+}
+
+# kind -> canonical value -> surface words (the canonical value first). Story templates
+# draw from these; the explanation parser accepts any of them.
+VOCAB: dict[str, dict[str, tuple[str, ...]]] = {
+    "person": {
+        name: (name,)
+        for name in (
+            "alice", "bruno", "clara", "daniel", "elena", "felix", "greta", "hugo",
+            "iris", "jonas", "kira", "leo", "maya", "nico", "olga", "pablo",
+        )
+    },
+    "place": {
+        "park": ("park",),
+        "library": ("library",),
+        "beach": ("beach", "shore", "seaside"),
+        "market": ("market", "bazaar"),
+        "kitchen": ("kitchen",),
+        "garden": ("garden",),
+        "station": ("station",),
+        "museum": ("museum",),
+        "forest": ("forest", "woods"),
+        "cafe": ("cafe", "coffeehouse"),
+        "harbor": ("harbor", "docks"),
+        "school": ("school", "classroom"),
+    },
+    "activity": {v: g + b for v, (g, b) in ACTIVITY_FORMS.items()},
+    "object": {
+        "umbrella": ("umbrella",),
+        "lantern": ("lantern",),
+        "guitar": ("guitar",),
+        "notebook": ("notebook", "journal"),
+        "kite": ("kite",),
+        "basket": ("basket",),
+        "camera": ("camera",),
+        "bicycle": ("bicycle", "bike"),
+        "teapot": ("teapot",),
+        "map": ("map",),
+        "scarf": ("scarf",),
+        "compass": ("compass",),
+    },
+    "mood": {
+        "happy": ("happy", "cheerful", "glad"),
+        "sad": ("sad", "gloomy", "unhappy"),
+        "tired": ("tired", "sleepy", "weary"),
+        "curious": ("curious", "inquisitive"),
+        "nervous": ("nervous", "anxious"),
+        "calm": ("calm", "relaxed", "peaceful"),
+        "excited": ("excited", "thrilled"),
+        "angry": ("angry", "furious", "cross"),
+    },
+    "time": {
+        "morning": ("morning",),
+        "afternoon": ("afternoon",),
+        "evening": ("evening", "dusk"),
+        "night": ("night", "midnight"),
+        "dawn": ("dawn", "sunrise"),
+        "noon": ("noon", "midday"),
+    },
+}
+
+KINDS: tuple[str, ...] = tuple(VOCAB)
+
+_WORD_RE = re.compile(r"[A-Za-z]+")
+
+
+@dataclass(frozen=True, order=True)
+class Fact:
+    """One latent fact, e.g. ``Fact("place", "beach")``; ``str()`` gives ``"place=beach"``."""
+
+    kind: str
+    value: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in VOCAB:
+            raise ValueError(f"Fact.kind: expected one of {list(VOCAB)}, found {self.kind!r}")
+        if self.value not in VOCAB[self.kind]:
+            raise ValueError(
+                f"Fact.value for kind {self.kind!r}: expected one of {sorted(VOCAB[self.kind])}, found {self.value!r}"
+            )
+
+    def __str__(self) -> str:
+        return f"{self.kind}={self.value}"
+
+    @classmethod
+    def parse(cls, s: str) -> Fact:
+        """Inverse of ``str()``: ``"place=beach"`` -> ``Fact("place", "beach")``."""
+        kind, sep, value = s.partition("=")
+        if not sep:
+            raise ValueError(f"Fact.parse: expected 'kind=value', found {s!r}")
+        return cls(kind.strip(), value.strip())
+
+    @property
+    def surfaces(self) -> tuple[str, ...]:
+        return VOCAB[self.kind][self.value]
+
+
+def all_facts() -> list[Fact]:
+    """Every fact of the world, sorted (kind, value)."""
+    return sorted(Fact(k, v) for k, vals in VOCAB.items() for v in vals)
+
+
+def _build_surface_index() -> dict[str, Fact]:
+    index: dict[str, Fact] = {}
+    for kind, vals in VOCAB.items():
+        for value, words in vals.items():
+            for w in words:
+                if w in index:  # a clash would make ground truth ambiguous
+                    raise AssertionError(f"surface word {w!r} used by {index[w]} and {kind}={value}")
+                index[w] = Fact(kind, value)
+    return index
+
+
+# lowercase surface word -> the fact it reveals
+SURFACE_INDEX: dict[str, Fact] = _build_surface_index()
+
+
+@dataclass(frozen=True)
+class Document:
+    """A generated story and its ground truth.
+
+    ``reveals``: ``(char_end, fact)`` pairs sorted by ``char_end``; ``char_end`` is the
+    end offset of the word that first reveals ``fact`` (``text[:char_end]`` reveals it,
+    ``text[:char_end - 1]`` does not).
+    """
+
+    doc_id: int
+    text: str
+    reveals: tuple[tuple[int, Fact], ...]
+
+    @property
+    def facts(self) -> frozenset[Fact]:
+        """All facts the whole document reveals."""
+        return frozenset(f for _, f in self.reveals)
+
+
+def facts_at(doc: Document, char_end: int) -> frozenset[Fact]:
+    """Facts revealed by ``doc.text[:char_end]`` (causal: nothing after ``char_end``)."""
+    ends = [e for e, _ in doc.reveals]
+    n = bisect.bisect_right(ends, char_end)
+    return frozenset(f for _, f in doc.reveals[:n])
+
+
+def token_facts(doc: Document, offsets: list[tuple[int, int]]) -> list[frozenset[Fact]]:
+    """Facts known at each token, given the tokenizer's offset mapping.
+
+    Token i covers ``text[s:e]``; its facts are ``facts_at(doc, e)``, so a token in the
+    middle of a word does not yet reveal that word's fact.
+    """
+    return [facts_at(doc, e) for _, e in offsets]
+
+
+def current_word(doc: Document, char_end: int) -> str:
+    """The last (possibly unfinished) word in ``doc.text[:char_end]``; "" if there is none."""
+    if not 0 <= char_end <= len(doc.text):
+        raise ValueError(f"current_word: char_end must be in [0, {len(doc.text)}], found {char_end}")
+    words = _WORD_RE.findall(doc.text[:char_end])
+    return words[-1] if words else ""
+
+
+def words_with_spans(text: str) -> list[tuple[str, int, int]]:
+    """``(lowercase word, start, end)`` for every alphabetic word in ``text``."""
+    return [(m.group().lower(), m.start(), m.end()) for m in _WORD_RE.finditer(text)]
