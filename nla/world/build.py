@@ -259,7 +259,7 @@ def _build_into(config: WorldConfig, tmp: Path, progress: bool) -> None:
 
     # Half the explanations as AV chat samples, half in the AR template.
     samples: list[list[int]] = [tok.encode(d.text, add_special_tokens=False) for d in docs]
-    for i, (e, t) in enumerate(zip(explanations, tagged)):
+    for i, (e, t) in enumerate(zip(explanations, tagged, strict=True)):
         if i % 2 == 0:
             messages = canonical_av_messages() + [{"role": "assistant", "content": t}]
             text = tok.apply_chat_template(messages, tokenize=False)
