@@ -1,0 +1,232 @@
+"""The activation reconstructor (AR): text -> vector.
+
+The subject model truncated to blocks 0..K, its final norm replaced by the identity (the
+target is the raw residual stream after block K, which is not normalised), no LM head, and
+a ``Linear(d, d, bias=False)`` value head initialised to the identity so that training starts
+from "the residual stream at the last token is the prediction".
+
+Notation: B rows, T positions, d width.
+
+Departures from a plain ``AutoModel`` forward:
+1. Position ids are derived from the attention mask (``cumsum - 1``), so a left-padded row
+   gives the same values as the same row unpadded; HF's default positions would shift it.
+2. K = the subject's last layer is allowed; note that HF's ``hidden_states[-1]`` of the
+   subject is *after* its final norm, while the AR (and the extraction target, block K's
+   output) is before it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from nla import arch
+from nla.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar, write_sidecar
+
+logger = logging.getLogger(__name__)
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+def last_token_index(attention_mask: Tensor) -> Tensor:
+    """Index of each row's last real token [B], for left or right padding (argmax takes the first max)."""
+    if attention_mask.ndim != 2:
+        raise ValueError(f"attention_mask: expected [B, T], found shape {tuple(attention_mask.shape)}")
+    return attention_mask.long().cumsum(1).argmax(1)
+
+
+class _SkippedNorm(nn.Module):
+    """Identity that keeps the replaced norm's parameters under the same names.
+
+    Keeping them means the saved directory is a normal HF checkpoint that loads without
+    missing-key warnings; they are frozen because they never touch the output.
+    """
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        for name, param in norm.named_parameters(recurse=False):
+            self.register_parameter(name, nn.Parameter(param.detach().clone(), requires_grad=False))
+
+    def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return hidden_states
+
+
+class Reconstructor(nn.Module):
+    """Truncated subject model + identity-initialised value head. ``forward -> [B, T, d]``."""
+
+    def __init__(self, base: nn.Module, value_head: nn.Linear | None = None, tokenizer: Any = None,
+                 sidecar: NLAConfig | None = None) -> None:
+        super().__init__()
+        self.base = base
+        d = arch.hidden_size(base.config)
+        if value_head is None:
+            value_head = nn.Linear(d, d, bias=False)
+            with torch.no_grad():
+                value_head.weight.copy_(torch.eye(d, dtype=value_head.weight.dtype))
+        self.value_head = value_head
+        self.tokenizer = tokenizer
+        self.sidecar = sidecar
+        norm_name = arch.final_norm_name(base)
+        norm = getattr(base, norm_name)
+        if not isinstance(norm, _SkippedNorm):
+            setattr(base, norm_name, _SkippedNorm(norm))
+
+    @property
+    def config(self) -> Any:
+        return self.base.config
+
+    @property
+    def layer_index(self) -> int:
+        """K: the AR keeps blocks 0..K."""
+        return arch.num_layers(self.base.config) - 1
+
+    @classmethod
+    def from_base(cls, base: str | os.PathLike | nn.Module, layer_index: int, tokenizer: Any = None,
+                  sidecar: NLAConfig | None = None, **load_kwargs: Any) -> Reconstructor:
+        """Build an AR from a subject model (path, hub name or instance) keeping blocks 0..``layer_index``.
+
+        A path/name loads only K+1 blocks (``AutoModel`` with a truncated config: the rest is
+        never allocated). An instance is deep-copied first, so training the AR never changes it.
+        """
+        from transformers import AutoConfig, AutoModel
+
+        n_keep = layer_index + 1
+        if isinstance(base, nn.Module):
+            inner = copy.deepcopy(arch.base_model(base))
+            total = arch.num_layers(inner.config)
+            _check_layer(layer_index, total)
+            layers = arch.decoder_layers(inner)
+            for name in ("layers", "h"):
+                if getattr(inner, name, None) is layers:
+                    setattr(inner, name, nn.ModuleList(list(layers)[:n_keep]))
+            inner.config = arch.truncate_config(inner.config, n_keep)
+        else:
+            config = AutoConfig.from_pretrained(base)
+            _check_layer(layer_index, arch.num_layers(config))
+            config = arch.truncate_config(arch.text_config(config), n_keep)
+            inner = AutoModel.from_pretrained(base, config=config, **load_kwargs)
+            inner = arch.base_model(inner)
+            if tokenizer is None:
+                tokenizer = _maybe_tokenizer(base)
+        return cls(inner, tokenizer=tokenizer, sidecar=sidecar)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Values at every position [B, T, d] (fp32 head input is the model dtype)."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        position_ids = (attention_mask.long().cumsum(1) - 1).clamp_min(0)
+        out = self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        use_cache=False)
+        hidden = out.last_hidden_state
+        return self.value_head(hidden.to(self.value_head.weight.dtype))
+
+    def predict(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Prediction [B, d] at each row's last real token."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        values = self(input_ids, attention_mask)
+        idx = last_token_index(attention_mask)
+        return values[torch.arange(values.shape[0], device=values.device), idx]
+
+    def save_pretrained(self, directory: str | os.PathLike, sidecar: NLAConfig | None = None,
+                        **provenance: Any) -> Path:
+        """Write an HF dir + ``value_head.safetensors`` + tokenizer + ``nla_meta.yaml`` (role "ar"), atomically.
+
+        Everything goes to a temp dir beside ``directory`` that is then renamed into place, so a
+        crash leaves either the old checkpoint or the new one, never a mix.
+        """
+        target = Path(directory)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            self.base.save_pretrained(tmp, safe_serialization=True)
+            save_file({"weight": self.value_head.weight.detach().cpu().contiguous()}, str(tmp / VALUE_HEAD_FILE))
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(tmp)
+            meta = sidecar if sidecar is not None else self.sidecar
+            if meta is not None:
+                meta = meta.replace(kind="nla_model", role="ar", layer_index=self.layer_index,
+                                    ar_num_hidden_layers=self.layer_index + 1)
+                write_sidecar(tmp / SIDECAR_NAME, meta, **provenance)
+            _replace_dir(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return target
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, **load_kwargs: Any) -> Reconstructor:
+        """Load a directory written by :meth:`save_pretrained` (safetensors only, nothing unpickled)."""
+        from transformers import AutoModel
+
+        path = Path(directory)
+        head_file = path / VALUE_HEAD_FILE
+        if not head_file.is_file():
+            raise FileNotFoundError(
+                f"{path} is not a reconstructor checkpoint: {VALUE_HEAD_FILE} is missing; build one with "
+                "Reconstructor.from_base(...) and save_pretrained"
+            )
+        inner = arch.base_model(AutoModel.from_pretrained(path, use_safetensors=True, **load_kwargs))
+        weight = load_file(str(head_file))["weight"]
+        d = arch.hidden_size(inner.config)
+        if tuple(weight.shape) != (d, d):
+            raise ValueError(f"{head_file}: value head weight has shape {tuple(weight.shape)}, expected ({d}, {d})")
+        head = nn.Linear(d, d, bias=False, dtype=weight.dtype)
+        with torch.no_grad():
+            head.weight.copy_(weight)
+        sidecar = load_sidecar(path) if (path / SIDECAR_NAME).is_file() else None
+        if sidecar is not None and sidecar.ar_num_hidden_layers not in (None, arch.num_layers(inner.config)):
+            raise ValueError(
+                f"{path}: sidecar ar.num_hidden_layers = {sidecar.ar_num_hidden_layers} but config.json has "
+                f"{arch.num_layers(inner.config)} layers; the checkpoint is inconsistent, re-save it"
+            )
+        return cls(inner, value_head=head, tokenizer=_maybe_tokenizer(path), sidecar=sidecar)
+
+
+def _check_layer(layer_index: int, total: int) -> None:
+    if not 0 <= layer_index < total:
+        raise ValueError(
+            f"layer_index: expected 0..{total - 1} (the subject model has {total} blocks), found {layer_index}"
+        )
+
+
+def _maybe_tokenizer(path: str | os.PathLike) -> Any:
+    p = Path(path)
+    if not p.is_dir() or not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(p)
+
+
+def _replace_dir(tmp: Path, target: Path) -> None:
+    """Rename ``tmp`` onto ``target``; an existing target is moved aside first and removed after."""
+    if not target.exists():
+        os.replace(tmp, target)
+        return
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    if old.exists():
+        shutil.rmtree(old)
+    os.replace(target, old)
+    os.replace(tmp, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_config_layers(directory: str | os.PathLike) -> int:
+    """``num_hidden_layers`` (or ``n_layer``) recorded in a checkpoint's config.json."""
+    cfg = json.loads((Path(directory) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        if key in cfg:
+            return int(cfg[key])
+    raise ValueError(f"{directory}/config.json records no layer count (num_hidden_layers / n_layer)")
