@@ -1,0 +1,340 @@
+"""Reward primitives for RL: explanation extraction, MSE -> reward, batched scoring.
+
+The RL reward of a sample is ``-mse_nrm(AR(explanation), gold, scale)``
+(DESIGN §4 step 2), or ``-log(mse_nrm)`` under the log variant. A sample whose
+explanation cannot be extracted (missing/malformed tags, or a truncated
+response, which the caller knows about) gets ``failed_extraction_reward``:
+the reward of an *orthogonal* prediction (``mse_nrm = 2`` at ``scale =
+sqrt(d)``) under the same variant, so a failure is never better than a
+useless answer and never worse than an anti-correlated one.
+
+``RewardBatcher`` gathers single-sample reward requests into batched AR
+forwards. The score function it wraps is supplied by the caller and called as
+is: the RL loop passes a closure over the *live* reconstructor, so every
+reward uses the AR's current weights. The batcher never copies, reloads or
+caches the model or its outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import torch
+from torch import Tensor
+
+from nla.vectors import mse_nrm
+
+__all__ = [
+    "FAILED_EXTRACTION_REWARD",
+    "FAILED_EXTRACTION_REWARD_LOG",
+    "LOG_MSE_FLOOR",
+    "BatcherStats",
+    "RewardBatcher",
+    "extract_explanation",
+    "failed_extraction_reward",
+    "mse_to_reward",
+    "score_all",
+]
+
+logger = logging.getLogger(__name__)
+
+# Reward of an orthogonal prediction (mse_nrm = 2) under each variant.
+FAILED_EXTRACTION_REWARD = -2.0
+FAILED_EXTRACTION_REWARD_LOG = -math.log(2.0)
+
+# Floor on mse_nrm before the log so a perfect prediction gives a finite
+# reward (-log 1e-6 ~ 13.8) instead of +inf. A floor (not ``+ eps``) keeps the
+# orthogonal reward exactly -log 2, equal to FAILED_EXTRACTION_REWARD_LOG.
+LOG_MSE_FLOOR = 1e-6
+
+OPEN_TAG = "<explanation>"
+CLOSE_TAG = "</explanation>"
+
+
+def failed_extraction_reward(log_mse: bool) -> float:
+    """Reward for a sample with no usable explanation: -2.0, or -log 2 when ``log_mse``."""
+    return FAILED_EXTRACTION_REWARD_LOG if log_mse else FAILED_EXTRACTION_REWARD
+
+
+def extract_explanation(text: str) -> str | None:
+    """The stripped text between the first ``<explanation>`` and the next ``</explanation>``.
+
+    Rules (strict, case-sensitive tags):
+    1. The first ``<explanation>`` opens; the first ``</explanation>`` after it
+       closes. Text before the opening tag and after the closing tag is
+       ignored (a later second pair is ignored too).
+    2. None when either tag is missing (e.g. a truncated response).
+    3. None when a ``</explanation>`` appears before the first opening tag, or
+       a second ``<explanation>`` appears before the closing tag (malformed
+       or nested: we cannot tell which span was meant).
+    4. None when the content is empty after stripping whitespace.
+    """
+    start = text.find(OPEN_TAG)
+    if start < 0:
+        return None
+    if CLOSE_TAG in text[:start]:
+        return None
+    body_start = start + len(OPEN_TAG)
+    end = text.find(CLOSE_TAG, body_start)
+    if end < 0:
+        return None
+    body = text[body_start:end]
+    if OPEN_TAG in body:
+        return None
+    body = body.strip()
+    return body or None
+
+
+def mse_to_reward(pred: Tensor, gold: Tensor, scale: float | None, log_mse: bool = False) -> Tensor:
+    """Reward per row from AR predictions. pred, gold: [B, d] -> [B] (fp32).
+
+    ``-mse_nrm(pred, gold, scale)`` (0 perfect, -2 orthogonal at ``scale =
+    sqrt(d)``), or with ``log_mse`` ``-log(max(mse_nrm, LOG_MSE_FLOOR))``
+    (-log 2 orthogonal, about 13.8 perfect). Failed extractions use
+    ``failed_extraction_reward(log_mse)``, the orthogonal value of the same
+    variant.
+    """
+    mse = mse_nrm(pred, gold, scale)
+    if log_mse:
+        return -torch.log(mse.clamp_min(LOG_MSE_FLOOR))
+    return -mse
+
+
+# ------------------------------------------------------------------ batcher
+
+Item = TypeVar("Item")
+ScoreBatch = Callable[[list], "list[float] | Tensor"]
+
+
+@dataclass(frozen=True)
+class BatcherStats:
+    """Counters of a RewardBatcher.
+
+    n_batches: calls of ``score_batch`` (including failed ones).
+    n_items: items sent to ``score_batch``.
+    n_failed_batches: calls that raised (each failure reached all its callers).
+    """
+
+    n_batches: int = 0
+    n_items: int = 0
+    n_failed_batches: int = 0
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.n_items / self.n_batches if self.n_batches else 0.0
+
+
+class RewardBatcher(Generic[Item]):
+    """Collects reward requests into batched ``score_batch`` calls.
+
+    ``await score(item)`` queues one item; ``await score_group(items)`` queues
+    several and returns their rewards in order. The queue is flushed as one
+    ``score_batch(items) -> list[float] | Tensor [n]`` call when it reaches
+    ``batch_size`` items, or ``flush_seconds`` after the first item of the
+    current queue arrived (tail flush), whichever is first.
+
+    ``score_batch`` runs in a single worker thread, so the event loop (and
+    any generation callbacks on it) keeps running during a forward, and
+    forwards never overlap each other (the AR is not shared across threads).
+    If ``score_batch`` raises, or returns the wrong number of rewards, every
+    caller waiting on that batch gets the exception; nothing hangs.
+
+    ``score_batch`` is called as given: pass a closure over the *live*
+    reconstructor so rewards follow its current weights. The batcher keeps no
+    copy of the model or its outputs.
+
+    Use as ``async with RewardBatcher(...) as b:`` or call ``await b.aclose()``,
+    which flushes what is queued, waits for running batches and stops the
+    worker thread. A batcher may serve several event loops one after the
+    other (``score_all`` runs a fresh loop per call), but not at once.
+    """
+
+    def __init__(self, score_batch: ScoreBatch, batch_size: int, flush_seconds: float) -> None:
+        if not callable(score_batch):
+            raise TypeError(f"score_batch must be callable, found {type(score_batch).__name__}.")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, found {batch_size}.")
+        if not (flush_seconds >= 0 and math.isfinite(flush_seconds)):
+            raise ValueError(f"flush_seconds must be a finite number >= 0, found {flush_seconds}.")
+        self.score_batch = score_batch
+        self.batch_size = batch_size
+        self.flush_seconds = flush_seconds
+        self._pending: list[tuple[Item, asyncio.Future]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._inflight: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nla-reward")
+        self._closed = False
+        self._stats = BatcherStats()
+
+    # -- public API
+
+    @property
+    def stats(self) -> BatcherStats:
+        return self._stats
+
+    async def score(self, item: Item) -> float:
+        """Reward for one item (waits until its batch has been scored)."""
+        (fut,) = self._enqueue([item])
+        return await fut
+
+    async def score_group(self, items: Sequence[Item]) -> list[float]:
+        """Rewards for ``items``, in order. Raises the first failure among its batches."""
+        if not items:
+            return []
+        futures = self._enqueue(list(items))
+        # return_exceptions so every future is retrieved (no "never retrieved" warnings).
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return list(results)
+
+    async def flush(self) -> None:
+        """Send whatever is queued now and wait for all running batches."""
+        self._flush_pending()
+        while self._inflight:
+            await asyncio.gather(*list(self._inflight), return_exceptions=True)
+
+    async def aclose(self) -> None:
+        """Flush, wait for running batches, stop the worker thread. Idempotent."""
+        if self._closed:
+            return
+        try:
+            await self.flush()
+        finally:
+            self._closed = True
+            self._executor.shutdown(wait=False)
+
+    async def __aenter__(self) -> RewardBatcher[Item]:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    # -- internals
+
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            if self._pending or self._inflight:
+                raise RuntimeError(
+                    "RewardBatcher is busy on another event loop; use one batcher per loop at a time."
+                )
+            self._loop = loop
+        return loop
+
+    def _enqueue(self, items: list[Item]) -> list[asyncio.Future]:
+        if self._closed:
+            raise RuntimeError("RewardBatcher is closed; create a new one to score more items.")
+        loop = self._bind_loop()
+        futures = [loop.create_future() for _ in items]
+        was_empty = not self._pending
+        self._pending.extend(zip(items, futures, strict=True))
+        while len(self._pending) >= self.batch_size:
+            self._launch(self._pending[: self.batch_size])
+            del self._pending[: self.batch_size]
+        if not self._pending:
+            self._cancel_timer()
+        elif was_empty or self._timer is None:
+            # The tail clock starts with the first item of the current queue.
+            self._cancel_timer()
+            self._timer = loop.call_later(self.flush_seconds, self._flush_pending)
+        return futures
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _flush_pending(self) -> None:
+        self._cancel_timer()
+        while self._pending:
+            self._launch(self._pending[: self.batch_size])
+            del self._pending[: self.batch_size]
+
+    def _launch(self, batch: list[tuple[Item, asyncio.Future]]) -> None:
+        task = asyncio.get_running_loop().create_task(self._run_batch(list(batch)))
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+
+    async def _run_batch(self, batch: list[tuple[Item, asyncio.Future]]) -> None:
+        items = [item for item, _ in batch]
+        futures = [fut for _, fut in batch]
+        loop = asyncio.get_running_loop()
+        self._stats = BatcherStats(
+            self._stats.n_batches + 1, self._stats.n_items + len(items), self._stats.n_failed_batches
+        )
+        try:
+            raw = await loop.run_in_executor(self._executor, self.score_batch, items)
+            rewards = _to_float_list(raw, len(items))
+        except asyncio.CancelledError:
+            # The loop is shutting down: cancel the waiters instead of leaving them pending.
+            for fut in futures:
+                fut.cancel()
+            raise
+        except BaseException as exc:  # delivered to every waiting caller
+            self._stats = BatcherStats(
+                self._stats.n_batches, self._stats.n_items, self._stats.n_failed_batches + 1
+            )
+            logger.warning("reward batch of %d items failed: %r", len(items), exc)
+            for fut in futures:
+                if not fut.done():
+                    fut.set_exception(exc)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            return
+        for fut, r in zip(futures, rewards, strict=True):
+            if not fut.done():  # a caller may have been cancelled meanwhile
+                fut.set_result(r)
+
+
+def _to_float_list(raw: list[float] | Tensor, n: int) -> list[float]:
+    if isinstance(raw, Tensor):
+        raw = raw.detach().float().reshape(-1).cpu().tolist()
+    else:
+        raw = [float(x) for x in raw]
+    if len(raw) != n:
+        raise ValueError(
+            f"score_batch returned {len(raw)} rewards for a batch of {n} items; "
+            "it must return one reward per item, in order."
+        )
+    return raw
+
+
+def score_all(
+    batcher_or_fn: RewardBatcher | ScoreBatch,
+    items: Sequence[Item],
+    *,
+    batch_size: int = 64,
+    flush_seconds: float = 0.05,
+) -> list[float]:
+    """Synchronously score ``items`` through a batcher; rewards in order.
+
+    Given a ``RewardBatcher`` it is used (and left open); given a plain
+    ``score_batch`` function a temporary batcher with ``batch_size`` and
+    ``flush_seconds`` is built and closed. Runs its own event loop, so it must
+    not be called from inside a running loop (await ``score_group`` there).
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise RuntimeError(
+            "score_all was called inside a running event loop; use `await batcher.score_group(items)` there."
+        )
+
+    async def _main() -> list[float]:
+        if isinstance(batcher_or_fn, RewardBatcher):
+            return await batcher_or_fn.score_group(items)
+        async with RewardBatcher(batcher_or_fn, batch_size, flush_seconds) as b:
+            return await b.score_group(items)
+
+    return asyncio.run(_main())
