@@ -1,0 +1,209 @@
+"""Stage 3, explain: fill `explanation` for the SFT splits with a pluggable explainer.
+
+Every explainer implements `explain_batch(rows) -> list[str | None]`; `None`
+means the row is dropped, and the explainer records why in `drops` (a Counter
+of reason -> rows). Explainers are looked up by name in `EXPLAINERS`:
+`world` (ground truth facts -> the world's TextExplainer), `context`
+(offline, deterministic, for arbitrary text), `anthropic` and `openai`
+(HTTP, in `nla.datagen.providers`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+from tqdm.auto import tqdm
+
+from nla.datagen.config import DatagenConfig
+from nla.datagen.io import DatagenError
+
+log = logging.getLogger(__name__)
+
+_TAG_RE = re.compile(r"<explanation>(.*?)</explanation>", re.DOTALL)
+
+
+def extract_tagged(text: str) -> str | None:
+    """The text inside exactly one `<explanation>...</explanation>` pair, stripped; None otherwise.
+
+    Strict on purpose: zero pairs, two pairs, an unclosed tag or an empty body
+    all return None, so a malformed reply never becomes a training target.
+    """
+    if not isinstance(text, str):
+        return None
+    matches = _TAG_RE.findall(text)
+    if len(matches) != 1 or text.count("<explanation>") != 1:
+        return None
+    body = matches[0].strip()
+    return body or None
+
+
+def row_key(doc_id: int, position: int) -> int:
+    """Stable 63-bit key for a row (Python's hash() is salted per process)."""
+    digest = hashlib.blake2b(f"{int(doc_id)}:{int(position)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+class Explainer(ABC):
+    """Turns rows (dicts with `context`, `token`, `doc_id`, `position`, maybe `facts`) into explanations."""
+
+    name: str = "explainer"
+
+    def __init__(self) -> None:
+        self.drops: Counter = Counter()
+
+    @abstractmethod
+    def explain_batch(self, rows: list[dict[str, Any]]) -> list[str | None]:
+        """One explanation (without tags) or None per row; record a reason in `self.drops` for each None."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most explainers hold nothing
+        """Release resources (HTTP clients)."""
+
+
+ExplainerFactory = Callable[[DatagenConfig], Explainer]
+EXPLAINERS: dict[str, ExplainerFactory] = {}
+
+
+def register_explainer(name: str) -> Callable[[ExplainerFactory], ExplainerFactory]:
+    def deco(factory: ExplainerFactory) -> ExplainerFactory:
+        EXPLAINERS[name] = factory
+        return factory
+
+    return deco
+
+
+def make_explainer(name: str, cfg: DatagenConfig) -> Explainer:
+    import nla.datagen.providers  # noqa: F401 - registers the HTTP explainers
+
+    if name not in EXPLAINERS:
+        raise DatagenError(f"explainer {name!r} is not registered; valid names: {sorted(EXPLAINERS)}")
+    return EXPLAINERS[name](cfg)
+
+
+class WorldExplainer(Explainer):
+    """The world's TextExplainer over the row's revealed facts; key = hash of (doc_id, position)."""
+
+    name = "world"
+
+    def __init__(self, seed: int, min_facts: int, max_facts: int, wrong_rate: float) -> None:
+        super().__init__()
+        from nla.world import TextExplainer
+
+        self._text = TextExplainer(seed=seed, min_facts=min_facts, max_facts=max_facts, wrong_rate=wrong_rate)
+
+    def explain_batch(self, rows: list[dict[str, Any]]) -> list[str | None]:
+        from nla.world import Fact
+
+        out: list[str | None] = []
+        for r in rows:
+            if "facts" not in r or r["facts"] is None:
+                raise DatagenError(
+                    f"world explainer: row doc_id={r.get('doc_id')} position={r.get('position')} has no 'facts' "
+                    "column; the world explainer needs world activations (source: world)"
+                )
+            facts = frozenset(Fact(*s.split("=", 1)) for s in r["facts"])
+            text = self._text.explain(facts, row_key(r["doc_id"], r["position"]))
+            if not text or not text.strip():
+                self.drops["world_no_explanation"] += 1
+                out.append(None)
+            else:
+                out.append(text.strip())
+        return out
+
+
+@register_explainer("world")
+def _world(cfg: DatagenConfig) -> Explainer:
+    w = cfg.world_explainer
+    return WorldExplainer(cfg.seed, w.min_facts, w.max_facts, w.wrong_rate)
+
+
+_WORD_RE = re.compile(r"[A-Za-z][A-Za-z'-]*")
+_STOP = frozenset(
+    "the a an and or but of to in on at for with from by is was were are be been it its this that these those "
+    "he she they we you i his her their our your my me him them as so then than there here not no yes do did "
+    "has have had will would can could should about into over after before when while where which who what".split()
+)
+
+
+class ContextExplainer(Explainer):
+    """Offline and deterministic: names the current token, the words just before it and the main topics.
+
+    A baseline for arbitrary text when no API is at hand; it sees the same
+    context an API explainer would and says only what is literally there.
+    """
+
+    name = "context"
+
+    def __init__(self, n_recent: int = 6, n_topics: int = 3) -> None:
+        super().__init__()
+        self.n_recent = n_recent
+        self.n_topics = n_topics
+
+    def explain_one(self, context: str, token: str) -> str | None:
+        words = _WORD_RE.findall(context or "")
+        if not words:
+            return None
+        current = (token or "").strip() or words[-1]
+        recent = " ".join(words[-self.n_recent - 1 : -1]) if len(words) > 1 else ""
+        counts = Counter(w.lower() for w in words if len(w) > 2 and w.lower() not in _STOP)
+        first_seen = {w: i for i, w in reversed(list(enumerate(w.lower() for w in words)))}
+        topics = sorted(counts, key=lambda w: (-counts[w], first_seen[w]))[: self.n_topics]
+        parts = [f'The current token is "{current}"']
+        parts[0] += f', right after "{recent}".' if recent else ", at the start of the text."
+        if topics:
+            listed = topics[0] if len(topics) == 1 else ", ".join(topics[:-1]) + " and " + topics[-1]
+            parts.append(f"The text so far is mostly about {listed}.")
+        return " ".join(parts)
+
+    def explain_batch(self, rows: list[dict[str, Any]]) -> list[str | None]:
+        out = []
+        for r in rows:
+            text = self.explain_one(r.get("context", ""), r.get("token", ""))
+            if text is None:
+                self.drops["empty_context"] += 1
+            out.append(text)
+        return out
+
+
+@register_explainer("context")
+def _context(cfg: DatagenConfig) -> Explainer:
+    return ContextExplainer()
+
+
+def explain_table(
+    table: pa.Table, explainer: Explainer, batch_size: int = 64, desc: str = "explain"
+) -> tuple[pa.Table, Counter]:
+    """Add an `explanation` column; rows the explainer returns None for are dropped and counted by reason."""
+    needed = [c for c in ("doc_id", "position", "context") if c not in table.column_names]
+    if needed:
+        raise DatagenError(
+            f"explain: columns {needed} missing from the activations table; found {table.column_names}"
+        )
+    light = [c for c in table.column_names if c != "activation_vector"]  # never materialise vectors as lists
+    before = Counter(explainer.drops)
+    explanations: list[str | None] = []
+    with tqdm(total=table.num_rows, desc=desc, unit="row") as bar:
+        for start in range(0, table.num_rows, batch_size):
+            rows = table.slice(start, batch_size).select(light).to_pylist()
+            got = explainer.explain_batch(rows)
+            if len(got) != len(rows):
+                raise RuntimeError(
+                    f"explainer {explainer.name!r} returned {len(got)} results for {len(rows)} rows; expected one per row"
+                )
+            explanations += got
+            bar.update(len(rows))
+    dropped = Counter(explainer.drops)
+    dropped.subtract(before)
+    dropped = +dropped
+    n_none = sum(e is None for e in explanations)
+    if sum(dropped.values()) < n_none:  # an explainer that forgot to give a reason still gets counted
+        dropped["unspecified"] += n_none - sum(dropped.values())
+    keep = pa.array([e is not None for e in explanations])
+    out = table.append_column("explanation", pa.array(explanations, pa.string())).filter(keep)
+    return out, dropped

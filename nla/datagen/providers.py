@@ -1,0 +1,240 @@
+"""HTTP explainers: Anthropic Messages API and OpenAI-compatible chat completions.
+
+1. The API key is read from an environment variable (`provider.api_key_env`)
+   at construction and kept out of logs, reprs and errors.
+2. Requests run on a thread pool of `max_concurrency` workers sharing one
+   `httpx.Client` (bounded concurrency without asyncio in the caller).
+3. 429, 5xx, timeouts and connection errors are retried up to `max_retries`
+   times with exponential backoff (`backoff_base_s * 2**attempt`, capped at
+   `backoff_max_s`); other 4xx are not retried.
+4. The reply must contain exactly one `<explanation>...</explanation>`; a row
+   whose reply is missing it, is malformed, or still fails after the retries
+   is dropped and counted by reason (`no_tag`, `malformed_response`,
+   `timeout`, `http_429`, `http_503`, ...). Nothing is kept silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from nla.datagen.config import DatagenConfig, ProviderConfig
+from nla.datagen.explain import Explainer, extract_tagged, register_explainer
+from nla.datagen.io import DatagenError
+
+log = logging.getLogger(__name__)
+
+MAX_CONTEXT_CHARS = 4000  # bound the prompt: the text right before the token matters most
+
+SYSTEM_PROMPT = (
+    "You interpret the internal state of a language model. You are shown a text the model has read; "
+    "its internal state at the final token is being studied."
+)
+USER_PROMPT = (
+    "Text read so far (it ends at the current token):\n<text>\n{context}\n</text>\n"
+    'Current token: "{token}"\n\n'
+    "In two or three short sentences, describe what the model is most likely representing at the current "
+    "token: the topic, the entities and facts established so far, and what is likely to come next. "
+    "Answer with exactly one <explanation>...</explanation> block and nothing else."
+)
+
+
+def build_prompt(row: dict[str, Any]) -> str:
+    context = row.get("context") or ""
+    if len(context) > MAX_CONTEXT_CHARS:
+        context = "..." + context[-MAX_CONTEXT_CHARS:]
+    return USER_PROMPT.format(context=context, token=row.get("token") or "")
+
+
+class _Retryable(Exception):
+    def __init__(self, reason: str, retry_after: float | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class _Drop(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class HTTPExplainer(Explainer):
+    """Shared request/retry/extraction logic; subclasses define URL, headers, body and reply parsing."""
+
+    default_base_url = ""
+    default_key_env = ""
+
+    def __init__(self, cfg: ProviderConfig) -> None:
+        super().__init__()
+        import httpx
+
+        if not cfg.model:
+            raise DatagenError(
+                f"{self.name} explainer: provider.model is empty; set the model name in the config"
+            )
+        env = cfg.api_key_env or self.default_key_env
+        key = os.environ.get(env)
+        if not key:
+            raise DatagenError(
+                f"{self.name} explainer: environment variable {env} is not set; export the API key there"
+            )
+        self.cfg = cfg
+        self._key = key  # never logged; excluded from repr
+        self.base_url = (cfg.base_url or self.default_base_url).rstrip("/")
+        self._client = httpx.Client(timeout=httpx.Timeout(cfg.timeout_s))
+        self._lock = threading.Lock()
+        self.retries: Counter = Counter()  # reason -> retried attempts (not drops)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(model={self.cfg.model!r}, base_url={self.base_url!r})"
+
+    # --- provider specifics ------------------------------------------------
+    def url(self) -> str:
+        raise NotImplementedError
+
+    def headers(self) -> dict[str, str]:
+        raise NotImplementedError
+
+    def body(self, prompt: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def reply_text(self, data: Any) -> str:
+        """The model's reply text from the decoded JSON body; raise KeyError/TypeError/IndexError if malformed."""
+        raise NotImplementedError
+
+    # --- shared logic ------------------------------------------------------
+    def _attempt(self, prompt: str) -> str:
+        import httpx
+
+        try:
+            resp = self._client.post(self.url(), headers=self.headers(), json=self.body(prompt))
+        except httpx.TimeoutException as exc:
+            raise _Retryable("timeout") from exc
+        except httpx.TransportError as exc:
+            raise _Retryable("connection_error") from exc
+        code = resp.status_code
+        if code == 429 or code >= 500:
+            retry_after = None
+            try:
+                retry_after = float(resp.headers.get("retry-after", ""))
+            except ValueError:
+                pass
+            raise _Retryable(f"http_{code}", retry_after)
+        if code >= 400:
+            raise _Drop(f"http_{code}")
+        try:
+            text = self.reply_text(resp.json())
+            if not isinstance(text, str):
+                raise TypeError("reply text is not a string")
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise _Drop("malformed_response") from exc
+        explanation = extract_tagged(text)
+        if explanation is None:
+            raise _Drop("no_tag")
+        return explanation
+
+    def explain_one(self, row: dict[str, Any]) -> tuple[str | None, str | None]:
+        """(explanation, None) or (None, drop reason)."""
+        prompt = build_prompt(row)
+        for attempt in range(self.cfg.max_retries + 1):
+            try:
+                return self._attempt(prompt), None
+            except _Drop as d:
+                return None, d.reason
+            except _Retryable as r:
+                if attempt == self.cfg.max_retries:
+                    return None, r.reason
+                with self._lock:
+                    self.retries[r.reason] += 1
+                delay = min(self.cfg.backoff_max_s, self.cfg.backoff_base_s * 2**attempt)
+                if r.retry_after is not None:
+                    delay = min(self.cfg.backoff_max_s, max(delay, r.retry_after))
+                log.debug("%s: %s for doc %s pos %s, retry %d in %.2fs", self.name, r.reason,
+                          row.get("doc_id"), row.get("position"), attempt + 1, delay)  # fmt: skip
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def explain_batch(self, rows: list[dict[str, Any]]) -> list[str | None]:
+        with ThreadPoolExecutor(max_workers=min(self.cfg.max_concurrency, max(1, len(rows)))) as pool:
+            results = list(pool.map(self.explain_one, rows))
+        out = []
+        for text, reason in results:
+            if text is None:
+                self.drops[reason or "unspecified"] += 1
+            out.append(text)
+        return out
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class AnthropicExplainer(HTTPExplainer):
+    name = "anthropic"
+    default_base_url = "https://api.anthropic.com"
+    default_key_env = "ANTHROPIC_API_KEY"
+    api_version = "2023-06-01"
+
+    def url(self) -> str:
+        return f"{self.base_url}/v1/messages"
+
+    def headers(self) -> dict[str, str]:
+        return {
+            "x-api-key": self._key,
+            "anthropic-version": self.api_version,
+            "content-type": "application/json",
+        }
+
+    def body(self, prompt: str) -> dict[str, Any]:
+        return {
+            "model": self.cfg.model,
+            "max_tokens": self.cfg.max_tokens,
+            "temperature": self.cfg.temperature,
+            "system": SYSTEM_PROMPT,
+            "messages": [{"role": "user", "content": prompt}],
+        }
+
+    def reply_text(self, data: Any) -> str:
+        blocks = data["content"]
+        texts = [b["text"] for b in blocks if b.get("type") == "text"]
+        if not texts:
+            raise KeyError("no text block")
+        return "".join(texts)
+
+
+class OpenAIExplainer(HTTPExplainer):
+    name = "openai"
+    default_base_url = "https://api.openai.com/v1"
+    default_key_env = "OPENAI_API_KEY"
+
+    def url(self) -> str:
+        return f"{self.base_url}/chat/completions"
+
+    def headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self._key}", "content-type": "application/json"}
+
+    def body(self, prompt: str) -> dict[str, Any]:
+        return {
+            "model": self.cfg.model,
+            "max_tokens": self.cfg.max_tokens,
+            "temperature": self.cfg.temperature,
+            "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}],
+        }
+
+    def reply_text(self, data: Any) -> str:
+        return data["choices"][0]["message"]["content"]
+
+
+@register_explainer("anthropic")
+def _anthropic(cfg: DatagenConfig) -> Explainer:
+    return AnthropicExplainer(cfg.provider)
+
+
+@register_explainer("openai")
+def _openai(cfg: DatagenConfig) -> Explainer:
+    return OpenAIExplainer(cfg.provider)
