@@ -1,0 +1,208 @@
+"""AR warm-start: regress the activation from its explanation text.
+
+Notation: B rows, T tokens, d width. Loss = mean over rows of ``mse_nrm`` between the
+reconstructor's value at the last real token and the RAW gold vector, both normalised to
+the sidecar's ``mse_scale`` (DESIGN §1).
+
+Departures from a plain regression recipe:
+1. Texts are truncated on the LEFT (``max_length``), so the constant AR suffix that the
+   prediction is read at always survives.
+2. The train-batch ``fve_nrm`` uses the raw-mean baseline computed once over the whole
+   training set (not per batch), so it is comparable across steps; held-out ``eval_fve``
+   uses the eval split's own baseline (``nla.vectors.fve``).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from nla import arch
+from nla.datagen.io import read_parquet, read_vectors
+from nla.reconstructor import Reconstructor
+from nla.sidecar import NLAConfig, resolve_sidecar
+from nla.train.common import (
+    LoopSpec,
+    TrainResult,
+    find_resume_checkpoint,
+    resolve_device,
+    resolve_dtype,
+    run_training_loop,
+    seed_everything,
+)
+from nla.train.config import ARTrainConfig
+from nla.vectors import fve, mse_nrm, predict_mean_baselines
+
+logger = logging.getLogger(__name__)
+
+
+class ARTrainError(ValueError):
+    """A problem found before AR training starts; the message names the field and the fix."""
+
+
+def tokenize_ar_texts(tokenizer: Any, texts: list[str], max_length: int) -> dict[str, torch.Tensor]:
+    """Tokenise full AR texts, right-padded, truncated on the left so the suffix survives.
+
+    The reward path should tokenise the same way (default special tokens, no EOS appended
+    after the suffix), or its predictions will not match the trained layout.
+    """
+    old_side, old_pad = tokenizer.truncation_side, tokenizer.padding_side
+    tokenizer.truncation_side, tokenizer.padding_side = "left", "right"
+    try:
+        enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    finally:
+        tokenizer.truncation_side, tokenizer.padding_side = old_side, old_pad
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+
+
+def check_ar_suffix(input_ids: torch.Tensor, attention_mask: torch.Tensor, suffix: tuple[int, ...],
+                    rows: np.ndarray | None = None) -> None:
+    """Every row's last real tokens must equal ``suffix`` (``critic_suffix_ids``); raise naming the row."""
+    n = len(suffix)
+    lengths = attention_mask.long().sum(1)
+    for i in range(input_ids.shape[0]):
+        real = input_ids[i][attention_mask[i].bool()]
+        tail = tuple(int(t) for t in real[-n:])
+        if int(lengths[i]) < n or tail != tuple(suffix):
+            row = int(rows[i]) if rows is not None else i
+            raise ARTrainError(
+                f"critic_suffix_ids: training row {row} ends in token ids {list(tail)}, expected the AR "
+                f"suffix {list(suffix)}; the dataset's `prompt` must be cfg.ar_text(explanation) built with "
+                "this tokenizer's sidecar (rebuild the dataset, or check that the tokenizer does not append "
+                "EOS after the text)"
+            )
+
+
+def _split_eval(table, frac: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Train/eval row indices; whole documents go to eval when there is a ``doc_id`` column."""
+    n = table.num_rows
+    if frac <= 0:
+        return np.arange(n), np.zeros(0, dtype=np.int64)
+    rng = np.random.default_rng([seed, 7919])
+    if "doc_id" in table.column_names:
+        docs = np.asarray(table.column("doc_id").to_pylist(), dtype=object)
+        uniq = sorted(set(docs.tolist()), key=str)
+        n_eval = max(1, round(frac * len(uniq))) if len(uniq) > 1 else 0
+        held = set(rng.permutation(len(uniq))[:n_eval].tolist())
+        held_docs = {uniq[i] for i in held}
+        is_eval = np.array([d in held_docs for d in docs])
+    else:
+        n_eval = max(1, round(frac * n)) if n > 1 else 0
+        is_eval = np.zeros(n, dtype=bool)
+        is_eval[rng.permutation(n)[:n_eval]] = True
+    return np.flatnonzero(~is_eval), np.flatnonzero(is_eval)
+
+
+def load_split(cfg: Any, text_column: str) -> tuple[Any, np.ndarray, Any, np.ndarray]:
+    """(train table, train vectors, eval table, eval vectors) — eval from ``eval_dataset`` or held out by doc."""
+    path = Path(cfg.dataset)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset: training parquet not found at {path}; run `nla datagen` first or fix the path")
+    table = read_parquet(path)
+    if text_column not in table.column_names:
+        raise ARTrainError(f"dataset {path}: column {text_column!r} missing; found {table.column_names}")
+    vectors = read_vectors(table)
+    if cfg.eval_dataset:
+        epath = Path(cfg.eval_dataset)
+        if not epath.is_file():
+            raise FileNotFoundError(f"eval_dataset: parquet not found at {epath}")
+        etable = read_parquet(epath)
+        return table, vectors, etable, read_vectors(etable)
+    tr, ev = _split_eval(table, cfg.eval_fraction, cfg.seed)
+    if len(tr) == 0:
+        raise ARTrainError(f"eval_fraction={cfg.eval_fraction} leaves no training rows in {path}; lower it")
+    return table.take(tr), vectors[tr], table.take(ev), vectors[ev]
+
+
+def _resolve_sidecar_and_base(cfg: Any) -> tuple[NLAConfig, str]:
+    side = resolve_sidecar(cfg.sidecar, None, cfg.dataset)
+    base = cfg.base_model or side.base_model
+    if not base:
+        raise ARTrainError(
+            "base_model: neither the train config nor the dataset sidecar names the base model; "
+            "set base_model in the config (or --set base_model=PATH)"
+        )
+    return side, str(base)
+
+
+def _check_d_model(side: NLAConfig, model_d: int, vectors: np.ndarray, where: str) -> None:
+    if model_d != side.d_model:
+        raise ARTrainError(
+            f"d_model: the sidecar says {side.d_model} but the model at {where} has width {model_d}; "
+            "use the base model the dataset was extracted from"
+        )
+    if vectors.shape[1] != side.d_model:
+        raise ARTrainError(
+            f"activation_vector: vectors have {vectors.shape[1]} dims but the sidecar's d_model is {side.d_model}"
+        )
+
+
+def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
+    """Warm-start the reconstructor on ``cfg.dataset`` (``ar_sft.parquet``). See module docstring."""
+    seed_everything(cfg.seed)
+    side, base = _resolve_sidecar_and_base(cfg)
+    layer = cfg.layer_index if cfg.layer_index is not None else side.layer_index
+    train_tab, train_vec, eval_tab, eval_vec = load_split(cfg, "prompt")
+    scale = side.mse_scale_value()
+    device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
+    resume_from = find_resume_checkpoint(cfg.out_dir) if resume else None
+    if resume_from is not None:
+        model = Reconstructor.from_pretrained(resume_from)
+    else:
+        model = Reconstructor.from_base(base, layer)
+    if model.tokenizer is None:
+        raise ARTrainError(f"base_model: no tokenizer files in {base}; save the tokenizer beside the model")
+    _check_d_model(side, arch.hidden_size(model.config), train_vec, base)
+    model.to(device=device, dtype=dtype)
+    tok = model.tokenizer
+    texts = train_tab.column("prompt").to_pylist()
+    eval_texts = eval_tab.column("prompt").to_pylist()
+    gold_all = torch.from_numpy(np.ascontiguousarray(train_vec))
+    baselines = predict_mean_baselines(gold_all, scale)
+    logger.info("AR: %d train / %d eval rows, K=%d, mse_scale=%s, raw-mean baseline %.4f (normalised-mean %.4f)",
+                len(texts), len(eval_texts), layer, scale, baselines.raw_mean, baselines.normalized_mean)
+    checked = {"suffix": False}
+
+    def micro_loss(idx: np.ndarray) -> tuple[torch.Tensor, dict[str, float]]:
+        enc = tokenize_ar_texts(tok, [texts[i] for i in idx], cfg.max_length)
+        if not checked["suffix"]:
+            check_ar_suffix(enc["input_ids"], enc["attention_mask"], side.critic_suffix_ids, idx)
+            checked["suffix"] = True
+        pred = model.predict(enc["input_ids"].to(device), enc["attention_mask"].to(device))
+        gold = gold_all[torch.from_numpy(idx)].to(device)
+        loss = mse_nrm(pred, gold, scale).mean()
+        return loss, {
+            "fve_nrm": 1.0 - float(loss.detach()) / baselines.raw_mean,
+            "pred_norm": float(pred.detach().float().norm(dim=-1).mean()),
+        }
+
+    def evaluate(step: int) -> dict[str, float]:
+        out: dict[str, float] = {"baseline_raw_mean": baselines.raw_mean,
+                                 "baseline_normalized_mean": baselines.normalized_mean}
+        n = min(len(eval_texts), cfg.eval_max_rows)
+        if n < 2:
+            return out
+        preds = []
+        for s in range(0, n, cfg.micro):
+            enc = tokenize_ar_texts(tok, eval_texts[s : s + cfg.micro], cfg.max_length)
+            preds.append(model.predict(enc["input_ids"].to(device), enc["attention_mask"].to(device)).float().cpu())
+        pred = torch.cat(preds)
+        gold = torch.from_numpy(np.ascontiguousarray(eval_vec[:n]))
+        out["eval_mse"] = float(mse_nrm(pred, gold, scale).mean())
+        out["eval_fve"] = fve(pred, gold, scale)
+        return out
+
+    def save_model(directory: Path, step: int) -> dict[str, Any]:
+        meta = side.replace(kind="nla_model", role="ar", base_model=side.base_model or base)
+        model.save_pretrained(directory, sidecar=meta, lr=cfg.lr, batch_size=cfg.batch_size, step=step,
+                              parent_dataset=str(Path(cfg.dataset).resolve()), stage="ar_warm_start")
+        return {}
+
+    spec = LoopSpec(name="ar", model=model, n_train=len(texts), micro_loss=micro_loss, evaluate=evaluate,
+                    save_model=save_model, plot_keys=["loss", "fve_nrm", "eval_fve", "pred_norm"],
+                    resume_from=resume_from)
+    return run_training_loop(cfg, spec)
