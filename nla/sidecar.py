@@ -333,12 +333,10 @@ def sidecar_path_for(path: str | os.PathLike) -> Path:
         return p / SIDECAR_NAME
     if p.suffix == ".parquet":
         return p.with_name(p.name + "." + SIDECAR_NAME)
-    if p.name.endswith(".yaml") or p.name.endswith(".yml"):
+    if p.suffix in (".yaml", ".yml"):
         return p
-    raise SidecarError(
-        f"cannot tell where the sidecar of {str(p)!r} lives: expected a checkpoint directory, a .parquet file "
-        "or a .yaml sidecar file"
-    )
+    # Anything else names a checkpoint directory, possibly one not written yet.
+    return p / SIDECAR_NAME
 
 
 _MISSING = object()
@@ -466,7 +464,7 @@ def write_sidecar(path: str | os.PathLike, cfg: NLAConfig, **provenance: Any) ->
     ``path`` may be the sidecar file itself, a checkpoint dir or a parquet path.
     """
     p = Path(path)
-    file = p / SIDECAR_NAME if p.is_dir() else sidecar_path_for(p) if p.suffix == ".parquet" else p
+    file = sidecar_path_for(p)
     file.parent.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump(sidecar_document(cfg, **provenance), sort_keys=False, allow_unicode=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=file.parent)

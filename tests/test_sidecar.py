@@ -1,0 +1,185 @@
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nla.sidecar import (
+    ARSuffixMismatchError,
+    MarkerCountError,
+    MarkerIdMismatchError,
+    MarkerIsUnknownError,
+    MarkerNotSingleTokenError,
+    NeighborMismatchError,
+    NLAConfig,
+    SidecarError,
+    SidecarMismatchError,
+    load_sidecar,
+    resolve_sidecar,
+    sidecar_path_for,
+    verify_tokenizer,
+    write_sidecar,
+)
+from nla.templates import AV_PLACEHOLDER, DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
+
+FIXTURES = Path(__file__).parent / "fixtures"
+AV_TPL = "Here is a hidden state <{injection_char}> from a language model. Explain what it encodes."
+AR_TPL = "<explanation>{explanation}</explanation> <summary>"
+
+
+def test_published_av_fixture_parses():
+    cfg = load_sidecar(FIXTURES / "published_av.nla_meta.yaml")
+    assert cfg == NLAConfig(
+        kind="nla_model", role="av", d_model=3584, layer_index=20, injection_char="㈎",
+        injection_token_id=149705, injection_left_neighbor_id=29, injection_right_neighbor_id=522,
+        critic_suffix_ids=(522, 1708, 29), av_template=AV_TPL, ar_template=AR_TPL,
+        injection_scale=150.0, mse_scale=59.87, base_model="Qwen/Qwen2.5-7B-Instruct",
+        training={"lr": 1.41e-05, "step": 1200},
+    )
+    assert cfg.injection_scale_value() == 150.0 and cfg.mse_scale_value() == 59.87
+
+
+def test_published_ar_fixture_parses_old_keys_and_defaults():
+    cfg = load_sidecar(FIXTURES / "published_ar.nla_meta.yaml")
+    assert (cfg.role, cfg.d_model, cfg.layer_index, cfg.ar_num_hidden_layers) == ("ar", 3584, 20, 21)
+    assert cfg.av_template == AV_TPL and cfg.ar_template == AR_TPL
+    assert cfg.injection_scale is None
+    assert cfg.mse_scale == "sqrt_d_model"
+    assert cfg.mse_scale_value() == pytest.approx(math.sqrt(3584))  # 59.866...
+
+
+def test_messages_and_ar_text():
+    cfg = load_sidecar(FIXTURES / "published_av.nla_meta.yaml")
+    assert cfg.av_messages() == [{"role": "user", "content": AV_TPL.format(injection_char="㈎")}]
+    assert cfg.av_messages(AV_PLACEHOLDER)[0]["content"].startswith("Here is a hidden state <<INJECT>>")
+    assert cfg.ar_text("hi") == "<explanation>hi</explanation> <summary>"
+
+
+def test_write_then_load_roundtrip_with_provenance(tmp_path):
+    cfg = load_sidecar(FIXTURES / "published_av.nla_meta.yaml")
+    out = write_sidecar(tmp_path, cfg, step=5, parent=tmp_path / "x")
+    assert out == tmp_path / "nla_meta.yaml"
+    back = load_sidecar(tmp_path)
+    assert back == cfg.replace(training={"lr": 1.41e-05, "step": 5, "parent": str(tmp_path / "x")})
+    # dataset layout: d_model under extraction, file beside the parquet
+    ds = cfg.replace(kind="nla_dataset", role=None)
+    write_sidecar(tmp_path / "rl.parquet", ds)
+    assert (tmp_path / "rl.parquet.nla_meta.yaml").is_file()
+    doc = yaml.safe_load((tmp_path / "rl.parquet.nla_meta.yaml").read_text())
+    assert doc["extraction"]["d_model"] == 3584 and "d_model" not in doc
+    assert load_sidecar(tmp_path / "rl.parquet") == ds
+    assert not list(tmp_path.glob("*.tmp"))  # no temp file left behind
+
+
+def test_missing_key_names_key_and_file(tmp_path):
+    doc = yaml.safe_load((FIXTURES / "published_av.nla_meta.yaml").read_text())
+    del doc["tokens"]["injection_right_neighbor_id"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(doc, allow_unicode=True))
+    with pytest.raises(SidecarError, match=r"tokens.injection_right_neighbor_id.*") as info:
+        load_sidecar(bad)
+    assert str(bad) in str(info.value)
+    # an AV sidecar must record its injection scale (null is allowed, absence is not)
+    doc = yaml.safe_load((FIXTURES / "published_av.nla_meta.yaml").read_text())
+    del doc["extraction"]["injection_scale"]
+    bad.write_text(yaml.safe_dump(doc, allow_unicode=True))
+    with pytest.raises(SidecarError, match="injection_scale"):
+        load_sidecar(bad)
+
+
+def test_bad_values_name_the_field(tmp_path):
+    cfg = load_sidecar(FIXTURES / "published_av.nla_meta.yaml")
+    with pytest.raises(ValueError, match="NLAConfig.role"):
+        cfg.replace(role="critic")
+    with pytest.raises(ValueError, match="NLAConfig.mse_scale.*'sqrt_dmodel'"):
+        cfg.replace(mse_scale="sqrt_dmodel")
+    with pytest.raises(ValueError, match="NLAConfig.ar_template"):
+        cfg.replace(ar_template="{explanation}")  # no constant tail
+    with pytest.raises(ValueError, match="NLAConfig.av_template"):
+        cfg.replace(av_template="no marker here")
+
+
+def test_sidecar_path_for_and_resolve(tmp_path):
+    assert sidecar_path_for(tmp_path) == tmp_path / "nla_meta.yaml"
+    assert sidecar_path_for(tmp_path / "a.parquet") == tmp_path / "a.parquet.nla_meta.yaml"
+    cfg = load_sidecar(FIXTURES / "published_av.nla_meta.yaml")
+    ckpt, data = tmp_path / "ckpt", tmp_path / "d.parquet"
+    ckpt.mkdir()
+    write_sidecar(data, cfg.replace(kind="nla_dataset", role=None, layer_index=3))
+    # only the dataset's exists -> dataset
+    assert resolve_sidecar(checkpoint=ckpt, dataset=data).layer_index == 3
+    write_sidecar(ckpt, cfg.replace(layer_index=4))
+    assert resolve_sidecar(checkpoint=ckpt, dataset=data).layer_index == 4  # checkpoint beats dataset
+    assert resolve_sidecar(FIXTURES / "published_ar.nla_meta.yaml", ckpt, data).role == "ar"  # explicit wins
+    with pytest.raises(FileNotFoundError, match="tried checkpoint: .*nope.*dataset: .*x.parquet"):
+        resolve_sidecar(checkpoint=tmp_path / "nope", dataset=tmp_path / "x.parquet")
+    with pytest.raises(FileNotFoundError, match="missing.yaml"):
+        resolve_sidecar(tmp_path / "missing.yaml", checkpoint=ckpt)
+
+
+# --- live tokenizer -------------------------------------------------------------------------------
+def _cfg(tok, **kw):
+    args = dict(kind="nla_model", role="av", d_model=32, layer_index=1, av_template=DEFAULT_AV_TEMPLATE,
+                ar_template=DEFAULT_AR_TEMPLATE, injection_char=DEFAULT_INJECTION_CHAR, injection_scale="sqrt_d_model")
+    args.update(kw)
+    return NLAConfig.from_tokenizer(tok, **args)
+
+
+def test_from_tokenizer_computes_ids(tiny_tokenizer):
+    cfg = _cfg(tiny_tokenizer)
+    conv = tiny_tokenizer.convert_tokens_to_ids
+    assert cfg.injection_token_id == conv(DEFAULT_INJECTION_CHAR)
+    # template "...<<{c}>>..." with punctuation split: neighbours are "<" and ">"
+    assert cfg.injection_left_neighbor_id == conv("<") and cfg.injection_right_neighbor_id == conv(">")
+    # tail "\nSummary vector:" -> Summary, vector, ":"
+    assert cfg.critic_suffix_ids == tuple(conv(["Summary", "vector", ":"]))
+    assert cfg.injection_scale_value() == pytest.approx(math.sqrt(32))
+    verify_tokenizer(cfg, tiny_tokenizer)  # passes
+
+
+def test_verify_marker_several_tokens(tiny_tokenizer):
+    with pytest.raises(MarkerNotSingleTokenError, match=r"injection_char.*exactly 1 token, found 2"):
+        _cfg(tiny_tokenizer, injection_char="cat dog")
+
+
+def test_verify_marker_unknown(tiny_tokenizer):
+    with pytest.raises(MarkerIsUnknownError, match="UNK"):
+        _cfg(tiny_tokenizer, injection_char="zebra")
+
+
+def test_verify_marker_id_mismatch(tiny_tokenizer):
+    cfg = _cfg(tiny_tokenizer).replace(injection_token_id=999)
+    with pytest.raises(MarkerIdMismatchError, match=r"injection_token_id: the sidecar records 999"):
+        verify_tokenizer(cfg, tiny_tokenizer)
+
+
+def test_verify_marker_count(tiny_tokenizer):
+    cfg = _cfg(tiny_tokenizer)
+    # a system-ish second copy of the marker in the template
+    two = cfg.replace(av_template="<<{injection_char}>> and " + DEFAULT_INJECTION_CHAR)
+    with pytest.raises(MarkerCountError, match="found 2 times"):
+        verify_tokenizer(two, tiny_tokenizer)
+
+
+def test_verify_neighbor_drift(tiny_tokenizer):
+    cfg = _cfg(tiny_tokenizer)
+    drift = cfg.replace(av_template="Explain the hidden state ({injection_char}) in a few short sentences.")
+    with pytest.raises(NeighborMismatchError, match="injection_left_neighbor_id: the sidecar records"):
+        verify_tokenizer(drift, tiny_tokenizer)
+    right = cfg.replace(injection_right_neighbor_id=cfg.injection_right_neighbor_id + 1)
+    with pytest.raises(NeighborMismatchError, match="injection_right_neighbor_id"):
+        verify_tokenizer(right, tiny_tokenizer)
+
+
+def test_verify_ar_suffix(tiny_tokenizer):
+    cfg = _cfg(tiny_tokenizer)
+    bad = cfg.replace(critic_suffix_ids=(1, 2, 3))
+    with pytest.raises(ARSuffixMismatchError, match=r"critic_suffix_ids: the sidecar records \[1, 2, 3\]"):
+        verify_tokenizer(bad, tiny_tokenizer)
+
+
+def test_error_classes_are_distinct_value_errors():
+    classes = {MarkerNotSingleTokenError, MarkerIsUnknownError, MarkerIdMismatchError, MarkerCountError,
+               NeighborMismatchError, ARSuffixMismatchError}
+    assert len(classes) == 6
+    assert all(issubclass(c, SidecarMismatchError) and issubclass(c, ValueError) for c in classes)
