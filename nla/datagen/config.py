@@ -95,6 +95,7 @@ class DatagenConfig:
     # corpus
     source: str = "world"  # world | file
     world_preset: str = "tiny"  # source=world: nla.world.build_world(preset)
+    world_out: str | None = None  # where world builds live (None: $NLA_CACHE/world)
     n_docs: int | None = None  # world: documents to generate (None: the world config's n_docs)
     doc_start_id: int = 0  # world: first doc id
     corpus_path: str | None = None  # source=file: .txt, .jsonl or .parquet

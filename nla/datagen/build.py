@@ -1,0 +1,219 @@
+"""Stage 4, build: training parquets + dataset sidecars (DESIGN §3.1, §3.2).
+
+- `av_sft.parquet`: prompt = AV chat messages with the literal `<INJECT>`
+  placeholder, response = `<explanation>\\n{e}\\n</explanation>`, explanation.
+- `ar_sft.parquet`: prompt = the full AR template text around the explanation.
+- `rl.parquet`: prompt = AV chat messages; no explanation.
+- optional `*.shuffled.parquet`: the SFT sets with activation vectors permuted
+  across rows (the "is the vector used at all?" baseline).
+Every parquet gets `{file}.parquet.nla_meta.yaml` (kind nla_dataset), written
+before the parquet itself, so a parquet on disk always has its sidecar.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from nla.arch import hidden_size, num_layers
+from nla.datagen.io import DatagenError, read_parquet, read_vectors, write_parquet_atomic
+from nla.templates import AV_PLACEHOLDER, DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE
+
+log = logging.getLogger(__name__)
+
+_SHUFFLE_SALT = 0x5_4FF1E
+
+
+@dataclass
+class BuildResult:
+    """Files written by build: path -> row count."""
+
+    files: dict[str, int] = field(default_factory=dict)
+
+
+def format_response(explanation: str) -> str:
+    return f"<explanation>\n{explanation}\n</explanation>"
+
+
+def _messages_column(messages: list[dict], n: int) -> pa.Array:
+    struct = pa.struct([("role", pa.string()), ("content", pa.string())])
+    one = pa.array([messages], pa.list_(struct))
+    return one.take(pa.array(np.zeros(n, dtype=np.int64)))
+
+
+def _vector_width(table: pa.Table, name: str) -> int:
+    if table.num_rows == 0:
+        return 0
+    return read_vectors(table).shape[1]
+
+
+def dataset_config(
+    model_dir: str | os.PathLike,
+    layer_index: int,
+    *,
+    av_template: str | None = None,
+    ar_template: str | None = None,
+    injection_char: str,
+    injection_scale: float | str | None = "sqrt_d_model",
+    mse_scale: float | str | None = "sqrt_d_model",
+    training: dict[str, Any] | None = None,
+) -> Any:
+    """The dataset NLAConfig, with token metadata computed from the model's live tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from nla.sidecar import NLAConfig
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    n = num_layers(config)
+    if not 0 <= layer_index < n:
+        raise DatagenError(
+            f"layer_index {layer_index} is out of range: the model has {n} decoder blocks, valid range 0..{n - 1}"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return NLAConfig.from_tokenizer(
+        tokenizer,
+        kind="nla_dataset",
+        role=None,
+        d_model=hidden_size(config),
+        layer_index=layer_index,
+        av_template=av_template or DEFAULT_AV_TEMPLATE,
+        ar_template=ar_template or DEFAULT_AR_TEMPLATE,
+        injection_char=injection_char,
+        injection_scale=injection_scale,
+        mse_scale=mse_scale,
+        base_model=str(model_dir),
+        training=training,
+    )
+
+
+def _check_split(table: pa.Table, name: str, d_model: int, layer_index: int, need_explanation: bool) -> None:
+    width = _vector_width(table, name)
+    if table.num_rows and width != d_model:
+        raise DatagenError(
+            f"{name}: activation vectors have d={width} but the model's hidden size is {d_model} "
+            "(d_model mismatch); the activations were extracted from a different model - rerun extract"
+        )
+    if table.num_rows and "activation_layer" in table.column_names:
+        layers = set(np.unique(table.column("activation_layer").to_numpy()).tolist())
+        if layers != {layer_index}:
+            raise DatagenError(
+                f"{name}: activation_layer is {sorted(layers)}, expected {layer_index}; rerun extract"
+            )
+    if need_explanation:
+        if "explanation" not in table.column_names:
+            raise DatagenError(f"{name}: no 'explanation' column; run the explain stage first")
+        if table.column("explanation").null_count:
+            raise DatagenError(
+                f"{name}: {table.column('explanation').null_count} rows have a null explanation"
+            )
+
+
+def _write_with_sidecar(table: pa.Table, path: Path, cfg: Any, **provenance: Any) -> None:
+    from nla.sidecar import write_sidecar
+
+    write_sidecar(path, cfg, **provenance)  # sidecar first: a parquet never exists without one
+    write_parquet_atomic(table, path)
+
+
+def _shuffled(table: pa.Table, seed: int) -> pa.Table:
+    perm = np.random.default_rng([seed, _SHUFFLE_SALT]).permutation(table.num_rows)
+    idx = table.column_names.index("activation_vector")
+    return table.set_column(idx, "activation_vector", table.column(idx).take(pa.array(perm)))
+
+
+def build_datasets(
+    splits: dict[str, pa.Table],
+    model_dir: str | os.PathLike,
+    layer_index: int,
+    out_dir: str | os.PathLike,
+    *,
+    av_template: str | None = None,
+    ar_template: str | None = None,
+    injection_char: str,
+    injection_scale: float | str | None = "sqrt_d_model",
+    mse_scale: float | str | None = "sqrt_d_model",
+    shuffled_baseline: bool = True,
+    seed: int = 0,
+    provenance: dict[str, Any] | None = None,
+) -> BuildResult:
+    """Write the training parquets for the splits present in `splits` (av_sft, ar_sft, rl)."""
+    cfg = dataset_config(
+        model_dir, layer_index, av_template=av_template, ar_template=ar_template, injection_char=injection_char,
+        injection_scale=injection_scale, mse_scale=mse_scale,
+    )  # fmt: skip
+    out_dir = Path(out_dir)
+    prov = dict(provenance or {})
+    messages = cfg.av_messages(placeholder=AV_PLACEHOLDER)
+    result = BuildResult()
+    for name, table in splits.items():
+        if name not in ("av_sft", "ar_sft", "rl"):
+            raise DatagenError(f"build: unknown split {name!r}; expected av_sft, ar_sft or rl")
+        _check_split(table, name, cfg.d_model, layer_index, need_explanation=name != "rl")
+        n = table.num_rows
+        if name == "av_sft":
+            expl = table.column("explanation").to_pylist()
+            table = table.append_column("prompt", _messages_column(messages, n))
+            table = table.append_column("response", pa.array([format_response(e) for e in expl], pa.string()))
+        elif name == "ar_sft":
+            expl = table.column("explanation").to_pylist()
+            table = table.append_column("prompt", pa.array([cfg.ar_text(e) for e in expl], pa.string()))
+        else:
+            table = table.append_column("prompt", _messages_column(messages, n))
+        path = out_dir / f"{name}.parquet"
+        _write_with_sidecar(table, path, cfg, dataset=name, rows=n, **prov)
+        result.files[str(path)] = n
+        if shuffled_baseline and name != "rl":
+            spath = out_dir / f"{name}.shuffled.parquet"
+            _write_with_sidecar(
+                _shuffled(table, seed), spath, cfg, dataset=name, rows=n, shuffled_vectors=True, **prov
+            )
+            result.files[str(spath)] = n
+        log.info(
+            "build: wrote %s (%d rows)%s",
+            path,
+            n,
+            " + shuffled copy" if shuffled_baseline and name != "rl" else "",
+        )
+    return result
+
+
+def load_dataset(path: str | os.PathLike, model_dir: str | os.PathLike | None = None) -> tuple[pa.Table, Any]:
+    """Read a built parquet and its sidecar, checking they agree (and agree with `model_dir` if given)."""
+    from nla.sidecar import load_sidecar, sidecar_path_for
+
+    path = Path(path)
+    side = sidecar_path_for(path)
+    if not side.is_file():
+        raise DatagenError(
+            f"{path}: sidecar {side.name} is missing; datasets are only usable with their sidecar - "
+            "rebuild with `nla datagen build --force`"
+        )
+    cfg = load_sidecar(path)
+    table = read_parquet(path)
+    width = _vector_width(table, path.name)
+    if table.num_rows and width != cfg.d_model:
+        raise DatagenError(
+            f"{path}: vectors have d={width} but the sidecar says d_model={cfg.d_model}; rebuild the dataset"
+        )
+    if model_dir is not None:
+        from transformers import AutoConfig
+
+        mc = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        d, n = hidden_size(mc), num_layers(mc)
+        if d != cfg.d_model:
+            raise DatagenError(
+                f"{path}: sidecar d_model={cfg.d_model} but model {model_dir} has hidden size {d} (d_model mismatch); "
+                "use the model the dataset was extracted from"
+            )
+        if not 0 <= cfg.layer_index < n:
+            raise DatagenError(
+                f"{path}: sidecar layer_index={cfg.layer_index} is out of range for {model_dir} "
+                f"({n} blocks, valid range 0..{n - 1})"
+            )
+    return table, cfg

@@ -1,0 +1,226 @@
+"""`run`: all datagen stages in order, each skipped when its output is done for the same settings.
+
+Layout of `out_dir`:
+    datagen_config.yaml        the resolved config (world defaults filled in)
+    datagen_summary.json       rows written / dropped (and why) per stage
+    .done/<stage>.json         done-marker: settings hash + the stage summary
+    activations.parquet        extract (+ shards/ while running)
+    splits/{av_sft,ar_sft,rl}.parquet
+    explained/{av_sft,ar_sft}.parquet
+    av_sft.parquet, ar_sft.parquet, rl.parquet (+ .nla_meta.yaml, + *.shuffled.parquet)
+
+A stage is skipped when its done-marker exists and records the same hash of
+the settings it (and every stage before it) depends on; otherwise, or with
+`force`, its outputs are removed and it runs again. Markers are written last,
+so an interrupted stage is never mistaken for a finished one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from nla.datagen.config import SPLITS, DatagenConfig
+from nla.datagen.io import DatagenError, read_parquet, write_json_atomic, write_text_atomic
+
+log = logging.getLogger(__name__)
+
+STAGES = ("extract", "split", "explain", "build")
+CONFIG_FILE = "datagen_config.yaml"
+SUMMARY_FILE = "datagen_summary.json"
+
+# Settings each stage adds to the ones of the stages before it.
+_STAGE_FIELDS = {
+    "extract": ("source", "world_preset", "n_docs", "doc_start_id", "corpus_path", "text_column", "model_dir",
+                "layer_index", "positions_per_doc", "skip_first", "seed", "batch_size", "max_len",
+                "batches_per_shard", "bad_vectors"),
+    "split": ("split_fractions",),
+    "explain": ("explainer", "world_explainer", "provider"),
+    "build": ("av_template", "ar_template", "injection_char", "injection_scale", "mse_scale", "shuffled_baseline"),
+}  # fmt: skip
+
+
+def _outputs(stage: str, out: Path) -> list[Path]:
+    return {
+        "extract": [out / "activations.parquet", out / "shards"],
+        "split": [out / "splits"],
+        "explain": [out / "explained"],
+        "build": [out / f"{n}{s}" for n in SPLITS for s in (".parquet", ".parquet.nla_meta.yaml")]
+        + [
+            out / f"{n}.shuffled{s}"
+            for n in ("av_sft", "ar_sft")
+            for s in (".parquet", ".parquet.nla_meta.yaml")
+        ],
+    }[stage]
+
+
+def stage_hash(cfg: DatagenConfig, stage: str) -> str:
+    d = cfg.to_dict()
+    keys: list[str] = []
+    for s in STAGES[: STAGES.index(stage) + 1]:
+        keys += _STAGE_FIELDS[s]
+    blob = json.dumps({k: d[k] for k in keys}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """The config with world defaults filled in, plus the corpus loader's inputs."""
+
+    cfg: DatagenConfig
+    world_seed: int | None = None
+
+
+def resolve(cfg: DatagenConfig) -> Resolved:
+    """Fill model_dir / layer_index / n_docs from the world build when source=world (builds it if needed)."""
+    if cfg.source != "world":
+        return Resolved(cfg)
+    from nla.world import build_world
+
+    arts = build_world(cfg.world_preset, out=cfg.world_out)
+    return Resolved(
+        cfg.replace(
+            model_dir=cfg.model_dir or str(arts.subject_dir),
+            layer_index=arts.config.default_layer if cfg.layer_index is None else cfg.layer_index,
+            n_docs=cfg.n_docs or arts.config.n_docs,
+        ),
+        world_seed=arts.config.seed,
+    )
+
+
+def load_corpus(res: Resolved) -> list:
+    from nla.datagen.corpus import read_text_corpus, world_corpus
+
+    cfg = res.cfg
+    if cfg.source == "world":
+        return world_corpus(res.world_seed or 0, cfg.n_docs, start_id=cfg.doc_start_id)
+    return read_text_corpus(cfg.corpus_path, cfg.text_column)
+
+
+# --- stages ------------------------------------------------------------------
+def _extract(res: Resolved, out: Path) -> dict[str, Any]:
+    from nla.datagen.extract import extract_activations
+
+    c = res.cfg
+    r = extract_activations(
+        c.model_dir, load_corpus(res), c.layer_index, c.positions_per_doc, c.skip_first, c.seed, c.batch_size,
+        out, c.max_len, bad_vectors=c.bad_vectors, batches_per_shard=c.batches_per_shard, device=c.device,
+    )  # fmt: skip
+    shutil.rmtree(out / "shards", ignore_errors=True)  # consolidated; the shards were only for resume
+    return {"rows": r.n_rows, "docs": r.n_docs, "d_model": r.d_model, "tokens": r.n_tokens, "dropped": r.dropped,
+            "path": str(r.path)}  # fmt: skip
+
+
+def _split(res: Resolved, out: Path) -> dict[str, Any]:
+    from nla.datagen.io import write_parquet_atomic
+    from nla.datagen.split import split_table
+
+    parts = split_table(read_parquet(out / "activations.parquet"), res.cfg.split_fractions, res.cfg.seed)
+    summary = {}
+    for name, t in parts.items():
+        write_parquet_atomic(t, out / "splits" / f"{name}.parquet")
+        summary[name] = {"rows": t.num_rows, "docs": len(set(t.column("doc_id").to_pylist()))}
+        log.info("split: wrote %s (%d rows, %d docs)", out / "splits" / f"{name}.parquet", t.num_rows,
+                 summary[name]["docs"])  # fmt: skip
+    return summary
+
+
+def _explain(res: Resolved, out: Path) -> dict[str, Any]:
+    from nla.datagen.explain import explain_table, make_explainer
+    from nla.datagen.io import write_parquet_atomic
+
+    explainer = make_explainer(res.cfg.explainer, res.cfg)
+    summary = {"explainer": res.cfg.explainer}
+    try:
+        for name in ("av_sft", "ar_sft"):
+            table = read_parquet(out / "splits" / f"{name}.parquet")
+            done, dropped = explain_table(table, explainer, desc=f"explain {name}")
+            path = write_parquet_atomic(done, out / "explained" / f"{name}.parquet")
+            summary[name] = {"rows_in": table.num_rows, "rows": done.num_rows, "dropped": dict(dropped)}
+            log.info("explain: wrote %s (%d of %d rows; dropped %s)", path, done.num_rows, table.num_rows,
+                     dict(dropped) or "none")  # fmt: skip
+            if table.num_rows and done.num_rows == 0:
+                raise DatagenError(
+                    f"explain: every row of {name} was dropped ({dict(dropped)}); check the explainer settings"
+                )
+        retries = getattr(explainer, "retries", None)
+        if retries:
+            summary["retries"] = dict(retries)
+    finally:
+        explainer.close()
+    return summary
+
+
+def _build(res: Resolved, out: Path) -> dict[str, Any]:
+    from nla.datagen.build import build_datasets
+
+    c = res.cfg
+    splits = {n: read_parquet(out / "explained" / f"{n}.parquet") for n in ("av_sft", "ar_sft")}
+    splits["rl"] = read_parquet(out / "splits" / "rl.parquet")
+    r = build_datasets(
+        splits, c.model_dir, c.layer_index, out, av_template=c.av_template, ar_template=c.ar_template,
+        injection_char=c.injection_char, injection_scale=c.injection_scale, mse_scale=c.mse_scale,
+        shuffled_baseline=c.shuffled_baseline, seed=c.seed,
+        provenance={"datagen_config": str(out / CONFIG_FILE), "explainer": c.explainer},
+    )  # fmt: skip
+    return {"files": r.files}
+
+
+_RUNNERS = {"extract": _extract, "split": _split, "explain": _explain, "build": _build}
+
+
+def run(cfg: DatagenConfig, stages: Sequence[str] | None = None, force: bool = False) -> dict[str, Any]:
+    """Run `stages` (default: all, in order); returns and saves the summary of every stage done so far."""
+    stages = list(stages or STAGES)
+    bad = [s for s in stages if s not in STAGES]
+    if bad:
+        raise DatagenError(f"unknown stage(s) {bad}; valid stages: {list(STAGES)}")
+    res = resolve(cfg)
+    out = Path(res.cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(
+        yaml.safe_dump(res.cfg.to_dict(), sort_keys=False, allow_unicode=True), out / CONFIG_FILE
+    )
+    summary_path = out / SUMMARY_FILE
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    for stage in STAGES:
+        if stage not in stages:
+            continue
+        marker = out / ".done" / f"{stage}.json"
+        h = stage_hash(res.cfg, stage)
+        force_stage = force
+        if not force and marker.exists():
+            old = json.loads(marker.read_text())
+            if old.get("hash") == h:
+                log.info(
+                    "%s: already done for these settings (%s); skipping (use --force to redo)", stage, marker
+                )
+                summary[stage] = old["summary"]
+                continue
+            log.info("%s: settings changed since the last run; redoing it", stage)
+            force_stage = True
+        else:
+            # no marker: an interrupted run keeps its partial work (extract resumes from its shards)
+            force_stage = force
+        marker.unlink(missing_ok=True)
+        if force_stage:
+            for p in _outputs(stage, out):
+                if p.is_dir():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink(missing_ok=True)
+        for later in STAGES[STAGES.index(stage) + 1 :]:  # downstream results are stale now
+            (out / ".done" / f"{later}.json").unlink(missing_ok=True)
+        summary[stage] = _RUNNERS[stage](res, out)
+        write_json_atomic({"hash": h, "summary": summary[stage]}, marker)
+        write_json_atomic(summary, summary_path)
+        log.info("%s: done; summary in %s", stage, summary_path)
+    return summary
