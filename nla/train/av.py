@@ -1,0 +1,259 @@
+"""AV warm-start: next-token loss on the explanation with the vector injected at the marker.
+
+Notation: B rows, T tokens, V vocabulary. Each row is ``chat_template(AV messages,
+generation prompt on) + response + EOS``; labels are -100 over the prompt and padding, so
+only response tokens and the EOS are learned. The vector (rescaled to ``injection_scale``)
+overwrites the marker's input embedding through :class:`nla.injection.InjectionHook`, the
+same path generation and RL use.
+
+Departures from a plain SFT recipe:
+1. Position ids come from the attention mask (``cumsum - 1``), so left- and right-padded
+   batches give the same loss.
+2. The loss is a token mean per micro-batch, combined across micro-batches by row count
+   (the shared loop's weighting); with equal-length responses it equals the batch token mean.
+3. Held-out loss is also measured with the vectors rolled by one row across the eval batch
+   (a permutation without fixed points); ``eval_vector_gap = shuffled - real`` > 0 shows
+   the vector is used. A greedy smoke decode at every save flags empty output or output
+   containing the marker / CJK characters (the injection-failure smell, DESIGN §3.4).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from nla import arch
+from nla.injection import InjectionHook
+from nla.sidecar import NLAConfig, canonical_av_prompt_ids, verify_tokenizer, write_sidecar
+from nla.templates import AV_PLACEHOLDER
+from nla.train.ar import _resolve_sidecar_and_base, load_split
+from nla.train.common import (
+    LoopSpec,
+    TrainResult,
+    find_resume_checkpoint,
+    resolve_device,
+    resolve_dtype,
+    run_training_loop,
+    seed_everything,
+)
+from nla.train.config import AVTrainConfig
+from nla.vectors import resolve_scale
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+# CJK ideographs, symbols/punctuation, enclosed CJK (the default marker ㈎ lives there), compatibility.
+_CJK = re.compile("[\u2e80-\u2fff\u3000-\u303f\u3200-\u32ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+
+
+class AVTrainError(ValueError):
+    """A problem found before AV training starts; the message names the field and the fix."""
+
+
+@dataclass
+class AVExample:
+    prompt_ids: list[int]
+    response_ids: list[int]  # includes the trailing EOS
+
+
+@dataclass
+class AVBatch:
+    """input_ids / attention_mask / labels / position_ids: [B, T]."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+
+
+def prompt_messages(raw: Any, injection_char: str) -> list[dict[str, str]]:
+    """Parquet AV prompt (chat messages with ``<INJECT>``) -> messages with the real marker."""
+    if not isinstance(raw, list) or not all(isinstance(m, dict) and "content" in m for m in raw):
+        raise AVTrainError(f"prompt: expected a list of chat messages {{role, content}}, found {raw!r}")
+    return [{"role": m["role"], "content": m["content"].replace(AV_PLACEHOLDER, injection_char)} for m in raw]
+
+
+def build_examples(tokenizer: Any, prompts: list[Any], responses: list[str], injection_char: str,
+                   max_length: int) -> list[AVExample]:
+    """Tokenise rows once. Long rows lose response tokens from the right (the marker must survive)."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise AVTrainError("tokenizer: no eos_token_id; the AV must learn to stop, set tokenizer.eos_token")
+    cache: dict[str, list[int]] = {}
+    out = []
+    for i, (raw, resp) in enumerate(zip(prompts, responses, strict=True)):
+        msgs = prompt_messages(raw, injection_char)
+        key = repr(msgs)
+        if key not in cache:
+            cache[key] = canonical_av_prompt_ids(tokenizer, msgs)
+        p = cache[key]
+        r = list(tokenizer.encode(resp, add_special_tokens=False)) + [eos]
+        room = max_length - len(p)
+        if room < 2:
+            raise AVTrainError(
+                f"max_length: row {i}'s prompt alone is {len(p)} tokens, leaving no room for a response; "
+                f"raise max_length above {len(p) + 2}"
+            )
+        out.append(AVExample(p, r[:room]))
+    return out
+
+
+def collate(examples: list[AVExample], pad_id: int, padding_side: str) -> AVBatch:
+    """Pad to the longest row on ``padding_side``; labels only over response tokens (+EOS)."""
+    T = max(len(e.prompt_ids) + len(e.response_ids) for e in examples)
+    B = len(examples)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.long)
+    labels = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
+    for b, e in enumerate(examples):
+        row = e.prompt_ids + e.response_ids
+        start = 0 if padding_side == "right" else T - len(row)
+        ids[b, start : start + len(row)] = torch.tensor(row)
+        mask[b, start : start + len(row)] = 1
+        labels[b, start + len(e.prompt_ids) : start + len(row)] = torch.tensor(e.response_ids)
+    position_ids = (mask.cumsum(1) - 1).clamp_min(0)
+    return AVBatch(ids, mask, labels, position_ids)
+
+
+def token_losses(model: torch.nn.Module, batch: AVBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token next-token loss [B, T-1] and its mask [B, T-1] (true where the label is learned)."""
+    out = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                position_ids=batch.position_ids.to(device), use_cache=False)
+    logits = out.logits[:, :-1].float()  # [B, T-1, V]
+    labels = batch.labels[:, 1:].to(device)  # [B, T-1]
+    nll = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
+    return nll, labels != IGNORE_INDEX
+
+
+def _resolve_injection(cfg: AVTrainConfig, side: NLAConfig) -> NLAConfig:
+    spec = cfg.injection_scale if cfg.injection_scale is not None else side.injection_scale
+    if spec is None:
+        raise AVTrainError(
+            "injection_scale: neither the train config nor the dataset sidecar gives one (the sidecar has null); "
+            "set injection_scale in the config (a number, or 'sqrt_d_model') or --set injection_scale=..."
+        )
+    resolve_scale(spec, side.d_model)  # validates the value early
+    return side.replace(injection_scale=spec)
+
+
+def smoke_flags(text: str, injection_char: str) -> list[str]:
+    """Reasons a decoded AV output looks like failed injection (empty list = looks fine)."""
+    flags = []
+    if not text.strip():
+        flags.append("empty")
+    if injection_char in text:
+        flags.append("marker")
+    if _CJK.search(text.replace(injection_char, "")):
+        flags.append("cjk")
+    return flags
+
+
+def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
+    """Warm-start the verbalizer on ``cfg.dataset`` (``av_sft.parquet``). See module docstring."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    seed_everything(cfg.seed)
+    side, base = _resolve_sidecar_and_base(cfg)
+    side = _resolve_injection(cfg, side)
+    train_tab, train_vec, eval_tab, eval_vec = load_split(cfg, "prompt")
+    for col in ("response",):
+        if col not in train_tab.column_names:
+            raise AVTrainError(f"dataset {cfg.dataset}: column {col!r} missing; found {train_tab.column_names}")
+    device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
+    resume_from = find_resume_checkpoint(cfg.out_dir) if resume else None
+    src = str(resume_from) if resume_from is not None else base
+    tok = AutoTokenizer.from_pretrained(src)
+    verify_tokenizer(side, tok)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
+    d = arch.hidden_size(model.config)
+    if d != side.d_model:
+        raise AVTrainError(f"d_model: the sidecar says {side.d_model} but the model at {src} has width {d}; "
+                           "use the base model the dataset was extracted from")
+    if train_vec.shape[1] != d:
+        raise AVTrainError(f"activation_vector: vectors have {train_vec.shape[1]} dims, the model has d_model {d}")
+    model.to(device)
+    hook = InjectionHook.from_config(model, side)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def examples(tab) -> list[AVExample]:
+        return build_examples(tok, tab.column("prompt").to_pylist(), tab.column("response").to_pylist(),
+                              side.injection_char, cfg.max_length)
+
+    train_ex, eval_ex = examples(train_tab), examples(eval_tab)
+    train_v = torch.from_numpy(np.ascontiguousarray(train_vec))
+    eval_v = torch.from_numpy(np.ascontiguousarray(eval_vec))
+    logger.info("AV: %d train / %d eval rows, injection_scale=%s", len(train_ex), len(eval_ex), side.injection_scale)
+
+    def micro_loss(idx: np.ndarray) -> tuple[torch.Tensor, dict[str, float]]:
+        batch = collate([train_ex[i] for i in idx], pad_id, cfg.padding_side)
+        with hook.vectors(train_v[torch.from_numpy(idx)].to(device)):
+            nll, m = token_losses(model, batch, device)
+        loss = (nll * m).sum() / m.sum().clamp_min(1)
+        return loss, {"response_tokens": float(m.sum())}
+
+    def eval_loss(rows: list[AVExample], vecs: torch.Tensor) -> float:
+        tot, cnt = 0.0, 0.0
+        for s in range(0, len(rows), cfg.micro):
+            batch = collate(rows[s : s + cfg.micro], pad_id, cfg.padding_side)
+            with hook.vectors(vecs[s : s + cfg.micro].to(device)):
+                nll, m = token_losses(model, batch, device)
+            tot += float((nll * m).sum())
+            cnt += float(m.sum())
+        return tot / max(cnt, 1.0)
+
+    def evaluate(step: int) -> dict[str, float]:
+        n = min(len(eval_ex), cfg.eval_max_rows)
+        if n < 2:
+            return {}
+        rows, vecs = eval_ex[:n], eval_v[:n]
+        real = eval_loss(rows, vecs)
+        # roll by one row: every row gets another row's vector, deterministic, no RNG use
+        shuffled = eval_loss(rows, torch.roll(vecs, 1, dims=0))
+        return {"eval_loss": real, "eval_loss_shuffled": shuffled, "eval_vector_gap": shuffled - real}
+
+    def smoke(step: int) -> dict[str, Any]:
+        n = min(cfg.smoke_num, len(eval_ex))
+        if n == 0:
+            return {}
+        prompts = [e.prompt_ids for e in eval_ex[:n]]
+        T = max(len(p) for p in prompts)
+        ids = torch.full((n, T), pad_id, dtype=torch.long)
+        mask = torch.zeros((n, T), dtype=torch.long)
+        for b, p in enumerate(prompts):  # generation always pads on the left
+            ids[b, T - len(p) :] = torch.tensor(p)
+            mask[b, T - len(p) :] = 1
+        with torch.no_grad(), hook.vectors(eval_v[:n].to(device)):
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                                 max_new_tokens=cfg.smoke_max_new_tokens, pad_token_id=pad_id)
+        texts = tok.batch_decode(out[:, T:], skip_special_tokens=True)
+        flagged = 0
+        for i, t in enumerate(texts):
+            why = smoke_flags(t, side.injection_char)
+            if why:
+                flagged += 1
+                logger.warning("AV smoke check at step %d, eval row %d flagged %s: %r", step, i, why, t[:200])
+        return {"smoke_flagged": flagged, "smoke_checked": n, "smoke_sample": texts[0][:200]}
+
+    def save_model(directory: Path, step: int) -> dict[str, Any]:
+        model.save_pretrained(directory, safe_serialization=True)
+        tok.save_pretrained(directory)
+        meta = side.replace(kind="nla_model", role="av", base_model=side.base_model or base)
+        write_sidecar(directory, meta, lr=cfg.lr, batch_size=cfg.batch_size, step=step,
+                      parent_dataset=str(Path(cfg.dataset).resolve()), stage="av_warm_start")
+        with torch.no_grad():
+            return smoke(step)
+
+    spec = LoopSpec(name="av", model=model, n_train=len(train_ex), micro_loss=micro_loss, evaluate=evaluate,
+                    save_model=save_model, plot_keys=["loss", "eval_loss", "eval_loss_shuffled", "eval_vector_gap"],
+                    resume_from=resume_from)
+    try:
+        return run_training_loop(cfg, spec)
+    finally:
+        hook.remove()
