@@ -1,0 +1,50 @@
+"""`nla train ar|av --config FILE [--set key=value ...] [--resume]`: the warm-start stages."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+log = logging.getLogger("nla.train")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="warm-start the reconstructor (ar) or the verbalizer (av)")
+    stages = p.add_subparsers(dest="train_stage", metavar="STAGE")
+    for stage, what in (("ar", "reconstructor: explanation text -> activation"),
+                        ("av", "verbalizer: activation -> explanation, vector injected")):
+        sp = stages.add_parser(stage, help=f"warm-start the {what}")
+        sp.add_argument("--config", help=f"YAML of {stage.upper()}TrainConfig fields (see configs/train/)")
+        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field, e.g. --set lr=1e-4 --set max_steps=200")
+        sp.add_argument("--dataset", help="training parquet (overrides dataset)")
+        sp.add_argument("--out", help="run directory (overrides out_dir)")
+        sp.add_argument("--base-model", help="HF model directory to start from (overrides base_model)")
+        sp.add_argument("--max-steps", type=int, help="optimiser steps (overrides max_steps)")
+        sp.add_argument("--resume", action="store_true", help="continue from the last checkpoint in out_dir")
+        sp.set_defaults(func=run)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def run(args: argparse.Namespace) -> int:
+    from nla.train.config import ARTrainConfig, AVTrainConfig, load_config, parse_overrides
+
+    overrides = parse_overrides(args.set)
+    for flag, key in (("dataset", "dataset"), ("out", "out_dir"), ("base_model", "base_model"),
+                      ("max_steps", "max_steps")):
+        value = getattr(args, flag)
+        if value is not None:
+            overrides[key] = value
+    if args.train_stage == "ar":
+        from nla.train.ar import train_ar as train
+
+        cfg = load_config(ARTrainConfig, args.config, overrides)
+    else:
+        from nla.train.av import train_av as train
+
+        cfg = load_config(AVTrainConfig, args.config, overrides)
+    result = train(cfg, resume=args.resume)
+    log.info("checkpoint: %s (%.1f s)", result.checkpoint_dir, result.seconds)
+    log.info("final metrics:\n%s", json.dumps(result.metrics, indent=2, default=str))
+    return 0
