@@ -236,6 +236,11 @@ def test_dual_clip_by_hand():
     loss_pos, m_pos = A.policy_loss(new, old, adv, torch.tensor([[0.0, 1.0]]), dual_clip_c=3.0)
     assert loss_pos.item() == pytest.approx(-1.2, rel=1e-5)
     assert m_pos["clipfrac_dual"] == 0.0
+    # A negative token on-policy (ratio 1, A = -1): loss -A*r = 1 < c|A|, dual bound inactive
+    same = torch.log(torch.tensor([[0.3]]))
+    loss_on, m_on = A.policy_loss(same, same, -torch.ones(1, 1), torch.ones(1, 1), dual_clip_c=3.0)
+    assert loss_on.item() == pytest.approx(1.0)
+    assert m_on["clipfrac_dual"] == 0.0
 
 
 def test_policy_loss_metrics_and_aggregation():
@@ -385,3 +390,41 @@ def test_advantage_registry_uniform_call():
         gae(r, mask, group_size=3)
     with pytest.raises(KeyError, match=r"unknown advantage estimator 'ppo'.*'drgrpo', 'gae', 'grpo'"):
         A.get_advantage_estimator("ppo")
+
+
+def test_entropy_matches_torch_categorical_on_random_logits():
+    logits = torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(0)) * 3
+    ref = torch.distributions.Categorical(logits=logits).entropy()
+    torch.testing.assert_close(A.entropy_from_logits(logits), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dual_clip_c", [None, 2.0])
+def test_policy_loss_matches_scalar_reference_on_random_data(dual_clip_c):
+    # plain per-token Python reference of the clipped (and dual-clipped) surrogate, token-mean
+    g = torch.Generator().manual_seed(3)
+    n, L = 4, 6
+    logp = torch.randn(n, L, generator=g, dtype=torch.float64) * 0.5 - 2
+    old = logp + torch.randn(n, L, generator=g, dtype=torch.float64) * 0.4
+    adv = torch.randn(n, L, generator=g, dtype=torch.float64)
+    mask = (torch.rand(n, L, generator=g) > 0.3).double()
+    eps_low, eps_high = 0.2, 0.28
+    total, count, clipped = 0.0, 0, 0
+    for i in range(n):
+        for t in range(L):
+            if mask[i, t] == 0:
+                continue
+            r = math.exp(float(logp[i, t] - old[i, t]))
+            a = float(adv[i, t])
+            u = -a * r
+            c = -a * min(max(r, 1 - eps_low), 1 + eps_high)
+            loss = max(u, c)
+            if dual_clip_c is not None and a < 0:
+                loss = min(loss, -a * dual_clip_c)
+            total += loss
+            count += 1
+            clipped += c > u
+    loss, m = A.policy_loss(
+        logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c
+    )
+    assert loss.item() == pytest.approx(total / count, rel=1e-12)
+    assert m["clipfrac"] == pytest.approx(clipped / count)
