@@ -137,3 +137,21 @@ def _own_layers(module: nn.Module) -> nn.ModuleList | None:
         if isinstance(value, nn.ModuleList):
             return value
     return None
+
+
+def load_tokenizer(path: str | Any, **kwargs: Any) -> Any:
+    """Load a tokenizer, taking ``tokenizer.json`` verbatim when the directory has one.
+
+    transformers 5's ``AutoTokenizer`` rebuilds the tokenizer of some model types (Qwen2
+    among them) from the vocabulary with that family's own pre-tokenizer, ignoring a custom
+    ``tokenizer.json``; the injection marker and the AR tail would then tokenise differently
+    from training. The generic fast backend reads the file as saved.
+    """
+    from pathlib import Path
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    p = Path(path)
+    if p.is_dir() and (p / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(p, **kwargs)
+    return AutoTokenizer.from_pretrained(path, **kwargs)

@@ -204,9 +204,7 @@ def _maybe_tokenizer(path: str | os.PathLike) -> Any:
     p = Path(path)
     if not p.is_dir() or not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(p)
+    return arch.load_tokenizer(p)
 
 
 def _replace_dir(tmp: Path, target: Path) -> None:

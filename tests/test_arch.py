@@ -45,3 +45,13 @@ def test_truncate_config_cuts_layer_types(tiny_tokenizer):
 def test_unknown_model_errors():
     with pytest.raises(ValueError, match="cannot find the decoder stack of Linear"):
         arch.base_model(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_load_tokenizer_keeps_saved_pipeline(tiny_model_dir, tiny_tokenizer, name):
+    # AutoTokenizer would rebuild the qwen2 one from its vocab with Qwen's own pre-tokenizer.
+    tok = arch.load_tokenizer(tiny_model_dir(name))
+    text = "Explanation: the cat walks.\nSummary vector:"
+    assert tok(text).input_ids == tiny_tokenizer(text).input_ids
+    assert tok.convert_tokens_to_ids("㈎") == tiny_tokenizer.convert_tokens_to_ids("㈎")
+    assert tok.chat_template == tiny_tokenizer.chat_template
