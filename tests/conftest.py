@@ -3,6 +3,8 @@ marker, and tiny random Llama / Qwen2 / Gemma-3 / GPT-2 checkpoints saved to dis
 
 Other test files may use ``tiny_tokenizer``, ``tiny_model_dir`` (a factory: ``tiny_model_dir("llama")``
 -> Path) and ``ARCHS``. Everything is built locally from configs; nothing is downloaded.
+Load the saved tokenizer with ``nla.arch.load_tokenizer(path)``: transformers 5's AutoTokenizer
+rebuilds a qwen2-typed directory's tokenizer from its vocab and breaks this word-level one.
 """
 
 from __future__ import annotations
