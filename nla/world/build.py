@@ -60,11 +60,11 @@ class WorldConfig:
     explainer_wrong_rate: float = 0.1
     vocab_size: int = 1024
     d_model: int = 128
-    n_layers: int = 4
+    n_layers: int = 6
     n_heads: int = 4
     d_ff: int = 344
     seq_len: int = 128
-    train_steps: int = 400
+    train_steps: int = 600
     batch_size: int = 16
     lr: float = 2e-3
     warmup_steps: int = 30
@@ -125,8 +125,8 @@ class WorldConfig:
 WORLD_PRESETS: dict[str, WorldConfig] = {
     # Seconds on a laptop CPU; for tests and smoke runs.
     "tiny": WorldConfig(
-        name="tiny", n_docs=1500, n_heldout_docs=200, vocab_size=512, d_model=64, n_layers=3, n_heads=4,
-        d_ff=172, seq_len=64, train_steps=150, batch_size=16, lr=3e-3, warmup_steps=15,
+        name="tiny", n_docs=1000, n_heldout_docs=150, vocab_size=512, d_model=64, n_layers=3, n_heads=4,
+        d_ff=172, seq_len=64, train_steps=100, batch_size=16, lr=4e-3, warmup_steps=10,
     ),
     # About two to three minutes on 2 CPU cores.
     "default": WorldConfig(name="default"),

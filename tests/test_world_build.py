@@ -1,0 +1,158 @@
+"""World build: subject model quality, saved artifacts, cache reuse, force, atomicity, CLI."""
+
+import json
+import math
+from collections import Counter
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import nla.world.build as build_mod
+from nla.cli import main
+from nla.world.build import WORLD_PRESETS, WorldConfig, build_world, load_world, world_dir
+from nla.world.generator import generate_documents
+from nla.world.subject import evaluate_loss, pack_blocks
+
+# A world small enough to build twice in a test (quality is not checked on it).
+MICRO = WorldConfig(
+    name="micro", n_docs=120, n_heldout_docs=30, vocab_size=300, d_model=32, n_layers=3, n_heads=2,
+    d_ff=64, seq_len=32, train_steps=3, batch_size=4, warmup_steps=1,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_world(tmp_path_factory):
+    base = tmp_path_factory.mktemp("worlds")
+    return base, build_world("tiny", out=base, progress=False)
+
+
+def test_tiny_heldout_loss_well_below_unigram_entropy(tiny_world):
+    _, art = tiny_world
+    cfg = art.config
+    tok = AutoTokenizer.from_pretrained(art.subject_dir)
+    heldout = generate_documents(cfg.seed, cfg.n_heldout_docs, start_id=cfg.n_docs)
+    # The held-out stream: stories joined by EOS, cut to whole blocks of seq_len.
+    stream = []
+    for d in heldout:
+        stream += tok.encode(d.text, add_special_tokens=False) + [tok.eos_token_id]
+    stream = stream[: len(stream) // cfg.seq_len * cfg.seq_len]
+    counts = Counter(stream)
+    entropy = -sum(c / len(stream) * math.log(c / len(stream)) for c in counts.values())
+    assert art.unigram_entropy == pytest.approx(entropy, rel=1e-9)
+    # A model with context should beat the best context-free model by a wide margin.
+    assert art.heldout_loss < 0.6 * entropy, (art.heldout_loss, entropy)
+    assert art.summary["train_losses"][-1] < art.summary["train_losses"][0] - 2.0
+
+
+def test_saved_subject_reloads_and_reproduces_heldout_loss(tiny_world):
+    _, art = tiny_world
+    cfg = art.config
+    tok = AutoTokenizer.from_pretrained(art.subject_dir)
+    model = AutoModelForCausalLM.from_pretrained(art.subject_dir)
+    assert model.config.num_hidden_layers == cfg.n_layers >= 3
+    assert cfg.default_layer == cfg.n_layers // 2
+    heldout = generate_documents(cfg.seed, cfg.n_heldout_docs, start_id=cfg.n_docs)
+    blocks = pack_blocks([tok.encode(d.text, add_special_tokens=False) for d in heldout], cfg.seq_len, tok.eos_token_id)
+    assert evaluate_loss(model, blocks) == pytest.approx(art.heldout_loss, rel=1e-4)
+    # hidden_states[K+1] is the output of block K: datagen's extraction contract
+    out = model(input_ids=blocks[:1], output_hidden_states=True)
+    assert len(out.hidden_states) == cfg.n_layers + 1
+    assert out.hidden_states[cfg.default_layer + 1].shape == (1, cfg.seq_len, cfg.d_model)
+    assert torch.isfinite(out.logits).all()
+
+
+def test_artifact_files(tiny_world):
+    base, art = tiny_world
+    assert art.root == world_dir(art.config, base)
+    assert art.loss_curve_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert WorldConfig.from_yaml(art.root / "world_config.yaml") == WORLD_PRESETS["tiny"]
+    summary = json.loads(art.summary_json.read_text())
+    assert summary["config_hash"] == WORLD_PRESETS["tiny"].config_hash()
+    tok = AutoTokenizer.from_pretrained(art.subject_dir)
+    assert summary["injection_token_id"] == tok.convert_tokens_to_ids("㈎")
+    assert summary["vocab_size"] == len(tok)
+
+
+def test_second_build_reuses_cache(tiny_world, monkeypatch):
+    base, art = tiny_world
+
+    def no_rebuild(*a, **k):
+        raise AssertionError("cached world was rebuilt")
+
+    monkeypatch.setattr(build_mod, "_build_into", no_rebuild)
+    again = build_world("tiny", out=base, progress=False)
+    assert again.from_cache and again.root == art.root and again.heldout_loss == art.heldout_loss
+
+
+def test_default_cache_dir_from_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("NLA_CACHE", str(tmp_path))
+    assert world_dir(MICRO) == tmp_path / "world" / f"micro-{MICRO.config_hash()}"
+
+
+def test_force_rebuilds_in_place(tmp_path):
+    first = build_world(MICRO, out=tmp_path, progress=False)
+    assert not first.from_cache
+    cached = build_world(MICRO, out=tmp_path, progress=False)
+    assert cached.from_cache
+    forced = build_world(MICRO, out=tmp_path, force=True, progress=False)
+    assert not forced.from_cache and forced.root == first.root
+    # deterministic: the rebuild reproduces the same losses; no temp dirs left behind
+    assert forced.summary["train_losses"] == first.summary["train_losses"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.root.name]
+
+
+def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(build_mod, "_plot_losses", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        build_world(MICRO, out=tmp_path, progress=False)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(FileNotFoundError, match="not a finished world build"):
+        load_world(world_dir(MICRO, tmp_path))
+
+
+def test_config_hash_changes_with_any_field():
+    assert MICRO.config_hash() != WorldConfig(**{**MICRO.to_dict(), "seed": 1}).config_hash()
+    assert MICRO.config_hash() == WorldConfig(**MICRO.to_dict()).config_hash()
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ({"n_layers": 2}, "n_layers: must be >= 3"),
+        ({"d_model": 33}, "divisible by n_heads"),
+        ({"vocab_size": 100}, "vocab_size: must be >= 300"),
+        ({"default_layer": 2}, "default_layer: expected 0..1"),
+        ({"train_steps": 0}, "train_steps: must be >= 1"),
+        ({"lr": 0.0}, "lr: must be > 0"),
+    ],
+)
+def test_config_validation(override, match):
+    with pytest.raises(ValueError, match=match):
+        WorldConfig(**{**MICRO.to_dict(), "default_layer": None, **override})
+
+
+def test_unknown_yaml_key_and_preset(tmp_path):
+    p = tmp_path / "w.yaml"
+    p.write_text("name: x\nn_dcos: 5\n")
+    with pytest.raises(ValueError, match=r"unknown keys \['n_dcos'\]"):
+        WorldConfig.from_yaml(p)
+    with pytest.raises(ValueError, match="unknown world preset 'huge'"):
+        build_world("huge")
+
+
+def test_presets_have_a_middle_layer():
+    for name, cfg in WORLD_PRESETS.items():
+        assert cfg.name == name
+        assert cfg.n_layers >= 3 and 0 < cfg.default_layer < cfg.n_layers - 1
+
+
+def test_cli_build_prints_summary(tiny_world, capsys):
+    base, art = tiny_world
+    assert main(["world", "build", "--preset", "tiny", "--out", str(base), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "(cached)" in out and "unigram entropy" in out and str(art.loss_curve_png) in out
+    assert main(["world", "build", "--preset", "nope", "--out", str(base)]) == 2

@@ -1,0 +1,124 @@
+"""Explanation language: render -> parse round trip, grading arithmetic, the text explainer."""
+
+import random
+
+import pytest
+
+from nla.world.explain import (
+    FACT_TEMPLATES,
+    GENERIC_EXPLANATIONS,
+    TextExplainer,
+    grade,
+    parse_facts,
+    render_facts,
+)
+from nla.world.facts import KINDS, SURFACE_INDEX, Fact, all_facts, facts_at
+from nla.world.generator import generate_documents
+
+
+def test_render_parse_round_trip_many_random_sets():
+    rng = random.Random(0)
+    facts = all_facts()
+    for _ in range(500):
+        chosen = set(rng.sample(facts, rng.randint(1, 8)))
+        text = render_facts(chosen, rng)
+        assert parse_facts(text) == chosen, text
+
+
+def test_templates_glue_has_no_surface_words():
+    for kind, templates in FACT_TEMPLATES.items():
+        for t in templates:
+            words = {w.strip(".,:").lower() for w in t.replace("{w}", " ").split()}
+            assert not (words & set(SURFACE_INDEX)), (kind, t)
+    for g in GENERIC_EXPLANATIONS:
+        assert parse_facts(g) == set()
+
+
+def test_parse_is_robust_to_case_punctuation_order_and_synonyms():
+    text = "BEACH!! alice, at DUSK; the Mood: gloomy... (running)"
+    assert parse_facts(text) == {
+        Fact("place", "beach"),
+        Fact("person", "alice"),
+        Fact("time", "evening"),
+        Fact("mood", "sad"),
+        Fact("activity", "running"),
+    }
+    assert parse_facts("") == set()
+
+
+def test_grade_hand_example_with_one_wrong_fact():
+    truth = {Fact("person", "alice"), Fact("place", "beach"), Fact("mood", "happy"), Fact("time", "night")}
+    text = "Alice is at the beach. She seems angry."
+    # predicted {alice, beach, angry}: 2 correct of 3 predicted -> precision 2/3;
+    # 2 of the 4 true facts named -> recall 2/4 = 0.5.
+    g = grade(text, truth)
+    assert (g.n_pred, g.n_true, g.n_correct) == (3, 4, 2)
+    assert g.precision == pytest.approx(2 / 3)
+    assert g.recall == pytest.approx(0.5)
+    assert g.f1 == pytest.approx(2 * 0.5 * (2 / 3) / (0.5 + 2 / 3))
+    # by kind: person 1/1; place 1/1; mood: recall 0/1, precision 0/1 (angry wrong); time: recall 0, nothing predicted
+    assert g.by_kind == {
+        "person": (1.0, 1.0),
+        "place": (1.0, 1.0),
+        "mood": (0.0, 0.0),
+        "time": (0.0, 0.0),
+    }
+
+
+def test_grade_empty_conventions():
+    # empty prediction, empty truth: nothing claimed, nothing missed -> 1, 1
+    g = grade("This is the start of a story.", set())
+    assert (g.recall, g.precision, g.n_pred) == (1.0, 1.0, 0)
+    # empty prediction, non-empty truth: saying nothing is not a free win -> precision 0
+    g = grade("Nothing specific.", {Fact("place", "park")})
+    assert (g.recall, g.precision) == (0.0, 0.0)
+    # prediction with empty truth: recall 1 (nothing to recall), precision 0
+    g = grade("The park.", set())
+    assert (g.recall, g.precision) == (1.0, 0.0)
+
+
+def test_text_explainer_deterministic_and_mostly_faithful():
+    ex = TextExplainer(seed=3, wrong_rate=0.1)
+    docs = generate_documents(1, 200)
+    n_wrong = 0
+    for i, doc in enumerate(docs):
+        facts = facts_at(doc, len(doc.text))
+        text = ex.explain(facts, key=i)
+        assert text == TextExplainer(seed=3, wrong_rate=0.1).explain(facts, key=i)
+        assert "<" not in text  # explanation text only, no tags
+        pred = parse_facts(text)
+        correct = pred & facts
+        assert 2 <= len(correct) <= 3 or len(correct) == len(facts)
+        n_wrong += len(pred - facts)
+        assert len(pred - facts) <= 1
+    # wrong_rate 0.1 over 200 rows: expect ~20 wrong facts; binomial sd ~4.2
+    assert 5 <= n_wrong <= 40
+    # different keys give different phrasings
+    assert len({ex.explain(docs[0].facts, k) for k in range(20)}) > 5
+
+
+def test_text_explainer_no_facts_is_generic():
+    ex = TextExplainer(seed=0, wrong_rate=0.0)
+    for k in range(20):
+        text = ex.explain(frozenset(), k)
+        assert text in GENERIC_EXPLANATIONS
+        assert parse_facts(text) == set()
+
+
+def test_text_explainer_wrong_rate_extremes():
+    facts = frozenset({Fact("place", "park"), Fact("mood", "calm"), Fact("time", "noon"), Fact("object", "map")})
+    for k in range(30):
+        assert parse_facts(TextExplainer(wrong_rate=0.0).explain(facts, k)) <= facts
+        assert len(parse_facts(TextExplainer(wrong_rate=1.0).explain(facts, k)) - facts) == 1
+
+
+def test_text_explainer_rejects_bad_config():
+    with pytest.raises(ValueError, match="min_facts <= max_facts"):
+        TextExplainer(min_facts=3, max_facts=2)
+    with pytest.raises(ValueError, match="wrong_rate"):
+        TextExplainer(wrong_rate=1.5)
+
+
+def test_every_kind_has_several_phrasings():
+    assert set(FACT_TEMPLATES) == set(KINDS)
+    assert all(len(v) >= 3 for v in FACT_TEMPLATES.values())
