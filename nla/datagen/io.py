@@ -83,11 +83,17 @@ def vectors_to_arrow(vectors: np.ndarray) -> pa.Array:
 def write_parquet_atomic(table: pa.Table, path: str | os.PathLike) -> Path:
     """Write `table` to `path` through a temp file + rename, creating parent dirs."""
     path = Path(path)
+    kwargs: dict[str, Any] = {}
+    if VECTOR_COLUMN in table.column_names:
+        # Raw float activations neither compress nor dictionary-encode; skipping both halves the read time.
+        others = [c for c in table.column_names if c != VECTOR_COLUMN]
+        kwargs["use_dictionary"] = others
+        kwargs["compression"] = {**{c: "snappy" for c in others}, VECTOR_COLUMN: "none"}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        pq.write_table(table, tmp)
+        pq.write_table(table, tmp, **kwargs)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
