@@ -156,3 +156,11 @@ def test_cli_build_prints_summary(tiny_world, capsys):
     out = capsys.readouterr().out
     assert "(cached)" in out and "unigram entropy" in out and str(art.loss_curve_png) in out
     assert main(["world", "build", "--preset", "nope", "--out", str(base)]) == 2
+
+
+def test_config_files_match_presets():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs" / "world"
+    for name, cfg in WORLD_PRESETS.items():
+        assert WorldConfig.from_yaml(root / f"{name}.yaml") == cfg, f"configs/world/{name}.yaml drifted from the preset"
