@@ -1,0 +1,153 @@
+"""AR warm-start: step-0 value from a plain reference, overfitting, accumulation, resume, errors."""
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from train_helpers import dataset_sidecar, explanations, write_ar_dataset
+
+from nla.metrics import read_metrics
+from nla.reconstructor import Reconstructor
+from nla.sidecar import load_sidecar
+from nla.train.ar import ARTrainError, tokenize_ar_texts, train_ar
+from nla.train.common import micro_batches
+from nla.train.config import ARTrainConfig
+from nla.vectors import fve, mse_nrm
+
+K = 1  # keep blocks 0..1 of the 4-block tiny llama
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny matmuls on a shared 2-core box: thread oversubscription makes them ~10x slower.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture()
+def ar_data(tmp_path, tiny_model_dir, tiny_tokenizer):
+    base = tiny_model_dir("llama")
+    side = dataset_sidecar(tiny_tokenizer, base, d_model=32, layer_index=K)
+    vec = np.random.default_rng(0).normal(size=(16, 32)).astype(np.float32)
+    return base, side, write_ar_dataset(tmp_path / "ar_sft.parquet", side, vec), vec
+
+
+def _cfg(ds, out, **kw):
+    base = dict(dataset=str(ds), out_dir=str(out), max_steps=4, batch_size=8, lr=3e-3, warmup_steps=1,
+                log_every=1, eval_every=100, save_every=100, eval_fraction=0.25, tensorboard=False, progress=False)
+    base.update(kw)
+    return ARTrainConfig(**base)
+
+
+def test_step0_fve_equals_reference_from_hidden_states(ar_data, tmp_path, tiny_tokenizer):
+    base, side, ds, vec = ar_data
+    from transformers import AutoModelForCausalLM
+
+    # Plain reference: the identity head means the prediction is block K's output at the last
+    # token, i.e. hidden_states[K+1] of the base model (K < last block, so no final norm), one row at a time.
+    lm = AutoModelForCausalLM.from_pretrained(base).eval()
+    texts = [side.ar_text(e) for e in explanations(16)]
+    ref = []
+    with torch.no_grad():
+        for t in texts:
+            ids = tiny_tokenizer(t, return_tensors="pt")["input_ids"]
+            ref.append(lm(ids, output_hidden_states=True).hidden_states[K + 1][0, -1])
+    ref = torch.stack(ref)
+    gold = torch.from_numpy(vec)
+    # All 16 rows in one batch and no eval split: the step-1 loss is computed before the update,
+    # so it is the mean mse_nrm of the reference, and fve_nrm (train-set baseline) is fve(ref, gold).
+    res = train_ar(_cfg(ds, tmp_path / "run", max_steps=1, batch_size=16, eval_fraction=0.0))
+    rec = read_metrics(tmp_path / "run" / "ar.jsonl")[0]
+    assert rec["loss"] == pytest.approx(float(mse_nrm(ref, gold, side.mse_scale_value()).mean()), rel=1e-4)
+    assert rec["fve_nrm"] == pytest.approx(fve(ref, gold, side.mse_scale_value()), abs=1e-4)
+    # the checkpoint is a loadable AR with an AR sidecar carrying provenance
+    meta = load_sidecar(res.checkpoint_dir)
+    assert meta.role == "ar" and meta.layer_index == K and meta.training["step"] == 1
+    assert (res.checkpoint_dir / "train_config.yaml").is_file()
+    Reconstructor.from_pretrained(res.checkpoint_dir)
+
+
+def test_ar_overfits_tiny_set(ar_data, tmp_path):
+    _, _, ds, _ = ar_data
+    res = train_ar(_cfg(ds, tmp_path / "run", max_steps=150, warmup_steps=5, log_every=10, eval_every=75,
+                        eval_fraction=0.0, batch_size=8))
+    # measured: fve_nrm 0.99998 after 150 steps on 16 random vectors (starts below 0.5)
+    assert res.metrics["fve_nrm"] > 0.99
+    recs = read_metrics(tmp_path / "run" / "ar.jsonl")
+    assert recs[0]["fve_nrm"] < 0.5
+    assert (tmp_path / "run" / "ar_curves.png").is_file()
+
+
+def test_accumulated_4x2_gradient_equals_batch_of_8(ar_data, tiny_tokenizer):
+    base, side, _, vec = ar_data
+    texts = [side.ar_text(e) for e in explanations(8)]
+    texts[3] = side.ar_text("a red cat walks and sings about the river in the evening")  # uneven lengths -> padding
+    gold = torch.from_numpy(vec[:8])
+    scale = side.mse_scale_value()
+    ar = Reconstructor.from_base(base, K)
+
+    def loss_of(rows):
+        enc = tokenize_ar_texts(tiny_tokenizer, [texts[i] for i in rows], 64)
+        return mse_nrm(ar.predict(enc["input_ids"], enc["attention_mask"]), gold[rows], scale).mean()
+
+    loss_of(list(range(8))).backward()
+    full = {n: p.grad.clone() for n, p in ar.named_parameters() if p.grad is not None}
+    ar.zero_grad()
+    for sl, w in micro_batches(8, 2):
+        (loss_of(list(range(8))[sl]) * w).backward()
+    for n, p in ar.named_parameters():
+        if n in full:
+            torch.testing.assert_close(p.grad, full[n], rtol=1e-4, atol=1e-6)
+
+
+def test_resume_equals_straight_run(ar_data, tmp_path):
+    _, _, ds, _ = ar_data
+    kw = dict(max_steps=6, batch_size=4, save_every=3, eval_every=3, eval_fraction=0.25, warmup_steps=2)
+    straight = train_ar(_cfg(ds, tmp_path / "a", **kw))
+    train_ar(_cfg(ds, tmp_path / "b", stop_after_steps=3, **kw))
+    resumed = train_ar(_cfg(ds, tmp_path / "b", **kw), resume=True)
+    la = [r["loss"] for r in read_metrics(tmp_path / "a" / "ar.jsonl")]
+    lb = [r["loss"] for r in read_metrics(tmp_path / "b" / "ar.jsonl")]
+    assert len(la) == 6
+    np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-7)
+    for f in ("model.safetensors", "value_head.safetensors"):
+        wa, wb = load_file(straight.checkpoint_dir / f), load_file(resumed.checkpoint_dir / f)
+        for k in wa:
+            torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6)
+
+
+def test_errors_before_training(ar_data, tmp_path, tiny_tokenizer):
+    base, side, ds, vec = ar_data
+    with pytest.raises(FileNotFoundError, match="nope.parquet"):
+        train_ar(_cfg(tmp_path / "nope.parquet", tmp_path / "r", sidecar=str(ds) + ".nla_meta.yaml"))
+    with pytest.raises(FileNotFoundError, match="--resume"):
+        train_ar(_cfg(ds, tmp_path / "fresh"), resume=True)
+    # sidecar claims d_model 64 while the model is 32 wide
+    wide = dataset_sidecar(tiny_tokenizer, base, d_model=64, layer_index=K)
+    ds64 = write_ar_dataset(tmp_path / "wide.parquet", wide, np.zeros((4, 64), np.float32) + 1)
+    with pytest.raises(ARTrainError, match="d_model.*64.*32"):
+        train_ar(_cfg(ds64, tmp_path / "r64"))
+    # prompts without the AR suffix: the first batch check names the row and the expected ids
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(ds)
+    t = t.set_column(t.column_names.index("prompt"), "prompt", pa.array(["cat walks"] * t.num_rows))
+    bad = tmp_path / "nosuffix.parquet"
+    pq.write_table(t, bad)
+    (tmp_path / "nosuffix.parquet.nla_meta.yaml").write_text((tmp_path / "ar_sft.parquet.nla_meta.yaml").read_text())
+    with pytest.raises(ARTrainError, match=r"critic_suffix_ids: training row \d+ ends in"):
+        train_ar(_cfg(bad, tmp_path / "rbad"))
+    with pytest.raises(ARTrainError, match="base_model"):
+        train_ar(_cfg(ds, tmp_path / "nob", sidecar=None).replace(base_model=None).replace(
+            sidecar=str(_strip_base(tmp_path, side))))
+
+
+def _strip_base(tmp_path, side):
+    from nla.sidecar import write_sidecar
+
+    path = tmp_path / "nobase.nla_meta.yaml"
+    write_sidecar(path, side.replace(base_model=None))
+    return path
