@@ -1,0 +1,142 @@
+"""AV warm-start: batch layout by hand, padding invariance, the vector-use gap, errors."""
+
+import numpy as np
+import pytest
+import torch
+from train_helpers import dataset_sidecar, write_av_dataset
+
+from nla.injection import InjectionHook
+from nla.metrics import read_metrics
+from nla.sidecar import load_sidecar
+from nla.train.av import (
+    IGNORE_INDEX,
+    AVExample,
+    AVTrainError,
+    build_examples,
+    collate,
+    smoke_flags,
+    token_losses,
+    train_av,
+)
+from nla.train.config import AVTrainConfig
+
+WORDS = ["cat", "dog", "bird", "fish"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny matmuls on a shared 2-core box: thread oversubscription makes them ~10x slower.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_collate_by_hand():
+    a = AVExample(prompt_ids=[5, 6, 7], response_ids=[8, 9, 3])
+    b = AVExample(prompt_ids=[5, 6], response_ids=[8, 3])
+    r = collate([a, b], pad_id=0, padding_side="right")
+    assert r.input_ids.tolist() == [[5, 6, 7, 8, 9, 3], [5, 6, 8, 3, 0, 0]]
+    assert r.labels.tolist() == [[-100, -100, -100, 8, 9, 3], [-100, -100, 8, 3, -100, -100]]
+    assert r.position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 3, 3]]
+    left = collate([a, b], pad_id=0, padding_side="left")
+    assert left.input_ids.tolist() == [[5, 6, 7, 8, 9, 3], [0, 0, 5, 6, 8, 3]]
+    assert left.labels.tolist() == [[-100, -100, -100, 8, 9, 3], [-100, -100, -100, -100, 8, 3]]
+    assert left.attention_mask.tolist() == [[1] * 6, [0, 0, 1, 1, 1, 1]]
+    assert left.position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 0, 0, 1, 2, 3]]
+
+
+def test_examples_prompt_from_chat_template(tiny_tokenizer, tiny_model_dir):
+    side = dataset_sidecar(tiny_tokenizer, tiny_model_dir("llama"), 32, 1, injection_scale=5.0)
+    msgs = [{"role": "user", "content": "Explain the hidden state << <INJECT> >> in a few short sentences ."}]
+    ex = build_examples(tiny_tokenizer, [msgs], ["<explanation>\ncat\n</explanation>"], side.injection_char, 64)[0]
+    assert ex.prompt_ids.count(side.injection_token_id) == 1
+    assert ex.prompt_ids[-1] == tiny_tokenizer.convert_tokens_to_ids("<|assistant|>")  # generation prompt on
+    assert ex.response_ids[-1] == tiny_tokenizer.eos_token_id
+    # a tight max_length cuts the response, never the prompt (the marker must survive)
+    short = build_examples(tiny_tokenizer, [msgs], ["<explanation>\ncat dog bird\n</explanation>"],
+                           side.injection_char, len(ex.prompt_ids) + 2)[0]
+    assert short.prompt_ids == ex.prompt_ids and len(short.response_ids) == 2
+    with pytest.raises(AVTrainError, match="max_length"):
+        build_examples(tiny_tokenizer, [msgs], ["x"], side.injection_char, 4)
+
+
+def test_left_and_right_padding_give_same_loss(tiny_tokenizer, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    base = tiny_model_dir("llama")
+    side = dataset_sidecar(tiny_tokenizer, base, 32, 1, injection_scale=5.0)
+    model = AutoModelForCausalLM.from_pretrained(base).eval()
+    msgs = [{"role": "user", "content": "Explain the hidden state << <INJECT> >> in a few short sentences ."}]
+    ex = build_examples(tiny_tokenizer, [msgs] * 2, ["<explanation>\ncat\n</explanation>",
+                                                     "<explanation>\nthe dog walks to the river\n</explanation>"],
+                        side.injection_char, 64)
+    hook = InjectionHook.from_config(model, side)
+    v = torch.randn(2, 32)
+    out = {}
+    with torch.no_grad():
+        for sidename in ("left", "right"):
+            batch = collate(ex, tiny_tokenizer.pad_token_id, sidename)
+            with hook.vectors(v):
+                nll, m = token_losses(model, batch, torch.device("cpu"))
+            out[sidename] = (nll * m).sum() / m.sum()
+            assert int(m.sum()) == sum(len(e.response_ids) for e in ex)  # labels = response + EOS only
+    torch.testing.assert_close(out["left"], out["right"], rtol=1e-5, atol=1e-6)
+
+
+def test_smoke_flags():
+    assert smoke_flags("<explanation> a cat </explanation>", "㈎") == []
+    assert smoke_flags("   ", "㈎") == ["empty"]
+    assert smoke_flags("the ㈎ sign", "㈎") == ["marker"]
+    assert smoke_flags("这是", "㈎") == ["cjk"]
+
+
+def _av_data(tmp_path, tokenizer, base, injection_scale, n=48):
+    side = dataset_sidecar(tokenizer, base, 32, 1, injection_scale=injection_scale)
+    rng = np.random.default_rng(0)
+    protos = rng.normal(size=(len(WORDS), 32))
+    cls = np.arange(n) % len(WORDS)
+    vec = (protos[cls] + 0.1 * rng.normal(size=(n, 32))).astype(np.float32)
+    return write_av_dataset(tmp_path / "av_sft.parquet", side, vec, [f"the {WORDS[c]} is happy" for c in cls])
+
+
+def _cfg(ds, out, **kw):
+    base = dict(dataset=str(ds), out_dir=str(out), max_steps=120, batch_size=8, lr=3e-3, warmup_steps=5,
+                log_every=10, eval_every=60, save_every=1000, eval_fraction=0.25, tensorboard=False,
+                progress=False, smoke_num=2, smoke_max_new_tokens=12)
+    base.update(kw)
+    return AVTrainConfig(**base)
+
+
+def test_vector_is_used_after_short_training(tmp_path, tiny_tokenizer, tiny_model_dir):
+    # The response names one of four classes and only the injected vector tells which one,
+    # so after training the held-out loss with real vectors must beat the loss with vectors
+    # rolled across the eval batch.
+    ds = _av_data(tmp_path, tiny_tokenizer, tiny_model_dir("llama"), injection_scale=5.0)
+    res = train_av(_cfg(ds, tmp_path / "run"))
+    m = res.metrics
+    # measured: eval_loss ~0.16 vs shuffled ~0.23 after 120 steps (per response token)
+    assert m["eval_loss"] < m["eval_loss_shuffled"]
+    assert m["eval_vector_gap"] > 0.02
+    assert m["smoke_checked"] == 2 and m["smoke_flagged"] == 0
+    meta = load_sidecar(res.checkpoint_dir)
+    assert meta.role == "av" and meta.injection_scale == 5.0 and meta.training["step"] == 120
+    assert (res.checkpoint_dir / "train_config.yaml").is_file()
+    recs = read_metrics(tmp_path / "run" / "av.jsonl")
+    assert recs[0]["loss"] > recs[-1]["loss"]
+
+
+def test_injection_scale_required(tmp_path, tiny_tokenizer, tiny_model_dir):
+    ds = _av_data(tmp_path, tiny_tokenizer, tiny_model_dir("llama"), injection_scale=None, n=8)
+    with pytest.raises(AVTrainError, match="injection_scale"):
+        train_av(_cfg(ds, tmp_path / "run"))
+    # the config may supply it instead
+    res = train_av(_cfg(ds, tmp_path / "run2", max_steps=2, warmup_steps=1, injection_scale="sqrt_d_model", smoke_num=1))
+    assert load_sidecar(res.checkpoint_dir).injection_scale == "sqrt_d_model"
+
+
+def test_missing_dataset_named(tmp_path, tiny_tokenizer, tiny_model_dir):
+    ds = _av_data(tmp_path, tiny_tokenizer, tiny_model_dir("llama"), injection_scale=5.0, n=8)
+    with pytest.raises(FileNotFoundError, match="absent.parquet"):
+        train_av(_cfg(tmp_path / "absent.parquet", tmp_path / "r", sidecar=str(ds) + ".nla_meta.yaml"))
+    assert IGNORE_INDEX == -100
