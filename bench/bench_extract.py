@@ -32,6 +32,8 @@ def bench_extract(preset: str, n_docs: int, batch_size: int, world_out: str | No
     layer = arts.config.default_layer
     docs = world_corpus(arts.config.seed, n_docs)
     with tempfile.TemporaryDirectory() as tmp:
+        # warm-up: first-time imports inside transformers would otherwise dominate a small run
+        extract_activations(arts.subject_dir, docs[:8], layer, 8, 4, 0, batch_size, f"{tmp}/warm", 64)
         t0 = time.perf_counter()
         res = extract_activations(
             arts.subject_dir, docs, layer, 8, 4, 0, batch_size, tmp, arts.config.seq_len
@@ -39,7 +41,7 @@ def bench_extract(preset: str, n_docs: int, batch_size: int, world_out: str | No
         dt = time.perf_counter() - t0
     print(f"extract  [{preset}, d={res.d_model}, layer {layer}, {n_docs} docs, batch {batch_size}]: "
           f"{res.n_tokens} tokens, {res.n_rows} rows in {dt:.2f}s -> {res.n_tokens / dt:,.0f} tokens/s "
-          f"(incl. model load)")  # fmt: skip
+          f"(incl. model load, warm imports)")  # fmt: skip
 
     model = AutoModelForCausalLM.from_pretrained(arts.subject_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(arts.subject_dir)
@@ -62,7 +64,9 @@ def bench_load(rows: int, d: int) -> None:
     v = np.random.default_rng(0).standard_normal((rows, d)).astype(np.float32)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "acts.parquet"
-        write_parquet_atomic(pa.table({"activation_vector": vectors_to_arrow(v), "doc_id": np.arange(rows)}), path)
+        write_parquet_atomic(
+            pa.table({"activation_vector": vectors_to_arrow(v), "doc_id": np.arange(rows)}), path
+        )
         size = path.stat().st_size / 2**20
         t0 = time.perf_counter()
         arr = read_vectors(path)
@@ -85,8 +89,10 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--d", type=int, default=128, help="vector width for the load benchmark")
     p.add_argument("--skip-extract", action="store_true")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     args = p.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     bench_load(args.rows, args.d)
     if not args.skip_extract:
         bench_extract(args.preset, args.docs, args.batch_size, args.world_out)
