@@ -1,0 +1,342 @@
+"""The RL controller: one loop, written once against the worker-group roles (DESIGN §4).
+
+Per step, on-policy:
+1. sample ``rollout_batch_size`` prompts and generate ``n_samples_per_prompt`` explanations
+   each with the current AV weights;
+2. reward every sample with the *live* AR through the ``RewardBatcher`` (failed extraction
+   or truncation -> ``FAILED_EXTRACTION_REWARD``); optional DAPO overlong punishment;
+3. DAPO dynamic sampling (optional): drop groups with zero reward spread and refill;
+4. advantages (GRPO / Dr.GRPO / REINFORCE baseline / GAE over the value model);
+5. policy update with the KL-to-reference loss term; value update (PPO);
+6. AR update on the same rollouts (failed samples skipped);
+7. log, evaluate, checkpoint, sync weights to the rollout role.
+
+Departures from the published system:
+1. Rewards are scored after the whole rollout is generated (HF ``generate`` is batched,
+   not a stream of callbacks); the batcher still serves them as ``reward_batch_size``
+   chunks of one AR forward each.
+2. The step-0 guard compares the AR's left-padded reward layout with its right-padded
+   training layout on the first rollout's texts (varied lengths), not on a packed layout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from nla.datagen.io import read_parquet, read_vectors
+from nla.metrics import MetricsLogger
+from nla.reward import RewardBatcher, failed_extraction_reward, score_all
+from nla.rl import algorithms as A
+from nla.rl.backend import build_groups
+from nla.rl.config import RLConfig, save_rl_config
+from nla.rl.types import COMPLETED, TRUNCATED, Rollout
+from nla.rl.workers import WorkerGroups
+from nla.sidecar import write_sidecar
+from nla.train.common import (
+    DataCursor,
+    atomic_dir,
+    capture_rng_state,
+    checkpoint_dir_name,
+    latest_checkpoint,
+    prune_checkpoints,
+    restore_rng_state,
+    seed_everything,
+)
+from nla.vectors import predict_mean_baselines
+
+logger = logging.getLogger(__name__)
+
+RL_STATE_FILE = "rl_state.pt"
+PLOT_KEYS = ["reward_mean", "fve_nrm", "kl", "response_len", "ar_loss", "fact_recall", "eval_fve_nrm",
+             "extraction_fail_rate"]
+
+
+class RLGuardError(RuntimeError):
+    """Training refused to start (or stopped) because an invariant of the reward path broke."""
+
+
+@dataclass
+class RLData:
+    """The RL prompt set: RAW gold vectors [R, d] and, for world data, the true facts per row."""
+
+    vectors: torch.Tensor
+    facts: list[list[str]] | None
+    path: Path
+
+    @classmethod
+    def load(cls, path: str | Path) -> RLData:
+        table = read_parquet(path)
+        vecs = torch.from_numpy(read_vectors(table).copy())
+        facts = table.column("facts").to_pylist() if "facts" in table.column_names else None
+        if vecs.shape[0] == 0:
+            raise ValueError(f"{path}: the RL dataset has no rows")
+        return cls(vecs, facts, Path(path))
+
+
+@dataclass
+class RLResult:
+    out_dir: Path
+    checkpoint_dir: Path
+    metrics: dict[str, Any]
+    seconds: float
+
+
+# ----------------------------------------------------------------------------- pieces of a step
+def score_rollout(rollout: Rollout, batcher: RewardBatcher, log_mse: bool) -> None:
+    """Fill ``rollout.rewards`` / ``rollout.mse`` with the live AR (failed samples get the penalty)."""
+    ok = rollout.ok
+    items = [(rollout.explanations[i], rollout.vectors[i]) for i in ok.nonzero(as_tuple=True)[0].tolist()]
+    scored = torch.tensor(score_all(batcher, items), dtype=torch.float32) if items else torch.zeros(0)
+    rewards = torch.full((rollout.n,), failed_extraction_reward(log_mse), dtype=torch.float32)
+    rewards[ok] = scored
+    mse = torch.full((rollout.n,), math.nan)
+    mse[ok] = torch.exp(-scored) if log_mse else -scored
+    rollout.rewards, rollout.mse = rewards, mse
+
+
+def grade_facts(rollout: Rollout, facts: list[list[str]] | None) -> dict[str, float]:
+    """World data: fact recall / precision of the extracted explanations against ground truth."""
+    if facts is None:
+        return {}
+    from nla.world import Fact, grade
+
+    recalls, precisions = [], []
+    for i, exp in enumerate(rollout.explanations):
+        truth = {Fact.parse(s) for s in facts[int(rollout.prompt_rows[i])]}
+        g = grade(exp or "", truth)
+        recalls.append(g.recall)
+        precisions.append(g.precision if exp is not None else 0.0)
+    return {"fact_recall": float(np.mean(recalls)), "fact_precision": float(np.mean(precisions))}
+
+
+def collect_rollout(groups: WorkerGroups, cfg: RLConfig, data: RLData, cursor: DataCursor,
+                    batcher: RewardBatcher) -> tuple[Rollout, Rollout, dict[str, float]]:
+    """Generate + score, with DAPO dynamic sampling when enabled.
+
+    Returns (the rollout to train the policy on, every scored sample of the step for the AR
+    update, metrics).
+    """
+    G = cfg.n_samples_per_prompt
+    parts, everything = [], []
+    kept_groups, rounds, first_zero_frac = 0, 0, None
+    t_gen = t_rew = 0.0
+    while True:
+        rows = torch.from_numpy(cursor.next_indices(cfg.rollout_batch_size - kept_groups)).long()
+        t0 = time.perf_counter()
+        r = groups.rollout.generate(data.vectors[rows], rows, G, cfg.max_response_len, cfg.temperature, cfg.top_p)
+        t1 = time.perf_counter()
+        score_rollout(r, batcher, cfg.log_mse)
+        t_rew += time.perf_counter() - t1
+        t_gen += t1 - t0
+        if cfg.overlong_buffer_len > 0:
+            r.rewards = r.rewards + A.overlong_penalty(r.lengths, cfg.max_response_len, cfg.overlong_buffer_len,
+                                                       cfg.overlong_penalty_factor)
+        everything.append(r)
+        spread = A.dynamic_sampling_mask(r.rewards, G)  # [b]
+        if first_zero_frac is None:
+            first_zero_frac = float((~spread).float().mean())
+        if not cfg.dynamic_sampling:
+            parts.append(r)
+            break
+        keep = spread.repeat_interleave(G)
+        if keep.any():
+            parts.append(r.select(keep))
+            kept_groups += int(spread.sum())
+        if kept_groups >= cfg.rollout_batch_size or rounds >= cfg.max_refill_rounds:
+            break
+        rounds += 1
+    pad = groups.rollout.pad_id
+    train = Rollout.concat(parts, pad) if parts else everything[0].select(torch.zeros(everything[0].n, dtype=torch.bool))
+    allr = Rollout.concat(everything, pad)
+    metrics = {"time_generate": t_gen, "time_reward": t_rew, "zero_spread_frac": first_zero_frac or 0.0,
+               "refill_rounds": float(rounds), "train_groups": float(train.n // G)}
+    return train, allr, metrics
+
+
+def rollout_metrics(r: Rollout, baseline: float) -> dict[str, float]:
+    ok = r.ok
+    mse = r.mse[ok]
+    m = {
+        "reward_mean": float(r.rewards.mean()),
+        "reward_std": float(r.rewards.std()) if r.n > 1 else 0.0,
+        "response_len": float(r.lengths.float().mean()),
+        "truncation_rate": float((r.status == TRUNCATED).float().mean()),
+        "extraction_fail_rate": float((r.status != COMPLETED).float().mean()),
+    }
+    if mse.numel():
+        m["mse_nrm"] = float(mse.mean())
+        m["fve_nrm"] = 1.0 - float(mse.mean()) / baseline
+    return m
+
+
+# ----------------------------------------------------------------------------- checkpointing
+def save_checkpoint(root: Path, step: int, groups: WorkerGroups, cfg: RLConfig, cursor: DataCursor,
+                    keep_last: int) -> Path:
+    final = root / checkpoint_dir_name(step)
+    with atomic_dir(final) as tmp:
+        av_dir = tmp / "av"
+        groups.policy.model.save_pretrained(av_dir, safe_serialization=True)
+        groups.tokenizer.save_pretrained(av_dir)
+        write_sidecar(av_dir / "nla_meta.yaml", groups.av_sidecar.replace(kind="nla_model", role="av"),
+                      stage="rl", rl_step=step, parent_av=str(cfg.av), parent_ar=str(cfg.ar), lr=cfg.lr)
+        groups.reconstructor.ar.save_pretrained(tmp / "ar", groups.ar_sidecar, stage="rl", rl_step=step,
+                                                parent_ar=str(cfg.ar), lr=cfg.ar_lr_value)
+        state: dict[str, Any] = {
+            "step": step, "cursor": cursor.state_dict(), "rng": capture_rng_state(), "reference": str(cfg.av),
+            "policy": groups.policy.optim_state(), "reconstructor": groups.reconstructor.optim_state(),
+        }
+        if groups.value is not None:
+            state["value"] = groups.value.optim_state()
+            torch.save(groups.value.model.state_dict(), tmp / "value_model.pt")
+        torch.save(state, tmp / RL_STATE_FILE)
+        save_rl_config(cfg, tmp / "rl_config.yaml")
+    prune_checkpoints(root, keep_last)
+    return final
+
+
+def latest_rl_checkpoint(out_dir: Path) -> Path | None:
+    root = out_dir / "checkpoints"
+    if not root.is_dir():
+        return None
+    cands = sorted(p for p in root.iterdir() if p.is_dir() and (p / RL_STATE_FILE).is_file())
+    return cands[-1] if cands else latest_checkpoint(root)
+
+
+# ----------------------------------------------------------------------------- the loop
+def step0_guard(groups: WorkerGroups, rollout: Rollout, tol: float) -> float:
+    """Refuse to train when the padded reward path and the AR training layout disagree."""
+    texts = [e if e is not None else t for e, t in zip(rollout.explanations, rollout.texts, strict=True)]
+    # Varied lengths make the check meaningful: add truncated/short variants of the texts.
+    texts = texts[:16] + [t[: max(1, len(t) // 3)] for t in texts[:8]]
+    golds = torch.cat([rollout.vectors[:16], rollout.vectors[:8]])
+    diff = groups.reconstructor.layout_check(texts, golds)
+    if not diff <= tol:
+        raise RLGuardError(
+            f"step-0 guard: the AR's padded reward path and its training layout disagree (max relative MSE "
+            f"difference {diff:.3g} > step0_guard_tol {tol:g}); rewards would not match what the AR learns. "
+            "Check last-token indexing and position ids under padding, or the AR tokenizer's padding token"
+        )
+    return diff
+
+
+def evaluate(groups: WorkerGroups, cfg: RLConfig, data: RLData, baseline: float,
+             batcher: RewardBatcher) -> dict[str, float]:
+    """Greedy decode of up to ``eval_max_rows`` held-out vectors, scored by the live AR."""
+    n = min(cfg.eval_max_rows, data.vectors.shape[0])
+    rows = torch.arange(n)
+    r = groups.rollout.generate(data.vectors[rows], rows, 1, cfg.max_response_len, greedy=True)
+    score_rollout(r, batcher, cfg.log_mse)
+    m = rollout_metrics(r, baseline)
+    m.update(grade_facts(r, data.facts))
+    return {f"eval_{k}": v for k, v in m.items() if k in ("fve_nrm", "mse_nrm", "reward_mean", "fact_recall",
+                                                           "fact_precision", "extraction_fail_rate")}
+
+
+def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None = None) -> RLResult:
+    """Run (or resume) RL; returns the last checkpoint and final metrics."""
+    from tqdm.auto import tqdm
+
+    t_start = time.perf_counter()
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    root = out / "checkpoints"
+    seed_everything(cfg.seed)
+    data = RLData.load(cfg.dataset)
+    eval_data = RLData.load(cfg.eval_dataset) if cfg.eval_dataset else None
+    ckpt = latest_rl_checkpoint(out) if resume else None
+    if resume and ckpt is None:
+        raise FileNotFoundError(f"--resume: no RL checkpoint under {root}; run without --resume to start fresh")
+    if groups is None:
+        groups = build_groups(cfg, ckpt / "av" if ckpt else None, ckpt / "ar" if ckpt else None)
+    if groups.av_sidecar.d_model != data.vectors.shape[1]:
+        raise ValueError(
+            f"d_model: {cfg.dataset} holds {data.vectors.shape[1]}-d vectors but the AV sidecar says "
+            f"{groups.av_sidecar.d_model}; use the RL parquet built for this subject model and layer"
+        )
+    scale = groups.ar_sidecar.mse_scale_value()
+    baseline = float(predict_mean_baselines(data.vectors, scale).raw_mean)
+    eval_baseline = float(predict_mean_baselines(eval_data.vectors, scale).raw_mean) if eval_data else baseline
+    cursor = DataCursor(n=data.vectors.shape[0], seed=cfg.seed)
+    step = 0
+    if ckpt is not None:
+        state = torch.load(ckpt / RL_STATE_FILE, weights_only=True)
+        if state["reference"] != str(cfg.av):
+            raise ValueError(f"--resume: the checkpoint's reference AV is {state['reference']} but av is {cfg.av}")
+        step = int(state["step"])
+        cursor.load_state_dict(state["cursor"])
+        groups.policy.load_optim_state(state["policy"])
+        groups.reconstructor.load_optim_state(state["reconstructor"])
+        if groups.value is not None and "value" in state:
+            groups.value.model.load_state_dict(torch.load(ckpt / "value_model.pt", weights_only=True))
+            groups.value.load_optim_state(state["value"])
+        restore_rng_state(state["rng"])
+        logger.info("resuming RL from %s at step %d", ckpt, step)
+    save_rl_config(cfg, out / "rl_config.yaml")
+    stop = min(cfg.steps, cfg.stop_after_steps or cfg.steps)
+    metrics_log = MetricsLogger(out, "rl", tensorboard=cfg.tensorboard)
+    batcher = RewardBatcher(groups.reconstructor.score_batch, cfg.reward_batch_size, cfg.reward_flush_seconds)
+    last_ckpt, final = ckpt, {}
+    bar = tqdm(total=stop, initial=step, desc="rl", disable=not cfg.progress)
+    try:
+        while step < stop:
+            t0 = time.perf_counter()
+            train, everything, m = collect_rollout(groups, cfg, data, cursor, batcher)
+            if step == 0 and ckpt is None:
+                m["step0_guard_diff"] = step0_guard(groups, everything, cfg.step0_guard_tol)
+            m.update(rollout_metrics(everything, baseline))
+            m.update(grade_facts(everything, data.facts))
+            t1 = time.perf_counter()
+            if train.n:
+                ref_logp = groups.reference.logprobs(train)
+                values = returns = None
+                if groups.value is not None:
+                    values = groups.value.values(train)
+                est = A.get_advantage_estimator(cfg.advantage)
+                if cfg.advantage == "grpo" and not cfg.scale_by_std:
+                    est = A.get_advantage_estimator("drgrpo")
+                adv, returns = est(train.rewards, train.response_mask.float(), group_size=cfg.n_samples_per_prompt,
+                                   values=values, gamma=cfg.gamma, lam=cfg.lam)
+                m.update(groups.policy.update(train, adv, ref_logp))
+                if groups.value is not None:
+                    m.update(groups.value.update(train, values, returns))
+                    m["explained_variance"] = A.explained_variance(values, returns, train.response_mask.float())
+            m["time_policy"] = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            ok = everything.ok
+            exps = [e for e, k in zip(everything.explanations, ok.tolist(), strict=True) if k]
+            m.update(groups.reconstructor.update(exps, everything.vectors[ok]))
+            m["time_ar"] = time.perf_counter() - t2
+            groups.rollout.sync_weights(groups.policy)
+            step += 1
+            if eval_data is not None and (step % cfg.eval_every == 0 or step == stop):
+                m.update(evaluate(groups, cfg, eval_data, eval_baseline, batcher))
+            m["time_step"] = time.perf_counter() - t0
+            if step % cfg.log_every == 0 or step == stop:
+                metrics_log.log(step, **m)
+            final.update(m)
+            bar.update(1)
+            bar.set_postfix(reward=f"{m['reward_mean']:.3f}", fve=f"{m.get('fve_nrm', float('nan')):.3f}")
+            if step % cfg.save_every == 0 or step == stop:
+                last_ckpt = save_checkpoint(root, step, groups, cfg, cursor, cfg.keep_last)
+    finally:
+        bar.close()
+        score_all_close(batcher)
+        metrics_log.plot(out / "rl_curves.png", PLOT_KEYS, title="RL")
+        metrics_log.close()
+    (out / "rl_summary.json").write_text(json.dumps({"step": step, **final}, indent=2, default=float))
+    return RLResult(out, last_ckpt, {"step": step, **final}, time.perf_counter() - t_start)
+
+
+def score_all_close(batcher: RewardBatcher) -> None:
+    import asyncio
+
+    asyncio.run(batcher.aclose())

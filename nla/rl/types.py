@@ -1,0 +1,107 @@
+"""Typed state passed between the RL controller and the worker groups.
+
+Notation: B prompts, G samples per prompt, N = B*G samples, P prompt tokens (the AV prompt
+is identical for every row), L response tokens (right-padded), d model width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+# Per-sample rollout status codes.
+COMPLETED, TRUNCATED, FAILED_EXTRACTION = 0, 1, 2
+STATUS_NAMES = {COMPLETED: "completed", TRUNCATED: "truncated", FAILED_EXTRACTION: "failed_extraction"}
+
+
+@dataclass
+class Rollout:
+    """One rollout of N samples.
+
+    prompt_rows: [N] index of each sample's prompt row in the RL dataset.
+    group: [N] group id (0..B-1): samples of one prompt share it; groups are contiguous.
+    vectors: [N, d] RAW gold activations (repeated G times per prompt).
+    prompt_ids: [P] the canonical AV prompt (the same for every row).
+    response_ids: [N, L] sampled tokens, right-padded with pad_id after EOS.
+    response_mask: [N, L] 1 on generated tokens up to and including EOS.
+    texts: decoded responses; explanations: extracted text or None (miss or truncation).
+    status: [N] COMPLETED | TRUNCATED | FAILED_EXTRACTION.
+    """
+
+    prompt_rows: Tensor
+    group: Tensor
+    vectors: Tensor
+    prompt_ids: Tensor
+    response_ids: Tensor
+    response_mask: Tensor
+    texts: list[str]
+    explanations: list[str | None]
+    status: Tensor
+    rewards: Tensor | None = None  # [N] after scoring
+    mse: Tensor | None = None  # [N] mse_nrm of scored samples (nan where extraction failed)
+    predictions: Tensor | None = None  # [N, d] AR predictions (nan rows where extraction failed)
+
+    @property
+    def n(self) -> int:
+        return int(self.response_ids.shape[0])
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.response_mask.sum(1)
+
+    @property
+    def ok(self) -> Tensor:
+        """[N] bool: samples whose explanation was extracted (scored by the AR, used to train it)."""
+        return self.status == COMPLETED
+
+    def select(self, keep: Tensor) -> Rollout:
+        """The samples where ``keep`` [N] is true (groups stay contiguous if whole groups are kept)."""
+        idx = keep.nonzero(as_tuple=True)[0]
+        pick = idx.tolist()
+        return Rollout(
+            prompt_rows=self.prompt_rows[idx], group=self.group[idx], vectors=self.vectors[idx],
+            prompt_ids=self.prompt_ids, response_ids=self.response_ids[idx], response_mask=self.response_mask[idx],
+            texts=[self.texts[i] for i in pick], explanations=[self.explanations[i] for i in pick],
+            status=self.status[idx],
+            rewards=None if self.rewards is None else self.rewards[idx],
+            mse=None if self.mse is None else self.mse[idx],
+            predictions=None if self.predictions is None else self.predictions[idx],
+        )
+
+    @staticmethod
+    def concat(parts: list[Rollout], pad_id: int) -> Rollout:
+        """Join rollouts (responses re-padded to the longest); group ids are renumbered."""
+        L = max(p.response_ids.shape[1] for p in parts)
+
+        def pad(t: Tensor, value: int) -> Tensor:
+            return torch.nn.functional.pad(t, (0, L - t.shape[1]), value=value)
+
+        groups, offset = [], 0
+        for p in parts:
+            g = p.group - p.group.min() if p.n else p.group
+            groups.append(g + offset)
+            offset += int(g.max()) + 1 if p.n else 0
+
+        def cat_opt(name: str) -> Tensor | None:
+            vals = [getattr(p, name) for p in parts]
+            return None if any(v is None for v in vals) else torch.cat(vals)
+
+        return Rollout(
+            prompt_rows=torch.cat([p.prompt_rows for p in parts]), group=torch.cat(groups),
+            vectors=torch.cat([p.vectors for p in parts]), prompt_ids=parts[0].prompt_ids,
+            response_ids=torch.cat([pad(p.response_ids, pad_id) for p in parts]),
+            response_mask=torch.cat([pad(p.response_mask, 0) for p in parts]),
+            texts=[t for p in parts for t in p.texts], explanations=[e for p in parts for e in p.explanations],
+            status=torch.cat([p.status for p in parts]), rewards=cat_opt("rewards"), mse=cat_opt("mse"),
+            predictions=cat_opt("predictions"),
+        )
+
+
+@dataclass
+class StepStats:
+    """What one RL step reports (all plain floats; logged to JSONL/TensorBoard)."""
+
+    step: int
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,419 @@
+"""Worker roles of the RL step, local (in-process) implementations.
+
+The controller (``nla.rl.loop``) talks to five roles through these methods only, so a
+distributed backend can replace any of them without touching the loop:
+
+- ``RolloutWorker.generate(vectors, n_samples, ...) -> Rollout`` and ``sync_weights(policy)``
+- ``PolicyWorker.update(rollout, advantages, ref_logp) -> metrics`` (the AV, trained)
+- ``ReferenceWorker.logprobs(rollout) -> [N, L]`` (the frozen warm-started AV)
+- ``ReconstructorWorker.score_batch(items) -> rewards`` (live weights) and ``update(...)``
+- ``ValueWorker.values(rollout)`` / ``update(...)`` (PPO only)
+
+Notation as in ``nla.rl.types``: N samples, P prompt tokens, L response tokens, d width.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from nla import arch
+from nla.injection import InjectionHook
+from nla.reconstructor import Reconstructor, last_token_index
+from nla.reward import extract_explanation, mse_to_reward
+from nla.rl import algorithms as A
+from nla.rl.types import COMPLETED, FAILED_EXTRACTION, TRUNCATED, Rollout
+from nla.sidecar import NLAConfig, canonical_av_prompt_ids
+from nla.train.ar import tokenize_ar_texts
+from nla.train.common import build_optimizer, micro_batches, optimizer_step_guarded, warmup_cosine
+from nla.vectors import mse_nrm
+
+logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- shared math
+def response_logprobs(
+    model: nn.Module, hook: InjectionHook, prompt_ids: Tensor, response_ids: Tensor, response_mask: Tensor,
+    vectors: Tensor, *, with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs [n, L] of the sampled response tokens (and entropies [n, L], detached).
+
+    The input is ``prompt + response`` (right-padded after EOS), so positions need no
+    adjustment; logits at ``P-1 .. P+L-2`` predict the response tokens.
+    """
+    n, L = response_ids.shape
+    P = prompt_ids.shape[0]
+    device = next(model.parameters()).device
+    ids = torch.cat([prompt_ids.to(device).expand(n, P), response_ids.to(device)], 1)
+    attn = torch.cat([torch.ones(n, P, dtype=torch.long, device=device), response_mask.to(device).long()], 1)
+    with hook.vectors(vectors.to(device)):
+        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, P - 1 : P + L - 1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, P:, None]).squeeze(-1)
+    ent = A.entropy_from_logits(logits.detach()) if with_entropy else None
+    return logp, ent
+
+
+def _parse_responses(tokenizer: Any, response_ids: Tensor, eos_id: int) -> tuple[Tensor, list[str], Tensor]:
+    """Mask [N, L] up to and including the first EOS, decoded texts, and truncation flags [N]."""
+    N, L = response_ids.shape
+    is_eos = response_ids == eos_id
+    has_eos = is_eos.any(1)
+    first = torch.where(has_eos, is_eos.float().argmax(1), torch.full((N,), L))
+    pos = torch.arange(L).expand(N, L)
+    mask = (pos <= first[:, None]).long() if L else torch.zeros(N, 0, dtype=torch.long)
+    mask = torch.where(has_eos[:, None], mask, torch.ones_like(mask))
+    texts = []
+    for i in range(N):
+        n_text = int(first[i]) if has_eos[i] else L
+        # special tokens are kept: the <explanation> tags may be added tokens.
+        texts.append(tokenizer.decode(response_ids[i, :n_text].tolist(), skip_special_tokens=False))
+    return mask, texts, ~has_eos
+
+
+# ----------------------------------------------------------------------------- roles
+class RolloutWorker:
+    """Samples explanations from the current AV weights (the local backend shares the policy module)."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any, sidecar: NLAConfig, device: torch.device) -> None:
+        self.model, self.tokenizer, self.sidecar, self.device = model, tokenizer, sidecar, device
+        self.hook = InjectionHook.from_config(model, sidecar)
+        self.prompt_ids = torch.tensor(canonical_av_prompt_ids(tokenizer, sidecar.av_messages()), dtype=torch.long)
+        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+
+    def sync_weights(self, policy: PolicyWorker) -> None:
+        """Make the next rollout use the policy's weights. Local: the module is shared, nothing to copy."""
+        if policy.model is not self.model:
+            self.model.load_state_dict(policy.model.state_dict())
+
+    @torch.no_grad()
+    def generate(self, vectors: Tensor, prompt_rows: Tensor, n_samples: int, max_new_tokens: int,
+                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False) -> Rollout:
+        """``n_samples`` responses per vector [B, d] -> a Rollout of N = B * n_samples (groups contiguous)."""
+        B = vectors.shape[0]
+        vec = vectors.repeat_interleave(n_samples, 0)
+        rows = prompt_rows.repeat_interleave(n_samples, 0)
+        N, P = vec.shape[0], self.prompt_ids.shape[0]
+        ids = self.prompt_ids.to(self.device).expand(N, P)
+        was_training = self.model.training
+        self.model.eval()
+        gen_kwargs: dict[str, Any] = {"do_sample": False} if greedy else {
+            "do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+        try:
+            with self.hook.vectors(vec.to(self.device)):
+                out = self.model.generate(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                    eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+                    # The AV must never write the marker: a second site in prompt+response would
+                    # shift the injection in the log-prob forward (and it is the failure smell).
+                    suppress_tokens=[self.sidecar.injection_token_id], **gen_kwargs,
+                )
+        finally:
+            self.model.train(was_training)
+        resp = out[:, P:].cpu()
+        mask, texts, truncated = _parse_responses(self.tokenizer, resp, self.eos_id)
+        resp = torch.where(mask.bool(), resp, torch.full_like(resp, self.pad_id))
+        explanations: list[str | None] = []
+        status = torch.full((N,), COMPLETED, dtype=torch.long)
+        for i, text in enumerate(texts):
+            exp = None if truncated[i] else extract_explanation(text)
+            explanations.append(exp)
+            if truncated[i]:
+                status[i] = TRUNCATED
+            elif exp is None:
+                status[i] = FAILED_EXTRACTION
+        return Rollout(
+            prompt_rows=rows.cpu(), group=torch.arange(B).repeat_interleave(n_samples), vectors=vec.float().cpu(),
+            prompt_ids=self.prompt_ids, response_ids=resp, response_mask=mask, texts=texts,
+            explanations=explanations, status=status,
+        )
+
+
+class _Trainable:
+    """Optimiser + schedule + guarded step shared by the trained roles."""
+
+    def _setup_optim(self, module: nn.Module, lr: float, weight_decay: float, warmup: int, total: int,
+                     max_grad_norm: float) -> None:
+        self.opt = build_optimizer(module, lr, weight_decay)
+        self.sched = warmup_cosine(self.opt, warmup, total, min_lr_ratio=1.0) if total > 0 else None
+        self.max_grad_norm = max_grad_norm
+        self.skipped_steps = 0
+
+    def _step(self, module: nn.Module) -> dict[str, float]:
+        lr = self.opt.param_groups[0]["lr"]
+        stepped, grad_norm = optimizer_step_guarded(module, self.opt, self.sched, self.max_grad_norm)
+        self.skipped_steps += 0 if stepped else 1
+        return {"grad_norm": grad_norm, "lr": lr, "skipped_steps": float(self.skipped_steps)}
+
+    def optim_state(self) -> dict[str, Any]:
+        return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict() if self.sched else None,
+                "skipped_steps": self.skipped_steps}
+
+    def load_optim_state(self, state: dict[str, Any]) -> None:
+        self.opt.load_state_dict(state["optimizer"])
+        if self.sched is not None and state.get("scheduler") is not None:
+            self.sched.load_state_dict(state["scheduler"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+@dataclass
+class PolicyLossSettings:
+    eps_low: float
+    eps_high: float
+    dual_clip_c: float | None
+    kl_coef: float
+    kl_estimator: str
+    loss_agg: str
+    micro_batch_size: int
+    updates_per_rollout: int
+
+
+class PolicyWorker(_Trainable):
+    """The AV under RL: clipped surrogate + KL-to-reference loss, token-level aggregation."""
+
+    def __init__(self, model: nn.Module, sidecar: NLAConfig, lr: float, weight_decay: float, warmup: int,
+                 total_steps: int, max_grad_norm: float, settings: PolicyLossSettings) -> None:
+        self.model, self.sidecar, self.settings = model, sidecar, settings
+        self.hook = InjectionHook.from_config(model, sidecar)
+        self._setup_optim(model, lr, weight_decay, warmup, total_steps * settings.updates_per_rollout, max_grad_norm)
+
+    @torch.no_grad()
+    def logprobs(self, rollout: Rollout) -> Tensor:
+        """[N, L] log-probs under the current weights (the ``old_logp`` of off-policy updates)."""
+        out = []
+        for sl, _ in micro_batches(rollout.n, self.settings.micro_batch_size):
+            lp, _ = response_logprobs(self.model, self.hook, rollout.prompt_ids, rollout.response_ids[sl],
+                                      rollout.response_mask[sl], rollout.vectors[sl])
+            out.append(lp)
+        return torch.cat(out).cpu()
+
+    def update(self, rollout: Rollout, advantages: Tensor, ref_logp: Tensor) -> dict[str, float]:
+        """Policy step(s) on one rollout; returns averaged detached metrics.
+
+        With one update per rollout (the on-policy default) ``old_logp`` is the detached
+        log-prob of this very forward, so ``ratio == 1`` in value and the gradient is the
+        exact policy gradient; no extra forward is spent. Several updates per rollout
+        compute ``old_logp`` once up front.
+        """
+        s = self.settings
+        self.model.train()
+        mask = rollout.response_mask.float()
+        old_all = self.logprobs(rollout) if s.updates_per_rollout > 1 else None
+        per_update = rollout.n // s.updates_per_rollout
+        sums: dict[str, float] = {}
+        n_updates = 0
+        for u in range(s.updates_per_rollout):
+            rows = torch.arange(u * per_update, (u + 1) * per_update)
+            sub_mask = mask[rows]
+            total_tokens = float(sub_mask.sum().clamp_min(1.0))
+            for sl, w_rows in micro_batches(len(rows), s.micro_batch_size):
+                idx = rows[sl]
+                logp, ent = response_logprobs(self.model, self.hook, rollout.prompt_ids, rollout.response_ids[idx],
+                                              rollout.response_mask[idx], rollout.vectors[idx], with_entropy=True)
+                m = mask[idx].to(logp.device)
+                old = old_all[idx].to(logp.device) if old_all is not None else logp.detach()
+                pg, pm = A.policy_loss(logp, old, advantages[idx].to(logp.device), m, eps_low=s.eps_low,
+                                       eps_high=s.eps_high, dual_clip_c=s.dual_clip_c, agg=s.loss_agg)
+                kl_tok = A.kl_penalty(logp, ref_logp[idx].to(logp.device), s.kl_estimator)
+                kl = A.aggregate_loss(kl_tok, m, s.loss_agg)
+                loss = pg + s.kl_coef * kl
+                # Exact aggregation across micro-batches: token-mean weights by tokens, the
+                # sequence modes by rows (see aggregate_loss).
+                w = float(m.sum()) / total_tokens if s.loss_agg == "token-mean" else w_rows
+                (loss * w).backward()
+                pm.update(pg_loss=float(pg.detach()), kl=float(A.masked_mean(kl_tok.detach(), m)),
+                          entropy=float(A.masked_mean(ent, m)), policy_loss=float(loss.detach()))
+                for k, v in pm.items():
+                    if math.isfinite(v):
+                        sums[k] = sums.get(k, 0.0) + v * w
+            for k, v in self._step(self.model).items():
+                sums[k] = sums.get(k, 0.0) + v
+            n_updates += 1
+        return {k: v / n_updates for k, v in sums.items()}
+
+
+class ReferenceWorker:
+    """The frozen warm-started AV: log-probs for the KL term."""
+
+    def __init__(self, model: nn.Module, sidecar: NLAConfig, micro_batch_size: int) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.hook = InjectionHook.from_config(model, sidecar)
+        self.micro_batch_size = micro_batch_size
+
+    @torch.no_grad()
+    def logprobs(self, rollout: Rollout) -> Tensor:
+        out = []
+        for sl, _ in micro_batches(rollout.n, self.micro_batch_size):
+            lp, _ = response_logprobs(self.model, self.hook, rollout.prompt_ids, rollout.response_ids[sl],
+                                      rollout.response_mask[sl], rollout.vectors[sl])
+            out.append(lp)
+        return torch.cat(out).cpu()
+
+
+class ReconstructorWorker(_Trainable):
+    """The AR: rewards from its *live* weights, and supervised MSE updates on the same rollouts.
+
+    ``score_batch`` is handed to a ``RewardBatcher`` as a bound method, so every reward is
+    computed by this very module: no copy, no reload.
+    """
+
+    def __init__(self, ar: Reconstructor, tokenizer: Any, sidecar: NLAConfig, lr: float, weight_decay: float,
+                 warmup: int, total_steps: int, max_grad_norm: float, max_length: int, micro_batch_size: int,
+                 log_mse: bool, device: torch.device) -> None:
+        self.ar, self.tokenizer, self.sidecar = ar, tokenizer, sidecar
+        self.scale = sidecar.mse_scale_value()
+        self.max_length, self.micro_batch_size, self.log_mse, self.device = max_length, micro_batch_size, log_mse, device
+        self._setup_optim(ar, lr, weight_decay, warmup, total_steps, max_grad_norm)
+
+    def _encode(self, explanations: list[str], padding_side: str = "right") -> dict[str, Tensor]:
+        texts = [self.sidecar.ar_text(e) for e in explanations]
+        if padding_side == "right":
+            return tokenize_ar_texts(self.tokenizer, texts, self.max_length)
+        old = self.tokenizer.padding_side, self.tokenizer.truncation_side
+        self.tokenizer.padding_side, self.tokenizer.truncation_side = "left", "left"
+        try:
+            enc = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+        finally:
+            self.tokenizer.padding_side, self.tokenizer.truncation_side = old
+        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+
+    @torch.no_grad()
+    def predict(self, explanations: list[str], padding_side: str = "left") -> Tensor:
+        """AR predictions [n, d] (fp32, CPU) for explanation texts, in one padded batch.
+
+        The reward path pads on the left like a batched inference server; the training path
+        pads on the right. ``layout_check`` asserts both give the same numbers.
+        """
+        was = self.ar.training
+        self.ar.eval()
+        try:
+            enc = self._encode(explanations, padding_side)
+            pred = self.ar.predict(enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device))
+        finally:
+            self.ar.train(was)
+        return pred.float().cpu()
+
+    def score_batch(self, items: list[tuple[str, Tensor]]) -> Tensor:
+        """Rewards [n] for (explanation, RAW gold [d]) pairs with the live AR weights."""
+        pred = self.predict([e for e, _ in items])
+        gold = torch.stack([g for _, g in items]).float()
+        return mse_to_reward(pred, gold, self.scale, log_mse=self.log_mse)
+
+    def layout_check(self, explanations: list[str], golds: Tensor) -> float:
+        """Max relative difference of per-sample MSE between the reward and training layouts."""
+        reward_mse = mse_nrm(self.predict(explanations, "left"), golds, self.scale)
+        train_mse = mse_nrm(self.predict(explanations, "right"), golds, self.scale)
+        return float(((reward_mse / train_mse.clamp_min(1e-12)) - 1).abs().max())
+
+    def update(self, explanations: list[str], golds: Tensor) -> dict[str, float]:
+        """One supervised step: mean mse_nrm at the last real token (right-padded layout)."""
+        if not explanations:
+            return {"ar_loss": float("nan"), "ar_rows": 0.0}
+        self.ar.train()
+        total = 0.0
+        for sl, w in micro_batches(len(explanations), self.micro_batch_size):
+            enc = self._encode(explanations[sl], "right")
+            ids, attn = enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+            values = self.ar(ids, attn)
+            pred = values[torch.arange(ids.shape[0], device=self.device), last_token_index(attn)]
+            loss = mse_nrm(pred, golds[sl].to(self.device), self.scale).mean()
+            (loss * w).backward()
+            total += float(loss.detach()) * w
+        stats = {f"ar_{k}": v for k, v in self._step(self.ar).items()}
+        stats.update(ar_loss=total, ar_rows=float(len(explanations)))
+        return stats
+
+
+class ValueModel(nn.Module):
+    """PPO's scalar value model: the AV's transformer body + ``Linear(d, 1)`` (zero-initialised)."""
+
+    def __init__(self, policy_model: nn.Module) -> None:
+        super().__init__()
+        import copy
+
+        self.body = copy.deepcopy(arch.base_model(policy_model))
+        d = arch.hidden_size(self.body.config)
+        self.head = nn.Linear(d, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        h = self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return self.head(h).squeeze(-1)
+
+
+class ValueWorker(_Trainable):
+    """Values [N, L] for the states before each response token (the vector is injected too)."""
+
+    def __init__(self, policy_model: nn.Module, sidecar: NLAConfig, lr: float, weight_decay: float, warmup: int,
+                 total_steps: int, max_grad_norm: float, micro_batch_size: int, clip_eps: float | None) -> None:
+        self.model = ValueModel(policy_model)
+        self.hook = InjectionHook(self.model.body, sidecar.injection_token_id, sidecar.injection_left_neighbor_id,
+                                  sidecar.injection_right_neighbor_id, sidecar.injection_scale_value())
+        self.micro_batch_size, self.clip_eps = micro_batch_size, clip_eps
+        self._setup_optim(self.model, lr, weight_decay, warmup, total_steps, max_grad_norm)
+
+    def _values(self, rollout: Rollout, idx: Tensor) -> Tensor:
+        P, L = rollout.prompt_ids.shape[0], rollout.response_ids.shape[1]
+        n = len(idx)
+        device = next(self.model.parameters()).device
+        ids = torch.cat([rollout.prompt_ids.to(device).expand(n, P), rollout.response_ids[idx].to(device)], 1)
+        attn = torch.cat([torch.ones(n, P, dtype=torch.long, device=device),
+                          rollout.response_mask[idx].to(device).long()], 1)
+        with self.hook.vectors(rollout.vectors[idx].to(device)):
+            v = self.model(ids, attn)
+        return v[:, P - 1 : P + L - 1]
+
+    @torch.no_grad()
+    def values(self, rollout: Rollout) -> Tensor:
+        self.model.eval()
+        out = [self._values(rollout, torch.arange(rollout.n)[sl]).cpu()
+               for sl, _ in micro_batches(rollout.n, self.micro_batch_size)]
+        return torch.cat(out)
+
+    def update(self, rollout: Rollout, old_values: Tensor, returns: Tensor) -> dict[str, float]:
+        self.model.train()
+        mask = rollout.response_mask.float()
+        total_tokens = float(mask.sum().clamp_min(1.0))
+        sums: dict[str, float] = {}
+        for sl, _ in micro_batches(rollout.n, self.micro_batch_size):
+            idx = torch.arange(rollout.n)[sl]
+            v = self._values(rollout, idx)
+            m = mask[idx].to(v.device)
+            loss, vm = A.value_loss(v, old_values[idx].to(v.device), returns[idx].to(v.device), m,
+                                    clip_eps=self.clip_eps)
+            w = float(m.sum()) / total_tokens
+            (loss * w).backward()
+            sums["value_loss"] = sums.get("value_loss", 0.0) + float(loss.detach()) * w
+            for k, val in vm.items():
+                sums[f"value_{k}"] = sums.get(f"value_{k}", 0.0) + float(val) * w
+        sums.update({f"value_{k}": v for k, v in self._step(self.model).items()})
+        return sums
+
+
+@dataclass
+class WorkerGroups:
+    """The roles one controller drives. ``value`` is None unless the estimator needs values."""
+
+    rollout: RolloutWorker
+    policy: PolicyWorker
+    reference: ReferenceWorker
+    reconstructor: ReconstructorWorker
+    value: ValueWorker | None = None
+    tokenizer: Any = None
+    av_sidecar: NLAConfig | None = None
+    ar_sidecar: NLAConfig | None = None
+
+    def close(self) -> None:
+        """Release resources (remote backends stop their actors here)."""
+
+
+__all__ = [
+    "PolicyLossSettings", "PolicyWorker", "ReconstructorWorker", "ReferenceWorker", "RolloutWorker",
+    "ValueModel", "ValueWorker", "WorkerGroups", "response_logprobs",
+]
