@@ -1,0 +1,410 @@
+"""``NLAClient``: the one code path that verbalizes, reconstructs and scores (DESIGN §6).
+
+Notation: N vectors (or texts), d = ``d_model``.
+
+The client wraps an AV checkpoint (vector -> text), an AR checkpoint (text -> vector), or
+both, with the sidecar that tells how to use them. It reuses the RL loop's pieces rather
+than copying them, so what the client measures is what training optimised:
+
+1. Generation is ``nla.rl.workers.RolloutWorker.generate``: injection through the hook, the
+   marker token suppressed, EOS handling, decoding with special tokens kept.
+2. Reconstruction tokenises like AR training (``nla.train.ar.tokenize_ar_texts``: right
+   padding, left truncation so the AR template's tail survives) and reads the prediction at
+   the last real token (``Reconstructor.predict``).
+3. Scores use the AR sidecar's ``mse_scale`` (``nla.vectors.mse_nrm``), like the RL reward.
+
+A sample without a usable explanation (missing tags, truncated response) has no
+prediction: ``ScoreResult`` marks it ``failed`` with NaN scores, and callers that need a
+number for it (``nla.evaluation``) use :func:`failed_mse`, the MSE of an orthogonal
+prediction, the same convention as ``FAILED_EXTRACTION_REWARD``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from nla import arch
+from nla.reconstructor import Reconstructor
+from nla.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar, verify_tokenizer
+from nla.vectors import cosine, mse_nrm, normalize_activation
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "STATUSES",
+    "NLAClient",
+    "NLAClientError",
+    "ScoreResult",
+    "Verbalization",
+    "failed_mse",
+    "load_vectors",
+]
+
+COMPLETED, TRUNCATED, FAILED = "completed", "truncated", "failed"
+STATUSES = (COMPLETED, TRUNCATED, FAILED)
+
+
+class NLAClientError(ValueError):
+    """The client cannot do what was asked with what it was given; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class Verbalization:
+    """One AV sample.
+
+    text: the decoded response (special tokens kept, cut at EOS).
+    explanation: the text between the explanation tags, or None (missing tags or truncated).
+    status: "completed" (explanation extracted), "truncated" (no EOS within ``max_new_tokens``)
+        or "failed" (ended but the tags could not be parsed).
+    row: index of the input vector this sample explains (samples of one vector are contiguous).
+    """
+
+    text: str
+    explanation: str | None
+    status: str
+    row: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"row": self.row, "status": self.status, "explanation": self.explanation, "text": self.text}
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    """Per-sample reconstruction scores.
+
+    mse_nrm: [N] ``mse_nrm`` at the AR's ``mse_scale``; NaN where ``failed``.
+    cosine: [N] cosine(prediction, gold); NaN where ``failed``.
+    failed: [N] bool, True where there was no explanation to reconstruct.
+    predictions: [N, d] AR predictions (fp32, CPU); NaN rows where ``failed``.
+    """
+
+    mse_nrm: Tensor
+    cosine: Tensor
+    failed: Tensor
+    predictions: Tensor
+
+    @property
+    def n(self) -> int:
+        return int(self.mse_nrm.shape[0])
+
+    @property
+    def failure_rate(self) -> float:
+        return float(self.failed.float().mean()) if self.n else 0.0
+
+
+def failed_mse(gold: Tensor, scale: float | None) -> Tensor:
+    """MSE [N] charged to a sample without a prediction: that of an orthogonal prediction of equal norm.
+
+    ``mean_d((p - g)^2) = (|p|^2 + |g|^2) / d = 2 |ĝ|^2 / d`` for ``p ⟂ g``, ``|p| = |ĝ|``;
+    2.0 at ``scale = sqrt(d)``, matching ``FAILED_EXTRACTION_REWARD``.
+    """
+    g = normalize_activation(gold.float(), scale).float()
+    return 2.0 * (g**2).mean(dim=-1)
+
+
+def load_vectors(path: str | os.PathLike, rows: int | None = None) -> np.ndarray:
+    """RAW vectors [N, d] float32 from a parquet ``activation_vector`` column or a ``.npy`` [N, d] file."""
+    from nla.datagen.io import read_vectors
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"vectors: no file at {p}; pass a parquet with an activation_vector column or a .npy")
+    if p.suffix == ".npy":
+        arr = np.load(p, allow_pickle=False)  # never unpickle (DESIGN §3.3)
+    elif p.suffix == ".parquet":
+        arr = read_vectors(p)
+    else:
+        raise NLAClientError(f"vectors: expected a .parquet or .npy file, found {p.name!r}")
+    if arr.ndim != 2:
+        raise NLAClientError(f"vectors: {p} holds an array of shape {arr.shape}, expected [N, d]")
+    if rows is not None:
+        arr = arr[:rows]
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def _as_tensor(vectors: Any, d_model: int, what: str) -> Tensor:
+    """[N, d] fp32 CPU tensor from numpy/torch; raise naming both widths on a mismatch."""
+    t = torch.from_numpy(np.asarray(vectors)) if not isinstance(vectors, Tensor) else vectors
+    t = t.detach().float().cpu()
+    if t.ndim == 1:
+        t = t.unsqueeze(0)
+    if t.ndim != 2:
+        raise NLAClientError(f"vectors: expected [N, d], found shape {tuple(t.shape)}")
+    if t.shape[1] != d_model:
+        raise NLAClientError(
+            f"vectors: have d={t.shape[1]} but the {what} sidecar's d_model is {d_model}; use vectors extracted "
+            "from the subject model this checkpoint was trained on (same layer, same model)"
+        )
+    return t
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+class NLAClient:
+    """Verbalize vectors with the AV, reconstruct texts with the AR, score round trips.
+
+    ``NLAClient(av_dir, ar_dir)`` loads checkpoint directories with their ``nla_meta.yaml``;
+    an explicit ``sidecar`` path overrides both checkpoints' own. Either side may be None
+    when only the other is needed. ``NLAClient.from_models(...)`` wraps live models (the RL
+    loop, eval during training) without reloading them.
+    """
+
+    def __init__(
+        self,
+        av: str | os.PathLike | None,
+        ar: str | os.PathLike | None = None,
+        *,
+        device: str = "auto",
+        dtype: str = "float32",
+        sidecar: str | os.PathLike | None = None,
+        max_length: int = 256,
+    ) -> None:
+        from nla.train.common import resolve_device, resolve_dtype
+
+        if av is None and ar is None:
+            raise NLAClientError("NLAClient: give an AV checkpoint (av=DIR), an AR checkpoint (ar=DIR), or both")
+        dev, dt = resolve_device(device), resolve_dtype(dtype)
+        explicit = load_sidecar(sidecar) if sidecar is not None else None
+        av_model = av_tok = av_side = None
+        if av is not None:
+            from transformers import AutoModelForCausalLM
+
+            path = Path(av)
+            av_side = explicit or _own_sidecar(path, "av")
+            av_tok = _checkpoint_tokenizer(path, "av")
+            av_model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, use_safetensors=True).to(dev).eval()
+        ar_model = ar_tok = ar_side = None
+        if ar is not None:
+            path = Path(ar)
+            ar_side = explicit or _own_sidecar(path, "ar")
+            ar_model = Reconstructor.from_pretrained(path, dtype=dt).to(dev).eval()
+            ar_tok = ar_model.tokenizer
+            if ar_tok is None:
+                raise NLAClientError(f"ar: no tokenizer files in {path}; save the tokenizer beside the AR checkpoint")
+        self._setup(av_model, av_tok, av_side, ar_model, ar_tok, ar_side, max_length)
+
+    @classmethod
+    def from_models(
+        cls,
+        av_model: nn.Module | None = None,
+        av_tokenizer: Any = None,
+        av_sidecar: NLAConfig | None = None,
+        ar: Reconstructor | None = None,
+        ar_tokenizer: Any = None,
+        ar_sidecar: NLAConfig | None = None,
+        *,
+        max_length: int = 256,
+    ) -> NLAClient:
+        """Wrap already-loaded models (no copy: the client sees their current weights).
+
+        ``ar_tokenizer`` / ``ar_sidecar`` default to the ones the Reconstructor carries.
+        """
+        if av_model is None and ar is None:
+            raise NLAClientError("NLAClient.from_models: give av_model, ar, or both")
+        if av_model is not None and (av_tokenizer is None or av_sidecar is None):
+            raise NLAClientError("NLAClient.from_models: av_model needs av_tokenizer and av_sidecar as well")
+        if ar is not None:
+            ar_tokenizer = ar_tokenizer if ar_tokenizer is not None else ar.tokenizer
+            ar_sidecar = ar_sidecar if ar_sidecar is not None else ar.sidecar
+            if ar_tokenizer is None or ar_sidecar is None:
+                raise NLAClientError(
+                    "NLAClient.from_models: the reconstructor carries no tokenizer/sidecar; pass ar_tokenizer "
+                    "and ar_sidecar"
+                )
+        self = cls.__new__(cls)
+        self._setup(av_model, av_tokenizer, av_sidecar, ar, ar_tokenizer, ar_sidecar, max_length)
+        return self
+
+    def _setup(self, av_model: nn.Module | None, av_tok: Any, av_side: NLAConfig | None, ar: Reconstructor | None,
+               ar_tok: Any, ar_side: NLAConfig | None, max_length: int) -> None:
+        if max_length < 1:
+            raise NLAClientError(f"max_length: expected a positive token count, found {max_length}")
+        for role, model, tok, side in (("av", av_model, av_tok, av_side), ("ar", ar, ar_tok, ar_side)):
+            if model is None:
+                continue
+            verify_tokenizer(side, tok)
+            width = arch.hidden_size(model.config)
+            if width != side.d_model:
+                raise NLAClientError(
+                    f"d_model: the {role.upper()} sidecar says {side.d_model} but the {role.upper()} model has width "
+                    f"{width}; the sidecar does not belong to this checkpoint"
+                )
+        if av_side is not None and ar_side is not None and av_side.d_model != ar_side.d_model:
+            raise NLAClientError(
+                f"d_model: the AV sidecar says {av_side.d_model} but the AR sidecar says {ar_side.d_model}; the two "
+                "checkpoints were not trained on the same subject model and cannot form a pair"
+            )
+        if av_side is not None and ar_side is not None and av_side.layer_index != ar_side.layer_index:
+            logger.warning("AV sidecar layer_index %d differs from the AR's %d; check that they form a pair",
+                           av_side.layer_index, ar_side.layer_index)
+        self.av_model, self.av_tokenizer, self.av_sidecar = av_model, av_tok, av_side
+        self.ar, self.ar_tokenizer, self.ar_sidecar = ar, ar_tok, ar_side
+        self.max_length = max_length
+        self._rollout = None  # built on first verbalize: it registers an injection hook on the AV
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def d_model(self) -> int:
+        side = self.av_sidecar or self.ar_sidecar
+        assert side is not None  # _setup requires one side
+        return side.d_model
+
+    @property
+    def mse_scale(self) -> float | None:
+        """The AR's ``mse_scale`` (the scale scores are computed at)."""
+        return self._need_ar("score").mse_scale_value()
+
+    def _need_ar(self, what: str) -> NLAConfig:
+        if self.ar is None or self.ar_sidecar is None:
+            raise NLAClientError(
+                f"{what}: this client has no reconstructor; create it with an AR checkpoint "
+                "(NLAClient(av, ar=DIR) or --ar DIR)"
+            )
+        return self.ar_sidecar
+
+    def _need_av(self, what: str) -> NLAConfig:
+        if self.av_model is None or self.av_sidecar is None:
+            raise NLAClientError(
+                f"{what}: this client has no verbalizer; create it with an AV checkpoint (NLAClient(av=DIR) or --av DIR)"
+            )
+        return self.av_sidecar
+
+    # ------------------------------------------------------------------ verbalize
+    def verbalize(
+        self,
+        vectors: np.ndarray | Tensor,
+        *,
+        max_new_tokens: int = 150,
+        greedy: bool = True,
+        temperature: float = 1.0,
+        n_samples: int = 1,
+        seed: int | None = None,
+        batch_size: int = 64,
+    ) -> list[Verbalization]:
+        """Explanations for RAW vectors [N, d]: N * ``n_samples`` results, samples of one vector contiguous."""
+        from nla.rl.types import COMPLETED as R_COMPLETED
+        from nla.rl.types import TRUNCATED as R_TRUNCATED
+        from nla.rl.workers import RolloutWorker
+
+        side = self._need_av("verbalize")
+        vec = _as_tensor(vectors, side.d_model, "AV")
+        if n_samples < 1 or batch_size < 1 or max_new_tokens < 1:
+            raise NLAClientError(
+                f"verbalize: n_samples, batch_size and max_new_tokens must be >= 1, found {n_samples}, {batch_size}, "
+                f"{max_new_tokens}"
+            )
+        if not greedy and not temperature > 0:
+            raise NLAClientError(f"verbalize: temperature must be > 0 when sampling, found {temperature}")
+        if self._rollout is None:
+            self._rollout = RolloutWorker(self.av_model, self.av_tokenizer, side, _device_of(self.av_model))
+        out: list[Verbalization] = []
+        devices = [_device_of(self.av_model)] if _device_of(self.av_model).type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            for start in range(0, vec.shape[0], batch_size):
+                chunk = vec[start : start + batch_size]
+                rows = torch.arange(start, start + chunk.shape[0])
+                ro = self._rollout.generate(chunk, rows, n_samples, max_new_tokens, temperature=temperature,
+                                            greedy=greedy)
+                for i in range(ro.n):
+                    code = int(ro.status[i])
+                    status = COMPLETED if code == R_COMPLETED else TRUNCATED if code == R_TRUNCATED else FAILED
+                    out.append(Verbalization(ro.texts[i], ro.explanations[i], status, int(ro.prompt_rows[i])))
+        return out
+
+    # ------------------------------------------------------------------ reconstruct
+    @torch.no_grad()
+    def reconstruct(self, texts: Sequence[str], batch_size: int = 64) -> Tensor:
+        """AR predictions [N, d] (fp32, CPU) for explanations (wrapped in the AR template here)."""
+        from nla.train.ar import tokenize_ar_texts
+
+        side = self._need_ar("reconstruct")
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise NLAClientError(
+                    f"reconstruct: text {i} is {type(t).__name__}, expected a str; drop failed samples first "
+                    "(score() handles None explanations)"
+                )
+        if batch_size < 1:
+            raise NLAClientError(f"reconstruct: batch_size must be >= 1, found {batch_size}")
+        if not texts:
+            return torch.zeros(0, side.d_model)
+        device = _device_of(self.ar)
+        was = self.ar.training
+        self.ar.eval()
+        preds = []
+        try:
+            for s in range(0, len(texts), batch_size):
+                enc = tokenize_ar_texts(self.ar_tokenizer, [side.ar_text(t) for t in texts[s : s + batch_size]],
+                                        self.max_length)
+                preds.append(self.ar.predict(enc["input_ids"].to(device), enc["attention_mask"].to(device))
+                             .float().cpu())
+        finally:
+            self.ar.train(was)
+        return torch.cat(preds)
+
+    # ------------------------------------------------------------------ score
+    def score(self, texts: Sequence[str | None], vectors: np.ndarray | Tensor, batch_size: int = 64) -> ScoreResult:
+        """Reconstruct ``texts`` and compare with RAW ``vectors`` [N, d]; None texts are failed samples."""
+        side = self._need_ar("score")
+        gold = _as_tensor(vectors, side.d_model, "AR")
+        if len(texts) != gold.shape[0]:
+            raise NLAClientError(
+                f"score: {len(texts)} texts for {gold.shape[0]} vectors; pass exactly one text (or None) per vector"
+            )
+        n, d = gold.shape
+        failed = torch.tensor([t is None for t in texts], dtype=torch.bool)
+        ok = (~failed).nonzero(as_tuple=True)[0]
+        preds = torch.full((n, d), float("nan"))
+        mse = torch.full((n,), float("nan"))
+        cos = torch.full((n,), float("nan"))
+        if len(ok):
+            p = self.reconstruct([texts[int(i)] for i in ok], batch_size=batch_size)
+            preds[ok] = p
+            mse[ok] = mse_nrm(p, gold[ok], side.mse_scale_value())
+            cos[ok] = cosine(p, gold[ok])
+        return ScoreResult(mse_nrm=mse, cosine=cos, failed=failed, predictions=preds)
+
+    def round_trip(self, vectors: np.ndarray | Tensor, **verbalize_kwargs: Any) -> tuple[list[Verbalization],
+                                                                                         ScoreResult]:
+        """Verbalize, then score each sample's explanation against its own vector."""
+        self._need_ar("round_trip")
+        verbs = self.verbalize(vectors, **verbalize_kwargs)
+        gold = _as_tensor(vectors, self.d_model, "AV")[[v.row for v in verbs]]
+        return verbs, self.score([v.explanation for v in verbs], gold,
+                                 batch_size=verbalize_kwargs.get("batch_size", 64))
+
+
+def _own_sidecar(path: Path, role: str) -> NLAConfig:
+    if not path.is_dir():
+        raise FileNotFoundError(f"{role}: checkpoint directory {path} does not exist")
+    if not (path / SIDECAR_NAME).is_file():
+        raise FileNotFoundError(
+            f"{role}: {path} has no {SIDECAR_NAME}; an NLA checkpoint needs its sidecar (pass sidecar=PATH / "
+            "--sidecar PATH explicitly, or re-save the checkpoint with nla)"
+        )
+    side = load_sidecar(path)
+    if side.role not in (None, role):
+        logger.warning("%s: sidecar role is %r, loading it as the %s anyway", path, side.role, role.upper())
+    return side
+
+
+def _checkpoint_tokenizer(path: Path, role: str) -> Any:
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise NLAClientError(f"{role}: no tokenizer files in {path}; save the tokenizer beside the checkpoint")
+    return arch.load_tokenizer(path)

@@ -1,0 +1,339 @@
+"""Held-out evaluation of an AV/AR pair: reconstruction, faithfulness and baselines in one table.
+
+Notation: N rows, d = ``d_model``; ``mse`` is ``mse_nrm`` at the AR's ``mse_scale``.
+
+Conventions (where this departs from a bare metric):
+1. A sample without a usable explanation (missing tags, truncated) is charged the MSE of an
+   orthogonal prediction (``nla.client.failed_mse``, 2.0 at ``sqrt(d)``) and cosine 0, like
+   the RL reward charges it; FVE, mean cosine and the MSE percentiles include those rows.
+   With no failures FVE equals ``nla.vectors.fve`` exactly.
+2. FVE's baseline is the raw-mean one (mean of the normalised golds, not renormalised); the
+   normalised-mean baseline is reported as its own row (its FVE is negative), never used
+   as the denominator.
+3. Fact recall / precision (world data) are means over rows of ``nla.world.grade``; a failed
+   sample is graded as the empty text (it claimed nothing). ``by_kind`` averages over the
+   rows where that kind occurs in the truth or the prediction.
+4. The text-explainer row uses the dataset's ``explanation`` column when present (that is
+   the explainer's output); otherwise (the ``rl`` split) it regenerates the world's
+   ``TextExplainer`` output from the row's facts with the datagen settings recorded in the
+   dataset sidecar's provenance (defaults when they cannot be found).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from nla.client import NLAClient, NLAClientError, ScoreResult, failed_mse
+from nla.vectors import cosine, mse_nrm, normalize_activation, predict_mean_baselines
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EvalReport", "EvalRow", "Faithfulness", "Sample", "evaluate_pair", "faithfulness", "row_stats"]
+
+
+@dataclass(frozen=True)
+class Faithfulness:
+    """Mean fact recall / precision over rows; ``by_kind[kind] = (recall, precision)``."""
+
+    recall: float
+    precision: float
+    by_kind: dict[str, tuple[float, float]]
+    n: int
+
+
+@dataclass(frozen=True)
+class EvalRow:
+    """One line of the table.
+
+    name: what produced the predictions.
+    fve: ``1 - mean(mse) / raw-mean baseline``.
+    cosine / mse_mean / mse_p10 / mse_p50 / mse_p90: over all N rows (failures per convention 1).
+    failure_rate: share of samples without an explanation (0 for text-fed rows).
+    faithfulness: fact recall/precision of the explanations (world data only).
+    """
+
+    name: str
+    fve: float
+    cosine: float
+    mse_mean: float
+    mse_p10: float
+    mse_p50: float
+    mse_p90: float
+    failure_rate: float = 0.0
+    faithfulness: Faithfulness | None = None
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One row shown next to its ground truth."""
+
+    row: int
+    explanation: str | None
+    status: str
+    mse_nrm: float
+    facts: list[str] | None
+    context: str | None
+    reference: str | None
+
+
+@dataclass
+class EvalReport:
+    """Everything ``nla eval`` writes (``eval.json`` via :meth:`to_dict`, ``eval.md`` via :meth:`to_markdown`)."""
+
+    dataset: str
+    n_rows: int
+    d_model: int
+    mse_scale: float | None
+    baseline_raw_mean_mse: float
+    baseline_normalized_mean_mse: float
+    rows: list[EvalRow] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+
+    def row(self, name: str) -> EvalRow:
+        for r in self.rows:
+            if r.name == name:
+                return r
+        raise KeyError(f"EvalReport: no row {name!r}; rows are {[r.name for r in self.rows]}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return _jsonable(asdict(self))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_markdown(self) -> str:
+        lines = [
+            f"# NLA evaluation: `{self.dataset}`",
+            "",
+            f"{self.n_rows} rows, d_model {self.d_model}, mse_scale {_fmt(self.mse_scale)}. FVE baseline (predict "
+            f"the raw mean of normalised golds): MSE {self.baseline_raw_mean_mse:.4f}.",
+            "",
+            "| predictor | FVE | cosine | MSE mean | MSE p10 | p50 | p90 | failed | fact recall | fact precision |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in self.rows:
+            f = r.faithfulness
+            lines.append(
+                f"| {r.name} | {r.fve:.4f} | {_fmt(r.cosine)} | {r.mse_mean:.4f} | {_fmt(r.mse_p10)} | "
+                f"{_fmt(r.mse_p50)} | {_fmt(r.mse_p90)} | {r.failure_rate:.1%} | "
+                f"{_fmt(f.recall if f else None)} | {_fmt(f.precision if f else None)} |"
+            )
+        kinds = [r for r in self.rows if r.faithfulness and r.faithfulness.by_kind]
+        if kinds:
+            lines += ["", "## Fact recall / precision by kind", "",
+                      "| predictor | " + " | ".join(sorted(kinds[0].faithfulness.by_kind)) + " |",
+                      "|---|" + "---|" * len(kinds[0].faithfulness.by_kind)]
+            order = sorted(kinds[0].faithfulness.by_kind)
+            for r in kinds:
+                bk = r.faithfulness.by_kind
+                cells = [f"{bk[k][0]:.2f} / {bk[k][1]:.2f}" if k in bk else "-" for k in order]
+                lines.append(f"| {r.name} | " + " | ".join(cells) + " |")
+        if self.samples:
+            lines += ["", "## Samples", ""]
+            for s in self.samples:
+                lines.append(f"- row {s.row} ({s.status}, mse {_fmt(s.mse_nrm)}): {s.explanation!r}")
+                if s.facts is not None:
+                    lines.append(f"  - facts: {', '.join(s.facts) or '(none)'}")
+                if s.reference is not None:
+                    lines.append(f"  - reference: {s.reference!r}")
+                if s.context is not None:
+                    lines.append(f"  - context: {s.context[-200:]!r}")
+        return "\n".join(lines) + "\n"
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None  # JSON has no NaN
+    return obj
+
+
+# ------------------------------------------------------------------ primitives
+def row_stats(name: str, mse: Tensor, cos: Tensor, raw_mean: float, failure_rate: float = 0.0,
+              faith: Faithfulness | None = None) -> EvalRow:
+    """Table row from per-row mse [N] and cosine [N] (failures already filled per convention 1)."""
+    q = torch.quantile(mse.double(), torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)).tolist()
+    return EvalRow(name=name, fve=1.0 - float(mse.double().mean()) / raw_mean, cosine=float(cos.double().mean()),
+                   mse_mean=float(mse.double().mean()), mse_p10=q[0], mse_p50=q[1], mse_p90=q[2],
+                   failure_rate=failure_rate, faithfulness=faith)
+
+
+def _filled(result: ScoreResult, gold: Tensor, scale: float | None) -> tuple[Tensor, Tensor]:
+    """Per-row (mse, cos) with failed samples charged per convention 1."""
+    mse = torch.where(result.failed, failed_mse(gold, scale), result.mse_nrm)
+    cos = torch.where(result.failed, torch.zeros_like(result.cosine), result.cosine)
+    return mse, cos
+
+
+def faithfulness(texts: list[str | None], facts: list[list[str]]) -> Faithfulness:
+    """Mean recall / precision of ``texts`` (None = claimed nothing) against ``facts`` ("kind=value")."""
+    from nla.world import KINDS, Fact, grade
+
+    if len(texts) != len(facts):
+        raise ValueError(f"faithfulness: {len(texts)} texts for {len(facts)} fact lists")
+    recalls, precisions = [], []
+    per_kind: dict[str, list[tuple[float, float]]] = {k: [] for k in KINDS}
+    for i, (t, fs) in enumerate(zip(texts, facts, strict=True)):
+        try:
+            truth = [Fact.parse(s) for s in (fs or [])]
+        except ValueError as err:
+            raise ValueError(f"facts: row {i}: {err}; the column must hold 'kind=value' strings of the world") from None
+        g = grade(t or "", truth)
+        recalls.append(g.recall)
+        precisions.append(g.precision)
+        for k, rp in g.by_kind.items():
+            per_kind[k].append(rp)
+    by_kind = {k: (float(np.mean([r for r, _ in v])), float(np.mean([p for _, p in v])))
+               for k, v in per_kind.items() if v}
+    return Faithfulness(float(np.mean(recalls)), float(np.mean(precisions)), by_kind, len(texts))
+
+
+def _text_explainer_outputs(table: Any, dataset_path: Path) -> list[str] | None:
+    """The data's text explainer per row: the ``explanation`` column, or the world TextExplainer (convention 4)."""
+    cols = table.column_names
+    if "explanation" in cols:
+        return None  # the reference row already covers it
+    if not {"facts", "doc_id", "position"} <= set(cols):
+        return None
+    from nla.datagen.explain import row_key
+    from nla.world import Fact, TextExplainer
+
+    seed, kw = 0, {}
+    try:
+        import yaml
+
+        from nla.datagen.config import DatagenConfig
+        from nla.sidecar import load_sidecar
+
+        prov = load_sidecar(dataset_path).training.get("datagen_config")
+        if prov and Path(prov).is_file():
+            dc = DatagenConfig.from_dict(yaml.safe_load(Path(prov).read_text()) or {})
+            w = dc.world_explainer
+            seed, kw = dc.seed, dict(min_facts=w.min_facts, max_facts=w.max_facts, wrong_rate=w.wrong_rate)
+    except (OSError, ValueError) as err:
+        logger.warning("text explainer baseline: cannot read the datagen settings (%s); using defaults", err)
+    explainer = TextExplainer(seed=seed, **kw)
+    out = []
+    for fs, doc, pos in zip(table.column("facts").to_pylist(), table.column("doc_id").to_pylist(),
+                            table.column("position").to_pylist(), strict=True):
+        out.append(explainer.explain(frozenset(Fact.parse(s) for s in (fs or [])), row_key(doc, pos)))
+    return out
+
+
+# ------------------------------------------------------------------ the evaluation
+def evaluate_pair(
+    client: NLAClient,
+    dataset_path: str | os.PathLike,
+    *,
+    max_rows: int | None = None,
+    seed: int = 0,
+    text_explainer_baseline: bool = True,
+    n_show: int = 8,
+    max_new_tokens: int = 150,
+    batch_size: int = 64,
+) -> EvalReport:
+    """Evaluate ``client`` (AR required; AV optional) on a held-out parquet. See module docstring.
+
+    ``max_rows`` takes a seeded random subset (kept in dataset order); ``seed`` also draws the
+    shuffled-vector permutation.
+    """
+    from nla.datagen.io import read_parquet, read_vectors
+    from nla.sidecar import sidecar_path_for
+
+    path = Path(dataset_path)
+    ar_side = client._need_ar("evaluate_pair")
+    if not sidecar_path_for(path).is_file():
+        raise FileNotFoundError(
+            f"dataset: {path} has no sidecar {sidecar_path_for(path).name}; datasets are only usable with their "
+            "sidecar (rebuild it with `nla datagen`)"
+        )
+    table = read_parquet(path)
+    vectors = read_vectors(table)
+    if vectors.shape[0] < 2:
+        raise NLAClientError(f"dataset: {path} has {vectors.shape[0]} rows; FVE needs at least 2")
+    if vectors.shape[1] != client.d_model:
+        raise NLAClientError(
+            f"dataset: {path} holds d={vectors.shape[1]} vectors but the checkpoints' sidecar says d_model="
+            f"{client.d_model}; evaluate on data extracted from the same subject model"
+        )
+    rng = np.random.default_rng(seed)
+    if max_rows is not None and max_rows < vectors.shape[0]:
+        if max_rows < 2:
+            raise NLAClientError(f"max_rows: FVE needs at least 2 rows, found {max_rows}")
+        idx = np.sort(rng.choice(vectors.shape[0], size=max_rows, replace=False))
+        table, vectors = table.take(idx), vectors[idx]
+    n = vectors.shape[0]
+    gold = torch.from_numpy(np.ascontiguousarray(vectors)).float()
+    scale = ar_side.mse_scale_value()
+    base = predict_mean_baselines(gold, scale)
+    if base.raw_mean <= 0:
+        raise NLAClientError("dataset: the gold vectors have zero spread after normalisation; FVE is undefined")
+    cols = table.column_names
+    facts = table.column("facts").to_pylist() if "facts" in cols else None
+    report = EvalReport(dataset=str(path), n_rows=n, d_model=client.d_model, mse_scale=scale,
+                        baseline_raw_mean_mse=base.raw_mean, baseline_normalized_mean_mse=base.normalized_mean)
+
+    verbs = None
+    rt = None
+    if client.av_model is not None:
+        logger.info("eval: verbalizing %d rows", n)
+        verbs, rt = client.round_trip(gold, max_new_tokens=max_new_tokens, batch_size=batch_size)
+        texts = [v.explanation for v in verbs]
+        mse, cos = _filled(rt, gold, scale)
+        report.rows.append(row_stats("AV → AR round trip", mse, cos, base.raw_mean, rt.failure_rate,
+                                     faithfulness(texts, facts) if facts is not None else None))
+        perm = torch.from_numpy(rng.permutation(n))
+        logger.info("eval: verbalizing %d shuffled vectors", n)
+        sverbs = client.verbalize(gold[perm], max_new_tokens=max_new_tokens, batch_size=batch_size)
+        s_res = client.score([v.explanation for v in sverbs], gold, batch_size=batch_size)
+        mse, cos = _filled(s_res, gold, scale)
+        report.rows.append(row_stats("AV on shuffled vectors → AR", mse, cos, base.raw_mean, s_res.failure_rate,
+                                     faithfulness([v.explanation for v in sverbs], facts) if facts is not None else None))
+    reference = table.column("explanation").to_pylist() if "explanation" in cols else None
+    if reference is not None:
+        res = client.score(reference, gold, batch_size=batch_size)
+        mse, cos = _filled(res, gold, scale)
+        report.rows.append(row_stats("AR on reference explanations", mse, cos, base.raw_mean, res.failure_rate,
+                                     faithfulness(reference, facts) if facts is not None else None))
+    if text_explainer_baseline:
+        te = _text_explainer_outputs(table, path)
+        if te is not None:
+            res = client.score(te, gold, batch_size=batch_size)
+            mse, cos = _filled(res, gold, scale)
+            report.rows.append(row_stats("text explainer → AR", mse, cos, base.raw_mean, 0.0,
+                                         faithfulness(te, facts) if facts is not None else None))
+    g = normalize_activation(gold, scale)
+    mu = g.mean(0, keepdim=True).expand_as(g)
+    report.rows.append(row_stats("predict the mean (raw)", ((g - mu) ** 2).mean(-1), cosine(mu, g), base.raw_mean))
+    report.rows.append(row_stats("predict the mean (normalised)", mse_nrm(mu, g, scale), cosine(mu, g),
+                                 base.raw_mean))
+
+    show = sorted(rng.choice(n, size=min(n_show, n), replace=False).tolist()) if n_show > 0 else []
+    contexts = table.column("context").to_pylist() if "context" in cols else None
+    for i in show:
+        if verbs is not None:
+            expl, status, m = verbs[i].explanation, verbs[i].status, float(rt.mse_nrm[i])
+        else:
+            expl, status, m = None, "not verbalized (no AV)", float("nan")
+        report.samples.append(Sample(row=int(i), explanation=expl, status=status, mse_nrm=m,
+                                     facts=list(facts[i] or []) if facts is not None else None,
+                                     context=contexts[i] if contexts is not None else None,
+                                     reference=reference[i] if reference is not None else None))
+    return report
