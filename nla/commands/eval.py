@@ -1,0 +1,52 @@
+"""`nla eval --av DIR --ar DIR --dataset PARQUET [--max-rows N] [--out DIR]`: held-out evaluation of a pair."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+log = logging.getLogger("nla.eval")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by eval / verbalize / score to load checkpoints."""
+    p.add_argument("--sidecar", help="explicit nla_meta.yaml (overrides the checkpoints' own)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="evaluate an AV/AR pair on a held-out parquet (FVE, faithfulness, baselines)")
+    p.add_argument("--av", help="verbalizer checkpoint dir (omit to evaluate the AR alone)")
+    p.add_argument("--ar", required=True, help="reconstructor checkpoint dir")
+    p.add_argument("--dataset", required=True, help="held-out parquet with activation_vector (+ sidecar)")
+    p.add_argument("--max-rows", type=int, help="evaluate a seeded random subset of this many rows")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=150)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--samples", type=int, default=8, help="explanations shown next to their ground truth")
+    p.add_argument("--no-text-explainer", action="store_true", help="skip the text-explainer baseline row")
+    p.add_argument("--out", help="directory for eval.json and eval.md")
+    add_model_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from nla.client import NLAClient
+    from nla.datagen.io import write_text_atomic
+    from nla.evaluation import evaluate_pair
+
+    client = NLAClient(args.av, args.ar, device=args.device, dtype=args.dtype, sidecar=args.sidecar)
+    report = evaluate_pair(client, args.dataset, max_rows=args.max_rows, seed=args.seed,
+                           text_explainer_baseline=not args.no_text_explainer, n_show=args.samples,
+                           max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    md = report.to_markdown()
+    if args.out:
+        out = Path(args.out)
+        write_text_atomic(report.to_json() + "\n", out / "eval.json")
+        write_text_atomic(md, out / "eval.md")
+        log.info("wrote %s and %s", out / "eval.json", out / "eval.md")
+    print(md)
+    return 0

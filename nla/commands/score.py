@@ -1,0 +1,92 @@
+"""`nla score --ar DIR (--texts FILE | --dataset PARQUET) [--vectors ...] [--out jsonl]`: reconstruct and score.
+
+``--texts`` is a text file with one explanation per line, or a JSONL file (e.g. the output of
+``nla verbalize``) whose objects carry an ``explanation`` (null = failed sample). ``--dataset``
+takes the ``explanation`` column and, unless ``--vectors`` is given, the vectors of the same parquet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from nla.commands.eval import add_model_args
+
+log = logging.getLogger("nla.score")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("score", help="reconstruct explanations with the AR and score them against vectors")
+    p.add_argument("--ar", required=True, help="reconstructor checkpoint dir")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--texts", help="explanations: one per line (.txt) or JSONL with an 'explanation' field")
+    src.add_argument("--dataset", help="parquet with an explanation column (and activation_vector)")
+    p.add_argument("--vectors", help="parquet with activation_vector, or .npy [N, d]; default: --dataset's")
+    p.add_argument("--rows", type=int, help="only the first N rows")
+    p.add_argument("--out", help="JSONL of per-row scores; default: only the summary is printed")
+    p.add_argument("--batch-size", type=int, default=64)
+    add_model_args(p)
+    p.set_defaults(func=run)
+
+
+def read_texts(path: str) -> list[str | None]:
+    """Explanations from a .jsonl (``explanation`` field) or a plain text file (one per line)."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    lines = [ln for ln in p.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    if p.suffix != ".jsonl":
+        return lines
+    out: list[str | None] = []
+    for i, ln in enumerate(lines):
+        obj = json.loads(ln)
+        if not isinstance(obj, dict) or "explanation" not in obj:
+            raise ValueError(f"{p}: line {i + 1} has no 'explanation' field; expected the output of nla verbalize")
+        out.append(obj["explanation"])
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from nla.client import NLAClient, failed_mse, load_vectors
+    from nla.datagen.io import read_parquet, write_text_atomic
+    from nla.vectors import fve
+
+    if args.texts:
+        texts = read_texts(args.texts)
+        if not args.vectors:
+            raise SystemExit("nla score: --texts needs --vectors (parquet or .npy) to score against")
+    else:
+        table = read_parquet(args.dataset)
+        if "explanation" not in table.column_names:
+            raise SystemExit(f"nla score: {args.dataset} has no explanation column; found {table.column_names}")
+        texts = table.column("explanation").to_pylist()
+    vectors = load_vectors(args.vectors or args.dataset)
+    if args.rows is not None:
+        texts, vectors = texts[: args.rows], vectors[: args.rows]
+    client = NLAClient(None, args.ar, device=args.device, dtype=args.dtype, sidecar=args.sidecar)
+    res = client.score(texts, vectors, batch_size=args.batch_size)
+    ok = ~res.failed
+    summary = {"rows": res.n, "failure_rate": res.failure_rate,
+               "mse_nrm_mean": float(res.mse_nrm[ok].mean()) if ok.any() else None,
+               "cosine_mean": float(res.cosine[ok].mean()) if ok.any() else None}
+    if int(ok.sum()) >= 2:
+        import torch
+
+        summary["fve_completed_rows"] = fve(res.predictions[ok], torch.from_numpy(vectors)[ok], client.mse_scale)
+    if res.failed.any():
+        import torch
+
+        fm = failed_mse(torch.from_numpy(vectors), client.mse_scale)
+        summary["mse_nrm_mean_failed_as_orthogonal"] = float(torch.where(res.failed, fm, res.mse_nrm).mean())
+    if args.out:
+        rows = "".join(json.dumps({"row": i, "failed": bool(res.failed[i]),
+                                   "mse_nrm": None if res.failed[i] else float(res.mse_nrm[i]),
+                                   "cosine": None if res.failed[i] else float(res.cosine[i])}) + "\n"
+                       for i in range(res.n))
+        write_text_atomic(rows, args.out)
+        log.info("wrote %d rows to %s", res.n, args.out)
+    print(json.dumps(summary, indent=2))
+    return 0

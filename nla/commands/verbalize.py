@@ -1,0 +1,48 @@
+"""`nla verbalize --av DIR --vectors (parquet|.npy) [--rows N] [--out jsonl]`: explanations for vectors."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from nla.commands.eval import add_model_args
+
+log = logging.getLogger("nla.verbalize")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verbalize", help="explain activation vectors with a verbalizer (AV)")
+    p.add_argument("--av", required=True, help="verbalizer checkpoint dir")
+    p.add_argument("--vectors", required=True, help="parquet with activation_vector, or .npy [N, d] (RAW)")
+    p.add_argument("--rows", type=int, help="only the first N vectors")
+    p.add_argument("--out", help="JSONL file (one {row, status, explanation, text} per sample); default stdout")
+    p.add_argument("--max-new-tokens", type=int, default=150)
+    p.add_argument("--n-samples", type=int, default=1)
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--batch-size", type=int, default=64)
+    add_model_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    from collections import Counter
+
+    from nla.client import NLAClient, load_vectors
+    from nla.datagen.io import write_text_atomic
+
+    vectors = load_vectors(args.vectors, rows=args.rows)
+    client = NLAClient(args.av, None, device=args.device, dtype=args.dtype, sidecar=args.sidecar)
+    out = client.verbalize(vectors, max_new_tokens=args.max_new_tokens, greedy=not args.sample,
+                           temperature=args.temperature, n_samples=args.n_samples, seed=args.seed,
+                           batch_size=args.batch_size)
+    lines = "".join(json.dumps(v.to_dict(), ensure_ascii=False) + "\n" for v in out)
+    if args.out:
+        write_text_atomic(lines, args.out)
+        log.info("wrote %d samples to %s", len(out), args.out)
+    else:
+        print(lines, end="")
+    log.info("statuses: %s", dict(Counter(v.status for v in out)))
+    return 0
