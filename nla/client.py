@@ -133,7 +133,8 @@ def load_vectors(path: str | os.PathLike, rows: int | None = None) -> np.ndarray
 
 def _as_tensor(vectors: Any, d_model: int, what: str) -> Tensor:
     """[N, d] fp32 CPU tensor from numpy/torch; raise naming both widths on a mismatch."""
-    t = torch.from_numpy(np.asarray(vectors)) if not isinstance(vectors, Tensor) else vectors
+    # np.array copies: arrow-backed arrays are read-only, which torch warns about.
+    t = torch.from_numpy(np.array(vectors, dtype=np.float32)) if not isinstance(vectors, Tensor) else vectors
     t = t.detach().float().cpu()
     if t.ndim == 1:
         t = t.unsqueeze(0)

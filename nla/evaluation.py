@@ -280,7 +280,7 @@ def evaluate_pair(
         idx = np.sort(rng.choice(vectors.shape[0], size=max_rows, replace=False))
         table, vectors = table.take(idx), vectors[idx]
     n = vectors.shape[0]
-    gold = torch.from_numpy(np.ascontiguousarray(vectors)).float()
+    gold = torch.from_numpy(np.array(vectors, dtype=np.float32))  # a writable copy: arrow buffers are read-only
     scale = ar_side.mse_scale_value()
     base = predict_mean_baselines(gold, scale)
     if base.raw_mean <= 0:

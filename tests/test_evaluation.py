@@ -1,0 +1,170 @@
+"""evaluate_pair and the eval/verbalize/score CLI, checked against direct computations.
+
+The AV of ``test_client.Pair`` answers every vector with FIXED_EXPLANATION ("Alice is in the
+garden in the morning"), so every number of the report can be recomputed here from the
+primitives (client.reconstruct, nla.vectors, nla.world.grade).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from test_client import FIXED_EXPLANATION, NLAClient, nla_pair  # noqa: F401 - nla_pair is a fixture
+
+from nla.cli import main
+from nla.datagen.explain import row_key
+from nla.datagen.io import vectors_to_arrow
+from nla.evaluation import evaluate_pair, faithfulness
+from nla.sidecar import write_sidecar
+from nla.vectors import cosine, fve, predict_mean_baselines
+from nla.world import Fact, TextExplainer, grade
+
+N = 6
+FACTS = [
+    ["person=alice", "place=garden"],
+    ["mood=happy", "time=morning"],
+    ["person=alice", "place=garden", "time=morning"],
+    ["place=kitchen"],
+    [],
+    ["person=bruno", "time=night"],
+]
+REFERENCE = ["Alice is in the garden", "happy in the morning", "Alice", "the kitchen", "nothing yet", "Bob at noon"]
+
+
+def _dataset(path, nla_pair, with_explanation: bool):  # noqa: F811 - fixture value passed in
+    vecs = np.random.default_rng(0).standard_normal((N, 32)).astype(np.float32) * 3
+    cols = {
+        "activation_vector": vectors_to_arrow(vecs),
+        "doc_id": pa.array([10, 10, 11, 12, 13, 13], pa.int64()),
+        "position": pa.array([4, 9, 5, 6, 2, 8], pa.int64()),
+        "context": pa.array([f"context of row {i}" for i in range(N)]),
+        "facts": pa.array(FACTS, pa.list_(pa.string())),
+    }
+    if with_explanation:
+        cols["explanation"] = pa.array(REFERENCE)
+    pq.write_table(pa.table(cols), path)
+    write_sidecar(path, nla_pair.side.replace(kind="nla_dataset", role=None))
+    return path, torch.from_numpy(vecs)
+
+
+@pytest.fixture(scope="module")
+def client(nla_pair):  # noqa: F811
+    return NLAClient(nla_pair.av_dir, nla_pair.ar_dir, device="cpu")
+
+
+def test_report_matches_direct_computation(nla_pair, client, tmp_path):  # noqa: F811
+    path, gold = _dataset(tmp_path / "sft.parquet", nla_pair, with_explanation=True)
+    report = evaluate_pair(client, path, max_new_tokens=14, n_show=3)
+    scale = 32**0.5
+    assert report.mse_scale == pytest.approx(scale)
+    base = predict_mean_baselines(gold, scale)
+    assert report.baseline_raw_mean_mse == pytest.approx(base.raw_mean, rel=1e-6)
+
+    # Round trip: the AV says FIXED_EXPLANATION for every row, so predictions are its reconstruction.
+    pred = client.reconstruct([FIXED_EXPLANATION] * N)
+    rt = report.row("AV → AR round trip")
+    assert rt.fve == pytest.approx(fve(pred, gold, scale), abs=1e-5)
+    assert rt.cosine == pytest.approx(float(cosine(pred, gold).mean()), abs=1e-5)
+    assert rt.failure_rate == 0.0
+    # Fact recall by hand: "Alice ... garden ... morning" names {alice, garden, morning}.
+    # rows: 2 truths of 2 found -> 1; 1 of 2 (morning) -> .5; 3/3 -> 1; 0/1 -> 0; empty truth -> 1; 0/2 -> 0.
+    assert rt.faithfulness.recall == pytest.approx((1 + 0.5 + 1 + 0 + 1 + 0) / 6)
+    # precision = correct / 3 named: 2/3, 1/3, 3/3, 0, 0 (claims facts where none hold), 0.
+    assert rt.faithfulness.precision == pytest.approx((2 / 3 + 1 / 3 + 1 + 0 + 0 + 0) / 6)
+    # The AV ignores its vector here, so the shuffled row has exactly the same numbers.
+    sh = report.row("AV on shuffled vectors → AR")
+    assert sh.fve == pytest.approx(rt.fve, abs=1e-6)
+
+    ref = report.row("AR on reference explanations")
+    ref_pred = client.reconstruct(REFERENCE)
+    assert ref.fve == pytest.approx(fve(ref_pred, gold, scale), abs=1e-5)
+    assert ref.cosine == pytest.approx(float(cosine(ref_pred, gold).mean()), abs=1e-5)
+    mse = ((ref_pred / ref_pred.norm(dim=-1, keepdim=True) - gold / gold.norm(dim=-1, keepdim=True)) ** 2).sum(-1)
+    assert ref.mse_p50 == pytest.approx(float(np.quantile(mse.numpy(), 0.5)), rel=1e-4)
+    truths = [[Fact.parse(s) for s in f] for f in FACTS]
+    assert ref.faithfulness.recall == pytest.approx(np.mean([grade(t, f).recall for t, f in zip(REFERENCE, truths, strict=True)]))
+    assert ref.faithfulness.by_kind["person"][0] == pytest.approx((1 + 1 + 0) / 3)  # rows 0, 2, 5
+
+    mean_raw = report.row("predict the mean (raw)")
+    assert mean_raw.fve == pytest.approx(0.0, abs=1e-6)
+    assert report.row("predict the mean (normalised)").mse_mean == pytest.approx(base.normalized_mean, rel=1e-5)
+    # The dataset's explanation column *is* the text explainer: no duplicate row.
+    assert "text explainer → AR" not in [r.name for r in report.rows]
+    assert len(report.samples) == 3 and report.samples[0].facts == FACTS[report.samples[0].row]
+
+    js = json.loads(report.to_json())
+    assert js["rows"][0]["name"] == "AV → AR round trip"
+    md = report.to_markdown()
+    assert "| AR on reference explanations |" in md and "Fact recall / precision by kind" in md
+
+
+def test_text_explainer_baseline_on_rl_split(nla_pair, client, tmp_path):  # noqa: F811
+    path, gold = _dataset(tmp_path / "rl.parquet", nla_pair, with_explanation=False)
+    report = evaluate_pair(client, path, max_new_tokens=14, n_show=0)
+    # No datagen config in the sidecar provenance: the TextExplainer defaults (seed 0).
+    docs, pos = [10, 10, 11, 12, 13, 13], [4, 9, 5, 6, 2, 8]
+    te = TextExplainer(seed=0)
+    texts = [te.explain(frozenset(Fact.parse(s) for s in f), row_key(d, p)) for f, d, p in zip(FACTS, docs, pos, strict=True)]
+    row = report.row("text explainer → AR")
+    assert row.fve == pytest.approx(fve(client.reconstruct(texts), gold, 32**0.5), abs=1e-5)
+    assert row.faithfulness == faithfulness(texts, FACTS)
+    assert "AR on reference explanations" not in [r.name for r in report.rows]
+
+
+def test_max_rows_and_errors(nla_pair, client, tmp_path):  # noqa: F811
+    path, _ = _dataset(tmp_path / "d.parquet", nla_pair, with_explanation=True)
+    small = evaluate_pair(NLAClient.from_models(ar=nla_pair.ar), path, max_rows=3, n_show=2)
+    assert small.n_rows == 3 and "AV → AR round trip" not in [r.name for r in small.rows]
+    assert small.samples[0].status == "not verbalized (no AV)"
+    no_side = tmp_path / "bare.parquet"
+    pq.write_table(pq.read_table(path), no_side)
+    with pytest.raises(FileNotFoundError, match="has no sidecar bare.parquet.nla_meta.yaml"):
+        evaluate_pair(client, no_side)
+    wide = tmp_path / "wide.parquet"
+    pq.write_table(pa.table({"activation_vector": vectors_to_arrow(np.ones((3, 16), np.float32))}), wide)
+    write_sidecar(wide, nla_pair.side.replace(kind="nla_dataset", role=None, d_model=16))
+    with pytest.raises(ValueError, match="d=16 vectors but the checkpoints' sidecar says d_model=32"):
+        evaluate_pair(client, wide)
+    with pytest.raises(ValueError, match="no reconstructor"):
+        evaluate_pair(NLAClient.from_models(nla_pair.av_model, nla_pair.tok, nla_pair.side), path)
+    bad = tmp_path / "badfacts.parquet"
+    t = pq.read_table(path)
+    t = t.set_column(t.column_names.index("facts"), "facts", pa.array([["colour=red"]] * N, pa.list_(pa.string())))
+    pq.write_table(t, bad)
+    write_sidecar(bad, nla_pair.side.replace(kind="nla_dataset", role=None))
+    with pytest.raises(ValueError, match="facts: row 0"):
+        evaluate_pair(NLAClient.from_models(ar=nla_pair.ar), bad)
+
+
+@pytest.mark.slow
+def test_cli_eval_verbalize_score(nla_pair, tmp_path, capsys):  # noqa: F811
+    path, gold = _dataset(tmp_path / "d.parquet", nla_pair, with_explanation=True)
+    av, ar = str(nla_pair.av_dir), str(nla_pair.ar_dir)
+    out = tmp_path / "eval"
+    assert main(["eval", "--av", av, "--ar", ar, "--dataset", str(path), "--max-rows", "4", "--out", str(out),
+                 "--max-new-tokens", "14", "--device", "cpu"]) == 0
+    assert "| AV → AR round trip |" in capsys.readouterr().out
+    assert json.loads((out / "eval.json").read_text())["n_rows"] == 4 and (out / "eval.md").is_file()
+
+    np.save(tmp_path / "v.npy", gold.numpy())
+    jl = tmp_path / "v.jsonl"
+    assert main(["verbalize", "--av", av, "--vectors", str(tmp_path / "v.npy"), "--rows", "3", "--out", str(jl),
+                 "--max-new-tokens", "14", "--device", "cpu"]) == 0
+    rows = [json.loads(x) for x in jl.read_text().splitlines()]
+    assert [r["row"] for r in rows] == [0, 1, 2] and rows[0]["explanation"] == FIXED_EXPLANATION
+
+    scores = tmp_path / "s.jsonl"
+    assert main(["score", "--ar", ar, "--texts", str(jl), "--vectors", str(path), "--rows", "3",
+                 "--out", str(scores), "--device", "cpu"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    pred = NLAClient(None, ar, device="cpu").reconstruct([FIXED_EXPLANATION] * 3)
+    direct = float(cosine(pred, gold[:3]).mean())
+    assert summary["rows"] == 3 and summary["cosine_mean"] == pytest.approx(direct, abs=1e-5)
+    assert len(scores.read_text().splitlines()) == 3
+    assert main(["score", "--ar", ar, "--dataset", str(path), "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out)["failure_rate"] == 0.0
