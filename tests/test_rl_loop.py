@@ -1,0 +1,220 @@
+"""The RL loop end to end on a task where the vector decides the right answer.
+
+Four classes, each a prototype vector; the warm-started AV names a class word in its
+explanation and the AR maps "the <word> is happy" back to that class's prototype. RL with
+the live AR as reward must raise the mean reward; the mechanics (live AR, step-0 guard,
+checkpoints, resume, PPO and DAPO paths) are checked on the same fixture.
+"""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from train_helpers import dataset_sidecar, write_av_dataset
+
+from nla.datagen.io import vectors_to_arrow
+from nla.metrics import read_metrics
+from nla.reward import FAILED_EXTRACTION_REWARD, RewardBatcher, score_all
+from nla.rl.backend import build_groups
+from nla.rl.config import RLConfig, load_rl_config
+from nla.rl.loop import RLGuardError, run_rl, step0_guard
+from nla.sidecar import load_sidecar, write_sidecar
+from nla.train.ar import train_ar
+from nla.train.av import train_av
+from nla.train.config import ARTrainConfig, AVTrainConfig
+
+WORDS = ["cat", "dog", "bird", "fish"]
+D = 64  # the world tiny subject model's width
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _class_vectors(n: int, seed: int):
+    rng = np.random.default_rng(0)  # the same prototypes for every split
+    protos = rng.normal(size=(len(WORDS), D))
+    noise = np.random.default_rng(seed)
+    cls = np.arange(n) % len(WORDS)
+    return (protos[cls] + 0.1 * noise.normal(size=(n, D))).astype(np.float32), cls
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Warm-started AV + AR checkpoints and an RL parquet (built once per module).
+
+    The base is the world tiny subject model (cached build): its byte-level BPE decodes
+    text exactly, so explanations round-trip through generation and tag extraction.
+    """
+    from nla.arch import load_tokenizer
+    from nla.world import build_world
+
+    root = tmp_path_factory.mktemp("rl")
+    base = build_world("tiny", progress=False).subject_dir
+    side = dataset_sidecar(load_tokenizer(base), base, D, 1, injection_scale=8.0)
+    vec, cls = _class_vectors(64, seed=1)
+    texts = [f"the {WORDS[c]} is happy" for c in cls]
+    av_ds = write_av_dataset(root / "av_sft.parquet", side, vec, texts)
+    # The AV is only partly warm-started (few steps) so RL has room to improve it.
+    av = train_av(AVTrainConfig(dataset=str(av_ds), out_dir=str(root / "av"), max_steps=40, batch_size=8, lr=3e-3,
+                                warmup_steps=5, log_every=10, eval_every=40, save_every=1000, eval_fraction=0.25,
+                                tensorboard=False, progress=False, smoke_num=1, smoke_max_new_tokens=8))
+    ar_ds = root / "ar_sft.parquet"
+    pq.write_table(pa.table({"activation_vector": vectors_to_arrow(vec), "doc_id": pa.array(range(64), pa.int64()),
+                             "prompt": pa.array([side.ar_text(t) for t in texts]), "explanation": pa.array(texts)}),
+                   ar_ds)
+    write_sidecar(ar_ds, side)
+    ar = train_ar(ARTrainConfig(dataset=str(ar_ds), out_dir=str(root / "ar"), max_steps=150, batch_size=16, lr=3e-3,
+                                warmup_steps=5, log_every=50, eval_every=150, save_every=1000, eval_fraction=0.25,
+                                tensorboard=False, progress=False))
+    rl_vec, _ = _class_vectors(32, seed=2)
+    rl_ds = root / "rl.parquet"
+    pq.write_table(pa.table({"activation_vector": vectors_to_arrow(rl_vec),
+                             "doc_id": pa.array(range(32), pa.int64())}), rl_ds)
+    write_sidecar(rl_ds, side)
+    return {"av": str(av.checkpoint_dir), "ar": str(ar.checkpoint_dir), "dataset": str(rl_ds), "root": root,
+            "ar_fve": ar.metrics.get("eval_fve")}
+
+
+def _cfg(pair, out, **kw) -> RLConfig:
+    base = dict(av=pair["av"], ar=pair["ar"], dataset=pair["dataset"], out_dir=str(out), steps=4,
+                rollout_batch_size=4, n_samples_per_prompt=4, micro_batch_size=16, max_response_len=24,
+                lr=3e-4, ar_lr=1e-3, save_every=2, eval_every=1000, tensorboard=False, progress=False, seed=0)
+    base.update(kw)
+    return RLConfig(**base)
+
+
+def test_config_guards_name_the_field(pair, tmp_path):
+    with pytest.raises(ValueError, match="global_batch_size"):
+        _cfg(pair, tmp_path, global_batch_size=8)  # two steps per rollout without opting in
+    assert _cfg(pair, tmp_path, global_batch_size=8, allow_multiple_updates=True).updates_per_rollout == 2
+    with pytest.raises(ValueError, match="advantage: expected one of"):
+        _cfg(pair, tmp_path, advantage="ppo2")
+    with pytest.raises(ValueError, match="n_samples_per_prompt"):
+        _cfg(pair, tmp_path, n_samples_per_prompt=1)
+    with pytest.raises(ValueError, match="unknown config key"):
+        load_rl_config(None, {"av": "a", "ar": "b", "dataset": "c", "lerning_rate": 1})
+
+
+def test_reward_uses_the_live_reconstructor(pair, tmp_path):
+    groups = build_groups(_cfg(pair, tmp_path))
+    ar = groups.reconstructor
+    gold = torch.randn(4, D)
+    items = [("the cat is happy", gold[0]), ("the dog is happy", gold[1]), ("the fish is happy", gold[2]),
+             ("the bird is happy", gold[3])]
+    batcher = RewardBatcher(ar.score_batch, batch_size=2, flush_seconds=0.01)
+    before = score_all(batcher, items)
+    ar.update([t for t, _ in items], gold)  # one AR step, no checkpoint written in between
+    after = score_all(batcher, items)
+    assert batcher.stats.n_batches == 4  # 2 calls x ceil(4 / 2)
+    assert all(b != a for b, a in zip(before, after, strict=True))
+    # after a step towards the golds, the rewards (negative MSE) improve on average
+    assert np.mean(after) > np.mean(before)
+
+
+def test_step0_guard_passes_and_refuses(pair, tmp_path):
+    cfg = _cfg(pair, tmp_path)
+    groups = build_groups(cfg)
+    vec = torch.from_numpy(_class_vectors(4, 3)[0])
+    r = groups.rollout.generate(vec, torch.arange(4), 2, cfg.max_response_len)
+    diff = step0_guard(groups, r, tol=1e-4)  # left- vs right-padded AR layouts agree in fp32
+    assert diff < 1e-4
+    # Break the layout the way a real bug would: reading the last *position* instead of
+    # the last real token is right for left padding and wrong for right padding.
+    ar = groups.reconstructor.ar
+
+    def predict_last_position(input_ids, attention_mask):
+        return ar(input_ids, attention_mask)[:, -1]
+
+    ar.predict = predict_last_position
+    with pytest.raises(RLGuardError, match="step0_guard_tol"):
+        step0_guard(groups, r, tol=1e-4)
+
+
+def test_rollout_statuses_and_failed_reward(pair, tmp_path):
+    cfg = _cfg(pair, tmp_path, max_response_len=4)  # too short for any complete explanation
+    groups = build_groups(cfg)
+    vec = torch.from_numpy(_class_vectors(2, 3)[0])
+    r = groups.rollout.generate(vec, torch.arange(2), 3, cfg.max_response_len)
+    assert r.n == 6 and r.group.tolist() == [0, 0, 0, 1, 1, 1]
+    from nla.rl.loop import score_rollout
+    from nla.rl.types import COMPLETED
+
+    batcher = RewardBatcher(groups.reconstructor.score_batch, 8, 0.01)
+    score_rollout(r, batcher, log_mse=False)
+    failed = r.status != COMPLETED
+    assert failed.all()  # 3 tokens cannot hold "<explanation> x </explanation>" + EOS
+    assert torch.all(r.rewards[failed] == FAILED_EXTRACTION_REWARD)
+    assert torch.isnan(r.mse[failed]).all()
+
+
+def test_grpo_raises_mean_reward(pair, tmp_path):
+    # Seeded run; measured on this fixture (2026-11-30): mean reward over the first 5 steps
+    # -1.49, over the last 5 of 30 steps -1.07 (+0.42). Assert a margin of 0.2.
+    out = tmp_path / "grpo"
+    res = run_rl(_cfg(pair, out, steps=30, save_every=15, eval_every=1000))
+    recs = [r for r in read_metrics(out / "rl.jsonl") if "reward_mean" in r]
+    assert len(recs) == 30
+    first = np.mean([r["reward_mean"] for r in recs[:5]])
+    last = np.mean([r["reward_mean"] for r in recs[-5:]])
+    assert last > first + 0.2, (first, last)
+    assert recs[0]["step0_guard_diff"] < 1e-4
+    for key in ("kl", "clipfrac", "approx_kl", "entropy", "fve_nrm", "response_len", "truncation_rate",
+                "extraction_fail_rate", "zero_spread_frac", "time_generate", "time_reward", "time_policy", "time_ar",
+                "ar_loss"):
+        assert key in recs[-1], key
+    assert (out / "rl_curves.png").is_file()
+    ck = res.checkpoint_dir
+    assert load_sidecar(ck / "av").role == "av" and load_sidecar(ck / "ar").role == "ar"
+    assert json.loads((out / "rl_summary.json").read_text())["step"] == 30
+
+
+def test_resume_matches_uninterrupted(pair, tmp_path):
+    straight = tmp_path / "straight"
+    run_rl(_cfg(pair, straight, steps=4, save_every=2))
+    split = tmp_path / "split"
+    run_rl(_cfg(pair, split, steps=4, save_every=2, stop_after_steps=2))
+    run_rl(_cfg(pair, split, steps=4, save_every=2), resume=True)
+    a = [r for r in read_metrics(straight / "rl.jsonl") if "reward_mean" in r]
+    b = [r for r in read_metrics(split / "rl.jsonl") if "reward_mean" in r]
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["reward_mean"] == pytest.approx(rb["reward_mean"], abs=1e-5)
+        assert ra["policy_loss"] == pytest.approx(rb["policy_loss"], abs=1e-5)
+    wa = load_file_weights(straight)
+    wb = load_file_weights(split)
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=1e-5)
+
+
+def load_file_weights(out):
+    from safetensors.torch import load_file
+
+    ck = sorted((out / "checkpoints").iterdir())[-1]
+    return load_file(str(ck / "av" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("variant", [
+    {"advantage": "gae", "gamma": 1.0, "lam": 0.95},
+    {"dynamic_sampling": True, "eps_high": 0.28, "overlong_buffer_len": 4, "loss_agg": "seq-mean-token-mean"},
+    {"advantage": "drgrpo", "kl_estimator": "k1", "loss_agg": "seq-mean-token-sum", "log_mse": True},
+    {"global_batch_size": 8, "allow_multiple_updates": True, "dual_clip_c": 3.0},
+])
+def test_variants_run_and_log(pair, tmp_path, variant):
+    out = tmp_path / "v"
+    res = run_rl(_cfg(pair, out, steps=2, save_every=2, **variant))
+    rec = [r for r in read_metrics(out / "rl.jsonl") if "reward_mean" in r][-1]
+    assert np.isfinite(rec["reward_mean"]) and np.isfinite(rec["ar_loss"])
+    if variant.get("advantage") == "gae":
+        assert "value_loss" in rec and (res.checkpoint_dir / "value_model.pt").is_file()
+    if variant.get("dynamic_sampling"):
+        assert 0.0 <= rec["zero_spread_frac"] <= 1.0 and "refill_rounds" in rec
+    if variant.get("global_batch_size"):
+        assert rec["ratio_mean"] != 1.0 or rec["approx_kl"] >= 0.0
