@@ -1,0 +1,216 @@
+"""The main job: world -> datagen -> AR/AV warm-start -> RL -> eval -> report, one call.
+
+Every stage reuses its cache or checkpoint when the same config already ran in ``out``
+(world builds are cached by config hash; datagen stages by done-markers; training and RL
+stages by a ``stage_done.json`` holding the resolved config), so a rerun after a crash
+continues from the first unfinished stage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class QuickstartPreset:
+    """Per-stage settings (each maps one to one onto that stage's config dataclass)."""
+
+    world: str
+    datagen: dict[str, Any]
+    ar: dict[str, Any]
+    av: dict[str, Any]
+    rl: dict[str, Any]
+    eval_fraction: float = 0.25  # of the RL split's documents, held out for evaluation
+    eval_max_rows: int = 200
+    max_new_tokens: int = 64
+
+
+_TRAIN_COMMON = dict(warmup_steps=20, min_lr_ratio=0.1, max_grad_norm=1.0, log_every=10, keep_last=1,
+                     eval_fraction=0.1, tensorboard=True)
+
+PRESETS: dict[str, QuickstartPreset] = {
+    "tiny": QuickstartPreset(
+        world="tiny",
+        datagen=dict(n_docs=600, positions_per_doc=4, skip_first=4, batch_size=32, max_len=64,
+                     split_fractions=[0.4, 0.4, 0.2]),
+        ar=dict(max_steps=150, batch_size=32, lr=1e-3, eval_every=50, save_every=150, max_length=96, **_TRAIN_COMMON),
+        av=dict(max_steps=150, batch_size=32, lr=1e-3, eval_every=50, save_every=150, max_length=128, smoke_num=2,
+                smoke_max_new_tokens=40, **_TRAIN_COMMON),
+        rl=dict(steps=20, rollout_batch_size=8, n_samples_per_prompt=4, micro_batch_size=32, max_response_len=64,
+                lr=1e-4, ar_lr=3e-4, eval_every=10, eval_max_rows=32, save_every=20, keep_last=1),
+        eval_max_rows=64,
+    ),
+    "default": QuickstartPreset(
+        world="default",
+        datagen=dict(n_docs=3000, positions_per_doc=4, skip_first=4, batch_size=32, max_len=96,
+                     split_fractions=[0.4, 0.4, 0.2]),
+        ar=dict(max_steps=400, batch_size=32, lr=1e-3, eval_every=100, save_every=400, max_length=96, **_TRAIN_COMMON),
+        av=dict(max_steps=500, batch_size=32, lr=1e-3, eval_every=100, save_every=500, max_length=128, smoke_num=3,
+                smoke_max_new_tokens=48, **_TRAIN_COMMON),
+        rl=dict(steps=60, rollout_batch_size=16, n_samples_per_prompt=8, micro_batch_size=64, max_response_len=64,
+                lr=1e-4, ar_lr=3e-4, eval_every=20, eval_max_rows=64, save_every=30, keep_last=1),
+        eval_max_rows=200,
+    ),
+}
+
+
+@dataclass
+class StageRecord:
+    name: str
+    seconds: float
+    cached: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _cached_stage(out: Path, name: str, config: dict[str, Any]) -> dict[str, Any] | None:
+    marker = out / f"{name}.stage_done.json"
+    if marker.is_file():
+        rec = json.loads(marker.read_text())
+        if rec.get("config_hash") == _hash(config):
+            return rec
+    return None
+
+
+def _mark_stage(out: Path, name: str, config: dict[str, Any], info: dict[str, Any]) -> None:
+    (out / f"{name}.stage_done.json").write_text(
+        json.dumps({"config_hash": _hash(config), "config": config, **info}, indent=2, default=str))
+
+
+def split_rl_for_eval(rl_path: Path, out_dir: Path, eval_fraction: float, seed: int) -> tuple[Path, Path]:
+    """Partition the RL split by document into RL prompts and a held-out eval set (sidecars copied)."""
+    from nla.sidecar import load_sidecar, write_sidecar
+
+    table = pq.read_table(rl_path)
+    docs = np.unique(table.column("doc_id").to_numpy())
+    rng = np.random.default_rng(seed)
+    n_eval = max(1, int(round(len(docs) * eval_fraction)))
+    eval_docs = set(rng.permutation(docs)[:n_eval].tolist())
+    is_eval = np.array([d in eval_docs for d in table.column("doc_id").to_numpy()])
+    side = load_sidecar(rl_path)
+    paths = []
+    for name, mask in (("rl_train", ~is_eval), ("eval", is_eval)):
+        path = out_dir / f"{name}.parquet"
+        write_sidecar(path, side, split=name, parent_dataset=str(rl_path))
+        pq.write_table(table.filter(pa.array(mask)), path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart", *, backend: str = "local",
+                   progress: bool = True) -> Path:
+    """Run every stage; returns the path of ``report.md``."""
+    from nla.datagen.config import DatagenConfig
+    from nla.datagen.pipeline import run as run_datagen
+    from nla.rl.config import RLConfig
+    from nla.rl.loop import run_rl
+    from nla.train.ar import train_ar
+    from nla.train.av import train_av
+    from nla.train.config import ARTrainConfig, AVTrainConfig
+    from nla.world import build_world
+
+    if preset not in PRESETS:
+        raise ValueError(f"preset: expected one of {sorted(PRESETS)}, found {preset!r}")
+    p = PRESETS[preset]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    stages: list[StageRecord] = []
+    configs: dict[str, Any] = {}
+
+    def stage(name: str, config: dict[str, Any], fn) -> dict[str, Any]:
+        configs[name] = config
+        cached = _cached_stage(out, name, config)
+        if cached is not None:
+            logger.info("[%s] cached: %s", name, {k: v for k, v in cached.items() if k not in ("config",)})
+            stages.append(StageRecord(name, float(cached.get("seconds", 0.0)), True, cached))
+            return cached
+        logger.info("[%s] running", name)
+        t0 = time.perf_counter()
+        info = fn()
+        info["seconds"] = time.perf_counter() - t0
+        _mark_stage(out, name, config, info)
+        stages.append(StageRecord(name, info["seconds"], False, info))
+        logger.info("[%s] done in %.1f s", name, info["seconds"])
+        return info
+
+    # 1. world
+    world_info = stage("world", {"preset": p.world}, lambda: _world(build_world, p.world, progress))
+    # 2. datagen
+    dg_cfg = dict(out_dir=str(out / "datagen"), source="world", world_preset=p.world, explainer="world",
+                  shuffled_baseline=True, seed=0, **p.datagen)
+    stage("datagen", dg_cfg, lambda: {"summary": run_datagen(DatagenConfig.from_dict(dg_cfg))})
+    datagen = out / "datagen"
+    rl_train, eval_ds = split_rl_for_eval(datagen / "rl.parquet", datagen, p.eval_fraction, seed=0)
+    # 3. AR and AV warm-start
+    ar_cfg = dict(dataset=str(datagen / "ar_sft.parquet"), out_dir=str(out / "ar"), progress=progress, **p.ar)
+    ar_info = stage("ar", ar_cfg, lambda: _train(train_ar, ARTrainConfig(**ar_cfg)))
+    av_cfg = dict(dataset=str(datagen / "av_sft.parquet"), out_dir=str(out / "av"), progress=progress, **p.av)
+    av_info = stage("av", av_cfg, lambda: _train(train_av, AVTrainConfig(**av_cfg)))
+    # 4. eval of the warm-started pair
+    ev_kw = dict(max_rows=p.eval_max_rows, max_new_tokens=p.max_new_tokens)
+    warm = stage("eval_warmstart", {"av": av_info["checkpoint"], "ar": ar_info["checkpoint"],
+                                    "dataset": str(eval_ds), **ev_kw},
+                 lambda: _evaluate(av_info["checkpoint"], ar_info["checkpoint"], eval_ds, out / "eval_warmstart",
+                                   ev_kw))
+    # 5. RL
+    rl_cfg = dict(av=av_info["checkpoint"], ar=ar_info["checkpoint"], dataset=str(rl_train),
+                  eval_dataset=str(eval_ds), out_dir=str(out / "rl"), backend=backend, progress=progress, **p.rl)
+    rl_info = stage("rl", rl_cfg, lambda: _rl(run_rl, RLConfig(**rl_cfg)))
+    # 6. eval after RL
+    after = stage("eval_rl", {"av": rl_info["av"], "ar": rl_info["ar"], "dataset": str(eval_ds), **ev_kw},
+                  lambda: _evaluate(rl_info["av"], rl_info["ar"], eval_ds, out / "eval_rl", ev_kw))
+    # 7. report
+    from nla.report import write_report
+
+    return write_report(out, preset=preset, stages=stages, configs=configs, world=world_info,
+                        warm_eval=warm["report"], rl_eval=after["report"], ar_info=ar_info, av_info=av_info,
+                        rl_info=rl_info)
+
+
+def _world(build_world, preset: str, progress: bool) -> dict[str, Any]:
+    art = build_world(preset, progress=progress)
+    return {"subject_dir": str(art.subject_dir), "heldout_loss": art.heldout_loss,
+            "unigram_entropy": art.unigram_entropy, "loss_curve_png": str(art.loss_curve_png),
+            "train_seconds": art.train_seconds}
+
+
+def _train(fn, cfg) -> dict[str, Any]:
+    res = fn(cfg)
+    return {"checkpoint": str(res.checkpoint_dir), "metrics": res.metrics}
+
+
+def _rl(fn, cfg) -> dict[str, Any]:
+    res = fn(cfg)
+    return {"checkpoint": str(res.checkpoint_dir), "av": str(res.checkpoint_dir / "av"),
+            "ar": str(res.checkpoint_dir / "ar"), "metrics": res.metrics}
+
+
+def _evaluate(av: str, ar: str, dataset: Path, out_dir: Path, kw: dict[str, Any]) -> dict[str, Any]:
+    from nla.client import NLAClient
+    from nla.evaluation import evaluate_pair
+
+    report = evaluate_pair(NLAClient(av, ar), dataset, **kw)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "eval.json").write_text(report.to_json())
+    (out_dir / "eval.md").write_text(report.to_markdown())
+    return {"report": report.to_dict()}
+
+
+def dump_configs(configs: dict[str, Any]) -> str:
+    return yaml.safe_dump(configs, sort_keys=False)

@@ -1,0 +1,119 @@
+"""The quickstart report: one Markdown page (+ JSON) a researcher opens instead of the logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+ROUND_TRIP = "AV → AR round trip"
+
+
+def _f(x: Any, nd: int = 3) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    return f"{x:.{nd}f}" if isinstance(x, (int, float)) else str(x)
+
+
+def _rows(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["name"]: r for r in report["rows"]}
+
+
+def comparison_table(warm: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """Eval rows of the warm-started pair and the RL pair side by side."""
+    w, a = _rows(warm), _rows(after)
+    lines = ["| predictor | FVE warm | FVE RL | cosine warm | cosine RL | recall warm | recall RL | "
+             "precision warm | precision RL | failed warm | failed RL |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name in [r["name"] for r in warm["rows"]]:
+        rw, ra = w[name], a.get(name, {})
+        fw, fa = rw.get("faithfulness") or {}, ra.get("faithfulness") or {}
+        lines.append(
+            f"| {name} | {_f(rw.get('fve'))} | {_f(ra.get('fve'))} | {_f(rw.get('cosine'))} | {_f(ra.get('cosine'))} | "
+            f"{_f(fw.get('recall'))} | {_f(fa.get('recall'))} | {_f(fw.get('precision'))} | {_f(fa.get('precision'))} | "
+            f"{_f(rw.get('failure_rate'), 2)} | {_f(ra.get('failure_rate'), 2)} |")
+    return lines
+
+
+def examples(warm: dict[str, Any], after: dict[str, Any], n: int = 6) -> list[str]:
+    by_row = {s["row"]: s for s in warm.get("samples", [])}
+    lines = []
+    for s in after.get("samples", [])[:n]:
+        w = by_row.get(s["row"], {})
+        ctx = (s.get("context") or "").replace("\n", " ")
+        lines += [f"**row {s['row']}** — context: “…{ctx[-120:]}”  ",
+                  f"ground truth: `{', '.join(s.get('facts') or [])}`  ",
+                  f"data explainer: {s.get('reference') or '–'}  ",
+                  f"warm-start AV: {w.get('explanation') or '(' + str(w.get('status')) + ')'} "
+                  f"(mse {_f(w.get('mse_nrm'))})  ",
+                  f"after RL: {s.get('explanation') or '(' + str(s.get('status')) + ')'} (mse {_f(s.get('mse_nrm'))})",
+                  ""]
+    return lines
+
+
+def write_report(out: Path, *, preset: str, stages: list, configs: dict[str, Any], world: dict[str, Any],
+                 warm_eval: dict[str, Any], rl_eval: dict[str, Any], ar_info: dict[str, Any],
+                 av_info: dict[str, Any], rl_info: dict[str, Any]) -> Path:
+    """Write ``report.md`` and ``report.json`` (+ copy curve PNGs beside them); returns report.md."""
+    plots = {}
+    for name, src in (("world_loss", world.get("loss_curve_png")), ("ar_curves", out / "ar" / "ar_curves.png"),
+                      ("av_curves", out / "av" / "av_curves.png"), ("rl_curves", out / "rl" / "rl_curves.png")):
+        if src and Path(src).is_file():
+            dst = out / f"{name}.png"
+            if Path(src).resolve() != dst.resolve():
+                shutil.copyfile(src, dst)
+            plots[name] = dst.name
+    wr, rr = _rows(warm_eval), _rows(rl_eval)
+    fve_warm, fve_rl = wr[ROUND_TRIP]["fve"], rr[ROUND_TRIP]["fve"]
+    arm, avm, rlm = ar_info.get("metrics", {}), av_info.get("metrics", {}), rl_info.get("metrics", {})
+    headline = {
+        "preset": preset,
+        "round_trip_fve_warmstart": fve_warm,
+        "round_trip_fve_rl": fve_rl,
+        "rl_improved_fve": fve_rl > fve_warm,
+        "ar_heldout_fve_warmstart": arm.get("eval_fve"),
+        "av_vector_gap": avm.get("eval_vector_gap"),
+        "rl_final_reward_mean": rlm.get("reward_mean"),
+        "subject_heldout_loss": world.get("heldout_loss"),
+        "subject_unigram_entropy": world.get("unigram_entropy"),
+        "total_seconds": sum(s.seconds for s in stages),
+    }
+    md = [f"# NLA quickstart report (preset `{preset}`)", "",
+          f"Round-trip FVE on held-out vectors: **{_f(fve_warm)}** after warm-start → **{_f(fve_rl)}** after RL "
+          f"({'improved' if fve_rl > fve_warm else 'did not improve'}). "
+          f"Total time {headline['total_seconds']:.0f} s.", "",
+          "## Evaluation (held-out documents)", "",
+          f"{warm_eval['n_rows']} rows, d_model {warm_eval['d_model']}; FVE = 1 − MSE / MSE of predicting the raw mean "
+          f"of normalised golds ({warm_eval['baseline_raw_mean_mse']:.4f}). Fact recall/precision grade the "
+          "explanations against the world's ground truth. See docs/report.md for every number.", "",
+          *comparison_table(warm_eval, rl_eval), "",
+          "## Training", "",
+          f"- subject model: held-out loss {_f(world.get('heldout_loss'))} nats/token vs unigram entropy "
+          f"{_f(world.get('unigram_entropy'))}",
+          f"- AR warm-start: held-out FVE {_f(arm.get('eval_fve'))} (train fve_nrm {_f(arm.get('fve_nrm'))})",
+          f"- AV warm-start: held-out loss {_f(avm.get('eval_loss'))}, with shuffled vectors "
+          f"{_f(avm.get('eval_loss_shuffled'))} (gap {_f(avm.get('eval_vector_gap'), 4)}: > 0 means the vector is used)",
+          f"- RL: final reward {_f(rlm.get('reward_mean'))}, rollout fve_nrm {_f(rlm.get('fve_nrm'))}, "
+          f"KL {_f(rlm.get('kl'), 4)}, response length {_f(rlm.get('response_len'), 1)}", ""]
+    for key, title in (("world_loss", "Subject model pretraining"), ("ar_curves", "AR warm-start"),
+                       ("av_curves", "AV warm-start"), ("rl_curves", "RL")):
+        if key in plots:
+            md += [f"### {title}", "", f"![{title}]({plots[key]})", ""]
+    md += ["## Example explanations (held-out)", "", *examples(warm_eval, rl_eval),
+           "## Time per stage", "", "| stage | seconds | cached |", "|---|---|---|"]
+    md += [f"| {s.name} | {s.seconds:.1f} | {'yes' if s.cached else 'no'} |" for s in stages]
+    md += ["", "## Configs used", "", "```yaml", yaml.safe_dump(configs, sort_keys=False).rstrip(), "```", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(md), encoding="utf-8")
+    (out / "report.json").write_text(json.dumps({
+        "headline": headline, "eval_warmstart": warm_eval, "eval_rl": rl_eval, "plots": plots,
+        "stages": [{"name": s.name, "seconds": s.seconds, "cached": s.cached} for s in stages],
+        "configs": configs}, indent=2, default=str), encoding="utf-8")
+    return path
