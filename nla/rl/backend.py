@@ -96,7 +96,18 @@ def build_local_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_d
     )
 
 
-BACKEND_BUILDERS = {"local": build_local_groups}
+def _build_ray_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_dir: str | Path | None = None
+                      ) -> WorkerGroups:
+    try:
+        from nla.rl.ray_backend import build_ray_groups
+    except ImportError as exc:
+        raise RLSetupError(
+            f"backend: 'ray' needs the ray extra ({exc}); install it with `pip install 'nla[ray]'`"
+        ) from None
+    return build_ray_groups(cfg, policy_dir, ar_dir)
+
+
+BACKEND_BUILDERS = {"local": build_local_groups, "ray": _build_ray_groups}
 
 
 def build_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_dir: str | Path | None = None

@@ -40,7 +40,6 @@ from nla.rl.backend import build_groups
 from nla.rl.config import RLConfig, save_rl_config
 from nla.rl.types import COMPLETED, TRUNCATED, Rollout
 from nla.rl.workers import WorkerGroups
-from nla.sidecar import write_sidecar
 from nla.train.common import (
     DataCursor,
     atomic_dir,
@@ -183,20 +182,17 @@ def save_checkpoint(root: Path, step: int, groups: WorkerGroups, cfg: RLConfig, 
                     keep_last: int) -> Path:
     final = root / checkpoint_dir_name(step)
     with atomic_dir(final) as tmp:
-        av_dir = tmp / "av"
-        groups.policy.model.save_pretrained(av_dir, safe_serialization=True)
-        groups.tokenizer.save_pretrained(av_dir)
-        write_sidecar(av_dir / "nla_meta.yaml", groups.av_sidecar.replace(kind="nla_model", role="av"),
-                      stage="rl", rl_step=step, parent_av=str(cfg.av), parent_ar=str(cfg.ar), lr=cfg.lr)
-        groups.reconstructor.ar.save_pretrained(tmp / "ar", groups.ar_sidecar, stage="rl", rl_step=step,
-                                                parent_ar=str(cfg.ar), lr=cfg.ar_lr_value)
+        groups.policy.save_model(tmp / "av", groups.tokenizer, stage="rl", rl_step=step, parent_av=str(cfg.av),
+                                 parent_ar=str(cfg.ar), lr=cfg.lr)
+        groups.reconstructor.save_model(tmp / "ar", stage="rl", rl_step=step, parent_ar=str(cfg.ar),
+                                        lr=cfg.ar_lr_value)
         state: dict[str, Any] = {
             "step": step, "cursor": cursor.state_dict(), "rng": capture_rng_state(), "reference": str(cfg.av),
             "policy": groups.policy.optim_state(), "reconstructor": groups.reconstructor.optim_state(),
         }
         if groups.value is not None:
             state["value"] = groups.value.optim_state()
-            torch.save(groups.value.model.state_dict(), tmp / "value_model.pt")
+            groups.value.save_model(tmp / "value_model.pt")
         torch.save(state, tmp / RL_STATE_FILE)
         save_rl_config(cfg, tmp / "rl_config.yaml")
     prune_checkpoints(root, keep_last)
@@ -255,6 +251,7 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
     ckpt = latest_rl_checkpoint(out) if resume else None
     if resume and ckpt is None:
         raise FileNotFoundError(f"--resume: no RL checkpoint under {root}; run without --resume to start fresh")
+    owns_groups = groups is None
     if groups is None:
         groups = build_groups(cfg, ckpt / "av" if ckpt else None, ckpt / "ar" if ckpt else None)
     if groups.av_sidecar.d_model != data.vectors.shape[1]:
@@ -276,7 +273,7 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
         groups.policy.load_optim_state(state["policy"])
         groups.reconstructor.load_optim_state(state["reconstructor"])
         if groups.value is not None and "value" in state:
-            groups.value.model.load_state_dict(torch.load(ckpt / "value_model.pt", weights_only=True))
+            groups.value.load_model(ckpt / "value_model.pt")
             groups.value.load_optim_state(state["value"])
         restore_rng_state(state["rng"])
         logger.info("resuming RL from %s at step %d", ckpt, step)
@@ -330,6 +327,8 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
     finally:
         bar.close()
         score_all_close(batcher)
+        if owns_groups:
+            groups.close()
         metrics_log.plot(out / "rl_curves.png", PLOT_KEYS, title="RL")
         metrics_log.close()
     (out / "rl_summary.json").write_text(json.dumps({"step": step, **final}, indent=2, default=float))

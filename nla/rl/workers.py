@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from nla.reconstructor import Reconstructor, last_token_index
 from nla.reward import extract_explanation, mse_to_reward
 from nla.rl import algorithms as A
 from nla.rl.types import COMPLETED, FAILED_EXTRACTION, TRUNCATED, Rollout
-from nla.sidecar import NLAConfig, canonical_av_prompt_ids
+from nla.sidecar import SIDECAR_NAME, NLAConfig, canonical_av_prompt_ids, write_sidecar
 from nla.train.ar import tokenize_ar_texts
 from nla.train.common import build_optimizer, micro_batches, optimizer_step_guarded, warmup_cosine
 from nla.vectors import mse_nrm
@@ -237,6 +238,13 @@ class PolicyWorker(_Trainable):
         return {k: v / n_updates for k, v in sums.items()}
 
 
+    def save_model(self, directory: Path, tokenizer: Any, **provenance: Any) -> None:
+        """HF dir + tokenizer + AV sidecar (role av) with provenance."""
+        self.model.save_pretrained(directory, safe_serialization=True)
+        tokenizer.save_pretrained(directory)
+        write_sidecar(directory / SIDECAR_NAME, self.sidecar.replace(kind="nla_model", role="av"), **provenance)
+
+
 class ReferenceWorker:
     """The frozen warm-started AV: log-probs for the KL term."""
 
@@ -310,6 +318,9 @@ class ReconstructorWorker(_Trainable):
         train_mse = mse_nrm(self.predict(explanations, "right"), golds, self.scale)
         return float(((reward_mse / train_mse.clamp_min(1e-12)) - 1).abs().max())
 
+    def save_model(self, directory: Path, **provenance: Any) -> None:
+        self.ar.save_pretrained(directory, self.sidecar, **provenance)
+
     def update(self, explanations: list[str], golds: Tensor) -> dict[str, float]:
         """One supervised step: mean mse_nrm at the last real token (right-padded layout)."""
         if not explanations:
@@ -368,6 +379,12 @@ class ValueWorker(_Trainable):
         with self.hook.vectors(rollout.vectors[idx].to(device)):
             v = self.model(ids, attn)
         return v[:, P - 1 : P + L - 1]
+
+    def save_model(self, path: Path) -> None:
+        torch.save(self.model.state_dict(), path)
+
+    def load_model(self, path: Path) -> None:
+        self.model.load_state_dict(torch.load(path, weights_only=True))
 
     @torch.no_grad()
     def values(self, rollout: Rollout) -> Tensor:
