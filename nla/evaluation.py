@@ -226,14 +226,16 @@ def _text_explainer_outputs(table: Any, dataset_path: Path) -> list[str] | None:
         if prov and Path(prov).is_file():
             dc = DatagenConfig.from_dict(yaml.safe_load(Path(prov).read_text()) or {})
             w = dc.world_explainer
-            seed, kw = dc.seed, dict(min_facts=w.min_facts, max_facts=w.max_facts, wrong_rate=w.wrong_rate)
+            seed, kw = dc.seed, dict(min_facts=w.min_facts, max_facts=w.max_facts, wrong_rate=w.wrong_rate,
+                                     word_rate=w.word_rate)
     except (OSError, ValueError) as err:
         logger.warning("text explainer baseline: cannot read the datagen settings (%s); using defaults", err)
     explainer = TextExplainer(seed=seed, **kw)
+    words = table.column("current_word").to_pylist() if "current_word" in cols else [None] * table.num_rows
     out = []
-    for fs, doc, pos in zip(table.column("facts").to_pylist(), table.column("doc_id").to_pylist(),
-                            table.column("position").to_pylist(), strict=True):
-        out.append(explainer.explain(frozenset(Fact.parse(s) for s in (fs or [])), row_key(doc, pos)))
+    for fs, doc, pos, word in zip(table.column("facts").to_pylist(), table.column("doc_id").to_pylist(),
+                                  table.column("position").to_pylist(), words, strict=True):
+        out.append(explainer.explain(frozenset(Fact.parse(s) for s in (fs or [])), row_key(doc, pos), word))
     return out
 
 

@@ -122,3 +122,29 @@ def test_text_explainer_rejects_bad_config():
 def test_every_kind_has_several_phrasings():
     assert set(FACT_TEMPLATES) == set(KINDS)
     assert all(len(v) >= 3 for v in FACT_TEMPLATES.values())
+
+
+def test_current_word_is_named_in_quotes_and_not_graded_as_a_fact():
+    from nla.world import Fact, TextExplainer, grade, parse_facts
+
+    facts = frozenset({Fact("person", "felix"), Fact("activity", "singing")})
+    plain = TextExplainer(seed=3, wrong_rate=0.0).explain(facts, key=7)
+    with_word = TextExplainer(seed=3, wrong_rate=0.0).explain(facts, key=7, current_word="shore")
+    # the word is prepended; which facts are named does not change
+    assert with_word == 'The current word is "shore". ' + plain
+    # "shore" reveals place=beach, but a quotation is not a claim
+    assert parse_facts(with_word) == parse_facts(plain)
+    assert Fact("place", "beach") not in parse_facts(with_word)
+    # unquoted it is a claim: 1 correct of 2 true -> recall 1/2; 1 right of 2 named -> precision 1/2
+    g = grade("Felix is at the shore.", facts)
+    assert (g.recall, g.precision) == (0.5, 0.5)
+
+
+def test_word_rate_zero_never_names_the_word():
+    from nla.world import Fact, TextExplainer
+
+    ex = TextExplainer(seed=0, word_rate=0.0)
+    facts = frozenset({Fact("mood", "calm")})
+    assert all("current word" not in ex.explain(facts, k, "calm") for k in range(50))
+    with pytest.raises(ValueError, match="word_rate"):
+        TextExplainer(word_rate=1.5)

@@ -76,9 +76,12 @@ class WorldExplainerConfig:
     min_facts: int = 2
     max_facts: int = 3
     wrong_rate: float = 0.1
+    word_rate: float = 1.0  # how often the explanation also names the current word
 
     def __post_init__(self) -> None:
         c = "world_explainer"
+        if not isinstance(self.word_rate, (int, float)) or not 0 <= self.word_rate <= 1:
+            raise _err(c, "word_rate", "a number in [0, 1]", self.word_rate)
         if not isinstance(self.min_facts, int) or self.min_facts < 1:
             raise _err(c, "min_facts", "an integer >= 1", self.min_facts)
         if not isinstance(self.max_facts, int) or self.max_facts < self.min_facts:

@@ -91,11 +91,12 @@ class WorldExplainer(Explainer):
 
     name = "world"
 
-    def __init__(self, seed: int, min_facts: int, max_facts: int, wrong_rate: float) -> None:
+    def __init__(self, seed: int, min_facts: int, max_facts: int, wrong_rate: float, word_rate: float = 1.0) -> None:
         super().__init__()
         from nla.world import TextExplainer
 
-        self._text = TextExplainer(seed=seed, min_facts=min_facts, max_facts=max_facts, wrong_rate=wrong_rate)
+        self._text = TextExplainer(seed=seed, min_facts=min_facts, max_facts=max_facts, wrong_rate=wrong_rate,
+                                   word_rate=word_rate)
 
     def explain_batch(self, rows: list[dict[str, Any]]) -> list[str | None]:
         from nla.world import Fact
@@ -108,7 +109,7 @@ class WorldExplainer(Explainer):
                     "column; the world explainer needs world activations (source: world)"
                 )
             facts = frozenset(Fact(*s.split("=", 1)) for s in r["facts"])
-            text = self._text.explain(facts, row_key(r["doc_id"], r["position"]))
+            text = self._text.explain(facts, row_key(r["doc_id"], r["position"]), r.get("current_word"))
             if not text or not text.strip():
                 self.drops["world_no_explanation"] += 1
                 out.append(None)
@@ -120,7 +121,7 @@ class WorldExplainer(Explainer):
 @register_explainer("world")
 def _world(cfg: DatagenConfig) -> Explainer:
     w = cfg.world_explainer
-    return WorldExplainer(cfg.seed, w.min_facts, w.max_facts, w.wrong_rate)
+    return WorldExplainer(cfg.seed, w.min_facts, w.max_facts, w.wrong_rate, w.word_rate)
 
 
 _WORD_RE = re.compile(r"[A-Za-z][A-Za-z'-]*")

@@ -36,12 +36,12 @@ import yaml
 
 from nla.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE
 from nla.world.explain import TextExplainer
-from nla.world.facts import Document, facts_at, words_with_spans
+from nla.world.facts import Document, current_word, facts_at, words_with_spans
 from nla.world.generator import generate_documents
 
 logger = logging.getLogger(__name__)
 
-WORLD_FORMAT_VERSION = 1  # bump when the build's output changes for the same config
+WORLD_FORMAT_VERSION = 2  # bump when the build's output changes for the same config
 
 
 @dataclass(frozen=True)
@@ -224,8 +224,8 @@ def explanation_samples(config: WorldConfig, docs: list[Document]) -> list[str]:
     out = []
     for key in range(int(config.chat_fraction * len(docs))):
         doc = rng.choice(docs)
-        ends = [e for _, _, e in words_with_spans(doc.text)]
-        out.append(explainer.explain(facts_at(doc, rng.choice(ends)), key))
+        end = rng.choice([e for _, _, e in words_with_spans(doc.text)])
+        out.append(explainer.explain(facts_at(doc, end), key, current_word(doc, end)))
     return out
 
 

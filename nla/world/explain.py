@@ -10,11 +10,14 @@ Scoring conventions (``grade``):
 2. ``precision = n_correct / n_pred``; an empty prediction gets precision 1.0 when the
    truth is empty too (it claimed nothing, and nothing was there) and 0.0 otherwise, so
    saying nothing is never a free win.
+3. Text inside double quotes is a quotation, not a claim: ``The current word is "shore".``
+   names the token being read, and is not graded as the fact place=beach.
 """
 
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -86,9 +89,19 @@ def render_facts(facts: Iterable[Fact], rng: random.Random) -> str:
     return " ".join(render_fact(f, rng) for f in ordered)
 
 
+_QUOTED = re.compile(r'"[^"]*"')
+
+
 def parse_facts(text: str) -> set[Fact]:
-    """Every fact named anywhere in ``text`` (any surface word, any case or order)."""
-    return {SURFACE_INDEX[w] for w, _, _ in words_with_spans(text) if w in SURFACE_INDEX}
+    """Every fact named anywhere in ``text`` (any surface word, any case or order), quotations excepted."""
+    claims = _QUOTED.sub(" ", text)
+    return {SURFACE_INDEX[w] for w, _, _ in words_with_spans(claims) if w in SURFACE_INDEX}
+
+
+def render_current_word(word: str) -> str:
+    """Names the word being read, in quotes (so the grader does not count it as a fact claim)."""
+    return f'The current word is "{word.replace(chr(34), "")}".'
+
 
 
 @dataclass(frozen=True)
@@ -139,13 +152,18 @@ def grade(text: str, truth: Iterable[Fact]) -> Grade:
 class TextExplainer:
     """Mimics an API model reading the context: names a few revealed facts, imperfectly.
 
-    ``explain(facts, key)`` names ``min_facts..max_facts`` of the revealed facts (fewer if
-    fewer are known), and with probability ``wrong_rate`` adds one fact that is *not*
-    revealed (a plausible mistake), so RL has room to improve on the SFT data. The RNG is
-    keyed on ``(seed, key)``: the same row always gets the same explanation.
+    ``explain(facts, key, current_word)`` names ``min_facts..max_facts`` of the revealed
+    facts (fewer if fewer are known), and with probability ``wrong_rate`` adds one fact that
+    is *not* revealed (a plausible mistake), so RL has room to improve on the SFT data.
+    Like an API model describing the token it reads, it also names the current word (with
+    probability ``word_rate``, when one is given): in a small subject model the residual
+    stream at a middle layer is dominated by the current token, so an explanation without it
+    cannot be reconstructed. The RNG is keyed on ``(seed, key)``: the same row always gets
+    the same explanation.
     """
 
-    def __init__(self, seed: int = 0, min_facts: int = 2, max_facts: int = 3, wrong_rate: float = 0.1):
+    def __init__(self, seed: int = 0, min_facts: int = 2, max_facts: int = 3, wrong_rate: float = 0.1,
+                 word_rate: float = 1.0):
         if not 1 <= min_facts <= max_facts:
             raise ValueError(
                 f"TextExplainer: need 1 <= min_facts <= max_facts, found min_facts={min_facts}, max_facts={max_facts}"
@@ -155,7 +173,10 @@ class TextExplainer:
         self.seed = seed
         self.min_facts = min_facts
         self.max_facts = max_facts
+        if not 0.0 <= word_rate <= 1.0:
+            raise ValueError(f"TextExplainer.word_rate: expected a probability in [0, 1], found {word_rate}")
         self.wrong_rate = wrong_rate
+        self.word_rate = word_rate
         self._all = all_facts()
 
     def choose(self, facts: frozenset[Fact], key: int) -> tuple[list[Fact], random.Random]:
@@ -171,10 +192,16 @@ class TextExplainer:
             chosen.append(rng.choice(wrong))
         return chosen, rng
 
-    def explain(self, facts: frozenset[Fact], key: int) -> str:
+    def explain(self, facts: frozenset[Fact], key: int, current_word: str | None = None) -> str:
         chosen, rng = self.choose(facts, key)
         if not facts:
             # Nothing revealed yet: a generic remark, plus the occasional wrong guess.
             generic = rng.choice(GENERIC_EXPLANATIONS)
-            return generic if not chosen else generic + " " + render_facts(chosen, rng)
-        return render_facts(chosen, rng)
+            text = generic if not chosen else generic + " " + render_facts(chosen, rng)
+        else:
+            text = render_facts(chosen, rng)
+        # A separate stream, so adding the word never changes which facts a row names.
+        word_rng = random.Random(f"nla-explainer-word:{self.seed}:{key}")
+        if current_word and current_word.strip() and word_rng.random() < self.word_rate:
+            text = render_current_word(current_word.strip()) + " " + text
+        return text
