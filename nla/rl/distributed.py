@@ -1,0 +1,159 @@
+"""torch.distributed helpers for the Ray backend: rank partitions, FSDP2 sharding, guarded steps.
+
+Pure helpers (``rank_rows``, ``micro_chunks``) decide which rows a rank owns and how it
+splits them; every rank of a group must run the *same number* of forwards and backwards,
+because FSDP2 all-gathers parameters in each forward and reduce-scatters gradients in each
+backward (collectives). A rank with fewer rows than micro-batches runs a zero-weight dummy
+micro-batch instead of skipping it (``micro_chunks`` returns empty chunks for those).
+
+Notation: n rows in the global batch, W ranks (world size), r this rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import socket
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+logger = logging.getLogger(__name__)
+
+
+def rank_rows(n: int, world: int, rank: int) -> Tensor:
+    """The contiguous rows [n_r] of a global batch of ``n`` that rank ``rank`` of ``world`` owns.
+
+    Sizes differ by at most one (``torch.tensor_split``); every row is owned by exactly one rank.
+    """
+    if world <= 0 or not 0 <= rank < world:
+        raise ValueError(f"rank_rows: need 0 <= rank < world, found rank={rank}, world={world}")
+    return torch.tensor_split(torch.arange(n), world)[rank]
+
+
+def micro_chunks(rows: Tensor, n: int, world: int, micro_batch_size: int) -> list[Tensor]:
+    """Split this rank's ``rows`` into K chunks, K equal on every rank of the group.
+
+    K = ceil(ceil(n / W) / micro_batch_size): the micro-batch count of the largest rank slice.
+    Chunks may be empty on a smaller rank; the caller then runs a zero-weight dummy forward.
+    """
+    if micro_batch_size <= 0:
+        raise ValueError(f"micro_chunks: micro_batch_size must be positive, found {micro_batch_size}")
+    k = max(1, math.ceil(math.ceil(n / world) / micro_batch_size))
+    return list(torch.tensor_split(rows, k))
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (the group's rendezvous port)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def init_group(rank: int, world: int, master_addr: str, master_port: int, use_cuda: bool,
+               timeout_s: float = 300.0) -> Any:
+    """Join this process's torch.distributed group and return its 1-D device mesh.
+
+    gloo on CPU, NCCL on GPU. MASTER_ADDR/PORT are per group (each actor is its own process),
+    so the policy and reconstructor groups rendezvous independently.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK="0")
+    backend = "nccl" if use_cuda else "gloo"
+    if use_cuda:
+        torch.cuda.set_device(0)  # Ray pins one GPU per actor: it is always device 0 here
+    # A finite timeout: a peer that died mid-collective unblocks the survivors instead of hanging them.
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    return init_device_mesh("cuda" if use_cuda else "cpu", (world,))
+
+
+def shard_model(model: nn.Module, layers: nn.ModuleList, mesh: Any) -> nn.Module:
+    """FSDP2: shard each decoder block, then the root (embeddings, head, value head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The unsharded state dict on rank 0 (CPU), empty on other ranks. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The full optimizer state keyed by parameter names, on rank 0 (CPU). Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load a full (name-keyed) optimizer state on every rank; each keeps its own shard. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, opt, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_into(target: nn.Module, state: dict[str, Tensor]) -> None:
+    """Copy a full state dict into an unsharded module; only tied weights may be missing."""
+    missing, unexpected = target.load_state_dict(state, strict=False)
+    tied = set(getattr(target, "_tied_weights_keys", None) or [])
+    really_missing = [k for k in missing if k not in tied]
+    if unexpected or really_missing:
+        raise RuntimeError(
+            f"weight sync: the sharded model's full state dict does not match the unsharded copy "
+            f"(missing {really_missing[:5]}, unexpected {unexpected[:5]}); both must be built from the same checkpoint"
+        )
+
+
+def dist_step(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, max_grad_norm: float | None
+              ) -> tuple[bool, float]:
+    """``optimizer_step_guarded`` for sharded gradients: the norm is the global one (same on all ranks)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    clip = max_grad_norm if (max_grad_norm is not None and max_grad_norm > 0) else float("inf")
+    grad_norm = 0.0
+    if params:
+        norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        grad_norm = float(norm)
+    stepped = math.isfinite(grad_norm)
+    if stepped:
+        opt.step()
+    else:
+        logger.warning("non-finite gradient norm (%s): optimizer step skipped", grad_norm)
+    opt.zero_grad(set_to_none=True)
+    if sched is not None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)`")
+            sched.step()
+    return stepped, grad_norm
+
+
+def sum_across_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Sum metric dicts over the group (keys may differ: a non-finite metric is left out locally)."""
+    import torch.distributed as dist
+
+    gathered: list[dict[str, float]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, values)
+    out: dict[str, float] = {}
+    for d in gathered:
+        for k, v in d.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+__all__ = [
+    "dist_step", "free_port", "full_optimizer_state", "full_state_dict", "init_group", "load_full_into",
+    "load_full_optimizer_state", "micro_chunks", "rank_rows", "shard_model", "sum_across_ranks",
+]
