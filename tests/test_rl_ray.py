@@ -63,7 +63,7 @@ def test_partition_uses_every_row_once_with_equal_micro_counts(n, world, mbs):
 # ----------------------------------------------------------------------------- against the local backend
 @pytest.mark.ray
 @pytest.mark.slow
-def test_ray_matches_local_rewards_and_losses(pair, tmp_path):
+def test_ray_matches_local_rewards_and_losses(pair, tmp_path):  # noqa: F811
     from nla.rl.backend import build_groups
 
     local = tmp_path / "local"
@@ -102,7 +102,7 @@ def test_ray_matches_local_rewards_and_losses(pair, tmp_path):
 # ----------------------------------------------------------------------------- live AR, failures, cleanup
 @pytest.mark.ray
 @pytest.mark.slow
-def test_live_ar_dead_worker_and_resume(pair, tmp_path):
+def test_live_ar_dead_worker_and_resume(pair, tmp_path):  # noqa: F811
     from nla.rl.backend import build_groups
     from nla.rl.ray_backend import RayWorkerError
 
