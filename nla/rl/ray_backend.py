@@ -132,6 +132,8 @@ class PolicyRank(_RankBase):
     def generate(self, rng_state: Tensor, vectors: Tensor, prompt_rows: Tensor, n_samples: int,
                  max_new_tokens: int, temperature: float, top_p: float, greedy: bool) -> tuple[Rollout, Tensor]:
         torch.set_rng_state(rng_state)
+        if self.use_cuda:  # sampling draws from the CUDA stream: seed it from the driver's CPU stream
+            torch.cuda.manual_seed(int(torch.randint(0, 2**62, (1,))))
         r = self.rollout.generate(vectors, prompt_rows, n_samples, max_new_tokens, temperature, top_p, greedy)
         return r, torch.get_rng_state()
 
@@ -507,8 +509,29 @@ def _start_ray(cfg: RLConfig) -> bool:
     return True
 
 
-def _make_group(role: str, cls: type, world: int, use_cuda: bool) -> _ActorGroup:
-    bundle = {"GPU": 1, "CPU": 1} if use_cuda else {"CPU": CPU_ACTOR_CPUS}
+def _gpu_fraction(cfg: RLConfig) -> float:
+    """GPUs per actor: a whole one when there are enough, half when policy and AR ranks share GPUs.
+
+    NCCL refuses two ranks of one group on the same GPU, so sharing is only possible for
+    groups no larger than the GPU count (one GPU: 1 policy rank + 1 reconstructor rank).
+    """
+    from nla.rl.backend import RLSetupError
+
+    n_gpus = int(ray.cluster_resources().get("GPU", 0))
+    p, a = cfg.num_policy_workers, cfg.num_reconstructor_workers
+    if p + a <= n_gpus:
+        return 1.0
+    if max(p, a) > n_gpus:
+        raise RLSetupError(
+            f"num_policy_workers={p} / num_reconstructor_workers={a}: each group needs one GPU per rank but the "
+            f"cluster has {n_gpus}; lower the group sizes or add GPUs (ray start --num-gpus on each node)")
+    logger.info("ray backend: %d GPU(s) for %d ranks: policy and reconstructor ranks share GPUs (0.5 each)",
+                n_gpus, p + a)
+    return 0.5
+
+
+def _make_group(role: str, cls: type, world: int, use_cuda: bool, gpu_fraction: float = 1.0) -> _ActorGroup:
+    bundle = {"GPU": gpu_fraction, "CPU": 1} if use_cuda else {"CPU": CPU_ACTOR_CPUS}
     pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK", name=f"nla-{role}")
     ray.get(pg.ready(), timeout=600)
     remote_cls = ray.remote(cls)
@@ -541,9 +564,10 @@ def build_ray_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_dir
     use_cuda = cfg.device != "cpu" and _cluster_has_gpus()
     groups: list[_ActorGroup] = []
     try:
-        policy = _make_group("policy", PolicyRank, cfg.num_policy_workers, use_cuda)
+        frac = _gpu_fraction(cfg) if use_cuda else 0.0
+        policy = _make_group("policy", PolicyRank, cfg.num_policy_workers, use_cuda, frac)
         groups.append(policy)
-        recon = _make_group("reconstructor", ReconstructorRank, cfg.num_reconstructor_workers, use_cuda)
+        recon = _make_group("reconstructor", ReconstructorRank, cfg.num_reconstructor_workers, use_cuda, frac)
         groups.append(recon)
         # Both groups load their models at once (each setup blocks on its own collectives only).
         refs = [a.setup.remote(cfg, str(policy_dir or cfg.av), str(cfg.av)) for a in policy.actors]

@@ -1,0 +1,136 @@
+"""RL step time: local backend vs Ray backend layouts, measured in the same run on the same setup.
+
+The setup is the RL test's tiny task (the world tiny subject model, d=64, as AV and AR base;
+four class-prototype vectors; partly warm-started AV and AR built here in ~20 s), so what is
+measured is the *overhead* of the Ray backend (actor calls, object store, collectives,
+weight sync through a full state dict) on a model small enough that compute is cheap.
+Each layout runs ``--steps`` RL steps; the first step (step-0 guard, warm-up) is dropped
+and the median of the rest is reported, with the time to build the worker groups.
+
+    .venv/bin/python bench/bench_rl_backends.py [--steps 6] [--layouts local,1x1,1x2,2x2]
+
+A layout ``PxA`` is the ray backend with P policy ranks and A reconstructor ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from nla.datagen.io import vectors_to_arrow
+from nla.metrics import read_metrics
+from nla.rl.backend import build_groups
+from nla.rl.config import RLConfig
+from nla.rl.loop import run_rl
+from nla.sidecar import NLAConfig, write_sidecar
+from nla.templates import AV_PLACEHOLDER, DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
+
+WORDS = ["cat", "dog", "bird", "fish"]
+D = 64
+
+
+def _vectors(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    protos = np.random.default_rng(0).normal(size=(len(WORDS), D))
+    cls = np.arange(n) % len(WORDS)
+    return (protos[cls] + 0.1 * np.random.default_rng(seed).normal(size=(n, D))).astype(np.float32), cls
+
+
+def build_pair(root: Path) -> dict[str, str]:
+    """Warm-started AV + AR checkpoints and an RL parquet on the world tiny subject model."""
+    from nla.arch import load_tokenizer
+    from nla.train.ar import train_ar
+    from nla.train.av import train_av
+    from nla.train.config import ARTrainConfig, AVTrainConfig
+    from nla.world import build_world
+
+    base = build_world("tiny", progress=False).subject_dir
+    side = NLAConfig.from_tokenizer(
+        load_tokenizer(base), kind="nla_dataset", role=None, d_model=D, layer_index=1,
+        av_template=DEFAULT_AV_TEMPLATE, ar_template=DEFAULT_AR_TEMPLATE, injection_char=DEFAULT_INJECTION_CHAR,
+        injection_scale=8.0, base_model=str(base))
+    vec, cls = _vectors(64, seed=1)
+    texts = [f"the {WORDS[c]} is happy" for c in cls]
+    msgs = [[{"role": "user", "content": DEFAULT_AV_TEMPLATE.format(injection_char=AV_PLACEHOLDER)}]] * len(vec)
+    common = {"activation_vector": vectors_to_arrow(vec), "doc_id": pa.array(range(len(vec)), pa.int64())}
+    av_ds, ar_ds, rl_ds = root / "av_sft.parquet", root / "ar_sft.parquet", root / "rl.parquet"
+    pq.write_table(pa.table({**common, "prompt": pa.array(msgs), "explanation": pa.array(texts),
+                             "response": pa.array([f"<explanation>\n{t}\n</explanation>" for t in texts])}), av_ds)
+    pq.write_table(pa.table({**common, "prompt": pa.array([side.ar_text(t) for t in texts]),
+                             "explanation": pa.array(texts)}), ar_ds)
+    rl_vec, _ = _vectors(32, seed=2)
+    pq.write_table(pa.table({"activation_vector": vectors_to_arrow(rl_vec),
+                             "doc_id": pa.array(range(32), pa.int64())}), rl_ds)
+    for p in (av_ds, ar_ds, rl_ds):
+        write_sidecar(p, side)
+    quiet = dict(tensorboard=False, progress=False, save_every=1000, warmup_steps=5, lr=3e-3)
+    av = train_av(AVTrainConfig(dataset=str(av_ds), out_dir=str(root / "av"), max_steps=40, batch_size=8,
+                                log_every=10, eval_every=40, eval_fraction=0.25, smoke_num=1,
+                                smoke_max_new_tokens=8, **quiet))
+    ar = train_ar(ARTrainConfig(dataset=str(ar_ds), out_dir=str(root / "ar"), max_steps=150, batch_size=16,
+                                log_every=50, eval_every=150, eval_fraction=0.25, **quiet))
+    return {"av": str(av.checkpoint_dir), "ar": str(ar.checkpoint_dir), "dataset": str(rl_ds)}
+
+
+def measure(pair: dict[str, str], out: Path, layout: str, steps: int, batch: tuple[int, int]) -> dict[str, float]:
+    kw: dict = {"backend": "local"}
+    if layout != "local":
+        p, a = (int(x) for x in layout.split("x"))
+        kw = {"backend": "ray", "num_policy_workers": p, "num_reconstructor_workers": a}
+    cfg = RLConfig(**pair, out_dir=str(out), steps=steps, rollout_batch_size=batch[0], n_samples_per_prompt=batch[1],
+                   micro_batch_size=16, max_response_len=24, lr=3e-4, ar_lr=1e-3, save_every=10_000,
+                   eval_every=10_000, tensorboard=False, progress=False, seed=0, **kw)
+    t0 = time.perf_counter()
+    groups = build_groups(cfg)
+    t_build = time.perf_counter() - t0
+    try:
+        run_rl(cfg, groups=groups)
+    finally:
+        groups.close()
+    recs = [r for r in read_metrics(out / "rl.jsonl") if "time_step" in r][1:]  # drop the warm-up step
+    med = {k: statistics.median(r[k] for r in recs)
+           for k in ("time_step", "time_generate", "time_reward", "time_policy", "time_ar")}
+    med["build"] = t_build
+    return med
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--layouts", default="local,1x1,1x2,2x2")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads in the driver (actors use 1)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+    layouts = args.layouts.split(",")
+    with tempfile.TemporaryDirectory(prefix="nla-bench-rl-") as tmp:
+        root = Path(tmp)
+        pair = build_pair(root)
+        rows = {lay: measure(pair, root / f"run-{lay}", lay, args.steps, (args.prompts, args.samples))
+                for lay in layouts}
+    base = rows.get("local", next(iter(rows.values())))["time_step"]
+    print(f"\nRL step time, median of steps 2..{args.steps}, {args.prompts}x{args.samples} samples/step, "
+          f"{torch.get_num_threads()} driver thread(s), world tiny model (d={D})")
+    head = f"{'layout':<8} {'step s':>8} {'vs local':>9} {'gen s':>7} {'reward s':>9} {'policy s':>9} {'ar s':>7} " \
+           f"{'build s':>8}"
+    print(head)
+    print("-" * len(head))
+    for lay, m in rows.items():
+        print(f"{lay:<8} {m['time_step']:8.3f} {m['time_step'] / base:8.2f}x {m['time_generate']:7.3f} "
+              f"{m['time_reward']:9.3f} {m['time_policy']:9.3f} {m['time_ar']:7.3f} {m['build']:8.2f}")
+    print("layout PxA = ray backend with P policy ranks (FSDP2) and A reconstructor ranks; build = actor "
+          "start + model load + sharding (local: model load)")
+
+
+if __name__ == "__main__":
+    main()
