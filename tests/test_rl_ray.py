@@ -118,6 +118,12 @@ def test_live_ar_dead_worker_and_resume(pair, tmp_path):  # noqa: F811
         items = [(f"the {w} is happy", gold[i]) for i, w in enumerate(["cat", "dog", "fish", "bird"])]
         batcher = RewardBatcher(ar.score_batch, batch_size=2, flush_seconds=0.01)
         before = score_all(batcher, items)
+        # One row over two AR ranks: rank 1 owns nothing and runs a zero-weight dummy micro-batch
+        # (its forward/backward keep FSDP's collectives paired). The reported loss is that row's
+        # MSE at the pre-update weights, i.e. minus its reward above (one row: no padding).
+        one = ar.update([items[0][0]], gold[:1])
+        assert one["ar_rows"] == 1.0
+        assert one["ar_loss"] == pytest.approx(-before[0], rel=1e-5)
         ar.update([t for t, _ in items], gold)
         after = score_all(batcher, items)
         assert all(x != y for x, y in zip(before, after, strict=True))
@@ -147,4 +153,12 @@ def test_live_ar_dead_worker_and_resume(pair, tmp_path):  # noqa: F811
     recs = [r for r in read_metrics(tmp_path / "run" / "rl.jsonl") if "reward_mean" in r]
     assert [r["step"] for r in recs][-2:] == [3, 4]
     assert res.metrics["step"] == 4
+    assert not ray.is_initialized()
+
+
+def test_ppo_is_refused_before_ray_starts(pair, tmp_path):  # noqa: F811
+    from nla.rl.backend import RLSetupError, build_groups
+
+    with pytest.raises(RLSetupError, match="advantage: 'gae'.*backend: local"):
+        build_groups(_cfg(pair, tmp_path, backend="ray", advantage="gae"))
     assert not ray.is_initialized()
