@@ -254,6 +254,9 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
     owns_groups = groups is None
     if groups is None:
         groups = build_groups(cfg, ckpt / "av" if ckpt else None, ckpt / "ar" if ckpt else None)
+    # Building the groups may draw from the RNG (local backends initialise heads in-process,
+    # remote ones do not): re-seed so a seeded run samples the same tokens on any backend.
+    seed_everything(cfg.seed)
     if groups.av_sidecar.d_model != data.vectors.shape[1]:
         raise ValueError(
             f"d_model: {cfg.dataset} holds {data.vectors.shape[1]}-d vectors but the AV sidecar says "
