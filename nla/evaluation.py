@@ -276,11 +276,12 @@ def evaluate_pair(
             f"{client.d_model}; evaluate on data extracted from the same subject model"
         )
     rng = np.random.default_rng(seed)
+    dataset_rows = np.arange(vectors.shape[0])  # samples report rows of the parquet, not of the subset
     if max_rows is not None and max_rows < vectors.shape[0]:
         if max_rows < 2:
             raise NLAClientError(f"max_rows: FVE needs at least 2 rows, found {max_rows}")
         idx = np.sort(rng.choice(vectors.shape[0], size=max_rows, replace=False))
-        table, vectors = table.take(idx), vectors[idx]
+        table, vectors, dataset_rows = table.take(idx), vectors[idx], idx
     n = vectors.shape[0]
     gold = torch.from_numpy(np.array(vectors, dtype=np.float32))  # a writable copy: arrow buffers are read-only
     scale = ar_side.mse_scale_value()
@@ -314,13 +315,12 @@ def evaluate_pair(
         mse, cos = _filled(res, gold, scale)
         report.rows.append(row_stats("AR on reference explanations", mse, cos, base.raw_mean, res.failure_rate,
                                      faithfulness(reference, facts) if facts is not None else None))
-    if text_explainer_baseline:
-        te = _text_explainer_outputs(table, path)
-        if te is not None:
-            res = client.score(te, gold, batch_size=batch_size)
-            mse, cos = _filled(res, gold, scale)
-            report.rows.append(row_stats("text explainer → AR", mse, cos, base.raw_mean, 0.0,
-                                         faithfulness(te, facts) if facts is not None else None))
+    te = _text_explainer_outputs(table, path) if text_explainer_baseline else None
+    if te is not None:
+        res = client.score(te, gold, batch_size=batch_size)
+        mse, cos = _filled(res, gold, scale)
+        report.rows.append(row_stats("text explainer → AR", mse, cos, base.raw_mean, 0.0,
+                                     faithfulness(te, facts) if facts is not None else None))
     g = normalize_activation(gold, scale)
     mu = g.mean(0, keepdim=True).expand_as(g)
     report.rows.append(row_stats("predict the mean (raw)", ((g - mu) ** 2).mean(-1), cosine(mu, g), base.raw_mean))
@@ -334,8 +334,9 @@ def evaluate_pair(
             expl, status, m = verbs[i].explanation, verbs[i].status, float(rt.mse_nrm[i])
         else:
             expl, status, m = None, "not verbalized (no AV)", float("nan")
-        report.samples.append(Sample(row=int(i), explanation=expl, status=status, mse_nrm=m,
+        report.samples.append(Sample(row=int(dataset_rows[i]), explanation=expl, status=status, mse_nrm=m,
                                      facts=list(facts[i] or []) if facts is not None else None,
                                      context=contexts[i] if contexts is not None else None,
-                                     reference=reference[i] if reference is not None else None))
+                                     reference=reference[i] if reference is not None
+                                     else (te[i] if te is not None else None)))
     return report

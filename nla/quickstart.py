@@ -44,7 +44,7 @@ _TRAIN_COMMON = dict(warmup_steps=20, min_lr_ratio=0.1, max_grad_norm=1.0, log_e
 PRESETS: dict[str, QuickstartPreset] = {
     "tiny": QuickstartPreset(
         world="tiny",
-        datagen=dict(n_docs=600, positions_per_doc=4, skip_first=4, batch_size=32, max_len=64,
+        datagen=dict(n_docs=1000, positions_per_doc=8, skip_first=4, batch_size=32, max_len=64,
                      split_fractions=[0.4, 0.4, 0.2]),
         ar=dict(max_steps=150, batch_size=32, lr=1e-3, eval_every=50, save_every=150, max_length=96, **_TRAIN_COMMON),
         av=dict(max_steps=150, batch_size=32, lr=1e-3, eval_every=50, save_every=150, max_length=128, smoke_num=2,
@@ -55,7 +55,7 @@ PRESETS: dict[str, QuickstartPreset] = {
     ),
     "default": QuickstartPreset(
         world="default",
-        datagen=dict(n_docs=3000, positions_per_doc=4, skip_first=4, batch_size=32, max_len=96,
+        datagen=dict(n_docs=4000, positions_per_doc=8, skip_first=4, batch_size=32, max_len=96,
                      split_fractions=[0.4, 0.4, 0.2]),
         ar=dict(max_steps=400, batch_size=32, lr=1e-3, eval_every=100, save_every=400, max_length=96, **_TRAIN_COMMON),
         av=dict(max_steps=500, batch_size=32, lr=1e-3, eval_every=100, save_every=500, max_length=128, smoke_num=3,

@@ -151,3 +151,16 @@ def _strip_base(tmp_path, side):
     path = tmp_path / "nobase.nla_meta.yaml"
     write_sidecar(path, side.replace(base_model=None))
     return path
+
+
+def test_eval_dataset_without_text_column_is_named(ar_data, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from nla.datagen.io import vectors_to_arrow
+
+    _, _, ds, vec = ar_data
+    rl_like = tmp_path / "rl.parquet"  # vectors only, like an RL split
+    pq.write_table(pa.table({"activation_vector": vectors_to_arrow(vec)}), rl_like)
+    with pytest.raises(ARTrainError, match="eval_dataset .*column 'prompt' missing"):
+        train_ar(_cfg(ds, tmp_path / "run", eval_dataset=str(rl_like)))

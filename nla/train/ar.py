@@ -111,6 +111,11 @@ def load_split(cfg: Any, text_column: str) -> tuple[Any, np.ndarray, Any, np.nda
         if not epath.is_file():
             raise FileNotFoundError(f"eval_dataset: parquet not found at {epath}")
         etable = read_parquet(epath)
+        if text_column not in etable.column_names:
+            raise ARTrainError(
+                f"eval_dataset {epath}: column {text_column!r} missing (found {etable.column_names}); the eval set "
+                "must be the same kind of split as the training set (e.g. another ar_sft/av_sft parquet, not rl)"
+            )
         return table, vectors, etable, read_vectors(etable)
     tr, ev = _split_eval(table, cfg.eval_fraction, cfg.seed)
     if len(tr) == 0:

@@ -1,0 +1,79 @@
+"""End to end: `nla quickstart --preset tiny` (the CI smoke run of the main job)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from nla.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("qs") / "run"
+    assert main(["quickstart", "--preset", "tiny", "--out", str(out), "--no-progress"]) == 0
+    return out
+
+
+def test_report_has_every_section_with_finite_numbers(run_dir):
+    md = (run_dir / "report.md").read_text()
+    for section in ("## Evaluation (held-out documents)", "## Training", "## Example explanations",
+                    "## Time per stage", "## Configs used", "![RL](rl_curves.png)", "![AR warm-start](ar_curves.png)",
+                    "![AV warm-start](av_curves.png)"):
+        assert section in md, section
+    rep = json.loads((run_dir / "report.json").read_text())
+    head = rep["headline"]
+    for key in ("round_trip_fve_warmstart", "round_trip_fve_rl", "ar_heldout_fve_warmstart", "av_vector_gap",
+                "rl_final_reward_mean", "subject_heldout_loss", "total_seconds"):
+        assert isinstance(head[key], float) and math.isfinite(head[key]), key
+    for which in ("eval_warmstart", "eval_rl"):
+        names = [r["name"] for r in rep[which]["rows"]]
+        assert names[:3] == ["AV → AR round trip", "AV on shuffled vectors → AR", "text explainer → AR"]
+        for r in rep[which]["rows"]:
+            assert math.isfinite(r["fve"]) and math.isfinite(r["mse_mean"]), (which, r["name"])
+        assert rep[which]["samples"], which
+    assert [s["name"] for s in rep["stages"]] == ["world", "datagen", "ar", "av", "eval_warmstart", "rl", "eval_rl"]
+    for png in rep["plots"].values():
+        assert (run_dir / png).stat().st_size > 1000
+
+
+def test_eval_numbers_match_a_direct_computation(run_dir):
+    """Re-derive the RL pair's sample rows by hand: greedy verbalization, AR prediction, mse_nrm."""
+    from nla.client import NLAClient
+    from nla.datagen.io import read_vectors
+    from nla.reward import extract_explanation
+    from nla.train.ar import tokenize_ar_texts
+    from nla.vectors import fve, mse_nrm
+
+    rep = json.loads((run_dir / "report.json").read_text())
+    rl = json.loads((run_dir / "rl.stage_done.json").read_text())
+    client = NLAClient(rl["av"], rl["ar"])
+    full = torch.from_numpy(read_vectors(run_dir / "datagen" / "eval.parquet").copy())
+    # the eval's seeded subset (max_rows of the preset), in dataset order
+    n = rep["eval_rl"]["n_rows"]
+    subset = np.sort(np.random.default_rng(0).choice(full.shape[0], size=n, replace=False)) if n < full.shape[0] \
+        else np.arange(full.shape[0])
+    gold = full[subset]
+    samples = rep["eval_rl"]["samples"][:4]
+    rows = [int(np.searchsorted(subset, s["row"])) for s in samples]
+    # the same batching as the eval (greedy argmax can flip on near-ties when batch shapes differ)
+    allv = client.verbalize(gold, max_new_tokens=64, batch_size=64)
+    verbs = [allv[r] for r in rows]
+    ar = client.ar
+    scale = client.ar_sidecar.mse_scale_value()
+    for s, v, row in zip(samples, verbs, rows, strict=True):
+        assert v.explanation == s["explanation"] == extract_explanation(v.text)
+        enc = tokenize_ar_texts(client.ar_tokenizer, [client.ar_sidecar.ar_text(v.explanation)], 256)
+        with torch.no_grad():
+            pred = ar.predict(enc["input_ids"], enc["attention_mask"])
+        assert float(mse_nrm(pred, gold[row : row + 1], scale)) == pytest.approx(s["mse_nrm"], abs=1e-4)
+    # the round-trip FVE of the report equals nla.vectors.fve over all rows (no failures here)
+    rt = rep["eval_rl"]["rows"][0]
+    if rt["failure_rate"] == 0.0:
+        pred = client.reconstruct([v.explanation for v in allv])
+        assert fve(pred, gold, scale) == pytest.approx(rt["fve"], abs=1e-4)
+    assert np.isfinite(rep["eval_rl"]["baseline_raw_mean_mse"])
