@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+import numpy as np
+
 from nla.commands.eval import add_model_args
 
 log = logging.getLogger("nla.score")
@@ -75,11 +77,11 @@ def run(args: argparse.Namespace) -> int:
     if int(ok.sum()) >= 2:
         import torch
 
-        summary["fve_completed_rows"] = fve(res.predictions[ok], torch.from_numpy(vectors)[ok], client.mse_scale)
+        summary["fve_completed_rows"] = fve(res.predictions[ok], torch.from_numpy(np.array(vectors, dtype=np.float32))[ok], client.mse_scale)
     if res.failed.any():
         import torch
 
-        fm = failed_mse(torch.from_numpy(vectors), client.mse_scale)
+        fm = failed_mse(torch.from_numpy(np.array(vectors, dtype=np.float32)), client.mse_scale)
         summary["mse_nrm_mean_failed_as_orthogonal"] = float(torch.where(res.failed, fm, res.mse_nrm).mean())
     if args.out:
         rows = "".join(json.dumps({"row": i, "failed": bool(res.failed[i]),
