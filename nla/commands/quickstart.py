@@ -26,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
     print("\n== nla quickstart: done ==", file=sys.stderr)
     print(f"round-trip FVE (held-out): warm-start {head['round_trip_fve_warmstart']:.3f} -> "
           f"after RL {head['round_trip_fve_rl']:.3f}", file=sys.stderr)
-    print(f"AR held-out FVE {head['ar_heldout_fve_warmstart']}, AV vector gap {head['av_vector_gap']}", file=sys.stderr)
+    print(f"AR held-out FVE {head['ar_heldout_fve_warmstart']:.3f}, AV real-vs-shuffled loss gap "
+          f"{head['av_vector_gap']:.3f}", file=sys.stderr)
     print(f"total {head['total_seconds']:.0f} s; report: {report}", file=sys.stderr)
     return 0
