@@ -34,7 +34,7 @@ class QuickstartPreset:
     av: dict[str, Any]
     rl: dict[str, Any]
     eval_fraction: float = 0.25  # of the RL split's documents, held out for evaluation
-    eval_max_rows: int = 200
+    eval_max_rows: int | None = None  # None: every held-out row
     max_new_tokens: int = 64
 
 
@@ -60,9 +60,10 @@ PRESETS: dict[str, QuickstartPreset] = {
         ar=dict(max_steps=400, batch_size=32, lr=1e-3, eval_every=100, save_every=400, max_length=96, **_TRAIN_COMMON),
         av=dict(max_steps=500, batch_size=32, lr=1e-3, eval_every=100, save_every=500, max_length=128, smoke_num=3,
                 smoke_max_new_tokens=48, **_TRAIN_COMMON),
-        rl=dict(steps=60, rollout_batch_size=16, n_samples_per_prompt=8, micro_batch_size=64, max_response_len=64,
-                lr=1e-4, ar_lr=3e-4, eval_every=20, eval_max_rows=64, save_every=30, keep_last=1),
-        eval_max_rows=200,
+        # 120 steps: measured held-out round-trip FVE 0.466 -> 0.619 (60 steps: -> 0.499).
+        rl=dict(steps=120, rollout_batch_size=16, n_samples_per_prompt=8, micro_batch_size=64, max_response_len=64,
+                lr=1e-4, ar_lr=3e-4, eval_every=40, eval_max_rows=64, save_every=60, keep_last=1),
+        eval_max_rows=None,
     ),
 }
 
