@@ -36,6 +36,7 @@ __all__ = [
     "LOG_MSE_FLOOR",
     "BatcherStats",
     "RewardBatcher",
+    "RewardService",
     "extract_explanation",
     "failed_extraction_reward",
     "mse_to_reward",
@@ -338,3 +339,51 @@ def score_all(
             return await b.score_group(items)
 
     return asyncio.run(_main())
+
+
+class RewardService:
+    """A ``RewardBatcher`` on its own event-loop thread, for a synchronous caller.
+
+    ``submit(items)`` queues items and returns at once with a ``concurrent.futures.Future``
+    of their rewards, so the caller can keep generating while the AR scores what is
+    already done (the batcher merges submissions that arrive within ``flush_seconds``).
+    ``score(items)`` is the blocking form. A failing forward reaches every waiting future.
+    ``close()`` flushes and stops the thread.
+    """
+
+    def __init__(self, score_batch: ScoreBatch, batch_size: int, flush_seconds: float) -> None:
+        import threading
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="nla-reward-loop", daemon=True)
+        self._thread.start()
+        self.batcher: RewardBatcher = RewardBatcher(score_batch, batch_size, flush_seconds)
+
+    @property
+    def stats(self) -> BatcherStats:
+        return self.batcher.stats
+
+    def submit(self, items: Sequence[Item]):  # -> concurrent.futures.Future[list[float]]
+        if self._loop.is_closed():
+            raise RuntimeError("RewardService is closed; create a new one to score more items.")
+        return asyncio.run_coroutine_threadsafe(self.batcher.score_group(list(items)), self._loop)
+
+    def score(self, items: Sequence[Item]) -> list[float]:
+        return self.submit(items).result() if items else []
+
+    def close(self) -> None:
+        """Flush what is queued, stop the loop thread. Idempotent."""
+        if self._loop.is_closed():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self.batcher.aclose(), self._loop).result()
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+    def __enter__(self) -> RewardService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

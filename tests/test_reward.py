@@ -283,3 +283,31 @@ def test_constructor_validation():
         RewardBatcher(_Recorder(), 4, -1)
     with pytest.raises(TypeError, match="score_batch must be callable"):
         RewardBatcher(None, 4, 0.1)
+
+
+def test_reward_service_merges_submissions_and_delivers_failures():
+    from nla.reward import RewardService
+
+    calls = []
+
+    def score(items):
+        calls.append(list(items))
+        return [float(x) * 10 for x in items]
+
+    with RewardService(score, batch_size=8, flush_seconds=0.2) as service:
+        f1 = service.submit([1, 2])
+        f2 = service.submit([3])  # arrives within the flush window: same forward
+        assert f1.result() == [10.0, 20.0] and f2.result() == [30.0]
+        assert calls == [[1, 2, 3]]
+        assert service.score([]) == []
+
+    def boom(items):
+        raise RuntimeError("AR forward failed")
+
+    with RewardService(boom, batch_size=2, flush_seconds=0.01) as service:
+        futs = [service.submit([1]), service.submit([2])]
+        for f in futs:
+            with pytest.raises(RuntimeError, match="AR forward failed"):
+                f.result(timeout=5)
+    with pytest.raises(RuntimeError, match="closed"):
+        service.submit([1])

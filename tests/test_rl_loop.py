@@ -17,7 +17,7 @@ from train_helpers import dataset_sidecar, write_av_dataset
 
 from nla.datagen.io import vectors_to_arrow
 from nla.metrics import read_metrics
-from nla.reward import FAILED_EXTRACTION_REWARD, RewardBatcher, score_all
+from nla.reward import FAILED_EXTRACTION_REWARD, RewardBatcher, RewardService, score_all
 from nla.rl.backend import build_groups
 from nla.rl.config import RLConfig, load_rl_config
 from nla.rl.loop import RLGuardError, run_rl, step0_guard
@@ -147,8 +147,8 @@ def test_rollout_statuses_and_failed_reward(pair, tmp_path):
     from nla.rl.loop import score_rollout
     from nla.rl.types import COMPLETED
 
-    batcher = RewardBatcher(groups.reconstructor.score_batch, 8, 0.01)
-    score_rollout(r, batcher, log_mse=False)
+    with RewardService(groups.reconstructor.score_batch, 8, 0.01) as service:
+        score_rollout(r, service, log_mse=False)
     failed = r.status != COMPLETED
     assert failed.all()  # 3 tokens cannot hold "<explanation> x </explanation>" + EOS
     assert torch.all(r.rewards[failed] == FAILED_EXTRACTION_REWARD)
@@ -218,3 +218,23 @@ def test_variants_run_and_log(pair, tmp_path, variant):
         assert 0.0 <= rec["zero_spread_frac"] <= 1.0 and "refill_rounds" in rec
     if variant.get("global_batch_size"):
         assert rec["ratio_mean"] != 1.0 or rec["approx_kl"] >= 0.0
+
+
+def test_chunked_generation_scores_every_chunk_with_the_live_ar(pair, tmp_path):
+    from nla.rl.loop import RLData, generate_and_score
+
+    cfg = _cfg(pair, tmp_path, generation_chunk_prompts=2)
+    groups = build_groups(cfg)
+    data = RLData.load(cfg.dataset)
+    rows = torch.arange(5)  # chunks of 2, 2, 1 prompts
+    with RewardService(groups.reconstructor.score_batch, 64, 0.01) as service:
+        r, t_gen, t_wait = generate_and_score(groups, cfg, data, rows, service)
+        n_batches = service.stats.n_batches
+    G = cfg.n_samples_per_prompt
+    assert r.n == 5 * G and r.group.tolist() == [g for g in range(5) for _ in range(G)]
+    assert r.prompt_rows.tolist() == [p for p in range(5) for _ in range(G)]
+    assert n_batches == 3  # one AR forward per chunk, each flushed while the next generated
+    ok = r.ok
+    direct = groups.reconstructor.score_batch([(r.explanations[i], r.vectors[i]) for i in ok.nonzero()[:, 0].tolist()])
+    torch.testing.assert_close(r.rewards[ok], direct.float(), atol=1e-5, rtol=0)
+    assert torch.all(r.rewards[~ok] == FAILED_EXTRACTION_REWARD)

@@ -12,13 +12,10 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import yaml
-
 from nla.rl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
-from nla.train.config import config_from_dict, parse_overrides
+from nla.train.config import load_config, save_config
 
 BACKENDS = ("local", "ray")
 
@@ -51,7 +48,9 @@ class RLConfig:
       overlong_buffer_len / overlong_penalty_factor (soft overlong punishment; 0 = off).
       log_mse: reward = -log(mse) instead of -mse.
     Optimisers: lr (AV), ar_lr (AR, null = lr), value_lr (PPO value model, null = lr).
-    Reward batching: reward_batch_size, reward_flush_seconds (RewardBatcher).
+    Reward batching: reward_batch_size, reward_flush_seconds (RewardBatcher);
+      generation_chunk_prompts: generate this many prompts at a time and score each chunk
+      while the next generates (null = the whole rollout at once).
     step0_guard_tol: refuse to start when the padded reward path and the AR's training
       layout disagree by more than this ratio of MSEs.
     """
@@ -97,6 +96,7 @@ class RLConfig:
     ar_max_length: int = 256
     reward_batch_size: int = 64
     reward_flush_seconds: float = 0.05
+    generation_chunk_prompts: int | None = None
     step0_guard_tol: float = 1e-4
     eval_every: int = 10
     eval_max_rows: int = 64
@@ -123,6 +123,9 @@ class RLConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 _bad(name, "a positive integer", v)
+        if self.generation_chunk_prompts is not None and (
+                not isinstance(self.generation_chunk_prompts, int) or self.generation_chunk_prompts <= 0):
+            _bad("generation_chunk_prompts", "a positive integer or null", self.generation_chunk_prompts)
         if self.stop_after_steps is not None and (not isinstance(self.stop_after_steps, int) or self.stop_after_steps <= 0):
             _bad("stop_after_steps", "a positive integer or null", self.stop_after_steps)
         if self.n_samples_per_prompt < 2 and self.advantage in ("grpo", "drgrpo"):
@@ -196,23 +199,8 @@ class RLConfig:
 
 def load_rl_config(path: str | os.PathLike | None = None, overrides: dict | list[str] | None = None) -> RLConfig:
     """Read a YAML config (optional) and apply ``key=value`` overrides on top."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"RL config file not found: {p}")
-        loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{p}: expected a mapping of RLConfig keys, found {type(loaded).__name__}")
-        data.update(loaded)
-    if isinstance(overrides, list):
-        overrides = parse_overrides(overrides)
-    data.update(overrides or {})
-    for key in ("lr", "ar_lr", "value_lr", "kl_coef", "reward_flush_seconds", "step0_guard_tol", "weight_decay"):
-        if isinstance(data.get(key), str):
-            data[key] = float(data[key])
-    return config_from_dict(RLConfig, data)
+    return load_config(RLConfig, path, overrides)
 
 
 def save_rl_config(cfg: RLConfig, path: str | os.PathLike) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
+    save_config(cfg, path)

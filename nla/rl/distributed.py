@@ -16,7 +16,6 @@ import logging
 import math
 import os
 import socket
-import warnings
 from typing import Any
 
 import torch
@@ -119,25 +118,10 @@ def load_full_into(target: nn.Module, state: dict[str, Tensor]) -> None:
 
 def dist_step(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, max_grad_norm: float | None
               ) -> tuple[bool, float]:
-    """``optimizer_step_guarded`` for sharded gradients: the norm is the global one (same on all ranks)."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    clip = max_grad_norm if (max_grad_norm is not None and max_grad_norm > 0) else float("inf")
-    grad_norm = 0.0
-    if params:
-        norm = torch.nn.utils.clip_grad_norm_(params, clip)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        grad_norm = float(norm)
-    stepped = math.isfinite(grad_norm)
-    if stepped:
-        opt.step()
-    else:
-        logger.warning("non-finite gradient norm (%s): optimizer step skipped", grad_norm)
-    opt.zero_grad(set_to_none=True)
-    if sched is not None:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)`")
-            sched.step()
-    return stepped, grad_norm
+    """``optimizer_step_guarded`` on sharded gradients (it takes the global DTensor norm)."""
+    from nla.train.common import optimizer_step_guarded
+
+    return optimizer_step_guarded(model, opt, sched, max_grad_norm)
 
 
 def sum_across_ranks(values: dict[str, float]) -> dict[str, float]:

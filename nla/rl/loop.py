@@ -12,9 +12,10 @@ Per step, on-policy:
 7. log, evaluate, checkpoint, sync weights to the rollout role.
 
 Departures from the published system:
-1. Rewards are scored after the whole rollout is generated (HF ``generate`` is batched,
-   not a stream of callbacks); the batcher still serves them as ``reward_batch_size``
-   chunks of one AR forward each.
+1. HF ``generate`` is batched, not a stream of per-sample callbacks: with
+   ``generation_chunk_prompts`` the rollout is generated in chunks and each finished chunk
+   goes to the reward batcher (on its own thread) while the next one generates; by default
+   the whole rollout is one chunk, scored as ``reward_batch_size`` AR forwards.
 2. The step-0 guard compares the AR's left-padded reward layout with its right-padded
    training layout on the first rollout's texts (varied lengths), not on a packed layout.
 """
@@ -34,7 +35,7 @@ import torch
 
 from nla.datagen.io import read_parquet, read_vectors
 from nla.metrics import MetricsLogger
-from nla.reward import RewardBatcher, failed_extraction_reward, score_all
+from nla.reward import RewardService, failed_extraction_reward
 from nla.rl import algorithms as A
 from nla.rl.backend import build_groups
 from nla.rl.config import RLConfig, save_rl_config
@@ -90,16 +91,50 @@ class RLResult:
 
 
 # ----------------------------------------------------------------------------- pieces of a step
-def score_rollout(rollout: Rollout, batcher: RewardBatcher, log_mse: bool) -> None:
-    """Fill ``rollout.rewards`` / ``rollout.mse`` with the live AR (failed samples get the penalty)."""
+def reward_items(rollout: Rollout) -> list[tuple[str, torch.Tensor]]:
+    """(explanation, RAW gold) for the samples the AR scores (extraction succeeded)."""
+    return [(rollout.explanations[i], rollout.vectors[i]) for i in rollout.ok.nonzero(as_tuple=True)[0].tolist()]
+
+
+def fill_rewards(rollout: Rollout, scored: list[float], log_mse: bool) -> None:
+    """Set ``rollout.rewards`` / ``rollout.mse`` from the AR's rewards of the ok samples (failures get the penalty)."""
     ok = rollout.ok
-    items = [(rollout.explanations[i], rollout.vectors[i]) for i in ok.nonzero(as_tuple=True)[0].tolist()]
-    scored = torch.tensor(score_all(batcher, items), dtype=torch.float32) if items else torch.zeros(0)
+    scored_t = torch.tensor(scored, dtype=torch.float32) if scored else torch.zeros(0)
     rewards = torch.full((rollout.n,), failed_extraction_reward(log_mse), dtype=torch.float32)
-    rewards[ok] = scored
+    rewards[ok] = scored_t
     mse = torch.full((rollout.n,), math.nan)
-    mse[ok] = torch.exp(-scored) if log_mse else -scored
+    mse[ok] = torch.exp(-scored_t) if log_mse else -scored_t
     rollout.rewards, rollout.mse = rewards, mse
+
+
+def score_rollout(rollout: Rollout, rewards: RewardService, log_mse: bool) -> None:
+    """Score a whole rollout with the live AR (blocking)."""
+    fill_rewards(rollout, rewards.score(reward_items(rollout)), log_mse)
+
+
+def generate_and_score(groups: WorkerGroups, cfg: RLConfig, data: RLData, rows: torch.Tensor,
+                       rewards: RewardService) -> tuple[Rollout, float, float]:
+    """Generate for ``rows`` and score; returns (rollout, generation seconds, reward-wait seconds).
+
+    With ``generation_chunk_prompts`` set, prompts are generated in chunks and each chunk is
+    submitted to the reward service as soon as it is done, so the AR's forwards run while the
+    next chunk generates (on separate devices or Ray actors that hides the reward time).
+    """
+    G = cfg.n_samples_per_prompt
+    size = cfg.generation_chunk_prompts or len(rows)
+    pending, t_gen = [], 0.0
+    for start in range(0, len(rows), size):
+        chunk = rows[start : start + size]
+        t0 = time.perf_counter()
+        r = groups.rollout.generate(data.vectors[chunk], chunk, G, cfg.max_response_len, cfg.temperature, cfg.top_p)
+        t_gen += time.perf_counter() - t0
+        pending.append((r, rewards.submit(reward_items(r))))
+    t0 = time.perf_counter()
+    for r, fut in pending:
+        fill_rewards(r, fut.result(), cfg.log_mse)
+    t_wait = time.perf_counter() - t0
+    out = pending[0][0] if len(pending) == 1 else Rollout.concat([r for r, _ in pending], groups.rollout.pad_id)
+    return out, t_gen, t_wait
 
 
 def grade_facts(rollout: Rollout, facts: list[list[str]] | None) -> dict[str, float]:
@@ -118,7 +153,7 @@ def grade_facts(rollout: Rollout, facts: list[list[str]] | None) -> dict[str, fl
 
 
 def collect_rollout(groups: WorkerGroups, cfg: RLConfig, data: RLData, cursor: DataCursor,
-                    batcher: RewardBatcher) -> tuple[Rollout, Rollout, dict[str, float]]:
+                    rewards: RewardService) -> tuple[Rollout, Rollout, dict[str, float]]:
     """Generate + score, with DAPO dynamic sampling when enabled.
 
     Returns (the rollout to train the policy on, every scored sample of the step for the AR
@@ -130,12 +165,9 @@ def collect_rollout(groups: WorkerGroups, cfg: RLConfig, data: RLData, cursor: D
     t_gen = t_rew = 0.0
     while True:
         rows = torch.from_numpy(cursor.next_indices(cfg.rollout_batch_size - kept_groups)).long()
-        t0 = time.perf_counter()
-        r = groups.rollout.generate(data.vectors[rows], rows, G, cfg.max_response_len, cfg.temperature, cfg.top_p)
-        t1 = time.perf_counter()
-        score_rollout(r, batcher, cfg.log_mse)
-        t_rew += time.perf_counter() - t1
-        t_gen += t1 - t0
+        r, dt_gen, dt_rew = generate_and_score(groups, cfg, data, rows, rewards)
+        t_gen += dt_gen
+        t_rew += dt_rew
         if cfg.overlong_buffer_len > 0:
             r.rewards = r.rewards + A.overlong_penalty(r.lengths, cfg.max_response_len, cfg.overlong_buffer_len,
                                                        cfg.overlong_penalty_factor)
@@ -225,12 +257,12 @@ def step0_guard(groups: WorkerGroups, rollout: Rollout, tol: float) -> float:
 
 
 def evaluate(groups: WorkerGroups, cfg: RLConfig, data: RLData, baseline: float,
-             batcher: RewardBatcher) -> dict[str, float]:
+             rewards: RewardService) -> dict[str, float]:
     """Greedy decode of up to ``eval_max_rows`` held-out vectors, scored by the live AR."""
     n = min(cfg.eval_max_rows, data.vectors.shape[0])
     rows = torch.arange(n)
     r = groups.rollout.generate(data.vectors[rows], rows, 1, cfg.max_response_len, greedy=True)
-    score_rollout(r, batcher, cfg.log_mse)
+    score_rollout(r, rewards, cfg.log_mse)
     m = rollout_metrics(r, baseline)
     m.update(grade_facts(r, data.facts))
     return {f"eval_{k}": v for k, v in m.items() if k in ("fve_nrm", "mse_nrm", "reward_mean", "fact_recall",
@@ -283,13 +315,14 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
     save_rl_config(cfg, out / "rl_config.yaml")
     stop = min(cfg.steps, cfg.stop_after_steps or cfg.steps)
     metrics_log = MetricsLogger(out, "rl", tensorboard=cfg.tensorboard)
-    batcher = RewardBatcher(groups.reconstructor.score_batch, cfg.reward_batch_size, cfg.reward_flush_seconds)
+    # The live AR's bound method: every reward comes from its current weights (no copy).
+    rewards = RewardService(groups.reconstructor.score_batch, cfg.reward_batch_size, cfg.reward_flush_seconds)
     last_ckpt, final = ckpt, {}
     bar = tqdm(total=stop, initial=step, desc="rl", disable=not cfg.progress)
     try:
         while step < stop:
             t0 = time.perf_counter()
-            train, everything, m = collect_rollout(groups, cfg, data, cursor, batcher)
+            train, everything, m = collect_rollout(groups, cfg, data, cursor, rewards)
             if step == 0 and ckpt is None:
                 m["step0_guard_diff"] = step0_guard(groups, everything, cfg.step0_guard_tol)
             m.update(rollout_metrics(everything, baseline))
@@ -318,7 +351,7 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
             groups.rollout.sync_weights(groups.policy)
             step += 1
             if eval_data is not None and (step % cfg.eval_every == 0 or step == stop):
-                m.update(evaluate(groups, cfg, eval_data, eval_baseline, batcher))
+                m.update(evaluate(groups, cfg, eval_data, eval_baseline, rewards))
             m["time_step"] = time.perf_counter() - t0
             if step % cfg.log_every == 0 or step == stop:
                 metrics_log.log(step, **m)
@@ -329,16 +362,10 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
                 last_ckpt = save_checkpoint(root, step, groups, cfg, cursor, cfg.keep_last)
     finally:
         bar.close()
-        score_all_close(batcher)
+        rewards.close()
         if owns_groups:
             groups.close()
         metrics_log.plot(out / "rl_curves.png", PLOT_KEYS, title="RL")
         metrics_log.close()
     (out / "rl_summary.json").write_text(json.dumps({"step": step, **final}, indent=2, default=float))
     return RLResult(out, last_ckpt, {"step": step, **final}, time.perf_counter() - t_start)
-
-
-def score_all_close(batcher: RewardBatcher) -> None:
-    import asyncio
-
-    asyncio.run(batcher.aclose())

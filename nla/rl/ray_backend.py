@@ -165,8 +165,7 @@ class PolicyRank(_RankBase):
     # -- update
     def update(self, rollout: Rollout, advantages: Tensor, ref_logp: Tensor) -> dict[str, float]:
         """Data-parallel version of ``PolicyWorker.update`` (same loss, global normalisation)."""
-        from nla.rl import algorithms as A
-        from nla.rl.workers import response_logprobs
+        from nla.rl.workers import policy_micro_loss
 
         s = self.settings
         self.model.train()
@@ -188,15 +187,7 @@ class PolicyRank(_RankBase):
             for chunk in D.micro_chunks(mine, per_update, self.world, s.micro_batch_size):
                 dummy = len(chunk) == 0
                 idx = rows[:1] if dummy else chunk
-                logp, ent = response_logprobs(self.model, self.hook, rollout.prompt_ids, rollout.response_ids[idx],
-                                              rollout.response_mask[idx], rollout.vectors[idx], with_entropy=True)
-                m = mask[idx].to(logp.device)
-                old = old_all[idx].to(logp.device) if old_all is not None else logp.detach()
-                pg, pm = A.policy_loss(logp, old, advantages[idx].to(logp.device), m, eps_low=s.eps_low,
-                                       eps_high=s.eps_high, dual_clip_c=s.dual_clip_c, agg=s.loss_agg)
-                kl_tok = A.kl_penalty(logp, ref_logp[idx].to(logp.device), s.kl_estimator)
-                kl = A.aggregate_loss(kl_tok, m, s.loss_agg)
-                loss = pg + s.kl_coef * kl
+                loss, m, pm = policy_micro_loss(self.model, self.hook, rollout, idx, advantages, ref_logp, old_all, s)
                 # Share of the *global* batch; x W undoes FSDP's average over ranks.
                 if dummy:
                     w = 0.0
@@ -207,8 +198,6 @@ class PolicyRank(_RankBase):
                 (loss * (w * self.world)).backward()
                 if dummy:
                     continue
-                pm.update(pg_loss=float(pg.detach()), kl=float(A.masked_mean(kl_tok.detach(), m)),
-                          entropy=float(A.masked_mean(ent, m)), policy_loss=float(loss.detach()))
                 for k, v in pm.items():
                     if math.isfinite(v):
                         sums[k] = sums.get(k, 0.0) + v * w

@@ -174,6 +174,28 @@ class PolicyLossSettings:
     updates_per_rollout: int
 
 
+def policy_micro_loss(model: nn.Module, hook: InjectionHook, rollout: Rollout, idx: Tensor, advantages: Tensor,
+                      ref_logp: Tensor, old_all: Tensor | None, s: PolicyLossSettings
+                      ) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """Clipped surrogate + ``kl_coef`` x KL on the rows ``idx``, aggregated by ``s.loss_agg``.
+
+    Returns (loss, response mask [n, L], detached metrics). ``old_all`` None means on-policy:
+    ``old_logp`` is this forward's detached log-prob. Shared by every backend, so the loss is
+    written once; the caller weights and accumulates micro-batches.
+    """
+    logp, ent = response_logprobs(model, hook, rollout.prompt_ids, rollout.response_ids[idx],
+                                  rollout.response_mask[idx], rollout.vectors[idx], with_entropy=True)
+    m = rollout.response_mask[idx].float().to(logp.device)
+    old = old_all[idx].to(logp.device) if old_all is not None else logp.detach()
+    pg, pm = A.policy_loss(logp, old, advantages[idx].to(logp.device), m, eps_low=s.eps_low,
+                           eps_high=s.eps_high, dual_clip_c=s.dual_clip_c, agg=s.loss_agg)
+    kl_tok = A.kl_penalty(logp, ref_logp[idx].to(logp.device), s.kl_estimator)
+    loss = pg + s.kl_coef * A.aggregate_loss(kl_tok, m, s.loss_agg)
+    pm.update(pg_loss=float(pg.detach()), kl=float(A.masked_mean(kl_tok.detach(), m)),
+              entropy=float(A.masked_mean(ent, m)), policy_loss=float(loss.detach()))
+    return loss, m, pm
+
+
 class PolicyWorker(_Trainable):
     """The AV under RL: clipped surrogate + KL-to-reference loss, token-level aggregation."""
 
@@ -214,21 +236,11 @@ class PolicyWorker(_Trainable):
             total_tokens = float(sub_mask.sum().clamp_min(1.0))
             for sl, w_rows in micro_batches(len(rows), s.micro_batch_size):
                 idx = rows[sl]
-                logp, ent = response_logprobs(self.model, self.hook, rollout.prompt_ids, rollout.response_ids[idx],
-                                              rollout.response_mask[idx], rollout.vectors[idx], with_entropy=True)
-                m = mask[idx].to(logp.device)
-                old = old_all[idx].to(logp.device) if old_all is not None else logp.detach()
-                pg, pm = A.policy_loss(logp, old, advantages[idx].to(logp.device), m, eps_low=s.eps_low,
-                                       eps_high=s.eps_high, dual_clip_c=s.dual_clip_c, agg=s.loss_agg)
-                kl_tok = A.kl_penalty(logp, ref_logp[idx].to(logp.device), s.kl_estimator)
-                kl = A.aggregate_loss(kl_tok, m, s.loss_agg)
-                loss = pg + s.kl_coef * kl
+                loss, m, pm = policy_micro_loss(self.model, self.hook, rollout, idx, advantages, ref_logp, old_all, s)
                 # Exact aggregation across micro-batches: token-mean weights by tokens, the
                 # sequence modes by rows (see aggregate_loss).
                 w = float(m.sum()) / total_tokens if s.loss_agg == "token-mean" else w_rows
                 (loss * w).backward()
-                pm.update(pg_loss=float(pg.detach()), kl=float(A.masked_mean(kl_tok.detach(), m)),
-                          entropy=float(A.masked_mean(ent, m)), policy_loss=float(loss.detach()))
                 for k, v in pm.items():
                     if math.isfinite(v):
                         sums[k] = sums.get(k, 0.0) + v * w
@@ -431,6 +443,6 @@ class WorkerGroups:
 
 
 __all__ = [
-    "PolicyLossSettings", "PolicyWorker", "ReconstructorWorker", "ReferenceWorker", "RolloutWorker",
+    "PolicyLossSettings", "PolicyWorker", "policy_micro_loss", "ReconstructorWorker", "ReferenceWorker", "RolloutWorker",
     "ValueModel", "ValueWorker", "WorkerGroups", "response_logprobs",
 ]

@@ -126,7 +126,10 @@ def optimizer_step_guarded(
     params = [p for p in params if p.grad is not None]
     clip = max_grad_norm if (max_grad_norm is not None and max_grad_norm > 0) else float("inf")
     if params:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        # FSDP2 gradients are DTensors: the norm is a sharded DTensor; its full value is the
+        # global norm, the same on every rank.
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     else:
         grad_norm = 0.0
     stepped = math.isfinite(grad_norm)

@@ -185,7 +185,7 @@ def _positive_float(name: str, value: Any) -> None:
         _bad(name, "a positive finite number", value)
 
 
-C = TypeVar("C", bound=_TrainBase)
+C = TypeVar("C")
 
 
 def parse_overrides(items: list[str] | None) -> dict[str, Any]:
@@ -217,7 +217,10 @@ def config_from_dict(cls: type[C], data: dict[str, Any]) -> C:
     return cls(**data)
 
 
-_FLOAT_FIELDS = {"lr", "weight_decay", "min_lr_ratio", "max_grad_norm", "eval_fraction", "injection_scale"}
+# Fields YAML 1.1 may read as strings (``1e-4`` without a dot); RL's are included so every
+# stage config loads through the same function.
+_FLOAT_FIELDS = {"lr", "weight_decay", "min_lr_ratio", "max_grad_norm", "eval_fraction", "injection_scale",
+                 "ar_lr", "value_lr", "kl_coef", "reward_flush_seconds", "step0_guard_tol", "temperature"}
 
 
 def load_config(
@@ -239,7 +242,7 @@ def load_config(
     return config_from_dict(cls, data)
 
 
-def save_config(cfg: _TrainBase, path: str | os.PathLike) -> None:
+def save_config(cfg: Any, path: str | os.PathLike) -> None:
     """Write the resolved config as YAML (the file `load_config` reads back to the same object)."""
     Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
 
