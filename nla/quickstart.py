@@ -146,7 +146,10 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
         info = fn()
         info["seconds"] = time.perf_counter() - t0
         _mark_stage(out, name, config, info)
-        stages.append(StageRecord(name, info["seconds"], False, info))
+        # A world reused from the shared cache reports the time its build took.
+        from_cache = bool(info.get("from_cache"))
+        stages.append(StageRecord(name, info.get("build_seconds", info["seconds"]) if from_cache else info["seconds"],
+                                  from_cache, info))
         logger.info("[%s] done in %.1f s", name, info["seconds"])
         return info
 
@@ -186,7 +189,8 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
 
 def _world(build_world, preset: str, progress: bool) -> dict[str, Any]:
     art = build_world(preset, progress=progress)
-    return {"subject_dir": str(art.subject_dir), "heldout_loss": art.heldout_loss,
+    return {"subject_dir": str(art.subject_dir), "heldout_loss": art.heldout_loss, "from_cache": art.from_cache,
+            "build_seconds": float(art.summary.get("build_seconds", art.train_seconds)),
             "unigram_entropy": art.unigram_entropy, "loss_curve_png": str(art.loss_curve_png),
             "train_seconds": art.train_seconds}
 
