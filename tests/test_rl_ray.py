@@ -162,3 +162,40 @@ def test_ppo_is_refused_before_ray_starts(pair, tmp_path):  # noqa: F811
     with pytest.raises(RLSetupError, match="advantage: 'gae'.*backend: local"):
         build_groups(_cfg(pair, tmp_path, backend="ray", advantage="gae"))
     assert not ray.is_initialized()
+
+
+# ----------------------------------------------------------------------------- an existing cluster
+@pytest.mark.ray
+@pytest.mark.slow
+def test_runs_on_an_existing_cluster_and_leaves_it_running(pair, tmp_path):  # noqa: F811
+    """`ray start --head` by hand, then `nla rl --ray-address`: the run connects, finishes,
+    disconnects, and the cluster it did not start is still up afterwards."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from nla.rl.distributed import free_port
+
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    port = free_port()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                    "--disable-usage-stats"], check=True, capture_output=True, env=env, timeout=120)
+    try:
+        address = next(n["NodeManagerAddress"] for n in _cluster_nodes(ray_cli, env)) + f":{port}"
+        cfg = _cfg(pair, tmp_path / "run", steps=2, save_every=2, backend="ray", ray_address=address,
+                   num_policy_workers=1, num_reconstructor_workers=1)
+        res = run_rl(cfg)
+        assert res.metrics["step"] == 2 and not ray.is_initialized()  # disconnected, not shut down
+        assert any(n["Alive"] for n in _cluster_nodes(ray_cli, env))  # the cluster outlives the run
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], capture_output=True, env=env, timeout=120)
+
+
+def _cluster_nodes(ray_cli, env):
+    # The head binds this machine's own interface address (Ray never advertises loopback).
+    ray.init(address="auto")
+    try:
+        return ray.nodes()
+    finally:
+        ray.shutdown()
