@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from nla.fsutil import write_text_atomic
 from nla.vectors import SQRT_D_MODEL, resolve_scale
 
 logger = logging.getLogger(__name__)
@@ -465,17 +465,8 @@ def write_sidecar(path: str | os.PathLike, cfg: NLAConfig, **provenance: Any) ->
     """
     p = Path(path)
     file = sidecar_path_for(p)
-    file.parent.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump(sidecar_document(cfg, **provenance), sort_keys=False, allow_unicode=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=file.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, file)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return file
+    return write_text_atomic(text, file)
 
 
 def resolve_sidecar(

@@ -111,3 +111,12 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
         return cache[arch]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """Tiny matmuls on a shared 2-core box: intra-op thread oversubscription makes them ~10x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

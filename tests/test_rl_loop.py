@@ -31,11 +31,8 @@ D = 64  # the world tiny subject model's width
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(single_thread):
+    """Every test here runs single-threaded (see conftest.single_thread)."""
 
 
 def _class_vectors(n: int, seed: int):

@@ -18,12 +18,8 @@ K = 1  # keep blocks 0..1 of the 4-block tiny llama
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls on a shared 2-core box: thread oversubscription makes them ~10x slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(single_thread):
+    """Every test here runs single-threaded (see conftest.single_thread)."""
 
 
 @pytest.fixture()

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import torch
 import yaml
 from train_helpers import dataset_sidecar, write_ar_dataset, write_av_dataset
 
@@ -11,11 +10,8 @@ from nla.metrics import read_metrics
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(single_thread):
+    """Every test here runs single-threaded (see conftest.single_thread)."""
 
 
 def test_cli_ar_and_av_with_resume(tmp_path, tiny_tokenizer, tiny_model_dir):

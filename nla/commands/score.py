@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from nla.client import NLAClient, failed_mse, load_vectors
-    from nla.datagen.io import read_parquet, write_text_atomic
+    from nla.datagen.io import read_parquet
+    from nla.fsutil import write_text_atomic
     from nla.vectors import fve
 
     if args.texts:

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from collections import Counter
 
     from nla.client import NLAClient, load_vectors
-    from nla.datagen.io import write_text_atomic
+    from nla.fsutil import write_text_atomic
 
     vectors = load_vectors(args.vectors, rows=args.rows)
     client = NLAClient(args.av, None, device=args.device, dtype=args.dtype, sidecar=args.sidecar)

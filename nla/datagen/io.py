@@ -18,6 +18,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from nla.fsutil import write_text_atomic
+
 VECTOR_COLUMN = "activation_vector"
 
 
@@ -94,20 +96,6 @@ def write_parquet_atomic(table: pa.Table, path: str | os.PathLike) -> Path:
     os.close(fd)
     try:
         pq.write_table(table, tmp, **kwargs)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

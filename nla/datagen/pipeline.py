@@ -29,7 +29,8 @@ from typing import Any
 import yaml
 
 from nla.datagen.config import SPLITS, DatagenConfig
-from nla.datagen.io import DatagenError, read_parquet, write_json_atomic, write_text_atomic
+from nla.datagen.io import DatagenError, read_parquet, write_json_atomic
+from nla.fsutil import write_text_atomic
 
 log = logging.getLogger(__name__)
 
