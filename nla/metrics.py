@@ -104,14 +104,26 @@ def plot_metrics(
     if not present:
         logger.info("plot %s: none of %s were logged, no figure written", png_path, keys)
         return None
-    fig, axes = plt.subplots(len(present), 1, figsize=(6, 2.4 * len(present)), squeeze=False)
-    for ax, key in zip(axes[:, 0], present, strict=True):
+    ncols = 1 if len(present) < 3 else 2
+    nrows = -(-len(present) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 2.6 * nrows), squeeze=False)
+    flat = list(axes.flat)
+    for ax, key in zip(flat, present, strict=False):
         pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
         xs, ys = zip(*pts, strict=True)
-        ax.plot(xs, ys, marker="." if len(xs) < 50 else None)
-        ax.set_ylabel(key)
+        if len(xs) >= 20:
+            # Noisy per-step RL metrics: the raw curve faint, a trailing moving average on top.
+            ax.plot(xs, ys, color="tab:blue", alpha=0.3, linewidth=1, label="per step")
+            ax.plot(xs, moving_average(ys, max(5, len(ys) // 15)), color="tab:blue", linewidth=2,
+                    label="moving average")
+            ax.legend(fontsize=7, loc="best")
+        else:
+            ax.plot(xs, ys, marker=".", color="tab:blue")
+        ax.set_title(key, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
         ax.grid(alpha=0.3)
-    axes[-1, 0].set_xlabel("step")
+    for ax in flat[len(present):]:
+        ax.axis("off")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -119,4 +131,15 @@ def plot_metrics(
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
+    return out
+
+
+def moving_average(values: list[float] | tuple[float, ...], window: int) -> list[float]:
+    """Trailing mean over the last ``window`` values (shorter at the start), same length as ``values``."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
     return out

@@ -39,3 +39,11 @@ def m_tb_available() -> bool:
     except Exception:
         return False
     return True
+
+
+def test_moving_average_by_hand():
+    from nla.metrics import moving_average
+
+    # window 2: [1], [1,2], [2,3], [3,4] -> 1, 1.5, 2.5, 3.5
+    assert moving_average([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
+    assert moving_average([5.0], 3) == [5.0]
