@@ -52,6 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        # Our errors name the field, the expected and found values and the fix: show that,
+        # not a traceback (-v shows the traceback too).
+        if args.verbose:
+            raise
+        print(f"nla {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
