@@ -294,7 +294,7 @@ def test_reward_service_merges_submissions_and_delivers_failures():
         calls.append(list(items))
         return [float(x) * 10 for x in items]
 
-    with RewardService(score, batch_size=8, flush_seconds=0.2) as service:
+    with RewardService(score, batch_size=8, flush_seconds=1.0) as service:
         f1 = service.submit([1, 2])
         f2 = service.submit([3])  # arrives within the flush window: same forward
         assert f1.result() == [10.0, 20.0] and f2.result() == [30.0]

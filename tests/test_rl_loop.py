@@ -230,7 +230,9 @@ def test_chunked_generation_scores_every_chunk_with_the_live_ar(pair, tmp_path):
     G = cfg.n_samples_per_prompt
     assert r.n == 5 * G and r.group.tolist() == [g for g in range(5) for _ in range(G)]
     assert r.prompt_rows.tolist() == [p for p in range(5) for _ in range(G)]
-    assert n_batches == 3  # one AR forward per chunk, each flushed while the next generated
+    # one AR forward per chunk, each flushed (10 ms timer) while the next one generated; a
+    # starved loop thread could merge two chunks into one forward, never split one
+    assert 2 <= n_batches <= 3
     ok = r.ok
     direct = groups.reconstructor.score_batch([(r.explanations[i], r.vectors[i]) for i in ok.nonzero()[:, 0].tolist()])
     torch.testing.assert_close(r.rewards[ok], direct.float(), atol=1e-5, rtol=0)
