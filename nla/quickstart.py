@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import yaml
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +214,3 @@ def _evaluate(av: str, ar: str, dataset: Path, out_dir: Path, kw: dict[str, Any]
     (out_dir / "eval.json").write_text(report.to_json())
     (out_dir / "eval.md").write_text(report.to_markdown())
     return {"report": report.to_dict()}
-
-
-def dump_configs(configs: dict[str, Any]) -> str:
-    return yaml.safe_dump(configs, sort_keys=False)

@@ -6,7 +6,7 @@ is identical for every row), L response tokens (right-padded), d model width.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -97,11 +97,3 @@ class Rollout:
             status=torch.cat([p.status for p in parts]), rewards=cat_opt("rewards"), mse=cat_opt("mse"),
             predictions=cat_opt("predictions"),
         )
-
-
-@dataclass
-class StepStats:
-    """What one RL step reports (all plain floats; logged to JSONL/TensorBoard)."""
-
-    step: int
-    metrics: dict[str, float] = field(default_factory=dict)
