@@ -1,10 +1,10 @@
 """A minimal headless-Chromium driver over the DevTools protocol (for the browser test and the docs screenshot).
 
 It starts the system's Chromium (Debian package ``chromium``; ``$NLA_CHROMIUM`` overrides the
-binary) with ``--remote-debugging-port=0``, reads the port Chromium chose from the profile's
-``DevToolsActivePort`` file, and talks to the one page over its websocket. Clicks and typing
-are real input events (``Input.dispatchMouseEvent`` / ``Input.insertText``), not JavaScript
-``click()`` calls. Nothing is downloaded: no driver binary, no browser build.
+binary) with ``--remote-debugging-pipe`` and talks to it over two pipes (fd 3 in, fd 4 out,
+NUL-separated JSON), so it needs no network port, no websocket client and no driver binary.
+Clicks and typing are real input events (``Input.dispatchMouseEvent`` / ``Input.insertText``),
+not JavaScript ``click()`` calls. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import itertools
 import json
 import logging
 import os
+import select
 import shutil
 import subprocess
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -50,67 +50,84 @@ class HeadlessChromium:
 
     def __init__(self, binary: str | None = None, *, width: int = 1280, height: int = 900,
                  start_timeout: float = 30.0) -> None:
-        from websockets.sync.client import connect
-
         binary = binary or find_chromium()
         if binary is None:
             raise BrowserError("no Chromium binary found; install the Debian package `chromium` or set $NLA_CHROMIUM")
         self.width, self.height = width, height
         self._profile = Path(tempfile.mkdtemp(prefix="nla-chromium-"))
-        self._log = open(self._profile.parent / f"{self._profile.name}.log", "wb")  # noqa: SIM115 (closed in close)
+        self._log = open(self._profile / "chromium.log", "wb")  # noqa: SIM115 (closed in close)
         cmd = [binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
                "--no-default-browser-check", "--disable-extensions", "--hide-scrollbars", "--mute-audio",
-               "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
-               f"--user-data-dir={self._profile}", f"--window-size={width},{height}", "about:blank"]
-        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+               "--remote-debugging-pipe", f"--user-data-dir={self._profile / 'profile'}",
+               f"--window-size={width},{height}", "about:blank"]
+        # --remote-debugging-pipe: Chromium reads commands on fd 3 and writes replies on fd 4, NUL-terminated.
+        to_child_r, self._to_child = os.pipe()
+        self._from_child, from_child_w = os.pipe()
+        keep = (os.dup(to_child_r), os.dup(from_child_w))  # out of the way of 3 and 4 before dup2
+
+        def fds_3_and_4() -> None:
+            os.dup2(keep[0], 3)
+            os.dup2(keep[1], 4)
+
+        self._buf = b""
         self._ids = itertools.count(1)
+        self._session: str | None = None
         try:
-            port = self._wait_port(start_timeout)
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as resp:
-                targets = json.loads(resp.read())
+            self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          pass_fds=(3, 4), preexec_fn=fds_3_and_4)
+        finally:
+            for fd in (to_child_r, from_child_w, *keep):
+                os.close(fd)
+        try:
+            targets = self.send("Target.getTargets", timeout=start_timeout)["targetInfos"]
             pages = [t for t in targets if t.get("type") == "page"]
             if not pages:
                 raise BrowserError(f"Chromium offers no page target (targets: {targets})")
-            self._ws = connect(pages[0]["webSocketDebuggerUrl"], max_size=None, open_timeout=10)
+            self._session = self.send("Target.attachToTarget", targetId=pages[0]["targetId"], flatten=True)["sessionId"]
             self.send("Page.enable")
             self.send("Runtime.enable")
         except BaseException:
             self.close()
             raise
 
-    def _wait_port(self, timeout: float) -> int:
-        port_file = self._profile / "DevToolsActivePort"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise BrowserError(f"Chromium exited with code {self._proc.returncode} at start: {self._log_tail()}")
-            if port_file.is_file():
-                first = port_file.read_text().split("\n")[0].strip()
-                if first.isdigit():
-                    return int(first)
-            time.sleep(0.05)
-        raise BrowserError(f"Chromium did not open its DevTools port within {timeout:.0f} s: {self._log_tail()}")
-
     def _log_tail(self) -> str:
         self._log.flush()
-        lines = Path(self._log.name).read_text(errors="replace").strip().splitlines()
+        lines = (self._profile / "chromium.log").read_text(errors="replace").strip().splitlines()
         return " | ".join(lines[-3:]) or "(no output)"
+
+    def _read_message(self, deadline: float, method: str) -> dict[str, Any]:
+        while b"\0" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BrowserError(f"{method}: no answer from Chromium within the timeout")
+            ready, _, _ = select.select([self._from_child], [], [], min(left, 0.5))
+            if ready:
+                chunk = os.read(self._from_child, 1 << 20)
+                if not chunk:
+                    raise BrowserError(f"{method}: Chromium closed its DevTools pipe: {self._log_tail()}")
+                self._buf += chunk
+            elif self._proc.poll() is not None:
+                raise BrowserError(f"{method}: Chromium exited with code {self._proc.returncode}: {self._log_tail()}")
+        msg, self._buf = self._buf.split(b"\0", 1)
+        return json.loads(msg)
 
     # ------------------------------------------------------------------ protocol
     def send(self, method: str, timeout: float = 30.0, **params: Any) -> dict[str, Any]:
-        """Send one DevTools command and return its result (events arriving meanwhile are dropped)."""
+        """Send one DevTools command (to the page once attached) and return its result; events are dropped."""
         msg_id = next(self._ids)
-        self._ws.send(json.dumps({"id": msg_id, "method": method, "params": params}))
+        msg: dict[str, Any] = {"id": msg_id, "method": method, "params": params}
+        if self._session is not None:
+            msg["sessionId"] = self._session
+        data = json.dumps(msg).encode() + b"\0"
+        while data:
+            data = data[os.write(self._to_child, data):]
         deadline = time.monotonic() + timeout
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise BrowserError(f"{method}: no answer from Chromium within {timeout:.0f} s")
-            msg = json.loads(self._ws.recv(timeout=left))
-            if msg.get("id") == msg_id:
-                if "error" in msg:
-                    raise BrowserError(f"{method}: {msg['error'].get('message')}")
-                return msg.get("result", {})
+            reply = self._read_message(deadline, method)
+            if reply.get("id") == msg_id:
+                if "error" in reply:
+                    raise BrowserError(f"{method}: {reply['error'].get('message')}")
+                return reply.get("result", {})
 
     def evaluate(self, expression: str) -> Any:
         """Value of a JavaScript expression in the page (promises are awaited)."""
@@ -174,22 +191,26 @@ class HeadlessChromium:
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        ws = getattr(self, "_ws", None)
-        if ws is not None:
+        proc = getattr(self, "_proc", None)
+        if proc is not None and proc.poll() is None:
             try:
-                ws.close()
-            except Exception:  # closing a dead socket: nothing left to clean
+                self._session = None
+                self.send("Browser.close", timeout=5)
+                proc.wait(timeout=10)
+            except (BrowserError, OSError, subprocess.TimeoutExpired):
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        for fd in (self._to_child, self._from_child):
+            try:
+                os.close(fd)
+            except OSError:  # already closed
                 pass
-        if self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
         self._log.close()
         shutil.rmtree(self._profile, ignore_errors=True)
-        Path(self._log.name).unlink(missing_ok=True)
 
     def __enter__(self) -> HeadlessChromium:
         return self
