@@ -18,11 +18,13 @@ from nla.explore import Explorer, create_app, load_run
 from nla.explore.app import BackgroundServer
 from nla.explore.browser import HeadlessChromium
 
-# The selected token: a false claim and a mid-range cosine make the clearest picture.
+# The selected token: one true and one false claim, else any false claim, nearest a mid-range cosine.
 PICK = """(() => {
   const rs = [...state.results.values()].filter((r) => r.greedy.cosine !== null && r.position > 4);
-  const wrong = rs.filter((r) => (r.greedy.claims || []).some((c) => !c.correct) && r.facts.length >= 2);
-  const pool = wrong.length ? wrong : rs;
+  const has = (r, ok) => (r.greedy.claims || []).some((c) => c.correct === ok);
+  const mixed = rs.filter((r) => has(r, true) && has(r, false));
+  const wrong = rs.filter((r) => has(r, false));
+  const pool = mixed.length ? mixed : wrong.length ? wrong : rs;
   pool.sort((a, b) => Math.abs(a.greedy.cosine - 0.45) - Math.abs(b.greedy.cosine - 0.45));
   return pool[0].position;
 })()"""
@@ -33,7 +35,7 @@ def main() -> None:
     ap.add_argument("--run", required=True, help="quickstart run dir (its rl.stage_done.json names the pair)")
     ap.add_argument("--out", default="docs/explore.png")
     ap.add_argument("--run-out", help="also save the run view here")
-    ap.add_argument("--doc", type=int, default=2, help="index of the held-out document in the page's list")
+    ap.add_argument("--doc", type=int, default=4, help="index of the held-out document in the page's list")
     ap.add_argument("--samples", type=int, default=3)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

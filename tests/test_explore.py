@@ -18,15 +18,13 @@ import pytest
 import torch
 import yaml
 from conftest import build_tiny_tokenizer
-from test_client import D, FIXED_EXPLANATION, Pair
+from starlette.testclient import TestClient
+from test_client import FIXED_EXPLANATION, D, Pair
 
 from nla.cli import build_parser
 from nla.commands import explore as explore_cmd
 from nla.explore import Explorer, create_app, load_run
 from nla.world import WORLD_PRESETS, Fact, generate_documents, grade, parse_facts, token_facts
-
-pytest.importorskip("starlette")
-from starlette.testclient import TestClient  # noqa: E402
 
 K = 1
 WORDS = "Alice walks to the garden in the morning and she is happy ."
@@ -422,3 +420,35 @@ def test_browser_shows_an_explanation_and_a_score(explorer, run_dir, tmp_path):
         page.screenshot(tmp_path / "page.png")
         assert (tmp_path / "page.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert np.isfinite(cos)
+
+
+def test_cli_serves_on_loopback(pair, world_subject):
+    """`nla explore` as a user runs it: a real uvicorn process on 127.0.0.1, answering /api/info."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "nla.cli", "explore", "--av", str(pair.av_dir), "--ar", str(pair.ar_dir),
+           "--subject", str(world_subject), "--port", str(port), "--device", "cpu"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/api/info", timeout=2)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "nla explore did not answer within 120 s"
+                time.sleep(0.2)
+        assert r.status_code == 200 and r.json()["d_model"] == D and r.json()["setup_error"] is None
+        assert httpx.get(f"http://127.0.0.1:{port}/").status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

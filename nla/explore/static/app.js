@@ -94,8 +94,10 @@ function renderTokens() {
   for (const t of state.tokens) {
     const r = state.results.get(t.position);
     const cos = r ? r.greedy.cosine : null;
+    const wrong = r && (r.greedy.claims || []).some((c) => !c.correct);
     const span = el("span", {
-      class: "tok" + (r && cos === null ? " failed" : "") + (state.selected === t.position ? " selected" : ""),
+      class: "tok" + (r && cos === null ? " failed" : "") + (wrong ? " wrong" : "") +
+        (state.selected === t.position ? " selected" : ""),
       "data-position": t.position,
       title: r ? `#${t.position}  cos ${fmt(cos)}  mse_nrm ${fmt(r.greedy.mse_nrm)}` : `#${t.position}`,
       style: r && cos !== null ? `background:${cosColour(cos)}` : "",
@@ -167,6 +169,7 @@ function renderDetail(r) {
   $("d-samples").replaceChildren();
   $("sample-status").textContent = "";
   $("own-result").replaceChildren();
+  $("own-text").value = r.greedy.explanation || "";
   if (r.samples && r.samples.length) renderSamples(r.samples);
 }
 
