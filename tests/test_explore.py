@@ -239,6 +239,29 @@ def test_bad_bodies_and_the_server_keeps_running(api):
     assert api.post("/api/explain", json={"text": WORDS, "positions": [1]}).status_code == 200
 
 
+def test_an_unexpected_error_is_a_500_and_the_server_keeps_running(explorer, monkeypatch):
+    client = TestClient(create_app(explorer), raise_server_exceptions=False)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated failure")
+
+    monkeypatch.setattr(explorer, "explain", boom)
+    r = client.post("/api/explain", json={"text": WORDS})
+    assert r.status_code == 500 and "RuntimeError: simulated failure" in r.json()["error"]
+    monkeypatch.undo()
+    assert client.post("/api/explain", json={"text": WORDS, "positions": [0]}).status_code == 200
+
+
+def test_cli_flags_map_onto_the_limits(pair, world_subject):
+    client = _cli_app("--av", str(pair.av_dir), "--ar", str(pair.ar_dir), "--subject", str(world_subject),
+                      "--device", "cpu", "--max-samples", "2", "--max-tokens", "20")
+    info = client.get("/api/info").json()
+    assert info["limits"]["max_samples"] == 2 and info["limits"]["max_new_tokens"] == 96
+    assert info["max_tokens"] == 20
+    r = client.post("/api/explain", json={"text": WORDS, "positions": [0], "n_samples": 3})
+    assert r.status_code == 400 and "n_samples must be 0..2" in r.json()["error"]
+
+
 def test_only_the_allowed_hosts_are_answered(explorer):
     app = create_app(explorer, allowed_hosts=list(explore_cmd.LOOPBACK))
     assert TestClient(app, base_url="http://127.0.0.1:8765").get("/api/info").status_code == 200

@@ -25,9 +25,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run", help="a quickstart or nla rl output dir to show in the run view")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8765)
-    p.add_argument("--max-new-tokens", type=int, default=96, help="explanation length cap")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens per text cap")
-    p.add_argument("--max-samples", type=int, default=8, help="sampled explanations per token cap")
+    # Defaults live in nla.explore.ExploreLimits (96, 128 and 8 today); None here means "its default".
+    p.add_argument("--max-new-tokens", type=int, help="explanation length cap (default 96)")
+    p.add_argument("--max-tokens", type=int, help="tokens per text cap, also capped by the subject's context "
+                   "(default 128)")
+    p.add_argument("--max-samples", type=int, help="sampled explanations per token cap (default 8)")
     add_model_args(p)
     p.set_defaults(func=run)
 
@@ -38,8 +40,8 @@ def build(args: argparse.Namespace):
 
     if args.sidecar:
         raise ValueError("--sidecar: the explorer reads each checkpoint's own nla_meta.yaml; drop --sidecar")
-    limits = ExploreLimits(max_new_tokens=args.max_new_tokens, max_tokens=args.max_tokens,
-                           max_samples=args.max_samples)
+    given = {"max_new_tokens": args.max_new_tokens, "max_tokens": args.max_tokens, "max_samples": args.max_samples}
+    limits = ExploreLimits(**{k: v for k, v in given.items() if v is not None})
     run_summary = load_run(args.run) if args.run else None
     explorer, setup_error = None, None
     try:

@@ -156,7 +156,7 @@ class ExploreApp:
             ex.check_positions(inp, [position])
             acts = await run_in_threadpool(ex.activations, inp)
             vectors = acts[[position] * len(texts)] if texts else acts[:0]
-            truth = ex._truth(inp)
+            truth = ex.facts(inp)
             facts = truth[position] if truth is not None else None
         results = await run_in_threadpool(ex.score, texts, vectors, facts)
         return JSONResponse({"results": results})

@@ -239,7 +239,7 @@ class Explorer:
 
     def tokens(self, inp: TextInput) -> list[dict[str, Any]]:
         """One entry per token: its text (the character span, or the decoded id for a special token)."""
-        truth = self._truth(inp)
+        truth = self.facts(inp)
         out = []
         for i, (tid, (s, e)) in enumerate(zip(inp.ids, inp.offsets, strict=True)):
             piece = inp.text[s:e] if e > s else self.tokenizer.decode([tid])
@@ -300,7 +300,7 @@ class Explorer:
                                                 batch_size=P)
                 gold = vectors[[v.row for v in sampled]]  # [P*S, d], samples of one vector contiguous
                 sampled_scores = self.client.score([v.explanation for v in sampled], gold, batch_size=P * n_samples)
-        truth = self._truth(inp)
+        truth = self.facts(inp)
         tokens = self.tokens(inp)
         out = []
         for k, p in enumerate(positions):
@@ -341,7 +341,8 @@ class Explorer:
             res = self.client.score(list(texts), vectors, batch_size=len(texts))
         return [_scores(res, i) | grade_claims(t, facts) for i, t in enumerate(texts)]
 
-    def _truth(self, inp: TextInput) -> list[list[str]] | None:
+    def facts(self, inp: TextInput) -> list[list[str]] | None:
+        """Ground truth per token (``"kind=value"`` strings) for a world document; None for typed text."""
         if inp.doc is None:
             return None
         from nla.world import token_facts
