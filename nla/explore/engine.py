@@ -32,7 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from nla.arch import hidden_size, num_layers
 from nla.client import NLAClient, NLAClientError, ScoreResult, Verbalization
+from nla.datagen.extract import block_outputs, load_subject, tokenize_text
+from nla.world import Fact, generate_documents, grade, load_world, parse_facts, token_facts
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +92,6 @@ class WorldDocs:
     @classmethod
     def for_subject(cls, subject_dir: Path, n: int) -> WorldDocs | None:
         """The world whose build holds ``subject_dir`` (``<world>/subject``), or None for any other model."""
-        from nla.world import generate_documents, load_world
-
         root = subject_dir.resolve().parent
         if not (root / "summary.json").is_file() or not (root / "world_config.yaml").is_file():
             return None
@@ -134,8 +135,6 @@ class Explorer:
 
     def __init__(self, client: NLAClient, subject_model: Any, subject_tokenizer: Any, *, subject_dir: Path,
                  layer_index: int, world: WorldDocs | None = None, limits: ExploreLimits | None = None) -> None:
-        from nla.arch import hidden_size, num_layers
-
         self.client = client
         self.model, self.tokenizer = subject_model, subject_tokenizer
         self.subject_dir = Path(subject_dir)
@@ -160,8 +159,6 @@ class Explorer:
         self.max_tokens = min(self.limits.max_tokens, int(context))
         self.max_new_tokens = self.limits.max_new_tokens
         if world is not None:  # offer only the documents that fit the token cap
-            from nla.datagen.extract import tokenize_text
-
             fits = {i: d for i, d in world.docs.items()
                     if len(tokenize_text(subject_tokenizer, d.text, self.max_tokens + 1)[0]) <= self.max_tokens}
             self.world = WorldDocs(world.root, fits)
@@ -171,8 +168,6 @@ class Explorer:
     def load(cls, av: str | os.PathLike, ar: str | os.PathLike, subject: str | os.PathLike | None = None, *,
              device: str = "auto", dtype: str = "float32", limits: ExploreLimits | None = None) -> Explorer:
         """Load the pair and its subject model from directories given on the command line."""
-        from nla.datagen.extract import load_subject
-
         limits = limits or ExploreLimits()
         for role, path in (("av", av), ("ar", ar)):
             if not Path(path).is_dir():
@@ -207,19 +202,19 @@ class Explorer:
     # ------------------------------------------------------------------ inputs
     def text_input(self, text: str | None = None, doc_id: int | None = None) -> TextInput:
         """Tokenize a typed text or a held-out world document (exactly one of the two)."""
-        from nla.datagen.extract import tokenize_text
-
         doc = None
         if (text is None) == (doc_id is None):
-            raise ExploreError("give either 'text' (a string) or 'doc_id' (a held-out world document), not both")
+            raise ExploreError("give either 'text' (a string) or 'doc_id' (a held-out world document)"
+                               + (", not both" if text is not None else ""))
         if doc_id is not None:
             if self.world is None:
                 raise ExploreError(f"doc_id {doc_id}: the subject {self.subject_dir} is not a world build, so there "
                                    "are no world documents; send 'text' instead")
             if doc_id not in self.world.docs:
                 ids = list(self.world.docs)
-                raise ExploreError(f"doc_id {doc_id}: not a held-out document offered here; expected one of "
-                                   f"{ids[0]}..{ids[-1]}")
+                offered = (f"expected one of {ids[0]}..{ids[-1]} (see /api/info)" if ids
+                           else f"none fits the {self.max_tokens}-token cap")
+                raise ExploreError(f"doc_id {doc_id}: not a held-out document offered here; {offered}")
             doc = self.world.docs[doc_id]
             text = doc.text
         assert text is not None
@@ -266,8 +261,6 @@ class Explorer:
     # ------------------------------------------------------------------ model work
     def activations(self, inp: TextInput) -> torch.Tensor:
         """RAW activations [T, d] (fp32, CPU): output of block K at every token, as datagen extracts them."""
-        from nla.datagen.extract import block_outputs
-
         device = next(self.model.parameters()).device
         ids = torch.tensor([inp.ids], device=device)
         with self._lock:
@@ -345,8 +338,6 @@ class Explorer:
         """Ground truth per token (``"kind=value"`` strings) for a world document; None for typed text."""
         if inp.doc is None:
             return None
-        from nla.world import token_facts
-
         return [sorted(str(f) for f in fs) for fs in token_facts(inp.doc, inp.offsets)]
 
 
@@ -363,8 +354,6 @@ def grade_claims(explanation: str | None, facts: list[str] | None) -> dict[str, 
     """Each fact the explanation claims, marked true/false against the token's ground truth (world only)."""
     if facts is None:
         return {}
-    from nla.world import Fact, grade, parse_facts
-
     truth = {Fact.parse(f) for f in facts}
     text = explanation or ""
     claims = sorted(parse_facts(text))
