@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 
-from nla.commands.eval import add_model_args
-
 log = logging.getLogger("nla.explore")
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -30,7 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, help="tokens per text cap, also capped by the subject's context "
                    "(default 128)")
     p.add_argument("--max-samples", type=int, help="sampled explanations per token cap (default 8)")
-    add_model_args(p)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.set_defaults(func=run)
 
 
@@ -38,8 +37,6 @@ def build(args: argparse.Namespace):
     """The app for ``args``: models that fail to load become the page's setup error, a bad --run raises."""
     from nla.explore import ExploreLimits, Explorer, create_app, load_run
 
-    if args.sidecar:
-        raise ValueError("--sidecar: the explorer reads each checkpoint's own nla_meta.yaml; drop --sidecar")
     given = {"max_new_tokens": args.max_new_tokens, "max_tokens": args.max_tokens, "max_samples": args.max_samples}
     limits = ExploreLimits(**{k: v for k, v in given.items() if v is not None})
     run_summary = load_run(args.run) if args.run else None
