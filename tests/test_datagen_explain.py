@@ -29,7 +29,7 @@ def test_world_explainer_matches_text_explainer():
         {"doc_id": 2, "position": 9, "context": "y", "facts": []},
     ]
     got = ex.explain_batch(rows)
-    ref = TextExplainer(seed=0, min_facts=2, max_facts=3, wrong_rate=0.1)
+    ref = TextExplainer(seed=0, min_facts=3, max_facts=6, wrong_rate=0.1)  # DatagenConfig's defaults
     for r, text in zip(rows, got, strict=True):
         facts = frozenset(Fact.parse(s) for s in r["facts"])
         assert text == ref.explain(facts, row_key(r["doc_id"], r["position"])).strip()

@@ -226,7 +226,7 @@ class TextExplainer:
     the same explanation.
     """
 
-    def __init__(self, seed: int = 0, min_facts: int = 2, max_facts: int = 3, wrong_rate: float = 0.1,
+    def __init__(self, seed: int = 0, min_facts: int = 3, max_facts: int = 6, wrong_rate: float = 0.1,
                  word_rate: float = 1.0):
         if not 1 <= min_facts <= max_facts:
             raise ValueError(
