@@ -35,6 +35,7 @@ class QuickstartPreset:
     eval_fraction: float = 0.25  # of the RL split's documents, held out for evaluation
     eval_max_rows: int | None = None  # None: every held-out row
     max_new_tokens: int = 64
+    probe: dict[str, Any] = field(default_factory=lambda: dict(n_train_docs=800, n_test_docs=150))
 
 
 _TRAIN_COMMON = dict(warmup_steps=20, min_lr_ratio=0.1, max_grad_norm=1.0, log_every=10, keep_last=1,
@@ -151,8 +152,10 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
         logger.info("[%s] done in %.1f s", name, info["seconds"])
         return info
 
-    # 1. world
+    # 1. world, and what its vectors hold at every layer (the probe bounds faithful recall)
     world_info = stage("world", {"preset": p.world}, lambda: _world(build_world, p.world, progress))
+    probe_cfg = {"preset": p.world, "world": world_info["subject_dir"], **p.probe}
+    probe_info = stage("probe", probe_cfg, lambda: _probe(p.world, out, p.probe, progress))
     # 2. datagen
     dg_cfg = dict(out_dir=str(out / "datagen"), source="world", world_preset=p.world, explainer="world",
                   shuffled_baseline=True, seed=0, **p.datagen)
@@ -166,21 +169,24 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     av_info = stage("av", av_cfg, lambda: _train(train_av, AVTrainConfig(**av_cfg)))
     # 4. eval of the warm-started pair
     ev_kw = dict(max_rows=p.eval_max_rows, max_new_tokens=p.max_new_tokens)
-    warm = stage("eval_warmstart", {"av": av_info["checkpoint"], "ar": ar_info["checkpoint"],
+    # The warm-start AR is the frozen reader of both evaluations (the same AR as the live one here).
+    frozen = ar_info["checkpoint"]
+    warm = stage("eval_warmstart", {"av": av_info["checkpoint"], "ar": ar_info["checkpoint"], "frozen_ar": frozen,
                                     "dataset": str(eval_ds), **ev_kw},
                  lambda: _evaluate(av_info["checkpoint"], ar_info["checkpoint"], eval_ds, out / "eval_warmstart",
-                                   ev_kw))
+                                   ev_kw, frozen))
     # 5. RL
     rl_cfg = dict(av=av_info["checkpoint"], ar=ar_info["checkpoint"], dataset=str(rl_train),
                   eval_dataset=str(eval_ds), out_dir=str(out / "rl"), backend=backend, progress=progress, **p.rl)
     rl_info = stage("rl", rl_cfg, lambda: _rl(run_rl, RLConfig(**rl_cfg)))
     # 6. eval after RL
-    after = stage("eval_rl", {"av": rl_info["av"], "ar": rl_info["ar"], "dataset": str(eval_ds), **ev_kw},
-                  lambda: _evaluate(rl_info["av"], rl_info["ar"], eval_ds, out / "eval_rl", ev_kw))
+    after = stage("eval_rl", {"av": rl_info["av"], "ar": rl_info["ar"], "frozen_ar": frozen, "dataset": str(eval_ds),
+                              **ev_kw},
+                  lambda: _evaluate(rl_info["av"], rl_info["ar"], eval_ds, out / "eval_rl", ev_kw, frozen))
     # 7. report
     from nla.report import write_report
 
-    return write_report(out, preset=preset, stages=stages, configs=configs, world=world_info,
+    return write_report(out, preset=preset, stages=stages, configs=configs, world=world_info, probe=probe_info,
                         warm_eval=warm["report"], rl_eval=after["report"], ar_info=ar_info, av_info=av_info,
                         rl_info=rl_info)
 
@@ -191,6 +197,21 @@ def _world(build_world, preset: str, progress: bool) -> dict[str, Any]:
             "build_seconds": float(art.summary.get("build_seconds", art.train_seconds)),
             "unigram_entropy": art.unigram_entropy, "loss_curve_png": str(art.loss_curve_png),
             "train_seconds": art.train_seconds}
+
+
+def _probe(preset: str, out: Path, kw: dict[str, Any], progress: bool) -> dict[str, Any]:
+    from nla.world import build_world
+    from nla.world.probe import best_layer, probe_world, write_probe_json
+
+    art = build_world(preset, progress=progress)
+    results = probe_world(art, progress=progress, **kw)
+    best = best_layer(results)
+    if best != art.config.default_layer:
+        logger.warning("probe: layer %d decodes the facts best, but the world's extraction layer is %d",
+                       best, art.config.default_layer)
+    write_probe_json(out / "probe.json", results, default_layer=art.config.default_layer, best_layer=best)
+    return {"layers": [r.to_dict() for r in results], "default_layer": art.config.default_layer,
+            "best_layer": best}
 
 
 def _train(fn, cfg) -> dict[str, Any]:
@@ -204,11 +225,13 @@ def _rl(fn, cfg) -> dict[str, Any]:
             "ar": str(res.checkpoint_dir / "ar"), "metrics": res.metrics}
 
 
-def _evaluate(av: str, ar: str, dataset: Path, out_dir: Path, kw: dict[str, Any]) -> dict[str, Any]:
+def _evaluate(av: str, ar: str, dataset: Path, out_dir: Path, kw: dict[str, Any],
+              frozen_ar: str | None = None) -> dict[str, Any]:
     from nla.client import NLAClient
     from nla.evaluation import evaluate_pair
 
-    report = evaluate_pair(NLAClient(av, ar), dataset, **kw)
+    frozen = NLAClient(None, frozen_ar) if frozen_ar is not None else None
+    report = evaluate_pair(NLAClient(av, ar), dataset, frozen_ar=frozen, **kw)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "eval.json").write_text(report.to_json())
     (out_dir / "eval.md").write_text(report.to_markdown())

@@ -14,6 +14,8 @@ import yaml
 logger = logging.getLogger(__name__)
 
 ROUND_TRIP = "AV → AR round trip"
+FROZEN = "AV → frozen warm-start AR"
+SHUFFLED = "AV on shuffled vectors → AR"
 
 
 def _f(x: Any, nd: int = 3) -> str:
@@ -59,9 +61,42 @@ def examples(warm: dict[str, Any], after: dict[str, Any], n: int = 6) -> list[st
     return lines
 
 
+def probe_table(probe: dict[str, Any]) -> list[str]:
+    """The per-layer probe (``nla.world.probe``) as Markdown, the extraction layer marked."""
+    layers = probe.get("layers") or []
+    if not layers:
+        return []
+    kinds = [k["kind"] for k in layers[0]["kinds"]]
+    lines = ["| layer | " + " | ".join(kinds) + " | mean top-1 | chance |", "|---" * (len(kinds) + 3) + "|"]
+    for r in layers:
+        by = {k["kind"]: k["top1"] for k in r["kinds"]}
+        mark = " (extraction layer)" if r["layer"] == probe.get("default_layer") else ""
+        lines.append(f"| {r['layer']}{mark} | " + " | ".join(_f(by.get(k), 2) for k in kinds)
+                     + f" | **{_f(r['mean_top1'])}** | {_f(r['mean_chance'])} |")
+    return lines
+
+
+def _faith(row: dict[str, Any] | None, key: str) -> float | None:
+    return ((row or {}).get("faithfulness") or {}).get(key)
+
+
+def faithfulness_summary(warm: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The numbers that say whether RL made the explanations more true, not just the pair closer."""
+    w, a = _rows(warm), _rows(after)
+    rt_w, rt_a, fr_w, fr_a = w.get(ROUND_TRIP), a.get(ROUND_TRIP), w.get(FROZEN), a.get(FROZEN)
+    return {
+        "recall_warmstart": _faith(rt_w, "recall"), "recall_rl": _faith(rt_a, "recall"),
+        "precision_warmstart": _faith(rt_w, "precision"), "precision_rl": _faith(rt_a, "precision"),
+        "shuffled_recall_rl": _faith(a.get(SHUFFLED), "recall"),
+        "frozen_ar_fve_warmstart": (fr_w or {}).get("fve"), "frozen_ar_fve_rl": (fr_a or {}).get("fve"),
+        "degenerate_warmstart": ((rt_w or {}).get("degenerate") or {}).get("any"),
+        "degenerate_rl": ((rt_a or {}).get("degenerate") or {}).get("any"),
+    }
+
+
 def write_report(out: Path, *, preset: str, stages: list, configs: dict[str, Any], world: dict[str, Any],
                  warm_eval: dict[str, Any], rl_eval: dict[str, Any], ar_info: dict[str, Any],
-                 av_info: dict[str, Any], rl_info: dict[str, Any]) -> Path:
+                 av_info: dict[str, Any], rl_info: dict[str, Any], probe: dict[str, Any] | None = None) -> Path:
     """Write ``report.md`` and ``report.json`` (+ copy curve PNGs beside them); returns report.md."""
     plots = {}
     for name, src in (("world_loss", world.get("loss_curve_png")), ("ar_curves", out / "ar" / "ar_curves.png"),
@@ -85,16 +120,32 @@ def write_report(out: Path, *, preset: str, stages: list, configs: dict[str, Any
         "subject_heldout_loss": world.get("heldout_loss"),
         "subject_unigram_entropy": world.get("unigram_entropy"),
         "total_seconds": sum(s.seconds for s in stages if not s.cached),  # this run's work
+        **faithfulness_summary(warm_eval, rl_eval),
     }
+    probe = probe or {}
+    if probe.get("layers"):
+        at = [r for r in probe["layers"] if r["layer"] == probe.get("default_layer")]
+        headline["probe_mean_top1"] = at[0]["mean_top1"] if at else None
+        headline["probe_mean_chance"] = at[0]["mean_chance"] if at else None
     md = [f"# NLA quickstart report (preset `{preset}`)", "",
           f"Round-trip FVE on held-out vectors: **{_f(fve_warm)}** after warm-start → **{_f(fve_rl)}** after RL "
           f"({'improved' if fve_rl > fve_warm else 'did not improve'}). "
           f"This run took {headline['total_seconds']:.0f} s (cached stages not counted).", "",
+          f"Faithfulness (facts named, graded against the world's ground truth): recall "
+          f"**{_f(headline['recall_warmstart'])} → {_f(headline['recall_rl'])}**, precision "
+          f"{_f(headline['precision_warmstart'])} → {_f(headline['precision_rl'])}; the same explanations read by "
+          f"the frozen warm-start AR: FVE {_f(headline['frozen_ar_fve_warmstart'])} → "
+          f"{_f(headline['frozen_ar_fve_rl'])}; degenerate explanations {_f(headline['degenerate_warmstart'], 2)} → "
+          f"{_f(headline['degenerate_rl'], 2)}.", "",
           "## Evaluation (held-out documents)", "",
           f"{warm_eval['n_rows']} rows, d_model {warm_eval['d_model']}; FVE = 1 − MSE / MSE of predicting the raw mean "
           f"of normalised golds ({warm_eval['baseline_raw_mean_mse']:.4f}). Fact recall/precision grade the "
           "explanations against the world's ground truth. See docs/report.md for every number.", "",
           *comparison_table(warm_eval, rl_eval), "",
+          *(["## What is in the vector", "",
+              "Top-1 accuracy of a linear probe per fact kind on held-out stories (`nla world probe`): how much of "
+              "the ground truth any verbalizer could read from the vectors at each layer, against chance.", "",
+              *probe_table(probe), ""] if probe.get("layers") else []),
           "## Training", "",
           f"- subject model: held-out loss {_f(world.get('heldout_loss'))} nats/token vs unigram entropy "
           f"{_f(world.get('unigram_entropy'))}",
