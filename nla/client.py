@@ -33,8 +33,8 @@ import torch
 from torch import Tensor, nn
 
 from nla import arch
-from nla.reconstructor import Reconstructor
-from nla.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar, verify_tokenizer
+from nla.reconstructor import VALUE_HEAD_FILE, Reconstructor
+from nla.sidecar import SIDECAR_NAME, NLAConfig, SidecarError, load_sidecar, verify_tokenizer
 from nla.vectors import cosine, mse_nrm, normalize_activation
 
 logger = logging.getLogger(__name__)
@@ -249,7 +249,8 @@ class NLAClient:
                 f"d_model: the AV sidecar says {av_side.d_model} but the AR sidecar says {ar_side.d_model}; the two "
                 "checkpoints were not trained on the same subject model and cannot form a pair"
             )
-        if av_side is not None and ar_side is not None and av_side.layer_index != ar_side.layer_index:
+        if (av_side is not None and ar_side is not None and None not in (av_side.layer_index, ar_side.layer_index)
+                and av_side.layer_index != ar_side.layer_index):
             logger.warning("AV sidecar layer_index %d differs from the AR's %d; check that they form a pair",
                            av_side.layer_index, ar_side.layer_index)
         self.av_model, self.av_tokenizer, self.av_sidecar = av_model, av_tok, av_side
@@ -400,9 +401,19 @@ def _own_sidecar(path: Path, role: str) -> NLAConfig:
             "--sidecar PATH explicitly, or re-save the checkpoint with nla)"
         )
     side = load_sidecar(path)
-    if side.role not in (None, role):
-        logger.warning("%s: sidecar role is %r, loading it as the %s anyway", path, side.role, role.upper())
-    return side
+    other = "ar" if role == "av" else "av"
+    is_ar_dir = (path / VALUE_HEAD_FILE).is_file()
+    if side.role == other or (side.role is None and is_ar_dir == (role == "av")):
+        # Loading the other role "works" (an AR dir as AV gets a random lm_head) and writes garbage: refuse.
+        found = f"role {side.role!r}" if side.role else ("a value head" if is_ar_dir else "no value head")
+        raise NLAClientError(
+            f"{role}: {path} is an {other.upper()} checkpoint ({found}), not an {role.upper()}; pass the "
+            f"{'verbalizer' if role == 'av' else 'reconstructor'} checkpoint as --{role}"
+        )
+    try:
+        return side.need_av("verbalizing") if role == "av" else side.need_ar("reconstructing")
+    except SidecarError as err:
+        raise NLAClientError(f"{role}: {path}: {err}") from None
 
 
 def _checkpoint_tokenizer(path: Path, role: str) -> Any:

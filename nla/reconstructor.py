@@ -155,8 +155,7 @@ class Reconstructor(nn.Module):
                 self.tokenizer.save_pretrained(tmp)
             meta = sidecar if sidecar is not None else self.sidecar
             if meta is not None:
-                meta = meta.replace(kind="nla_model", role="ar", layer_index=self.layer_index,
-                                    ar_num_hidden_layers=self.layer_index + 1)
+                meta = meta.replace(kind="nla_model", role="ar", layer_index=self.layer_index)
                 write_sidecar(tmp / SIDECAR_NAME, meta, **provenance)
             _replace_dir(tmp, target)
         except BaseException:
@@ -185,10 +184,13 @@ class Reconstructor(nn.Module):
         with torch.no_grad():
             head.weight.copy_(weight)
         sidecar = load_sidecar(path) if (path / SIDECAR_NAME).is_file() else None
-        if sidecar is not None and sidecar.ar_num_hidden_layers not in (None, arch.num_layers(inner.config)):
+        n_blocks = arch.num_layers(inner.config)
+        if sidecar is not None and sidecar.layer_index is not None and sidecar.layer_index + 1 != n_blocks:
+            # The sidecar records K (ar.num_hidden_layers or extraction.layer_index); the AR keeps K+1 blocks.
             raise ValueError(
-                f"{path}: sidecar ar.num_hidden_layers = {sidecar.ar_num_hidden_layers} but config.json has "
-                f"{arch.num_layers(inner.config)} layers; the checkpoint is inconsistent, re-save it"
+                f"{path}: the sidecar records layer K = {sidecar.layer_index}, so the AR should keep K+1 = "
+                f"{sidecar.layer_index + 1} blocks, but config.json has {n_blocks}; the checkpoint is inconsistent, "
+                "re-save it (or fix ar.num_hidden_layers in nla_meta.yaml to K)"
             )
         return cls(inner, value_head=head, tokenizer=_maybe_tokenizer(path), sidecar=sidecar)
 

@@ -44,7 +44,7 @@ def load_pair_sidecars(av_dir: str | Path, ar_dir: str | Path) -> tuple[NLAConfi
         sides.append(load_sidecar(path))
     av, ar = sides
     for field in ("d_model", "layer_index"):
-        if getattr(av, field) != getattr(ar, field):
+        if None not in (getattr(av, field), getattr(ar, field)) and getattr(av, field) != getattr(ar, field):
             raise RLSetupError(
                 f"{field}: the AV sidecar says {getattr(av, field)} but the AR sidecar says {getattr(ar, field)}; "
                 "the two checkpoints come from different datasets or subject layers"

@@ -150,7 +150,7 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
     """Warm-start the reconstructor on ``cfg.dataset`` (``ar_sft.parquet``). See module docstring."""
     seed_everything(cfg.seed)
     side, base = _resolve_sidecar_and_base(cfg)
-    layer = cfg.layer_index if cfg.layer_index is not None else side.layer_index
+    side.need_ar("AR training")
     train_tab, train_vec, eval_tab, eval_vec = load_split(cfg, "prompt")
     scale = side.mse_scale_value()
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
@@ -158,6 +158,7 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
     if resume_from is not None:
         model = Reconstructor.from_pretrained(resume_from)
     else:
+        layer = cfg.layer_index if cfg.layer_index is not None else side.need_layer("building the AR from the base model")
         model = Reconstructor.from_base(base, layer)
     if model.tokenizer is None:
         raise ARTrainError(f"base_model: no tokenizer files in {base}; save the tokenizer beside the model")
@@ -169,7 +170,7 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
     gold_all = torch.from_numpy(np.ascontiguousarray(train_vec))
     baselines = predict_mean_baselines(gold_all, scale)
     logger.info("AR: %d train / %d eval rows, K=%d, mse_scale=%s, raw-mean baseline %.4f (normalised-mean %.4f)",
-                len(texts), len(eval_texts), layer, scale, baselines.raw_mean, baselines.normalized_mean)
+                len(texts), len(eval_texts), model.layer_index, scale, baselines.raw_mean, baselines.normalized_mean)
     checked = {"suffix": False}
 
     def micro_loss(idx: np.ndarray) -> tuple[torch.Tensor, dict[str, float]]:
