@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from nla.configcheck import check_config_types
+
 _DEVICES_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -205,22 +207,8 @@ def config_from_dict(cls: type[C], data: dict[str, Any]) -> C:
     unknown = sorted(set(data) - valid)
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown config key(s) {unknown}; valid keys: {sorted(valid)}")
-    data = dict(data)
-    # YAML reads 1e-4 as a string under YAML 1.1 rules (no dot); accept it as the number it means.
-    for f in fields(cls):
-        v = data.get(f.name)
-        if isinstance(v, str) and f.name in _FLOAT_FIELDS:
-            try:
-                data[f.name] = float(v)
-            except ValueError:
-                pass
-    return cls(**data)
-
-
-# Fields YAML 1.1 may read as strings (``1e-4`` without a dot); RL's are included so every
-# stage config loads through the same function.
-_FLOAT_FIELDS = {"lr", "weight_decay", "min_lr_ratio", "max_grad_norm", "eval_fraction", "injection_scale",
-                 "ar_lr", "value_lr", "kl_coef", "reward_flush_seconds", "step0_guard_tol", "temperature"}
+    # Types first (YAML 1.1's "1e-4" strings become floats there), so __post_init__ compares numbers.
+    return cls(**check_config_types(cls, data))
 
 
 def load_config(

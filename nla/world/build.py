@@ -34,6 +34,7 @@ from typing import Any
 
 import yaml
 
+from nla.configcheck import check_config_types
 from nla.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE
 from nla.world.explain import TextExplainer
 from nla.world.facts import Document, current_word, facts_at, words_with_spans
@@ -115,7 +116,7 @@ class WorldConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"WorldConfig: unknown keys {unknown}; valid keys are {sorted(known)}")
-        return cls(**data)
+        return cls(**check_config_types(cls, data))
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> WorldConfig:
