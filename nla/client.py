@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from nla import arch
 from nla.reconstructor import VALUE_HEAD_FILE, Reconstructor
 from nla.sidecar import SIDECAR_NAME, NLAConfig, SidecarError, load_sidecar, verify_tokenizer
+from nla.validation import check_checkpoint, check_vectors
 from nla.vectors import cosine, mse_nrm, normalize_activation
 
 logger = logging.getLogger(__name__)
@@ -118,34 +119,42 @@ def load_vectors(path: str | os.PathLike, rows: int | None = None) -> np.ndarray
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"vectors: no file at {p}; pass a parquet with an activation_vector column or a .npy")
+    if rows is not None and rows < 1:
+        raise NLAClientError(f"rows: expected a positive number of rows, found {rows}")
     if p.suffix == ".npy":
-        arr = np.load(p, allow_pickle=False)  # never unpickle (DESIGN §3.3)
+        try:
+            arr = np.load(p, allow_pickle=False)  # never unpickle (DESIGN §3.3)
+        except (ValueError, OSError, EOFError) as err:
+            raise NLAClientError(f"vectors: {p} is not a readable .npy array ({err}); save it with np.save") from None
     elif p.suffix == ".parquet":
-        arr = read_vectors(p)
+        arr = read_vectors(p, check=False)
     else:
         raise NLAClientError(f"vectors: expected a .parquet or .npy file, found {p.name!r}")
     if arr.ndim != 2:
         raise NLAClientError(f"vectors: {p} holds an array of shape {arr.shape}, expected [N, d]")
     if rows is not None:
         arr = arr[:rows]
-    return np.ascontiguousarray(arr, dtype=np.float32)
+    return check_vectors(arr, f"vectors {p}")
 
 
 def _as_tensor(vectors: Any, d_model: int, what: str) -> Tensor:
-    """[N, d] fp32 CPU tensor from numpy/torch; raise naming both widths on a mismatch."""
-    # np.array copies: arrow-backed arrays are read-only, which torch warns about.
-    t = torch.from_numpy(np.array(vectors, dtype=np.float32)) if not isinstance(vectors, Tensor) else vectors
-    t = t.detach().float().cpu()
-    if t.ndim == 1:
-        t = t.unsqueeze(0)
-    if t.ndim != 2:
-        raise NLAClientError(f"vectors: expected [N, d], found shape {tuple(t.shape)}")
-    if t.shape[1] != d_model:
+    """[N, d] fp32 CPU tensor from numpy/torch; raise naming both widths on a mismatch, or the bad rows."""
+    if isinstance(vectors, Tensor):
+        t = vectors.detach().cpu()
+        arr = (t.float() if t.dtype == torch.bfloat16 else t).numpy()  # numpy has no bfloat16
+    else:
+        arr = np.asarray(vectors)
+    if arr.ndim == 1:
+        arr = arr[None]
+    if arr.ndim != 2:
+        raise NLAClientError(f"vectors: expected [N, d], found shape {tuple(arr.shape)}")
+    if arr.shape[1] != d_model:
         raise NLAClientError(
-            f"vectors: have d={t.shape[1]} but the {what} sidecar's d_model is {d_model}; use vectors extracted "
+            f"vectors: have d={arr.shape[1]} but the {what} sidecar's d_model is {d_model}; use vectors extracted "
             "from the subject model this checkpoint was trained on (same layer, same model)"
         )
-    return t
+    # np.array copies: arrow-backed arrays are read-only, which torch warns about.
+    return torch.from_numpy(np.array(check_vectors(arr, "vectors"), dtype=np.float32))
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -186,12 +195,14 @@ class NLAClient:
 
             path = Path(av)
             av_side = explicit or _own_sidecar(path, "av")
+            check_checkpoint(path, "av")
             av_tok = _checkpoint_tokenizer(path, "av")
             av_model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, use_safetensors=True).to(dev).eval()
         ar_model = ar_tok = ar_side = None
         if ar is not None:
             path = Path(ar)
             ar_side = explicit or _own_sidecar(path, "ar")
+            check_checkpoint(path, "ar", extra=(VALUE_HEAD_FILE,))
             ar_model = Reconstructor.from_pretrained(path, dtype=dt).to(dev).eval()
             ar_tok = ar_model.tokenizer
             if ar_tok is None:

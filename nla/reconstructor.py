@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from nla import arch
 from nla.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar, write_sidecar
+from nla.validation import check_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -111,10 +112,12 @@ class Reconstructor(nn.Module):
                     setattr(inner, name, nn.ModuleList(list(layers)[:n_keep]))
             inner.config = arch.truncate_config(inner.config, n_keep)
         else:
+            if Path(base).is_dir():
+                check_checkpoint(base, "base model")
             config = AutoConfig.from_pretrained(base)
             _check_layer(layer_index, arch.num_layers(config))
             config = arch.truncate_config(arch.text_config(config), n_keep)
-            inner = AutoModel.from_pretrained(base, config=config, **load_kwargs)
+            inner = AutoModel.from_pretrained(base, config=config, use_safetensors=True, **load_kwargs)
             inner = arch.base_model(inner)
             if tokenizer is None:
                 tokenizer = _maybe_tokenizer(base)
@@ -175,6 +178,7 @@ class Reconstructor(nn.Module):
                 f"{path} is not a reconstructor checkpoint: {VALUE_HEAD_FILE} is missing; build one with "
                 "Reconstructor.from_base(...) and save_pretrained"
             )
+        check_checkpoint(path, "reconstructor", extra=(VALUE_HEAD_FILE,))
         inner = arch.base_model(AutoModel.from_pretrained(path, use_safetensors=True, **load_kwargs))
         weight = load_file(str(head_file))["weight"]
         d = arch.hidden_size(inner.config)

@@ -35,6 +35,7 @@ from typing import Any
 import yaml
 
 from nla.fsutil import write_text_atomic
+from nla.validation import InputError, load_yaml
 from nla.vectors import SQRT_D_MODEL, resolve_scale
 
 logger = logging.getLogger(__name__)
@@ -462,9 +463,9 @@ def load_sidecar(path: str | os.PathLike) -> NLAConfig:
             "nla.sidecar.write_sidecar or pass the sidecar path explicitly"
         )
     try:
-        doc = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except yaml.YAMLError as err:
-        raise SidecarError(f"{file}: not valid YAML ({err})") from None
+        doc = load_yaml(file, "sidecar")
+    except InputError as err:
+        raise SidecarError(str(err)) from None
     if not isinstance(doc, Mapping):
         raise SidecarError(f"{file}: expected a YAML mapping at the top level, found {type(doc).__name__}")
 

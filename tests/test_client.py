@@ -163,7 +163,7 @@ def test_errors_name_the_problem(nla_pair, client, tmp_path):
     with pytest.raises(NLAClientError, match=r"d=16 but the AR sidecar's d_model is 32"):
         client.score(["a", "b"], torch.zeros(2, 16))
     with pytest.raises(NLAClientError, match="2 texts for 3 vectors"):
-        client.score(["a", "b"], torch.zeros(3, D))
+        client.score(["a", "b"], torch.ones(3, D))
     with pytest.raises(NLAClientError, match="text 1 is NoneType"):
         client.reconstruct(["a", None])
     with pytest.raises(NLAClientError, match="give an AV checkpoint"):

@@ -13,6 +13,7 @@ import logging
 import numpy as np
 
 from nla.commands.eval import add_model_args
+from nla.validation import positive_int
 
 log = logging.getLogger("nla.score")
 
@@ -24,9 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--texts", help="explanations: one per line (.txt) or JSONL with an 'explanation' field")
     src.add_argument("--dataset", help="parquet with an explanation column (and activation_vector)")
     p.add_argument("--vectors", help="parquet with activation_vector, or .npy [N, d]; default: --dataset's")
-    p.add_argument("--rows", type=int, help="only the first N rows")
+    p.add_argument("--rows", type=positive_int, help="only the first N rows")
     p.add_argument("--out", help="JSONL of per-row scores; default: only the summary is printed")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=64)
     add_model_args(p)
     p.set_defaults(func=run)
 
@@ -55,8 +56,12 @@ def run(args: argparse.Namespace) -> int:
     from nla.client import NLAClient, failed_mse, load_vectors
     from nla.datagen.io import read_parquet
     from nla.fsutil import write_text_atomic
+    from nla.validation import check_device, check_output_path
     from nla.vectors import fve
 
+    check_device(args.device)
+    if args.out:
+        check_output_path(args.out, "--out", is_file=True)
     if args.texts:
         texts = read_texts(args.texts)
         if not args.vectors:

@@ -42,8 +42,11 @@ def format_summary(art) -> str:
 
 
 def run_build(args: argparse.Namespace) -> int:
+    from nla.validation import check_output_path
     from nla.world.build import WORLD_PRESETS, WorldConfig, build_world
 
+    if args.out is not None:
+        check_output_path(args.out, "--out")
     if args.config is not None:
         target = WorldConfig.from_yaml(args.config)
     elif args.preset in WORLD_PRESETS:

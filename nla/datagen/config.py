@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from nla.configcheck import check_config_types
+from nla.validation import load_yaml
 
 SPLITS = ("av_sft", "ar_sft", "rl")
 SOURCES = ("world", "file")
@@ -217,7 +218,7 @@ class DatagenConfig:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"datagen config {path} not found; see configs/datagen/ for examples")
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = load_yaml(path, "datagen config") or {}
         if not isinstance(data, dict):
             raise ValueError(
                 f"{path}: expected a YAML mapping of DatagenConfig fields, found {type(data).__name__}"

@@ -75,7 +75,7 @@ class RLData:
     @classmethod
     def load(cls, path: str | Path) -> RLData:
         table = read_parquet(path)
-        vecs = torch.from_numpy(read_vectors(table).copy())
+        vecs = torch.from_numpy(read_vectors(table, source=path).copy())
         facts = table.column("facts").to_pylist() if "facts" in table.column_names else None
         if vecs.shape[0] == 0:
             raise ValueError(f"{path}: the RL dataset has no rows")

@@ -171,7 +171,7 @@ def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
     src = str(resume_from) if resume_from is not None else base
     tok = AutoTokenizer.from_pretrained(src)
     verify_tokenizer(side, tok)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, use_safetensors=True)
     d = arch.hidden_size(model.config)
     if d != side.d_model:
         raise AVTrainError(f"d_model: the sidecar says {side.d_model} but the model at {src} has width {d}; "

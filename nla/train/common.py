@@ -378,7 +378,10 @@ def prune_checkpoints(ckpt_root: str | os.PathLike, keep_last: int) -> None:
 
 
 def resolve_device(spec: str) -> torch.device:
-    """``"auto"`` -> cuda when available, else cpu; anything else is passed to torch.device."""
+    """``"auto"`` -> cuda when available, else cpu; anything else is checked, then passed to torch.device."""
+    from nla.validation import check_device
+
+    check_device(spec)
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(spec)

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import yaml
 
 from nla.configcheck import check_config_types
+from nla.validation import load_yaml
 
 _DEVICES_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -218,9 +219,7 @@ def load_config(
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"config file not found: {p}")
-        loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        loaded = load_yaml(p, f"{cls.__name__} config") or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"{p}: expected a mapping of config keys, found {type(loaded).__name__}")
         data.update(loaded)

@@ -36,6 +36,7 @@ import yaml
 
 from nla.configcheck import check_config_types
 from nla.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE
+from nla.validation import load_yaml
 from nla.world.explain import TextExplainer
 from nla.world.facts import Document, current_word, facts_at, words_with_spans
 from nla.world.generator import generate_documents
@@ -120,7 +121,7 @@ class WorldConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> WorldConfig:
-        return cls.from_dict(yaml.safe_load(Path(path).read_text()) or {})
+        return cls.from_dict(load_yaml(path, "world config") or {})
 
 
 WORLD_PRESETS: dict[str, WorldConfig] = {
