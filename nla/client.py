@@ -34,9 +34,10 @@ from torch import Tensor, nn
 
 from nla import arch
 from nla.reconstructor import VALUE_HEAD_FILE, Reconstructor
+from nla.reward import failed_mse
 from nla.sidecar import SIDECAR_NAME, NLAConfig, SidecarError, load_sidecar, verify_tokenizer
 from nla.validation import check_checkpoint, check_vectors
-from nla.vectors import cosine, mse_nrm, normalize_activation
+from nla.vectors import cosine, mse_nrm
 
 logger = logging.getLogger(__name__)
 
@@ -100,16 +101,6 @@ class ScoreResult:
     @property
     def failure_rate(self) -> float:
         return float(self.failed.float().mean()) if self.n else 0.0
-
-
-def failed_mse(gold: Tensor, scale: float | None) -> Tensor:
-    """MSE [N] charged to a sample without a prediction: that of an orthogonal prediction of equal norm.
-
-    ``mean_d((p - g)^2) = (|p|^2 + |g|^2) / d = 2 |ĝ|^2 / d`` for ``p ⟂ g``, ``|p| = |ĝ|``;
-    2.0 at ``scale = sqrt(d)``, matching ``FAILED_EXTRACTION_REWARD``.
-    """
-    g = normalize_activation(gold.float(), scale).float()
-    return 2.0 * (g**2).mean(dim=-1)
 
 
 def load_vectors(path: str | os.PathLike, rows: int | None = None) -> np.ndarray:

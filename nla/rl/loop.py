@@ -316,7 +316,8 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
     stop = min(cfg.steps, cfg.stop_after_steps or cfg.steps)
     metrics_log = MetricsLogger(out, "rl", tensorboard=cfg.tensorboard)
     # The live AR's bound method: every reward comes from its current weights (no copy).
-    rewards = RewardService(groups.reconstructor.score_batch, cfg.reward_batch_size, cfg.reward_flush_seconds)
+    rewards = RewardService(groups.reconstructor.score_batch, cfg.reward_batch_size, cfg.reward_flush_seconds,
+                            cfg.reward_timeout_seconds)
     last_ckpt, final = ckpt, {}
     bar = tqdm(total=stop, initial=step, desc="rl", disable=not cfg.progress)
     try:
