@@ -185,14 +185,14 @@ class NLAClient:
             from transformers import AutoModelForCausalLM
 
             path = Path(av)
-            av_side = explicit or _own_sidecar(path, "av")
+            av_side = explicit or load_checkpoint_sidecar(path, "av")
             check_checkpoint(path, "av")
             av_tok = _checkpoint_tokenizer(path, "av")
             av_model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, use_safetensors=True).to(dev).eval()
         ar_model = ar_tok = ar_side = None
         if ar is not None:
             path = Path(ar)
-            ar_side = explicit or _own_sidecar(path, "ar")
+            ar_side = explicit or load_checkpoint_sidecar(path, "ar")
             check_checkpoint(path, "ar", extra=(VALUE_HEAD_FILE,))
             ar_model = Reconstructor.from_pretrained(path, dtype=dt).to(dev).eval()
             ar_tok = ar_model.tokenizer
@@ -394,7 +394,7 @@ class NLAClient:
                                  batch_size=verbalize_kwargs.get("batch_size", 64))
 
 
-def _own_sidecar(path: Path, role: str) -> NLAConfig:
+def load_checkpoint_sidecar(path: Path, role: str) -> NLAConfig:
     if not path.is_dir():
         raise FileNotFoundError(f"{role}: checkpoint directory {path} does not exist")
     if not (path / SIDECAR_NAME).is_file():

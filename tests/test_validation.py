@@ -310,3 +310,88 @@ def test_cuda_on_a_cpu_machine_is_refused(pair, capsys):
                       "--device", "cuda")
     assert code == 2
     assert_one_error_line(lines, "verbalize", "device: 'cuda' asked for, but this machine has", "--device cpu")
+
+
+# --- texts, roles, run directories, stuck runs -----------------------------------------------------
+def test_texts_split_on_newline_only(pair, capsys, tmp_path):
+    from nla.client import NLAClient
+    from nla.commands.score import read_texts
+
+    # U+2028, NEL and a lone CR are inside explanations; only \n (with an optional \r before it) ends a row.
+    (tmp_path / "t.txt").write_bytes("a\u2028b cat\nthe\x85dog\rruns\r\n\nAlice\n".encode())
+    expected = ["a\u2028b cat", "the\x85dog\rruns", "", "Alice"]
+    assert read_texts(str(tmp_path / "t.txt")) == expected
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps({"explanation": e}) for e in ["x\u2028y", None]) + "\n\n")
+    assert read_texts(str(tmp_path / "t.jsonl")) == ["x\u2028y", None]
+    vec = np.random.default_rng(1).standard_normal((4, D)).astype(np.float32)
+    np.save(tmp_path / "v.npy", vec)
+    out = tmp_path / "scores.jsonl"
+    code, _ = cli(capsys, "score", "--ar", pair["ar"], "--texts", tmp_path / "t.txt", "--vectors", tmp_path / "v.npy",
+                  "--out", out, "--device", "cpu")
+    assert code == 0
+    rows = [json.loads(ln) for ln in out.read_text().splitlines()]
+    want = NLAClient(None, pair["ar"], device="cpu").score(expected, vec).mse_nrm
+    assert [r["row"] for r in rows] == [0, 1, 2, 3]
+    np.testing.assert_allclose([r["mse_nrm"] for r in rows], want.numpy(), rtol=1e-6)
+    (tmp_path / "bad.jsonl").write_text('{"explanation": "ok"}\n{"explanation": \n')
+    with pytest.raises(ValueError, match=r"bad.jsonl: line 2 is not valid JSON"):
+        read_texts(str(tmp_path / "bad.jsonl"))
+
+
+def test_swapped_roles_refused_by_rl(pair, capsys, tmp_path):
+    pq.write_table(pa.table({"activation_vector": vectors_to_arrow(pair["good"])}), tmp_path / "rl.parquet")
+    code, lines = cli(capsys, "rl", "--av", pair["ar"], "--ar", pair["av"], "--dataset", tmp_path / "rl.parquet",
+                      "--out", tmp_path / "run")
+    assert code == 2
+    assert_one_error_line(lines, "rl", f"av: {pair['ar']} is an AR checkpoint (role 'ar'), not an AV")
+    assert not (tmp_path / "run").exists()
+
+
+def _ar_train_args(tmp_path, ds, *extra):
+    return ["train", "ar", "--dataset", ds, "--out", tmp_path / "run", "--max-steps", "4", "--set", "batch_size=4",
+            "--set", "warmup_steps=1", "--set", "save_every=2", "--set", "eval_fraction=0.25",
+            "--set", "tensorboard=false", "--set", "progress=false", "--set", "log_every=1", *extra]
+
+
+def test_run_dir_is_not_reused_silently(pair, capsys, tmp_path, tiny_tokenizer, single_thread):
+    import yaml
+    from train_helpers import dataset_sidecar, write_ar_dataset
+
+    from nla.metrics import read_metrics
+
+    vec = np.random.default_rng(0).standard_normal((8, D)).astype(np.float32)
+    ds = write_ar_dataset(tmp_path / "ar.parquet", dataset_sidecar(tiny_tokenizer, pair["av"], D, 1), vec)
+    run, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    assert cli(capsys, *_ar_train_args(tmp_path, ds, "--set", "stop_after_steps=2"))[0] == 0
+    # A kill during a save leaves a temp dir; the next start removes it.
+    (ckpts / ".step_00000004.tmp-deadbeef").mkdir()
+    (ckpts / ".step_00000004.tmp-deadbeef" / "model.safetensors").write_bytes(b"x" * 1000)
+    code, lines = cli(capsys, *_ar_train_args(tmp_path, ds))
+    assert code == 2
+    assert_one_error_line(lines, "train", f"out_dir {run} already holds a run (checkpoints up to step_00000002)",
+                          "--resume", "--overwrite")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002"]  # stale temp dir gone, run untouched
+    code, lines = cli(capsys, *_ar_train_args(tmp_path, ds, "--resume", "--set", "lr=0.003"))
+    assert code == 2
+    assert_one_error_line(lines, "train", "--resume: the config differs from the run's",
+                          "lr: 0.0001 in the run, 0.003 now")
+    assert cli(capsys, *_ar_train_args(tmp_path, ds, "--resume"))[0] == 0  # same config: continues
+    assert [r["step"] for r in read_metrics(run / "ar.jsonl")] == [1, 2, 3, 4]
+    assert cli(capsys, *_ar_train_args(tmp_path, ds, "--overwrite", "--max-steps", "2"))[0] == 0
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002"]
+    assert [r["step"] for r in read_metrics(run / "ar.jsonl")] == [1, 2]  # a new run, not a mix
+    saved = yaml.safe_load((ckpts / "step_00000002" / "train_config.yaml").read_text())
+    assert saved["max_steps"] == 2
+
+
+def test_diverged_training_warns_loudly(pair, capsys, caplog, tmp_path, tiny_tokenizer, single_thread):
+    from train_helpers import dataset_sidecar, write_ar_dataset
+
+    vec = np.random.default_rng(0).standard_normal((8, D)).astype(np.float32)
+    ds = write_ar_dataset(tmp_path / "ar.parquet", dataset_sidecar(tiny_tokenizer, pair["av"], D, 1), vec)
+    with caplog.at_level("WARNING", logger="nla.health"):
+        code, _ = cli(capsys, *_ar_train_args(tmp_path, ds, "--max-steps", "12", "--set", "lr=1e6",
+                                              "--set", "save_every=100"))
+    assert code == 0
+    stuck = [r.message for r in caplog.records if "looks stuck" in r.message]
+    assert len(stuck) == 1 and "ar looks stuck: the gradient norm has been zero or non-finite for 10" in stuck[0]

@@ -1,6 +1,6 @@
 """`nla score --ar DIR (--texts FILE | --dataset PARQUET) [--vectors ...] [--out jsonl]`: reconstruct and score.
 
-``--texts`` is a text file with one explanation per line, or a JSONL file (e.g. the output of
+``--texts`` is a text file with one explanation per ``\n``-terminated line, or a JSONL file (e.g. the output of
 ``nla verbalize``) whose objects carry an ``explanation`` (null = failed sample). ``--dataset``
 takes the ``explanation`` column and, unless ``--vectors`` is given, the vectors of the same parquet.
 """
@@ -33,19 +33,36 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def read_texts(path: str) -> list[str | None]:
-    """Explanations from a .jsonl (``explanation`` field) or a plain text file (one per line)."""
+    """Explanations from a .jsonl (``explanation`` field) or a plain text file (one per line).
+
+    Lines end at ``\n`` only (a trailing ``\r`` is dropped): ``str.splitlines`` also breaks at
+    U+2028, NEL, form feeds and lone CRs, which would shift every later explanation onto the
+    wrong vector. In a text file an empty line is an empty explanation (a row); blank lines of
+    a JSONL file are skipped (they hold no object).
+    """
     import json
     from pathlib import Path
 
     p = Path(path)
-    lines = [ln for ln in p.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    lines = p.read_bytes().decode("utf-8").split("\n")  # not read_text: it turns lone CRs into row breaks
+    if lines and lines[-1] == "":
+        lines.pop()  # the file's final newline ends the last row, it does not start a new one
+    lines = [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
     if p.suffix != ".jsonl":
         return lines
     out: list[str | None] = []
     for i, ln in enumerate(lines):
-        obj = json.loads(ln)
+        if not ln.strip():
+            continue
+        try:
+            obj = json.loads(ln)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{p}: line {i + 1} is not valid JSON ({err.msg} at column {err.colno})") from None
         if not isinstance(obj, dict) or "explanation" not in obj:
             raise ValueError(f"{p}: line {i + 1} has no 'explanation' field; expected the output of nla verbalize")
+        if obj["explanation"] is not None and not isinstance(obj["explanation"], str):
+            raise ValueError(f"{p}: line {i + 1}: 'explanation' must be a string or null, found "
+                             f"{type(obj['explanation']).__name__}")
         out.append(obj["explanation"])
     return out
 

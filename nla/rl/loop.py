@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from nla.datagen.io import read_parquet, read_vectors
+from nla.health import StuckRunMonitor
 from nla.metrics import MetricsLogger
 from nla.reward import RewardService, failed_extraction_reward
 from nla.rl import algorithms as A
@@ -318,7 +319,7 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
     # The live AR's bound method: every reward comes from its current weights (no copy).
     rewards = RewardService(groups.reconstructor.score_batch, cfg.reward_batch_size, cfg.reward_flush_seconds,
                             cfg.reward_timeout_seconds)
-    last_ckpt, final = ckpt, {}
+    last_ckpt, final, stuck = ckpt, {}, StuckRunMonitor("rl")
     bar = tqdm(total=stop, initial=step, desc="rl", disable=not cfg.progress)
     try:
         while step < stop:
@@ -351,6 +352,7 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
             m["time_ar"] = time.perf_counter() - t2
             groups.rollout.sync_weights(groups.policy)
             step += 1
+            stuck.observe(step, grad_norm=m.get("grad_norm"), failure_rate=m.get("extraction_fail_rate"))
             if eval_data is not None and (step % cfg.eval_every == 0 or step == stop):
                 m.update(evaluate(groups, cfg, eval_data, eval_baseline, rewards))
             m["time_step"] = time.perf_counter() - t0
@@ -368,5 +370,6 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
             groups.close()
         metrics_log.plot(out / "rl_curves.png", PLOT_KEYS, title="RL")
         metrics_log.close()
+    final["stuck_warnings"] = stuck.warnings
     (out / "rl_summary.json").write_text(json.dumps({"step": step, **final}, indent=2, default=float))
     return RLResult(out, last_ckpt, {"step": step, **final}, time.perf_counter() - t_start)

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from nla.health import StuckRunMonitor
+
 logger = logging.getLogger(__name__)
 
 TRAINING_STATE_FILE = "training_state.pt"
@@ -493,6 +495,7 @@ def run_training_loop(cfg: Any, spec: LoopSpec) -> TrainResult:
     last_ckpt: Path | None = spec.resume_from
     summary: dict[str, Any] = {}
     model.train()
+    stuck = StuckRunMonitor(spec.name)
     bar = tqdm(total=stop, initial=step, desc=f"train {spec.name}", disable=not cfg.progress)
     try:
         while step < stop:
@@ -509,6 +512,7 @@ def run_training_loop(cfg: Any, spec: LoopSpec) -> TrainResult:
             stepped, grad_norm = optimizer_step_guarded(model, opt, sched, cfg.max_grad_norm)
             skipped += 0 if stepped else 1
             step += 1
+            stuck.observe(step, grad_norm=grad_norm)
             bar.update(1)
             last = step == stop
             if step % cfg.log_every == 0 or last:
@@ -543,6 +547,7 @@ def run_training_loop(cfg: Any, spec: LoopSpec) -> TrainResult:
         final_metrics.update(rec)
     final_metrics.update(summary)
     final_metrics["skipped_steps"] = skipped
+    final_metrics["stuck_warnings"] = stuck.warnings
     metrics.plot(out / f"{spec.name}_curves.png", spec.plot_keys, title=f"{spec.name} warm-start")
     metrics.close()
     if last_ckpt is None:
