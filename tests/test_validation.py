@@ -395,3 +395,32 @@ def test_diverged_training_warns_loudly(pair, capsys, caplog, tmp_path, tiny_tok
     assert code == 0
     stuck = [r.message for r in caplog.records if "looks stuck" in r.message]
     assert len(stuck) == 1 and "ar looks stuck: the gradient norm has been zero or non-finite for 10" in stuck[0]
+
+
+def test_pickled_weights_are_refused(pair, capsys, tmp_path):
+    from nla.validation import check_checkpoint
+
+    ckpt = tmp_path / "pickled"
+    shutil.copytree(pair["av"], ckpt)
+    (ckpt / "model.safetensors").unlink()
+    torch.save({"w": torch.zeros(1)}, ckpt / "pytorch_model.bin")
+    with pytest.raises(InputError, match=r"has no model.safetensors \(only pickled weights \['pytorch_model.bin'\]\); "
+                                         r"nla loads safetensors only"):
+        check_checkpoint(ckpt, "av")
+    with pytest.raises(InputError, match="only pickled weights"):
+        Reconstructor.from_base(ckpt, 1)  # base-model loads insist on safetensors too
+    code, lines = cli(capsys, "verbalize", "--av", ckpt, "--vectors", pair["root"] / "good.npy", "--device", "cpu")
+    assert code == 2
+    assert_one_error_line(lines, "verbalize", "only pickled weights")
+
+
+def test_rendezvous_port_probe_binds_the_given_host_only():
+    import socket
+
+    from nla.rl.distributed import free_port
+
+    port = free_port()  # default: loopback, never all interfaces
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", port))  # the probe released it, on the loopback it tested
+    with pytest.raises(OSError):
+        free_port("203.0.113.7")  # TEST-NET-3: not an address of this host, so nothing can be bound there

@@ -187,9 +187,21 @@ def atomic_dir(final_path: str | os.PathLike) -> Iterator[Path]:
         os.replace(tmp, final)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, (OSError, RuntimeError)) and not isinstance(exc, CheckpointSaveError):
+            # torch.save on a full disk says only "[enforce fail at inline_container.cc] unexpected pos".
+            free = shutil.disk_usage(final.parent).free
+            raise CheckpointSaveError(
+                f"saving the checkpoint {final} failed ({' '.join(str(exc).split())}); {free / 2**20:.0f} MB are free "
+                f"on that disk now. The previous checkpoint is intact; free space (or pick another out_dir) and "
+                "rerun with --resume"
+            ) from exc
         raise
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (full disk, permissions); nothing partial was left in its place."""
 
 
 # ---------------------------------------------------------------- RNG & training state
