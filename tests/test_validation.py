@@ -424,3 +424,14 @@ def test_rendezvous_port_probe_binds_the_given_host_only():
         s.bind(("127.0.0.1", port))  # the probe released it, on the loopback it tested
     with pytest.raises(OSError):
         free_port("203.0.113.7")  # TEST-NET-3: not an address of this host, so nothing can be bound there
+
+
+def test_eval_names_the_nan_row_and_file(pair, capsys, tmp_path):
+    vec = pair["good"].copy()
+    vec[3, 1] = -np.inf
+    pq.write_table(pa.table({"activation_vector": vectors_to_arrow(vec)}), tmp_path / "heldout.parquet")
+    code, lines = cli(capsys, "eval", "--av", pair["av"], "--ar", pair["ar"], "--dataset", tmp_path / "heldout.parquet",
+                      "--out", tmp_path / "ev", "--device", "cpu")
+    assert code == 2
+    assert_one_error_line(lines, "eval", "heldout.parquet: column 'activation_vector': row 3 (1 of 4) hold NaN or Inf")
+    assert not (tmp_path / "ev").exists()

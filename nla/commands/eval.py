@@ -38,13 +38,14 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from nla.client import NLAClient
-    from nla.datagen.io import write_text_atomic
+    from nla.datagen.io import read_vectors, write_text_atomic
     from nla.evaluation import evaluate_pair
     from nla.validation import check_device, check_output_path
 
     check_device(args.device)
     if args.out:
         check_output_path(args.out, "--out")
+    read_vectors(args.dataset)  # NaN / Inf / zero rows are named with the file before any model loads
     client = NLAClient(args.av, args.ar, device=args.device, dtype=args.dtype, sidecar=args.sidecar)
     report = evaluate_pair(client, args.dataset, max_rows=args.max_rows, seed=args.seed,
                            text_explainer_baseline=not args.no_text_explainer, n_show=args.samples,
