@@ -468,6 +468,7 @@ def load_sidecar(path: str | os.PathLike) -> NLAConfig:
         raise SidecarError(str(err)) from None
     if not isinstance(doc, Mapping):
         raise SidecarError(f"{file}: expected a YAML mapping at the top level, found {type(doc).__name__}")
+    _check_template_digests(doc, file)
 
     def need(name: str, *paths: tuple[str, ...]) -> Any:
         value = _lookup(doc, *paths)
@@ -596,10 +597,34 @@ def sidecar_document(cfg: NLAConfig, **provenance: Any) -> dict:
         templates["ar"] = cfg.ar_template
     doc["tokens"] = tokens
     doc["prompt_templates"] = templates
+    # Not in the published layout (readers ignore unknown keys): catches a template edited after
+    # training, which the token checks miss whenever the marker's neighbours stay the same.
+    doc["prompt_template_sha256"] = {k: template_digest(v) for k, v in templates.items()}
     if cfg.role == "ar" and cfg.layer_index is not None:
         doc["ar"] = {"num_hidden_layers": cfg.layer_index}  # K, as the published AR sidecars record it
     doc["training"] = _plain({**cfg.training, **provenance})
     return doc
+
+
+def template_digest(template: str) -> str:
+    """First 16 hex digits of the template's SHA-256 (what ``prompt_template_sha256`` records)."""
+    import hashlib
+
+    return hashlib.sha256(template.encode("utf-8")).hexdigest()[:16]
+
+
+def _check_template_digests(doc: Mapping, file: Path) -> None:
+    digests = _lookup(doc, ("prompt_template_sha256",))
+    if not isinstance(digests, Mapping):
+        return  # written by another tool, or before nla recorded digests
+    for role in ("av", "ar"):
+        template = _lookup(doc, ("prompt_templates", role))
+        if role in digests and isinstance(template, str) and template_digest(template) != digests[role]:
+            raise SidecarError(
+                f"{file}: prompt_templates.{role} was edited after this sidecar was written (its SHA-256 starts "
+                f"{template_digest(template)}, the sidecar recorded {digests[role]}); the model was trained on the "
+                "recorded template. Restore it, or delete prompt_template_sha256 if the change is deliberate"
+            )
 
 
 def write_sidecar(path: str | os.PathLike, cfg: NLAConfig, **provenance: Any) -> Path:

@@ -286,3 +286,18 @@ def test_error_classes_are_distinct_value_errors():
                NeighborMismatchError, ARSuffixMismatchError}
     assert len(classes) == 6
     assert all(issubclass(c, SidecarMismatchError) and issubclass(c, ValueError) for c in classes)
+
+
+def test_edited_template_is_refused(tmp_path):
+    cfg = load_sidecar(FIXTURES / "full_av.nla_meta.yaml")
+    write_sidecar(tmp_path, cfg)
+    doc = yaml.safe_load((tmp_path / "nla_meta.yaml").read_text())
+    assert set(doc["prompt_template_sha256"]) == {"av", "ar"}
+    # An edit that keeps the marker's neighbours ("<" and ">") passes every token check; the digest catches it.
+    doc["prompt_templates"]["av"] = doc["prompt_templates"]["av"].replace("Explain what it encodes.", "Be brief.")
+    (tmp_path / "nla_meta.yaml").write_text(yaml.safe_dump(doc, allow_unicode=True))
+    with pytest.raises(SidecarError, match=r"prompt_templates.av was edited after this sidecar was written"):
+        load_sidecar(tmp_path)
+    del doc["prompt_template_sha256"]  # a deliberate change: the user drops the record
+    (tmp_path / "nla_meta.yaml").write_text(yaml.safe_dump(doc, allow_unicode=True))
+    assert load_sidecar(tmp_path).av_template.endswith("Be brief.")
