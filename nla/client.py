@@ -103,8 +103,13 @@ class ScoreResult:
         return float(self.failed.float().mean()) if self.n else 0.0
 
 
-def load_vectors(path: str | os.PathLike, rows: int | None = None) -> np.ndarray:
-    """RAW vectors [N, d] float32 from a parquet ``activation_vector`` column or a ``.npy`` [N, d] file."""
+def load_vectors(path: str | os.PathLike, rows: int | None = None, *, check: bool = True) -> np.ndarray:
+    """RAW vectors [N, d] float32 from a parquet ``activation_vector`` column or a ``.npy`` [N, d] file.
+
+    With ``check`` (the default) unusable rows are an error naming them
+    (``nla.validation.check_vectors``); without, the array comes back as stored (first ``rows``
+    rows), for callers that drop bad rows themselves (``nla.validation.drop_bad_rows``).
+    """
     from nla.datagen.io import read_vectors
 
     p = Path(path)
@@ -125,7 +130,7 @@ def load_vectors(path: str | os.PathLike, rows: int | None = None) -> np.ndarray
         raise NLAClientError(f"vectors: {p} holds an array of shape {arr.shape}, expected [N, d]")
     if rows is not None:
         arr = arr[:rows]
-    return check_vectors(arr, f"vectors {p}")
+    return check_vectors(arr, f"vectors {p}") if check else arr
 
 
 def _as_tensor(vectors: Any, d_model: int, what: str) -> Tensor:

@@ -35,8 +35,10 @@ __all__ = [
     "check_model_source",
     "check_output_path",
     "check_safetensors_file",
+    "bad_rows",
     "check_vectors",
     "describe_rows",
+    "drop_bad_rows",
     "load_yaml",
     "non_negative_int",
     "positive_int",
@@ -57,11 +59,7 @@ def describe_rows(rows: Sequence[int] | np.ndarray, n: int, limit: int = 10) -> 
     return f"{'row' if len(rows) == 1 else 'rows'} {shown} ({len(rows)} of {n})"
 
 
-def check_vectors(vectors: Any, source: str = "vectors") -> np.ndarray:
-    """RAW vectors [N, d] as contiguous float32, or an :class:`InputError` naming the bad rows.
-
-    ``source`` names where the vectors came from (a file, a column) in the message.
-    """
+def _as_float32(vectors: Any, source: str) -> np.ndarray:
     arr = np.asarray(vectors)
     kind = arr.dtype.kind
     if kind != "f":
@@ -73,32 +71,66 @@ def check_vectors(vectors: Any, source: str = "vectors") -> np.ndarray:
         )
     if arr.ndim != 2:
         raise InputError(f"{source}: expected an array of shape [N, d], found shape {arr.shape}")
-    with np.errstate(over="ignore"):  # overflow to Inf is reported below, by row
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
-    n = arr.shape[0]
-    if n == 0 or arr.shape[1] == 0:
-        return arr
-    nonfinite = np.flatnonzero(~np.isfinite(arr).all(axis=1))
-    if len(nonfinite):
-        raise InputError(
-            f"{source}: {describe_rows(nonfinite, n)} hold NaN or Inf (after conversion to float32); "
-            "drop or recompute those rows (datagen's bad_vectors: drop does it at extraction)"
-        )
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore"):  # overflow to Inf is reported by row
+        return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+# Why a row is unusable, in the order rows are classified (a row gets the first reason that applies).
+BAD_ROW_REASONS = {
+    "nonfinite": "hold NaN or Inf (after conversion to float32)",
+    "zero": "are all-zero vectors; a zero vector has no direction to verbalize or score (mse_nrm normalises by "
+            "the norm)",
+    "overflow": "have a norm that overflows float32 (entries around 1e19 or more); these are not activations of "
+                "a working model",
+}
+
+
+def bad_rows(arr: np.ndarray) -> dict[str, np.ndarray]:
+    """Row indices of a float32 [N, d] array per reason in :data:`BAD_ROW_REASONS` (disjoint)."""
+    if arr.shape[0] == 0 or arr.shape[1] == 0:
+        return {k: np.zeros(0, dtype=np.int64) for k in BAD_ROW_REASONS}
+    nonfinite = ~np.isfinite(arr).all(axis=1)
+    with np.errstate(over="ignore", invalid="ignore"):
         norms = np.linalg.norm(arr, axis=1)
-    zero = np.flatnonzero(norms == 0)
-    if len(zero):
+    zero = ~nonfinite & (norms == 0)
+    overflow = ~nonfinite & ~np.isfinite(norms)
+    return {"nonfinite": np.flatnonzero(nonfinite), "zero": np.flatnonzero(zero), "overflow": np.flatnonzero(overflow)}
+
+
+def check_vectors(vectors: Any, source: str = "vectors") -> np.ndarray:
+    """RAW vectors [N, d] as contiguous float32, or an :class:`InputError` naming the bad rows.
+
+    ``source`` names where the vectors came from (a file, a column) in the message.
+    """
+    arr = _as_float32(vectors, source)
+    found = [f"{describe_rows(rows, arr.shape[0])} {BAD_ROW_REASONS[reason]}"
+             for reason, rows in bad_rows(arr).items() if len(rows)]
+    if found:
         raise InputError(
-            f"{source}: {describe_rows(zero, n)} are all-zero vectors; a zero vector has no direction to "
-            "verbalize or score (mse_nrm normalises by the norm). Drop those rows"
-        )
-    huge = np.flatnonzero(~np.isfinite(norms))
-    if len(huge):
-        raise InputError(
-            f"{source}: {describe_rows(huge, n)} have a norm that overflows float32 (entries around 1e19 or "
-            "more); these are not activations of a working model. Drop or recompute those rows"
+            f"{source}: {'; '.join(found)}. Drop or recompute those rows (--skip-bad-rows where offered; datagen's "
+            "bad_vectors: drop at extraction)"
         )
     return arr
+
+
+def drop_bad_rows(vectors: Any, source: str = "vectors") -> tuple[np.ndarray, np.ndarray, str | None]:
+    """``(kept vectors [M, d] float32, their original row numbers [M], a report or None)``.
+
+    The dtype and shape are still checked (an :class:`InputError`); only bad rows are dropped,
+    and the report counts and names them.
+    """
+    arr = _as_float32(vectors, source)
+    bad = bad_rows(arr)
+    dropped = np.sort(np.concatenate(list(bad.values())))
+    keep = np.setdiff1d(np.arange(arr.shape[0]), dropped)
+    if not len(dropped):
+        return arr, keep, None
+    parts = [f"{describe_rows(rows, arr.shape[0])} {BAD_ROW_REASONS[r].split(';')[0]}" for r, rows in bad.items()
+             if len(rows)]
+    report = f"{source}: skipped {len(dropped)} of {arr.shape[0]} rows: " + "; ".join(parts)
+    if not len(keep):
+        raise InputError(f"{report}; no usable row is left")
+    return np.ascontiguousarray(arr[keep]), keep, report
 
 
 # ---------------------------------------------------------------------------------------------

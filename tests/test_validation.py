@@ -435,3 +435,39 @@ def test_eval_names_the_nan_row_and_file(pair, capsys, tmp_path):
     assert code == 2
     assert_one_error_line(lines, "eval", "heldout.parquet: column 'activation_vector': row 3 (1 of 4) hold NaN or Inf")
     assert not (tmp_path / "ev").exists()
+
+
+def test_skip_bad_rows_drops_counts_and_keeps_row_numbers(pair, capsys, caplog, tmp_path):
+    from nla.client import NLAClient
+    from nla.validation import drop_bad_rows
+
+    vec = np.random.default_rng(2).standard_normal((5, D)).astype(np.float32)
+    vec[1, 4], vec[3] = np.nan, 0.0
+    kept_vec, kept, report = drop_bad_rows(vec, "v")
+    assert kept.tolist() == [0, 2, 4] and np.array_equal(kept_vec, vec[[0, 2, 4]])
+    assert report == ("v: skipped 2 of 5 rows: row 1 (1 of 5) hold NaN or Inf (after conversion to float32); "
+                      "row 3 (1 of 5) are all-zero vectors")
+    np.save(tmp_path / "v.npy", vec)
+    out = tmp_path / "verbs.jsonl"
+    with caplog.at_level("WARNING"):
+        code, _ = cli(capsys, "verbalize", "--av", pair["av"], "--vectors", tmp_path / "v.npy", "--skip-bad-rows",
+                      "--max-new-tokens", "6", "--out", out, "--device", "cpu")
+    assert code == 0 and any("skipped 2 of 5 rows" in r.message for r in caplog.records)
+    got = [json.loads(ln) for ln in out.read_text().splitlines()]
+    want = NLAClient(pair["av"], device="cpu").verbalize(vec[[0, 2, 4]], max_new_tokens=6)
+    assert [g["row"] for g in got] == [0, 2, 4]
+    assert [g["text"] for g in got] == [w.text for w in want]
+    texts = ["the cat", "a dog", "Alice runs", "Bob", "the river"]
+    (tmp_path / "t.txt").write_text("\n".join(texts) + "\n")
+    code, _ = cli(capsys, "score", "--ar", pair["ar"], "--texts", tmp_path / "t.txt", "--vectors", tmp_path / "v.npy",
+                  "--skip-bad-rows", "--out", tmp_path / "s.jsonl", "--device", "cpu")
+    assert code == 0
+    rows = [json.loads(ln) for ln in (tmp_path / "s.jsonl").read_text().splitlines()]
+    ref = NLAClient(None, pair["ar"], device="cpu").score([texts[i] for i in (0, 2, 4)], vec[[0, 2, 4]]).mse_nrm
+    assert [r["row"] for r in rows] == [0, 2, 4]
+    np.testing.assert_allclose([r["mse_nrm"] for r in rows], ref.numpy(), rtol=1e-6)
+    code, lines = cli(capsys, "score", "--ar", pair["ar"], "--texts", tmp_path / "t.txt", "--vectors",
+                      tmp_path / "v.npy", "--device", "cpu")  # without the flag: refused, both rows named
+    assert code == 2
+    assert_one_error_line(lines, "score", "row 1 (1 of 5) hold NaN or Inf (after conversion to float32); "
+                                          "row 3 (1 of 5) are all-zero vectors")

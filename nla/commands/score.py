@@ -27,6 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vectors", help="parquet with activation_vector, or .npy [N, d]; default: --dataset's")
     p.add_argument("--rows", type=positive_int, help="only the first N rows")
     p.add_argument("--out", help="JSONL of per-row scores; default: only the summary is printed")
+    p.add_argument("--skip-bad-rows", action="store_true",
+                   help="drop vectors with NaN/Inf, zero or overflowing norms (counted and named) instead of refusing")
     p.add_argument("--batch-size", type=positive_int, default=64)
     add_model_args(p)
     p.set_defaults(func=run)
@@ -70,44 +72,53 @@ def read_texts(path: str) -> list[str | None]:
 def run(args: argparse.Namespace) -> int:
     import json
 
+    import torch
+
     from nla.client import NLAClient, failed_mse, load_vectors
     from nla.datagen.io import read_parquet
     from nla.fsutil import write_text_atomic
-    from nla.validation import check_device, check_output_path
+    from nla.validation import check_device, check_output_path, check_vectors, drop_bad_rows
     from nla.vectors import fve
 
     check_device(args.device)
     if args.out:
         check_output_path(args.out, "--out", is_file=True)
     if args.texts:
-        texts = read_texts(args.texts)
         if not args.vectors:
-            raise SystemExit("nla score: --texts needs --vectors (parquet or .npy) to score against")
+            raise ValueError("--texts needs --vectors (parquet or .npy) to score against")
+        texts = read_texts(args.texts)
     else:
         table = read_parquet(args.dataset)
         if "explanation" not in table.column_names:
-            raise SystemExit(f"nla score: {args.dataset} has no explanation column; found {table.column_names}")
+            raise ValueError(f"{args.dataset} has no explanation column; found {table.column_names}")
         texts = table.column("explanation").to_pylist()
-    vectors = load_vectors(args.vectors or args.dataset)
-    if args.rows is not None:
-        texts, vectors = texts[: args.rows], vectors[: args.rows]
+    source = args.vectors or args.dataset
+    raw = load_vectors(source, rows=args.rows, check=False)
+    texts = texts[: args.rows] if args.rows is not None else texts
+    if len(texts) != raw.shape[0]:
+        raise ValueError(f"{len(texts)} texts for {raw.shape[0]} vectors in {source}; pass exactly one explanation "
+                         "per vector (--rows N takes the first N of both)")
+    if args.skip_bad_rows:
+        vectors, kept, report = drop_bad_rows(raw, f"vectors {source}")
+        if report:
+            log.warning(report)
+        texts = [texts[i] for i in kept]
+    else:
+        vectors, kept = check_vectors(raw, f"vectors {source}"), np.arange(raw.shape[0])
     client = NLAClient(None, args.ar, device=args.device, dtype=args.dtype, sidecar=args.sidecar)
     res = client.score(texts, vectors, batch_size=args.batch_size)
     ok = ~res.failed
-    summary = {"rows": res.n, "failure_rate": res.failure_rate,
+    summary = {"rows": res.n, "skipped_rows": int(raw.shape[0] - res.n), "failure_rate": res.failure_rate,
                "mse_nrm_mean": float(res.mse_nrm[ok].mean()) if ok.any() else None,
                "cosine_mean": float(res.cosine[ok].mean()) if ok.any() else None}
+    gold = torch.from_numpy(vectors)
     if int(ok.sum()) >= 2:
-        import torch
-
-        summary["fve_completed_rows"] = fve(res.predictions[ok], torch.from_numpy(np.array(vectors, dtype=np.float32))[ok], client.mse_scale)
+        summary["fve_completed_rows"] = fve(res.predictions[ok], gold[ok], client.mse_scale)
     if res.failed.any():
-        import torch
-
-        fm = failed_mse(torch.from_numpy(np.array(vectors, dtype=np.float32)), client.mse_scale)
+        fm = failed_mse(gold, client.mse_scale)
         summary["mse_nrm_mean_failed_as_orthogonal"] = float(torch.where(res.failed, fm, res.mse_nrm).mean())
     if args.out:
-        rows = "".join(json.dumps({"row": i, "failed": bool(res.failed[i]),
+        rows = "".join(json.dumps({"row": int(kept[i]), "failed": bool(res.failed[i]),
                                    "mse_nrm": None if res.failed[i] else float(res.mse_nrm[i]),
                                    "cosine": None if res.failed[i] else float(res.cosine[i])}) + "\n"
                        for i in range(res.n))
