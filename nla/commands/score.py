@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     summary = {"rows": res.n, "skipped_rows": int(raw.shape[0] - res.n), "failure_rate": res.failure_rate,
                "mse_nrm_mean": float(res.mse_nrm[ok].mean()) if ok.any() else None,
                "cosine_mean": float(res.cosine[ok].mean()) if ok.any() else None}
-    gold = torch.from_numpy(vectors)
+    gold = torch.from_numpy(np.array(vectors))  # a copy: arrow-backed arrays are read-only
     if int(ok.sum()) >= 2:
         summary["fve_completed_rows"] = fve(res.predictions[ok], gold[ok], client.mse_scale)
     if res.failed.any():
