@@ -13,7 +13,13 @@ Conventions (where this departs from a bare metric):
 3. Fact recall / precision (world data) are means over rows of ``nla.world.grade``; a failed
    sample is graded as the empty text (it claimed nothing). ``by_kind`` averages over the
    rows where that kind occurs in the truth or the prediction.
-4. The text-explainer row uses the dataset's ``explanation`` column when present (that is
+4. Degeneracy (world data): the share of explanations with a repeated sentence, a broken
+   quote, or a sentence outside the world's explanation language (``nla.world.explain.degeneracy``);
+   failed samples are counted under ``failed``, not here.
+5. ``frozen_ar``: the AV's explanations are also read by an AR that never saw them (the
+   warm-start AR). A private code between an RL'd AV and its live AR shows up as a gap
+   between "AV → AR round trip" and "AV → frozen warm-start AR".
+6. The text-explainer row uses the dataset's ``explanation`` column when present (that is
    the explainer's output); otherwise (the ``rl`` split) it regenerates the world's
    ``TextExplainer`` output from the row's facts with the datagen settings recorded in the
    dataset sidecar's provenance (defaults when they cannot be found).
@@ -60,6 +66,8 @@ class EvalRow:
     cosine / mse_mean / mse_p10 / mse_p50 / mse_p90: over all N rows (failures per convention 1).
     failure_rate: share of samples without an explanation (0 for text-fed rows).
     faithfulness: fact recall/precision of the explanations (world data only).
+    degenerate: share of explanations flagged by ``nla.world.explain.degeneracy`` under
+        ``any`` / ``repeated`` / ``broken_quote`` / ``outside_language`` (world data only).
     """
 
     name: str
@@ -71,6 +79,7 @@ class EvalRow:
     mse_p90: float
     failure_rate: float = 0.0
     faithfulness: Faithfulness | None = None
+    degenerate: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -118,15 +127,17 @@ class EvalReport:
             f"{self.n_rows} rows, d_model {self.d_model}, mse_scale {_fmt(self.mse_scale)}. FVE baseline (predict "
             f"the raw mean of normalised golds): MSE {self.baseline_raw_mean_mse:.4f}.",
             "",
-            "| predictor | FVE | cosine | MSE mean | MSE p10 | p50 | p90 | failed | fact recall | fact precision |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| predictor | FVE | cosine | MSE mean | MSE p10 | p50 | p90 | failed | fact recall | fact precision "
+            "| degenerate |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in self.rows:
             f = r.faithfulness
             lines.append(
                 f"| {r.name} | {r.fve:.4f} | {_fmt(r.cosine)} | {r.mse_mean:.4f} | {_fmt(r.mse_p10)} | "
                 f"{_fmt(r.mse_p50)} | {_fmt(r.mse_p90)} | {r.failure_rate:.1%} | "
-                f"{_fmt(f.recall if f else None)} | {_fmt(f.precision if f else None)} |"
+                f"{_fmt(f.recall if f else None)} | {_fmt(f.precision if f else None)} | "
+                f"{_pct(r.degenerate['any']) if r.degenerate else '-'} |"
             )
         kinds = [r for r in self.rows if r.faithfulness and r.faithfulness.by_kind]
         if kinds:
@@ -155,6 +166,10 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"
 
 
+def _pct(x: float) -> str:
+    return f"{x:.1%}"
+
+
 def _jsonable(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
@@ -167,12 +182,23 @@ def _jsonable(obj: Any) -> Any:
 
 # ------------------------------------------------------------------ primitives
 def row_stats(name: str, mse: Tensor, cos: Tensor, raw_mean: float, failure_rate: float = 0.0,
-              faith: Faithfulness | None = None) -> EvalRow:
+              faith: Faithfulness | None = None, degenerate: dict[str, float] | None = None) -> EvalRow:
     """Table row from per-row mse [N] and cosine [N] (failures already filled per convention 1)."""
     q = torch.quantile(mse.double(), torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)).tolist()
     return EvalRow(name=name, fve=1.0 - float(mse.double().mean()) / raw_mean, cosine=float(cos.double().mean()),
                    mse_mean=float(mse.double().mean()), mse_p10=q[0], mse_p50=q[1], mse_p90=q[2],
-                   failure_rate=failure_rate, faithfulness=faith)
+                   failure_rate=failure_rate, faithfulness=faith, degenerate=degenerate)
+
+
+def degeneracy_rates(texts: list[str | None]) -> dict[str, float]:
+    """Share of ``texts`` flagged by each degeneracy check (convention 4); None counts as not flagged."""
+    from nla.world.explain import degeneracy
+
+    flags = [degeneracy(t) for t in texts]
+    n = max(1, len(flags))
+    return {"any": sum(f.any for f in flags) / n, "repeated": sum(f.repeated_sentence for f in flags) / n,
+            "broken_quote": sum(f.broken_quote for f in flags) / n,
+            "outside_language": sum(f.outside_language for f in flags) / n}
 
 
 def _filled(result: ScoreResult, gold: Tensor, scale: float | None) -> tuple[Tensor, Tensor]:
@@ -250,8 +276,12 @@ def evaluate_pair(
     n_show: int = 8,
     max_new_tokens: int = 150,
     batch_size: int = 64,
+    frozen_ar: NLAClient | None = None,
 ) -> EvalReport:
     """Evaluate ``client`` (AR required; AV optional) on a held-out parquet. See module docstring.
+
+    ``frozen_ar``: a client holding a second AR (the warm-start one) that also reads the AV's
+    explanations (convention 5).
 
     ``max_rows`` takes a seeded random subset (kept in dataset order); ``seed`` also draws the
     shuffled-vector permutation.
@@ -300,27 +330,40 @@ def evaluate_pair(
         verbs, rt = client.round_trip(gold, max_new_tokens=max_new_tokens, batch_size=batch_size)
         texts = [v.explanation for v in verbs]
         mse, cos = _filled(rt, gold, scale)
-        report.rows.append(row_stats("AV → AR round trip", mse, cos, base.raw_mean, rt.failure_rate,
-                                     faithfulness(texts, facts) if facts is not None else None))
+        faith = faithfulness(texts, facts) if facts is not None else None
+        degen = degeneracy_rates(texts) if facts is not None else None
+        report.rows.append(row_stats("AV → AR round trip", mse, cos, base.raw_mean, rt.failure_rate, faith, degen))
+        if frozen_ar is not None:
+            f_side = frozen_ar._need_ar("evaluate_pair(frozen_ar=...)")
+            if frozen_ar.d_model != client.d_model:
+                raise NLAClientError(f"frozen_ar: d_model {frozen_ar.d_model} differs from the pair's {client.d_model}")
+            f_res = frozen_ar.score(texts, gold, batch_size=batch_size)
+            mse, cos = _filled(f_res, gold, f_side.mse_scale_value())
+            report.rows.append(row_stats("AV → frozen warm-start AR", mse, cos, base.raw_mean, f_res.failure_rate,
+                                         faith, degen))
         perm = torch.from_numpy(rng.permutation(n))
         logger.info("eval: verbalizing %d shuffled vectors", n)
         sverbs = client.verbalize(gold[perm], max_new_tokens=max_new_tokens, batch_size=batch_size)
         s_res = client.score([v.explanation for v in sverbs], gold, batch_size=batch_size)
         mse, cos = _filled(s_res, gold, scale)
+        stexts = [v.explanation for v in sverbs]
         report.rows.append(row_stats("AV on shuffled vectors → AR", mse, cos, base.raw_mean, s_res.failure_rate,
-                                     faithfulness([v.explanation for v in sverbs], facts) if facts is not None else None))
+                                     faithfulness(stexts, facts) if facts is not None else None,
+                                     degeneracy_rates(stexts) if facts is not None else None))
     reference = table.column("explanation").to_pylist() if "explanation" in cols else None
     if reference is not None:
         res = client.score(reference, gold, batch_size=batch_size)
         mse, cos = _filled(res, gold, scale)
         report.rows.append(row_stats("AR on reference explanations", mse, cos, base.raw_mean, res.failure_rate,
-                                     faithfulness(reference, facts) if facts is not None else None))
+                                     faithfulness(reference, facts) if facts is not None else None,
+                                     degeneracy_rates(reference) if facts is not None else None))
     te = _text_explainer_outputs(table, path) if text_explainer_baseline else None
     if te is not None:
         res = client.score(te, gold, batch_size=batch_size)
         mse, cos = _filled(res, gold, scale)
         report.rows.append(row_stats("text explainer → AR", mse, cos, base.raw_mean, 0.0,
-                                     faithfulness(te, facts) if facts is not None else None))
+                                     faithfulness(te, facts) if facts is not None else None,
+                                     degeneracy_rates(te) if facts is not None else None))
     g = normalize_activation(gold, scale)
     mu = g.mean(0, keepdim=True).expand_as(g)
     report.rows.append(row_stats("predict the mean (raw)", ((g - mu) ** 2).mean(-1), cosine(mu, g), base.raw_mean))

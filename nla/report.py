@@ -30,14 +30,15 @@ def comparison_table(warm: dict[str, Any], after: dict[str, Any]) -> list[str]:
     """Eval rows of the warm-started pair and the RL pair side by side."""
     w, a = _rows(warm), _rows(after)
     lines = ["| predictor | FVE warm | FVE RL | cosine warm | cosine RL | recall warm | recall RL | "
-             "precision warm | precision RL | failed warm | failed RL |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "precision warm | precision RL | degenerate warm | degenerate RL | failed warm | failed RL |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in [r["name"] for r in warm["rows"]]:
         rw, ra = w[name], a.get(name, {})
         fw, fa = rw.get("faithfulness") or {}, ra.get("faithfulness") or {}
         lines.append(
             f"| {name} | {_f(rw.get('fve'))} | {_f(ra.get('fve'))} | {_f(rw.get('cosine'))} | {_f(ra.get('cosine'))} | "
             f"{_f(fw.get('recall'))} | {_f(fa.get('recall'))} | {_f(fw.get('precision'))} | {_f(fa.get('precision'))} | "
+            f"{_f((rw.get('degenerate') or {}).get('any'), 2)} | {_f((ra.get('degenerate') or {}).get('any'), 2)} | "
             f"{_f(rw.get('failure_rate'), 2)} | {_f(ra.get('failure_rate'), 2)} |")
     return lines
 

@@ -103,6 +103,30 @@ def test_report_matches_direct_computation(nla_pair, client, tmp_path):  # noqa:
     assert "| AR on reference explanations |" in md and "Fact recall / precision by kind" in md
 
 
+def test_frozen_ar_row_and_degeneracy(nla_pair, client, tmp_path):  # noqa: F811
+    import copy
+
+    path, gold = _dataset(tmp_path / "sft.parquet", nla_pair, with_explanation=True)
+    other = copy.deepcopy(nla_pair.ar)
+    with torch.no_grad():  # a different reader: rotate the head's output by a fixed permutation
+        other.value_head.weight.copy_(other.value_head.weight[torch.randperm(32, generator=torch.Generator().manual_seed(1))])
+    frozen = NLAClient.from_models(ar=other)
+    report = evaluate_pair(client, path, max_new_tokens=14, n_show=0, frozen_ar=frozen)
+    names = [r.name for r in report.rows]
+    assert names[:2] == ["AV → AR round trip", "AV → frozen warm-start AR"]
+    # The frozen AR reads the same explanation (FIXED_EXPLANATION on every row) with its own weights.
+    row = report.row("AV → frozen warm-start AR")
+    assert row.fve == pytest.approx(fve(frozen.reconstruct([FIXED_EXPLANATION] * N), gold, 32**0.5), abs=1e-5)
+    assert row.fve != pytest.approx(report.row("AV → AR round trip").fve, abs=1e-3)
+    # Same texts, so the same faithfulness; FIXED_EXPLANATION has no full stop and is not a sentence of
+    # the world's explanation language: every row is degenerate (outside the language), none repeated.
+    assert row.faithfulness == report.row("AV → AR round trip").faithfulness
+    assert row.degenerate == {"any": 1.0, "repeated": 0.0, "broken_quote": 0.0, "outside_language": 1.0}
+    assert "| AV → frozen warm-start AR |" in report.to_markdown() and "| degenerate |" in report.to_markdown()
+    # The reference explanations are not world sentences either ("Alice is in the garden").
+    assert report.row("AR on reference explanations").degenerate["outside_language"] == 1.0
+
+
 def test_text_explainer_baseline_on_rl_split(nla_pair, client, tmp_path):  # noqa: F811
     path, gold = _dataset(tmp_path / "rl.parquet", nla_pair, with_explanation=False)
     report = evaluate_pair(client, path, max_new_tokens=14, n_show=0)

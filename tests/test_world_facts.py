@@ -1,18 +1,18 @@
-"""Generator determinism and exact, causal ground truth."""
+"""Generator determinism and exact, causal ground truth of a changing story state."""
 
 import re
 
 import pytest
 
 from nla.world.facts import SURFACE_INDEX, VOCAB, Document, Fact, current_word, facts_at, token_facts
-from nla.world.generator import BODIES, CLOSERS, OPENERS, generate_documents
+from nla.world.generator import EVENTS, OPENERS, QUESTIONS, RECALLS, generate_documents
 
 
 def test_same_seed_same_corpus_and_truth():
     a = generate_documents(7, 50)
     b = generate_documents(7, 50)
     assert [d.text for d in a] == [d.text for d in b]
-    assert [d.reveals for d in a] == [d.reveals for d in b]
+    assert [d.events for d in a] == [d.events for d in b]
 
 
 def test_different_seed_different_corpus():
@@ -28,65 +28,110 @@ def test_shards_match_one_run():
     assert [d.doc_id for d in whole] == list(range(30))
 
 
-def test_sentence_count_and_variety():
+def test_variety_and_state_changes():
     docs = generate_documents(0, 300)
-    n_sent = [d.text.count(".") for d in docs]
-    assert min(n_sent) == 3 and max(n_sent) == 6
     assert len({d.text for d in docs}) == 300
-    # every kind is revealed somewhere, and documents carry several facts
     kinds = {f.kind for d in docs for f in d.facts}
     assert kinds == set(VOCAB)
-    assert sum(len(d.facts) for d in docs) / len(docs) >= 4
+    # the state changes: most stories stop some fact from being true (a move, a drop, a farewell)
+    assert sum(any(not present for _, _, present in d.events) for d in docs) / len(docs) > 0.8
+    # and at the end of a story several facts are true at once
+    assert sum(len(facts_at(d, len(d.text))) for d in docs) / len(docs) >= 4
 
 
-def test_filler_words_never_reveal_facts():
-    # Template glue must not contain surface words, or the ground truth would miss reveals.
-    for t in OPENERS + BODIES + CLOSERS:
-        glue = re.sub(r"\{\w+\}", " ", t).lower()
+def test_filler_words_never_name_facts():
+    # Template glue must not contain surface words, or the ground truth would miss a mention.
+    for e in OPENERS + EVENTS + RECALLS + QUESTIONS:
+        glue = re.sub(r"\{\w+\}", " ", e.template).lower()
         clash = set(re.findall(r"[a-z]+", glue)) & set(SURFACE_INDEX)
-        assert not clash, f"template {t!r} uses surface words {clash}"
+        assert not clash, f"template {e.template!r} uses surface words {clash}"
 
 
-def _reference_reveals(text: str) -> dict[Fact, int]:
-    """Plain reference: scan words left to right; the first surface word of a fact reveals it."""
-    first: dict[Fact, int] = {}
+_CLEARS = {  # plain reference: sentence patterns that end a fact, and which mention names it
+    r"put down the (\w+)\.": "object", r"gave away the (\w+)\.": "object", r"stopped (\w+)\.": "activity",
+    r"(\w+) said goodbye and left\.": "person",
+}
+
+
+def _reference_state(text: str, upto: int) -> set[Fact]:
+    """Replay the text word by word (independent of the generator's bookkeeping).
+
+    A surface word makes its fact true at its end and replaces the previous value of its kind
+    (people accumulate: protagonist and friend); a clearing sentence ends its fact at the
+    sentence's last word.
+    """
+    state: dict[str, set[Fact]] = {}
+    events: list[tuple[int, int, Fact | None, str]] = []  # (end, order, fact, op)
     for m in re.finditer(r"[A-Za-z]+", text):
         f = SURFACE_INDEX.get(m.group().lower())
-        if f is not None and f not in first:
-            first[f] = m.end()
-    return first
+        if f is not None:
+            events.append((m.end(), 0, f, "set"))
+    for pattern, kind in _CLEARS.items():
+        for m in re.finditer(pattern, text):
+            fact = SURFACE_INDEX[m.group(1).lower()]
+            assert fact.kind == kind
+            events.append((m.end() - 1, 1, fact, "clear"))
+    for end, _, fact, op in sorted(events, key=lambda e: (e[0], e[1])):
+        if end > upto:
+            break
+        if op == "set":
+            if fact.kind == "person":
+                state.setdefault("person", set()).add(fact)
+            else:
+                state[fact.kind] = {fact}
+        else:
+            state.get(fact.kind, set()).discard(fact)
+    return {f for fs in state.values() for f in fs}
 
 
-def test_ground_truth_matches_text_scan_on_many_docs():
-    for doc in generate_documents(11, 500):
-        ref = _reference_reveals(doc.text)
-        assert {f: e for e, f in doc.reveals} == ref, doc.text
-        ends = [e for e, _ in doc.reveals]
+def test_ground_truth_matches_reference_replay_on_many_docs():
+    for doc in generate_documents(11, 300):
+        ends = [e for e, _, _ in doc.events]
         assert ends == sorted(ends)
+        for pos in sorted({0, len(doc.text), *range(0, len(doc.text), 5), *ends, *[e - 1 for e in ends]}):
+            assert facts_at(doc, pos) == _reference_state(doc.text, pos), (doc.text[:pos], doc.events)
 
 
 def test_facts_at_is_causal_and_supported():
     for doc in generate_documents(5, 100):
-        for end, fact in doc.reveals:
-            # the revealing word ends exactly at `end`: revealed there, not one char earlier
-            assert fact in facts_at(doc, end)
-            assert fact not in facts_at(doc, end - 1)
-            assert current_word(doc, end).lower() in fact.surfaces
-            # every fact known at a position has a surface word inside text[:position]
+        for end, fact, present in doc.events:
+            # the change is known exactly at `end`, not one character earlier
+            assert (fact in facts_at(doc, end)) == present
+            if present and fact not in facts_at(doc, end - 1):
+                assert current_word(doc, end).lower() in fact.surfaces
         for pos in range(0, len(doc.text) + 1, 7):
             words = set(re.findall(r"[a-z]+", doc.text[:pos].lower()))
             for f in facts_at(doc, pos):
                 assert words & set(f.surfaces), (doc.text[:pos], f)
-        assert facts_at(doc, len(doc.text)) == doc.facts
         assert facts_at(doc, 0) == frozenset()
+
+
+def test_hand_built_state_changes():
+    # "Leo went to the park. He picked up a kite. He put down the kite. He walked to the beach."
+    text = "Leo went to the park. He picked up a kite. He put down the kite. He walked to the beach."
+    leo, park, kite, beach = Fact("person", "leo"), Fact("place", "park"), Fact("object", "kite"), Fact("place", "beach")
+    events = ((3, leo, True), (20, park, True), (41, kite, True), (63, kite, False), (87, park, False),
+              (87, beach, True))
+    doc = Document(0, text, events)
+    assert text[:3] == "Leo" and text[16:20] == "park" and text[37:41] == "kite" and text[59:63] == "kite"
+    assert text[82:87] == "beach"
+    assert facts_at(doc, 2) == frozenset()
+    assert facts_at(doc, 41) == {leo, park, kite}
+    assert facts_at(doc, 62) == {leo, park, kite}  # "...put down the kit": not put down yet
+    assert facts_at(doc, 63) == {leo, park}  # the kite is no longer held
+    assert facts_at(doc, 86) == {leo, park}
+    assert facts_at(doc, 87) == {leo, beach}  # the move replaces the place
+    assert doc.facts == {leo, park, kite, beach}
+    assert doc.reveals == ((3, leo), (20, park), (41, kite), (87, beach))
+    assert _reference_state(text, 63) == {leo, park} and _reference_state(text, 87) == {leo, beach}
 
 
 def test_token_facts_hand_example():
     # "Leo went to the park." reveals person=leo at 3 and place=park at 20.
-    doc = Document(0, "Leo went to the park.", ((3, Fact("person", "leo")), (20, Fact("place", "park"))))
+    leo, park = Fact("person", "leo"), Fact("place", "park")
+    doc = Document(0, "Leo went to the park.", ((3, leo, True), (20, park, True)))
     offsets = [(0, 2), (2, 3), (3, 8), (8, 11), (11, 15), (15, 18), (18, 20), (20, 21)]
     got = token_facts(doc, offsets)
-    leo, park = Fact("person", "leo"), Fact("place", "park")
     assert got[0] == frozenset()  # "Le": the name is not finished yet
     assert got[1] == {leo}
     assert got[5] == {leo}  # " pa"

@@ -1,9 +1,8 @@
-"""`nla world build`: generate the synthetic corpus, train its tokenizer and subject model."""
+"""`nla world build | probe`: the synthetic corpus, its tokenizer and subject model; what its vectors hold."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 
@@ -17,6 +16,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
     b.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     b.set_defaults(func=run_build)
+    pr = wsub.add_parser("probe", help="linear-probe each fact kind at every layer: what is in the vector?")
+    pr.add_argument("--preset", default="default", help="world preset: tiny | default (default: default)")
+    pr.add_argument("--config", type=Path, default=None, help="world_config YAML (overrides --preset)")
+    pr.add_argument("--out", type=Path, default=None, help="world base directory (default: $NLA_CACHE/world)")
+    pr.add_argument("--layers", default=None, help="comma-separated block indices (default: every block but the last)")
+    pr.add_argument("--train-docs", type=int, default=1500, help="training stories the probes fit on (default 1500)")
+    pr.add_argument("--test-docs", type=int, default=300, help="held-out stories they are scored on (default 300)")
+    pr.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    pr.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    pr.set_defaults(func=run_probe)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
@@ -41,19 +50,53 @@ def format_summary(art) -> str:
     return "\n".join(lines)
 
 
-def run_build(args: argparse.Namespace) -> int:
+def _target(args: argparse.Namespace):
     from nla.validation import check_output_path
-    from nla.world.build import WORLD_PRESETS, WorldConfig, build_world
+    from nla.world.build import WORLD_PRESETS, WorldConfig
 
     if args.out is not None:
         check_output_path(args.out, "--out")
     if args.config is not None:
-        target = WorldConfig.from_yaml(args.config)
-    elif args.preset in WORLD_PRESETS:
-        target = args.preset
-    else:
-        print(f"unknown preset {args.preset!r}; choose one of {sorted(WORLD_PRESETS)}", file=sys.stderr)
-        return 2
-    art = build_world(target, out=args.out, force=args.force, progress=not args.no_progress)
+        return WorldConfig.from_yaml(args.config)
+    if args.preset in WORLD_PRESETS:
+        return args.preset
+    raise ValueError(f"--preset: expected one of {sorted(WORLD_PRESETS)}, found {args.preset!r}")
+
+
+def run_build(args: argparse.Namespace) -> int:
+    from nla.world.build import build_world
+
+    art = build_world(_target(args), out=args.out, force=args.force, progress=not args.no_progress)
     print(format_summary(art))
+    return 0
+
+
+def _parse_layers(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--layers: expected comma-separated block indices like 1,2,3, found {text!r}") from None
+
+
+def run_probe(args: argparse.Namespace) -> int:
+    from nla.world.build import build_world
+    from nla.world.probe import best_layer, probe_table_markdown, probe_world, write_probe_json
+
+    for name in ("train_docs", "test_docs"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, found {getattr(args, name)}")
+    art = build_world(_target(args), out=args.out, progress=not args.no_progress)
+    results = probe_world(art, layers=_parse_layers(args.layers), n_train_docs=args.train_docs,
+                          n_test_docs=args.test_docs, progress=not args.no_progress)
+    best = best_layer(results)
+    print(f"world '{art.config.name}' at {art.root}: top-1 accuracy of a linear probe per fact kind, "
+          f"on {args.test_docs} held-out stories")
+    print(probe_table_markdown(results, chosen=art.config.default_layer))
+    print(f"best layer {best}; the world's default extraction layer is {art.config.default_layer}")
+    if args.json is not None:
+        write_probe_json(args.json, results, world=str(art.root), default_layer=art.config.default_layer,
+                         best_layer=best)
+        print(f"wrote {args.json}")
     return 0

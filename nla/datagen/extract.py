@@ -131,11 +131,37 @@ def check_layer_index(config: Any, layer_index: int) -> None:
         )
 
 
-def _tokenize(tokenizer: Any, doc: CorpusDoc, max_len: int) -> tuple[list[int], list[tuple[int, int]] | None]:
+def tokenize_text(tokenizer: Any, text: str, max_len: int) -> tuple[list[int], list[tuple[int, int]] | None]:
+    """Token ids of ``text`` as extraction sees them (special tokens added, truncated to ``max_len``).
+
+    Also returns the character span of each token when the tokenizer is fast (None otherwise).
+    """
     fast = getattr(tokenizer, "is_fast", False)
-    enc = tokenizer(doc.text, truncation=True, max_length=max_len, return_offsets_mapping=fast)
+    enc = tokenizer(text, truncation=True, max_length=max_len, return_offsets_mapping=fast)
     offsets = [tuple(o) for o in enc["offset_mapping"]] if fast else None
     return list(enc["input_ids"]), offsets
+
+
+def block_outputs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_index: int) -> torch.Tensor:
+    """Output of decoder block ``layer_index`` [B, T, d] (model dtype, model device); later blocks never run."""
+    captured: list[torch.Tensor] = []
+
+    def hook(_module, _inputs, output):
+        captured.append(output[0] if isinstance(output, tuple) else output)
+        raise _StopForward
+
+    handle = decoder_layers(model)[layer_index].register_forward_hook(hook)
+    try:
+        with torch.inference_mode():
+            try:
+                model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        handle.remove()
+    if not captured:
+        raise RuntimeError(f"the hook on decoder block {layer_index} did not fire; report this model family")
+    return captured[0]
 
 
 def _world_annotations(doc: CorpusDoc, offsets: list[tuple[int, int]] | None, positions: np.ndarray):
@@ -169,80 +195,60 @@ def _chunk_rows(
 ) -> tuple[pa.Table, Counter, int]:
     """Rows for one chunk of docs (several batches)."""
     device = next(model.parameters()).device
-    layer = decoder_layers(model)[layer_index]
-    captured: list[torch.Tensor] = []
-
-    def hook(_module, _inputs, output):
-        captured.append(output[0] if isinstance(output, tuple) else output)
-        raise _StopForward
-
     cols: dict[str, list] = {k: [] for k in ("doc_id", "position", "n_raw_tokens", "context", "token")}
     if world:
         cols["facts"], cols["current_word"] = [], []
     vec_parts: list[np.ndarray] = []
     dropped: Counter = Counter()
     n_tokens = 0
-    handle = layer.register_forward_hook(hook)
-    try:
-        for b0 in range(0, len(docs), batch_size):
-            batch = docs[b0 : b0 + batch_size]
-            encoded = [_tokenize(tokenizer, d, max_len) for d in batch]
-            lengths = [len(ids) for ids, _ in encoded]
-            n_tokens += sum(lengths)
-            T = max(lengths)
-            input_ids = torch.zeros((len(batch), T), dtype=torch.long)  # [B, T], right padded
-            mask = torch.zeros((len(batch), T), dtype=torch.long)
-            for i, (ids, _) in enumerate(encoded):
-                input_ids[i, : len(ids)] = torch.tensor(ids)
-                mask[i, : len(ids)] = 1
-            captured.clear()
-            with torch.inference_mode():
-                try:
-                    model(input_ids=input_ids.to(device), attention_mask=mask.to(device), use_cache=False)
-                except _StopForward:
-                    pass
-            if not captured:
-                raise RuntimeError(
-                    f"the hook on decoder block {layer_index} did not fire; report this model family"
-                )
-            hidden = captured[0].float().cpu().numpy()  # [B, T, d]
-            start = len(cols["doc_id"])  # every column gets this batch's rows from here on
-            b_vec = []
-            for i, (doc, (ids, offsets)) in enumerate(zip(batch, encoded, strict=True)):
-                positions = sample_positions(seed, doc.doc_id, len(ids), positions_per_doc, skip_first)
-                if len(positions) == 0:
-                    dropped["doc_too_short"] += 1
-                    continue
-                b_vec.append(hidden[i, positions])
-                cols["doc_id"] += [doc.doc_id] * len(positions)
-                cols["position"] += positions.tolist()
-                cols["n_raw_tokens"] += [len(ids)] * len(positions)
-                for p in positions:
-                    if offsets is not None:
-                        cols["context"].append(doc.text[: offsets[p][1]])
-                    else:
-                        cols["context"].append(tokenizer.decode(ids[: p + 1]))
-                    cols["token"].append(tokenizer.decode([ids[p]]))
-                if world:
-                    facts, words = _world_annotations(doc, offsets, positions)
-                    cols["facts"] += facts
-                    cols["current_word"] += words
-            if progress is not None:
-                progress.update(len(batch))
-            if not b_vec:
+    for b0 in range(0, len(docs), batch_size):
+        batch = docs[b0 : b0 + batch_size]
+        encoded = [tokenize_text(tokenizer, d.text, max_len) for d in batch]
+        lengths = [len(ids) for ids, _ in encoded]
+        n_tokens += sum(lengths)
+        T = max(lengths)
+        input_ids = torch.zeros((len(batch), T), dtype=torch.long)  # [B, T], right padded
+        mask = torch.zeros((len(batch), T), dtype=torch.long)
+        for i, (ids, _) in enumerate(encoded):
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            mask[i, : len(ids)] = 1
+        hidden = block_outputs(model, input_ids.to(device), mask.to(device), layer_index)
+        hidden = hidden.float().cpu().numpy()  # [B, T, d]
+        start = len(cols["doc_id"])  # every column gets this batch's rows from here on
+        b_vec = []
+        for i, (doc, (ids, offsets)) in enumerate(zip(batch, encoded, strict=True)):
+            positions = sample_positions(seed, doc.doc_id, len(ids), positions_per_doc, skip_first)
+            if len(positions) == 0:
+                dropped["doc_too_short"] += 1
                 continue
-            vecs = np.concatenate(b_vec)
-            keep, bad = check_vectors(
-                vecs, np.array(cols["doc_id"][start:]), np.array(cols["position"][start:]), bad_vectors
-            )
-            dropped.update(bad)
-            if not keep.all():
-                for values in cols.values():
-                    values[start:] = [v for v, k in zip(values[start:], keep, strict=True) if k]
-                vecs = vecs[keep]
-            vec_parts.append(vecs)
-    finally:
-        handle.remove()
+            b_vec.append(hidden[i, positions])
+            cols["doc_id"] += [doc.doc_id] * len(positions)
+            cols["position"] += positions.tolist()
+            cols["n_raw_tokens"] += [len(ids)] * len(positions)
+            for p in positions:
+                if offsets is not None:
+                    cols["context"].append(doc.text[: offsets[p][1]])
+                else:
+                    cols["context"].append(tokenizer.decode(ids[: p + 1]))
+                cols["token"].append(tokenizer.decode([ids[p]]))
+            if world:
+                facts, words = _world_annotations(doc, offsets, positions)
+                cols["facts"] += facts
+                cols["current_word"] += words
+        if progress is not None:
+            progress.update(len(batch))
+        if not b_vec:
+            continue
+        vecs = np.concatenate(b_vec)
+        keep, bad = check_vectors(
+            vecs, np.array(cols["doc_id"][start:]), np.array(cols["position"][start:]), bad_vectors
+        )
+        dropped.update(bad)
+        if not keep.all():
+            for values in cols.values():
+                values[start:] = [v for v, k in zip(values[start:], keep, strict=True) if k]
+            vecs = vecs[keep]
+        vec_parts.append(vecs)
     d = hidden_size(model.config)
     vectors = np.concatenate(vec_parts) if vec_parts else np.zeros((0, d), dtype=np.float32)
     table = _rows_table(vectors, cols, layer_index, world)

@@ -21,7 +21,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from nla.world.facts import KINDS, SURFACE_INDEX, Fact, all_facts, words_with_spans
+from nla.world.facts import KINDS, SURFACE_INDEX, VOCAB, Fact, all_facts, words_with_spans
 
 # Several phrasings per kind; "{w}" is the fact's canonical word.
 FACT_TEMPLATES: dict[str, tuple[str, ...]] = {
@@ -102,6 +102,70 @@ def render_current_word(word: str) -> str:
     """Names the word being read, in quotes (so the grader does not count it as a fact claim)."""
     return f'The current word is "{word.replace(chr(34), "")}".'
 
+
+
+_CURRENT_WORD_RE = re.compile(r'^The current word is "[A-Za-z]+"\.$')  # one word, as render_current_word writes it
+# A quotation is consumed whole (a period inside it ends no sentence); an unmatched quote is an
+# ordinary character.
+_SENTENCE_RE = re.compile(r'(?:"[^"]*"|[^.?!"]|"(?=[^"]*$))*[.?!]')
+
+
+def _template_regex(template: str, kind: str) -> re.Pattern[str]:
+    words = sorted({w for v in VOCAB[kind].values() for w in v}, key=len, reverse=True)
+    head, _, tail = template.partition("{w}")
+    return re.compile("^" + re.escape(head) + "(?:" + "|".join(words) + ")" + re.escape(tail) + "$", re.IGNORECASE)
+
+
+# Every sentence the explanation language has (DESIGN §5): a fact template with any surface
+# word of its kind, a generic remark, or the quoted current word.
+_LANGUAGE = tuple(_template_regex(t, k) for k, ts in FACT_TEMPLATES.items() for t in ts)
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences of ``text`` (ending in . ? or !; a period inside quotes does not end one); trailing
+    text without a stop counts as a sentence too."""
+    text = text.strip()
+    out = [m.group().strip() for m in _SENTENCE_RE.finditer(text)]
+    rest = _SENTENCE_RE.sub("", text).strip()
+    return [s for s in out if s] + ([rest] if rest else [])
+
+
+def in_language(sentence: str) -> bool:
+    """Is ``sentence`` one the explainer could have written (any phrasing, any surface word)?"""
+    return (bool(_CURRENT_WORD_RE.match(sentence)) or sentence in GENERIC_EXPLANATIONS
+            or any(p.match(sentence) for p in _LANGUAGE))
+
+
+@dataclass(frozen=True)
+class Degeneracy:
+    """Why an explanation is degenerate (any flag set), for the eval's degeneracy column."""
+
+    repeated_sentence: bool
+    broken_quote: bool
+    outside_language: bool
+
+    @property
+    def any(self) -> bool:
+        return self.repeated_sentence or self.broken_quote or self.outside_language
+
+
+def degeneracy(text: str | None) -> Degeneracy:
+    """Flags for one explanation (None or empty: a failed sample, not degenerate here; failures
+    are counted on their own).
+
+    1. repeated sentence: the same sentence (case-insensitive) twice;
+    2. broken quote: an odd number of double quotes, or a quotation that is not the whole
+       ``The current word is "…".`` sentence;
+    3. outside the language: a sentence the explainer could not have written (``in_language``).
+    """
+    if not text or not text.strip():
+        return Degeneracy(False, False, False)
+    sentences = split_sentences(text)
+    lowered = [s.lower() for s in sentences]
+    repeated = len(set(lowered)) < len(lowered)
+    broken = text.count('"') % 2 == 1 or any('"' in s and not _CURRENT_WORD_RE.match(s) for s in sentences)
+    outside = any(not in_language(s) for s in sentences)
+    return Degeneracy(repeated, broken, outside)
 
 
 @dataclass(frozen=True)

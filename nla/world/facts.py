@@ -1,5 +1,10 @@
 """Typed facts, the world's vocabulary, and documents with exact ground truth.
 
+The ground truth is the story's *state*: who is present, where the protagonist is, what
+they hold, what they are doing, how they feel, the time of day. State changes as the
+story goes (moves, objects picked up and put down, a friend arriving and leaving), and
+the truth at a token is what is true *now* given the text so far.
+
 Every fact has a set of *surface words* (its canonical word plus inflections and
 synonyms). Surface words are unique across facts and never appear in story filler
 text, so a surface word in a document reveals exactly one fact, at the end of that
@@ -146,37 +151,73 @@ SURFACE_INDEX: dict[str, Fact] = _build_surface_index()
 
 @dataclass(frozen=True)
 class Document:
-    """A generated story and its ground truth.
+    """A generated story and its ground truth: what is true *now*, at every character.
 
-    ``reveals``: ``(char_end, fact)`` pairs sorted by ``char_end``; ``char_end`` is the
-    end offset of the word that first reveals ``fact`` (``text[:char_end]`` reveals it,
-    ``text[:char_end - 1]`` does not).
+    ``events``: ``(char_end, fact, present)`` triples sorted by ``char_end``. At
+    ``char_end`` (the end offset of the word that makes it known) ``fact`` becomes true
+    (``present=True``) or stops being true (``present=False``: the object was put down,
+    the friend left, the place changed). ``text[:char_end]`` reveals the change,
+    ``text[:char_end - 1]`` does not. Events at the same offset apply in list order.
     """
 
     doc_id: int
     text: str
-    reveals: tuple[tuple[int, Fact], ...]
+    events: tuple[tuple[int, Fact, bool], ...]
+
+    @property
+    def reveals(self) -> tuple[tuple[int, Fact], ...]:
+        """``(char_end, fact)`` for the first time each fact becomes true."""
+        seen: set[Fact] = set()
+        out = []
+        for end, fact, present in self.events:
+            if present and fact not in seen:
+                seen.add(fact)
+                out.append((end, fact))
+        return tuple(out)
 
     @property
     def facts(self) -> frozenset[Fact]:
-        """All facts the whole document reveals."""
-        return frozenset(f for _, f in self.reveals)
+        """Every fact that is true at some point of the document."""
+        return frozenset(f for _, f, present in self.events if present)
 
 
 def facts_at(doc: Document, char_end: int) -> frozenset[Fact]:
-    """Facts revealed by ``doc.text[:char_end]`` (causal: nothing after ``char_end``)."""
-    ends = [e for e, _ in doc.reveals]
+    """Facts true after reading ``doc.text[:char_end]`` (causal: nothing after ``char_end``)."""
+    ends = [e for e, _, _ in doc.events]
     n = bisect.bisect_right(ends, char_end)
-    return frozenset(f for _, f in doc.reveals[:n])
+    state: set[Fact] = set()
+    for _, fact, present in doc.events[:n]:
+        if present:
+            state.add(fact)
+        else:
+            state.discard(fact)
+    return frozenset(state)
 
 
 def token_facts(doc: Document, offsets: list[tuple[int, int]]) -> list[frozenset[Fact]]:
-    """Facts known at each token, given the tokenizer's offset mapping.
+    """Facts true at each token, given the tokenizer's offset mapping.
 
     Token i covers ``text[s:e]``; its facts are ``facts_at(doc, e)``, so a token in the
-    middle of a word does not yet reveal that word's fact.
+    middle of a word does not yet see that word's change.
     """
-    return [facts_at(doc, e) for _, e in offsets]
+    ends = [e for _, e in offsets]
+    if ends != sorted(ends):
+        return [facts_at(doc, e) for e in ends]
+    # One pass over the events (token ends are non-decreasing): same result as facts_at per token.
+    out: list[frozenset[Fact]] = []
+    state: set[Fact] = set()
+    i, current = 0, frozenset()
+    for e in ends:
+        changed = False
+        while i < len(doc.events) and doc.events[i][0] <= e:
+            _, fact, present = doc.events[i]
+            (state.add if present else state.discard)(fact)
+            i += 1
+            changed = True
+        if changed:
+            current = frozenset(state)
+        out.append(current)
+    return out
 
 
 def current_word(doc: Document, char_end: int) -> str:

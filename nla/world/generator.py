@@ -1,17 +1,31 @@
-"""Deterministic story generator with exact, causal ground truth.
+"""Deterministic story generator with exact, causal ground truth of a changing state.
 
 Document ``doc_id`` depends only on ``(seed, doc_id)`` (its RNG is seeded with that
-pair), so shards generated separately agree with one big run. A document picks one
-value per fact kind (plus an optional second person), then renders an opener, 1-4
-body sentences and a closer from templates. Slots render a surface word of the fact
-(the canonical word or, sometimes, a synonym: an indirect reveal); the first mention
-of each fact records the end offset of its word.
+pair), so shards generated separately agree with one big run.
+
+A story follows one protagonist through a short sequence of events that change the
+state (DESIGN §5): they move between places, pick up and put down objects, start and
+stop activities, change mood, a friend arrives and leaves, time passes. Between events,
+*recall* sentences re-mention the current state ("He was still at the beach."), and the
+story ends with questions about it ("Where was Leo now? At the beach."). The text is
+built so that predicting it needs the state: a re-mention slot can only be filled by
+remembering the latest value of its kind, and pronouns agree with the protagonist. A
+subject model trained on these stories therefore carries the state in its residual
+stream, which is what makes the facts decodable from the vectors
+(``nla.world.probe``).
+
+Ground truth (``Document.events``): a fact becomes true at the end of the word that
+names it (the new value replaces the old one of its kind); a fact stops being true at
+the end of the word that completes the sentence saying so (``put down the lantern`` ->
+after "lantern"; ``Hugo said goodbye and left`` -> after "left"). A value is named by
+a synonym only where it is first introduced; re-mentions use the canonical word.
 """
 
 from __future__ import annotations
 
 import random
 import re
+from dataclasses import dataclass
 
 from nla.world.facts import ACTIVITY_FORMS, VOCAB, Document, Fact
 
@@ -19,47 +33,80 @@ FEMALE_NAMES = frozenset({"alice", "clara", "elena", "greta", "iris", "kira", "m
 
 # Slots: {person} {friend} {place} {activity} (gerund) {activity_verb} (base form)
 # {a_object} ("a kite" / "an umbrella") {object} {mood} {time}; pronouns {pron} {pron_l}
-# {obj_pron} {poss} refer to {person}. Filler words never collide with surface words
-# (tests/test_world_facts.py checks it).
-OPENERS: tuple[str, ...] = (
-    "One {time}, {person} went to the {place}.",
-    "{person} woke up feeling {mood}.",
-    "It was {time} when {person} arrived at the {place}.",
-    "{person} was {activity} at the {place}.",
-    "{person} had {a_object} and a plan.",
-    "Every {time}, {person} liked {activity}.",
-    "{person} walked into the {place} with {a_object}.",
-    "At the {place}, {person} felt {mood}.",
-    "{person} loved to {activity_verb} in the {time}.",
+# {obj_pron} {poss} refer to the protagonist. A slot names the *new* value where the
+# event sets its kind, and the *current* value otherwise. Filler words never collide with
+# surface words (tests/test_world_facts.py checks it).
+
+
+@dataclass(frozen=True)
+class Event:
+    """A sentence template and what it does to the state.
+
+    ``sets``: the kind whose new value the sentence introduces (its slot of that kind
+    names the new value). ``clears``: the kind that stops being true at the sentence's
+    last word. ``needs``/``needs_not``: kinds that must / must not have a value for the
+    event to be possible.
+    """
+
+    template: str
+    sets: str | None = None
+    clears: str | None = None
+    needs: tuple[str, ...] = ()
+    needs_not: tuple[str, ...] = ()
+
+
+OPENERS: tuple[Event, ...] = (
+    Event("One {time}, {person} went to the {place}."),
+    Event("It was {time} when {person} arrived at the {place}."),
+    Event("{person} spent the {time} at the {place}."),
+    Event("That {time}, {person} walked into the {place}."),
 )
-BODIES: tuple[str, ...] = (
-    "{pron} felt {mood}.",
-    "{pron} wanted to {activity_verb}.",
-    "{pron} was {activity} with {friend}.",
-    "{friend} brought {a_object}.",
-    "The {place} was quiet that {time}.",
-    "{pron} carried {a_object} everywhere.",
-    "Later, {friend} joined {obj_pron} at the {place}.",
-    "{pron} spent the {time} {activity}.",
-    "Everyone at the {place} seemed {mood}.",
-    "{pron} forgot {poss} {object} on a bench.",
-    "{friend} said it was a good day for {activity}.",
-    "By {time}, {pron_l} was very {mood}.",
-    "{pron} smiled and looked at the {object}.",
-    "It started to rain, so {pron_l} stayed near the {place}.",
-    "{person} and {friend} talked for a long while.",
-    "{pron} tried to {activity_verb} but it was hard.",
+EVENTS: tuple[Event, ...] = (
+    Event("{pron} walked to the {place}.", sets="place"),
+    Event("Then {pron_l} went over to the {place}.", sets="place"),
+    Event("{pron} left for the {place}.", sets="place"),
+    Event("{pron} picked up {a_object}.", sets="object", needs_not=("object",)),
+    Event("{pron} found {a_object} and kept it.", sets="object", needs_not=("object",)),
+    Event("{pron} put down the {object}.", clears="object", needs=("object",)),
+    Event("{pron} gave away the {object}.", clears="object", needs=("object",)),
+    Event("{pron} started {activity}.", sets="activity", needs_not=("activity",)),
+    Event("{pron} decided to {activity_verb}.", sets="activity", needs_not=("activity",)),
+    Event("{pron} stopped {activity}.", clears="activity", needs=("activity",)),
+    Event("{pron} felt {mood}.", sets="mood"),
+    Event("Soon {pron_l} was {mood}.", sets="mood"),
+    Event("{friend} came to the {place} too.", sets="friend", needs_not=("friend",)),
+    Event("{friend} joined {obj_pron}.", sets="friend", needs_not=("friend",)),
+    Event("{friend} said goodbye and left.", clears="friend", needs=("friend",)),
+    Event("Soon it was {time}.", sets="time"),
 )
-CLOSERS: tuple[str, ...] = (
-    "In the end, {pron_l} went home {mood}.",
-    "It was a good {time}.",
-    "{pron} decided to come back to the {place} soon.",
-    "{pron} put the {object} away and rested.",
-    "That was how {person} spent the day.",
+RECALLS: tuple[Event, ...] = (
+    Event("{pron} was still at the {place}."),
+    Event("The {place} was quiet."),
+    Event("{pron} held the {object} tightly.", needs=("object",)),
+    Event("{pron} looked at {poss} {object}.", needs=("object",)),
+    Event("{pron} was still {activity}.", needs=("activity",)),
+    Event("{pron} still felt {mood}.", needs=("mood",)),
+    Event("{friend} was still with {obj_pron}.", needs=("friend",)),
+    Event("It was still {time}.", needs=("time",)),
+)
+QUESTIONS: tuple[Event, ...] = (
+    Event("Where was {person} now? At the {place}."),
+    Event("What did {person} hold? The {object}.", needs=("object",)),
+    Event("How did {person} feel? {mood}.", needs=("mood",)),
+    Event("What was {person} doing? {activity}.", needs=("activity",)),
+    Event("Who was with {person}? {friend}.", needs=("friend",)),
 )
 
 _SLOT_RE = re.compile(r"\{(\w+)\}")
-SYNONYM_RATE = 0.3  # how often a mention uses a synonym instead of the canonical word
+SYNONYM_RATE = 0.3  # how often an introduced value uses a synonym instead of the canonical word
+RECALL_RATE = 0.5  # chance of a recall sentence after each event
+N_EVENTS = (4, 7)  # events per story (inclusive)
+N_QUESTIONS = (1, 2)
+# The kind of each slot; {friend} holds a person fact of its own.
+SLOT_KIND = {"person": "person", "friend": "friend", "place": "place", "activity": "activity",
+             "activity_verb": "activity", "a_object": "object", "object": "object", "mood": "mood",
+             "time": "time"}
+STATE_KINDS = ("person", "friend", "place", "object", "activity", "mood", "time")
 
 
 def doc_rng(seed: int, doc_id: int) -> random.Random:
@@ -67,72 +114,105 @@ def doc_rng(seed: int, doc_id: int) -> random.Random:
     return random.Random(f"nla-world:{seed}:{doc_id}")
 
 
-def _surface(rng: random.Random, words: tuple[str, ...]) -> str:
-    if len(words) == 1 or rng.random() >= SYNONYM_RATE:
+def _fact(kind: str, value: str) -> Fact:
+    return Fact("person" if kind == "friend" else kind, value)
+
+
+def _possible(event: Event, state: dict[str, str | None]) -> bool:
+    return all(state[k] is not None for k in event.needs) and all(state[k] is None for k in event.needs_not)
+
+
+class _Writer:
+    """Renders templates against the state and records the ground-truth events."""
+
+    def __init__(self, rng: random.Random, person: str):
+        self.rng = rng
+        female = person in FEMALE_NAMES
+        self.pronouns = {
+            "pron": "She" if female else "He", "pron_l": "she" if female else "he",
+            "obj_pron": "her" if female else "him", "poss": "her" if female else "his",
+        }
+        self.protagonist = person  # named in the opener; known (a fact) from then on
+        self.state: dict[str, str | None] = dict.fromkeys(STATE_KINDS)
+        self.text = ""
+        self.events: list[tuple[int, Fact, bool]] = []
+
+    def _new_value(self, kind: str) -> str:
+        pool = sorted(VOCAB["person"] if kind == "friend" else VOCAB[kind])
+        if kind == "person":
+            return self.protagonist
+        taken = {self.state[kind], self.protagonist if kind == "friend" else None}
+        return self.rng.choice([v for v in pool if v not in taken])
+
+    def _surface(self, slot: str, value: str, introduced: bool) -> str:
+        kind = SLOT_KIND[slot]
+        if kind in ("person", "friend"):
+            return value.capitalize()
+        if kind == "activity":
+            gerunds, bases = ACTIVITY_FORMS[value]
+            words = bases if slot == "activity_verb" else gerunds
+        else:
+            words = VOCAB[kind][value]
+        if introduced and len(words) > 1 and self.rng.random() < SYNONYM_RATE:
+            return self.rng.choice(words[1:])
         return words[0]
-    return rng.choice(words[1:])
 
+    def _set(self, kind: str, value: str, end: int) -> None:
+        old = self.state[kind]
+        if old == value:
+            return
+        if old is not None:
+            self.events.append((end, _fact(kind, old), False))
+        self.state[kind] = value
+        self.events.append((end, _fact(kind, value), True))
 
-def _pick(rng: random.Random, templates: tuple[str, ...], has_friend: bool) -> str:
-    pool = [t for t in templates if has_friend or "{friend}" not in t]
-    return rng.choice(pool)
+    def write(self, event: Event) -> None:
+        if self.text:
+            self.text += " "
+        pos = 0
+        last_end = len(self.text)
+        for m in _SLOT_RE.finditer(event.template):
+            self.text += event.template[pos : m.start()]
+            pos = m.end()
+            slot = m.group(1)
+            if slot in self.pronouns:
+                self.text += self.pronouns[slot]
+                continue
+            kind = SLOT_KIND[slot]
+            introduced = kind == event.sets or self.state[kind] is None
+            value = self._new_value(kind) if introduced else self.state[kind]
+            assert value is not None
+            word = self._surface(slot, value, introduced)
+            if slot == "a_object":
+                word = ("an " if word[0] in "aeiou" else "a ") + word
+            # A bare answer ("How did Leo feel? Happy.") starts a sentence: capitalise it.
+            if event.template[m.start() - 2 : m.start()] == "? ":
+                word = word[0].upper() + word[1:]
+            self.text += word
+            self._set(kind, value, len(self.text))
+        self.text += event.template[pos:]
+        words = list(re.finditer(r"[A-Za-z]+", self.text[last_end:]))
+        if event.clears is not None:
+            # The change is known once the sentence's last word is read.
+            old = self.state[event.clears]
+            assert old is not None
+            self.events.append((last_end + words[-1].end(), _fact(event.clears, old), False))
+            self.state[event.clears] = None
 
 
 def generate_document(seed: int, doc_id: int) -> Document:
     """One story; depends only on ``(seed, doc_id)``."""
     rng = doc_rng(seed, doc_id)
-    names = sorted(VOCAB["person"])
-    person = rng.choice(names)
-    friend = rng.choice([n for n in names if n != person]) if rng.random() < 0.6 else None
-    chosen = {k: rng.choice(sorted(VOCAB[k])) for k in ("place", "activity", "object", "mood", "time")}
-    female = person in FEMALE_NAMES
-    pronouns = {
-        "pron": "She" if female else "He",
-        "pron_l": "she" if female else "he",
-        "obj_pron": "her" if female else "him",
-        "poss": "her" if female else "his",
-    }
-
-    n_sent = rng.randint(3, 6)
-    templates = [_pick(rng, OPENERS, friend is not None)]
-    templates += [_pick(rng, BODIES, friend is not None) for _ in range(n_sent - 2)]
-    templates.append(_pick(rng, CLOSERS, friend is not None))
-
-    text = ""
-    first_end: dict[Fact, int] = {}
-    for i, template in enumerate(templates):
-        if i:
-            text += " "
-        pos = 0
-        for m in _SLOT_RE.finditer(template):
-            text += template[pos : m.start()]
-            pos = m.end()
-            slot = m.group(1)
-            prefix, word, fact = "", None, None
-            if slot in pronouns:
-                word = pronouns[slot]
-            elif slot in ("person", "friend"):
-                name = person if slot == "person" else friend
-                assert name is not None  # templates with {friend} are filtered when there is none
-                word, fact = name.capitalize(), Fact("person", name)
-            elif slot in ("activity", "activity_verb"):
-                gerunds, bases = ACTIVITY_FORMS[chosen["activity"]]
-                word = _surface(rng, gerunds if slot == "activity" else bases)
-                fact = Fact("activity", chosen["activity"])
-            elif slot in ("object", "a_object"):
-                word = _surface(rng, VOCAB["object"][chosen["object"]])
-                if slot == "a_object":
-                    prefix = "an " if word[0] in "aeiou" else "a "
-                fact = Fact("object", chosen["object"])
-            else:
-                word = _surface(rng, VOCAB[slot][chosen[slot]])
-                fact = Fact(slot, chosen[slot])
-            text += prefix + word
-            if fact is not None and fact not in first_end:
-                first_end[fact] = len(text)
-        text += template[pos:]
-    reveals = tuple(sorted(((end, f) for f, end in first_end.items()), key=lambda p: (p[0], p[1])))
-    return Document(doc_id=doc_id, text=text, reveals=reveals)
+    w = _Writer(rng, rng.choice(sorted(VOCAB["person"])))
+    w.write(rng.choice(OPENERS))
+    for _ in range(rng.randint(*N_EVENTS)):
+        w.write(rng.choice([e for e in EVENTS if _possible(e, w.state)]))
+        if rng.random() < RECALL_RATE:
+            w.write(rng.choice([e for e in RECALLS if _possible(e, w.state)]))
+    questions = [e for e in QUESTIONS if _possible(e, w.state)]
+    for q in rng.sample(questions, min(len(questions), rng.randint(*N_QUESTIONS))):
+        w.write(q)
+    return Document(doc_id=doc_id, text=w.text, events=tuple(w.events))
 
 
 def generate_documents(seed: int, n_docs: int, start_id: int = 0) -> list[Document]:

@@ -1,0 +1,61 @@
+"""`nla explore --av DIR --ar DIR [--subject DIR] [--run DIR] [--host 127.0.0.1 --port 8765]`: local web explorer.
+
+A problem with the models (a missing checkpoint, an AV/AR pair of different ``d_model``, a
+subject without the pair's layer) is logged and shown in the page, and every model request
+answers it as a JSON 409; the run view still works. See docs/explore.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+log = logging.getLogger("nla.explore")
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("explore", help="local web explorer: explanations and round-trip scores per token, and runs")
+    p.add_argument("--av", required=True, help="verbalizer checkpoint dir")
+    p.add_argument("--ar", required=True, help="reconstructor checkpoint dir")
+    p.add_argument("--subject", help="subject model dir (default: the base_model recorded in the pair's sidecars)")
+    p.add_argument("--run", help="a quickstart or nla rl output dir to show in the run view")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=8765)
+    # Defaults live in nla.explore.ExploreLimits (96, 128 and 8 today); None here means "its default".
+    p.add_argument("--max-new-tokens", type=int, help="explanation length cap (default 96)")
+    p.add_argument("--max-tokens", type=int, help="tokens per text cap, also capped by the subject's context "
+                   "(default 128)")
+    p.add_argument("--max-samples", type=int, help="sampled explanations per token cap (default 8)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.set_defaults(func=run)
+
+
+def build(args: argparse.Namespace):
+    """The app for ``args``: models that fail to load become the page's setup error, a bad --run raises."""
+    from nla.explore import ExploreLimits, Explorer, create_app, load_run
+
+    given = {"max_new_tokens": args.max_new_tokens, "max_tokens": args.max_tokens, "max_samples": args.max_samples}
+    limits = ExploreLimits(**{k: v for k, v in given.items() if v is not None})
+    run_summary = load_run(args.run) if args.run else None
+    explorer, setup_error = None, None
+    try:
+        explorer = Explorer.load(args.av, args.ar, args.subject, device=args.device, dtype=args.dtype, limits=limits)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        setup_error = " ".join(str(exc).split())
+        log.error("the models could not be loaded; the page will say why: %s", setup_error)
+    hosts = list(LOOPBACK) if args.host in LOOPBACK else None
+    return create_app(explorer, run=run_summary, limits=limits, setup_error=setup_error, allowed_hosts=hosts)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    app = build(args)
+    if args.host not in LOOPBACK:
+        log.warning("binding to %s: anyone who can reach this address can use the explorer", args.host)
+    log.info("nla explore: open http://%s:%d/", args.host if ":" not in args.host else f"[{args.host}]", args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

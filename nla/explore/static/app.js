@@ -1,0 +1,280 @@
+// nla explore: the page. It talks only to the JSON API (docs/explore.md); no framework, no build step.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const state = { input: null, tokens: [], results: new Map(), selected: null, facts: null };
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") node.className = v;
+    else if (k === "style") node.setAttribute("style", v);
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v);
+  }
+  for (const c of children.flat()) {
+    if (c === null || c === undefined) continue;
+    node.appendChild(typeof c === "string" || typeof c === "number" ? document.createTextNode(String(c)) : c);
+  }
+  return node;
+}
+
+function showError(message) {
+  const box = $("error");
+  if (!message) { box.hidden = true; box.textContent = ""; return; }
+  box.textContent = message;
+  box.hidden = false;
+}
+
+async function api(path, body) {
+  const opts = body === undefined ? {} : {
+    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+  };
+  let resp;
+  try {
+    resp = await fetch(path, opts);
+  } catch (err) {
+    throw new Error(`the explorer server did not answer (${err.message}); is nla explore still running?`);
+  }
+  let data = null;
+  try { data = await resp.json(); } catch (_) { /* not JSON */ }
+  if (!resp.ok) throw new Error((data && data.error) || `${path}: HTTP ${resp.status}`);
+  return data;
+}
+
+const fmt = (x, nd = 3) => (x === null || x === undefined ? "–" : Number(x).toFixed(nd));
+
+// Round-trip cosine -> background colour: red at <= 0, yellow at 0.5, green at 1.
+function cosColour(cos) {
+  if (cos === null || cos === undefined) return "";
+  const t = Math.max(0, Math.min(1, cos));
+  return `hsl(${Math.round(t * 120)}, 75%, 82%)`;
+}
+
+function sourceBody() {
+  const docId = $("doc-select").value;
+  return docId ? { doc_id: Number(docId) } : { text: $("text-input").value };
+}
+
+// ---------------------------------------------------------------- text view
+async function explore() {
+  showError(null);
+  state.results.clear();
+  state.selected = null;
+  $("detail").hidden = true;
+  const src = sourceBody();
+  const btn = $("explore-btn");
+  btn.disabled = true;
+  try {
+    $("status").textContent = "tokenizing…";
+    const tok = await api("/api/tokenize", src);
+    state.input = src;
+    state.tokens = tok.tokens;
+    renderTokens();
+    $("status").textContent = `explaining ${tok.n_tokens} tokens in one batch…`;
+    const t0 = performance.now();
+    const res = await api("/api/explain", src);
+    for (const r of res.results) state.results.set(r.position, r);
+    renderTokens();
+    const cos = res.results.map((r) => r.greedy.cosine).filter((c) => c !== null);
+    const mean = cos.length ? cos.reduce((a, b) => a + b, 0) / cos.length : null;
+    $("status").textContent = `${tok.n_tokens} tokens, mean cosine ${fmt(mean)} ` +
+      `(${((performance.now() - t0) / 1000).toFixed(1)} s). Click a token.`;
+  } catch (err) {
+    showError(err.message);
+    $("status").textContent = "";
+  } finally {
+    btn.disabled = false;
+  }
+}
+
+function renderTokens() {
+  const box = $("tokens");
+  box.replaceChildren();
+  for (const t of state.tokens) {
+    const r = state.results.get(t.position);
+    const cos = r ? r.greedy.cosine : null;
+    const wrong = r && (r.greedy.claims || []).some((c) => !c.correct);
+    const span = el("span", {
+      class: "tok" + (r && cos === null ? " failed" : "") + (wrong ? " wrong" : "") +
+        (state.selected === t.position ? " selected" : ""),
+      "data-position": t.position,
+      title: r ? `#${t.position}  cos ${fmt(cos)}  mse_nrm ${fmt(r.greedy.mse_nrm)}` : `#${t.position}`,
+      style: r && cos !== null ? `background:${cosColour(cos)}` : "",
+      onclick: () => selectToken(t.position),
+    }, t.text.replace(/\n/g, "⏎"));
+    box.appendChild(span);
+  }
+}
+
+async function selectToken(position) {
+  showError(null);
+  state.selected = position;
+  renderTokens();
+  let r = state.results.get(position);
+  if (!r) {
+    try {
+      const res = await api("/api/explain", { ...state.input, positions: [position] });
+      r = res.results[0];
+      state.results.set(position, r);
+      renderTokens();
+    } catch (err) { showError(err.message); return; }
+  }
+  renderDetail(r);
+}
+
+function scoreLine(e) {
+  return el("div", { class: "scores" },
+    el("span", { class: "score-cos" }, "cosine ", el("b", {}, fmt(e.cosine))),
+    el("span", { class: "score-mse" }, "mse_nrm ", el("b", {}, fmt(e.mse_nrm))),
+    e.recall !== undefined ? el("span", {}, "fact recall ", el("b", {}, fmt(e.recall, 2)),
+      " precision ", el("b", {}, fmt(e.precision, 2))) : null,
+    el("span", { class: "muted" }, e.status));
+}
+
+function claimsLine(e) {
+  if (!e.claims) return null;
+  if (!e.claims.length && !(e.missed || []).length) return null;
+  return el("div", { class: "claims" },
+    e.claims.map((c) => el("span", { class: "fact " + (c.correct ? "true" : "false"),
+      title: c.correct ? "true at this token" : "not true at this token" },
+    (c.correct ? "✓ " : "✗ ") + c.fact)),
+    (e.missed || []).length ? el("span", { class: "muted small" }, "not said:") : null,
+    (e.missed || []).map((f) => el("span", { class: "fact missed", title: "true here, not said" }, f)));
+}
+
+function explanationCard(e, label) {
+  return el("div", { class: "explanation-card" },
+    label ? el("div", { class: "label muted" }, label) : null,
+    e.explanation !== null && e.explanation !== undefined ? el("div", { class: "explanation" }, e.explanation)
+      : el("div", { class: "explanation none" }, `no explanation (${e.status}): `,
+        el("span", { class: "raw" }, e.text || "(empty)")),
+    scoreLine(e), claimsLine(e));
+}
+
+function renderDetail(r) {
+  $("detail").hidden = false;
+  $("d-token").textContent = JSON.stringify(r.token);
+  $("d-position").textContent = r.position;
+  $("d-greedy").replaceChildren(explanationCard(r.greedy, "greedy explanation"));
+  const truth = $("d-truth");
+  if (r.facts) {
+    truth.hidden = false;
+    truth.replaceChildren(el("span", { class: "muted" }, "ground truth at this token:"),
+      ...(r.facts.length ? r.facts.map((f) => el("span", { class: "fact truthful" }, f))
+        : [el("span", { class: "muted" }, "nothing revealed yet")]));
+  } else {
+    truth.hidden = true;
+  }
+  $("d-samples").replaceChildren();
+  $("sample-status").textContent = "";
+  $("own-result").replaceChildren();
+  $("own-text").value = r.greedy.explanation || "";
+  if (r.samples && r.samples.length) renderSamples(r.samples);
+}
+
+function renderSamples(samples) {
+  $("d-samples").replaceChildren(...samples.map((s, i) => explanationCard(s, `sample ${i + 1}`)));
+}
+
+async function sample() {
+  if (state.selected === null) return;
+  showError(null);
+  const k = Number($("k-input").value);
+  $("sample-status").textContent = `sampling ${k}…`;
+  try {
+    const res = await api("/api/explain", {
+      ...state.input, positions: [state.selected], n_samples: k, seed: Math.floor(Math.random() * 1e6),
+    });
+    renderSamples(res.results[0].samples);
+    $("sample-status").textContent = "";
+  } catch (err) {
+    showError(err.message);
+    $("sample-status").textContent = "";
+  }
+}
+
+async function scoreOwn() {
+  if (state.selected === null) return;
+  showError(null);
+  try {
+    const res = await api("/api/score", {
+      ...state.input, position: state.selected, texts: [$("own-text").value],
+    });
+    $("own-result").replaceChildren(explanationCard({ ...res.results[0], explanation: $("own-text").value,
+      status: "your text" }));
+  } catch (err) { showError(err.message); }
+}
+
+// ---------------------------------------------------------------- run view
+function table(t) {
+  return el("div", { class: "table-wrap" }, el("h2", {}, t.title),
+    el("table", {},
+      el("thead", {}, el("tr", {}, t.columns.map((c) => el("th", {}, c)))),
+      el("tbody", {}, t.rows.map((row) => el("tr", {}, row.map((v) => el("td", {},
+        typeof v === "number" ? String(v) : (v === null ? "–" : String(v)))))))));
+}
+
+function exampleCard(ex) {
+  const side = (label, e) => el("div", { class: "explanation-card" },
+    el("div", { class: "label muted" }, `${label} (mse_nrm ${fmt(e.mse_nrm)})`),
+    el("div", { class: "explanation" }, e.explanation || `(${e.status})`), claimsLine(e));
+  return el("div", { class: "card example" },
+    el("div", { class: "context" }, "…" + (ex.context || "").slice(-160)),
+    el("div", { class: "truth" }, el("span", { class: "muted" }, "ground truth: "),
+      (ex.facts || []).map((f) => el("span", { class: "fact truthful" }, f))),
+    el("div", { class: "muted" }, "data explainer: " + (ex.reference || "–")),
+    side("warm-start AV", ex.warmstart), side("after RL", ex.rl));
+}
+
+async function loadRun() {
+  try {
+    const run = await api("/api/run");
+    $("run-path").textContent = `${run.kind} run: ${run.path}`;
+    $("run-headline").replaceChildren(...run.headline.map((h) =>
+      el("div", { class: "stat" }, el("div", { class: "muted" }, h.label),
+        el("div", { class: "value" }, h.value === null ? "–" : String(h.value)))));
+    $("run-tables").replaceChildren(...run.tables.map(table));
+    $("run-plots").replaceChildren(...run.plots.map((p) =>
+      el("figure", {}, el("img", { src: p.url, alt: p.title, loading: "lazy" }), el("figcaption", {}, p.title))));
+    $("run-examples-title").hidden = !run.examples.length;
+    $("run-examples").replaceChildren(...run.examples.map(exampleCard));
+  } catch (err) { showError(err.message); }
+}
+
+// ---------------------------------------------------------------- start
+function switchView(id) {
+  for (const v of document.querySelectorAll(".view")) v.hidden = v.id !== id;
+  for (const t of document.querySelectorAll(".tab")) t.classList.toggle("active", t.dataset.view === id);
+}
+
+async function init() {
+  for (const t of document.querySelectorAll(".tab")) t.addEventListener("click", () => switchView(t.dataset.view));
+  $("explore-btn").addEventListener("click", explore);
+  $("sample-btn").addEventListener("click", sample);
+  $("own-btn").addEventListener("click", scoreOwn);
+  $("text-input").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) explore();
+  });
+  $("doc-select").addEventListener("change", () => {
+    const opt = $("doc-select").selectedOptions[0];
+    $("text-input").value = opt && opt.dataset.text ? opt.dataset.text : $("text-input").value;
+    $("text-input").readOnly = Boolean($("doc-select").value);
+  });
+  let info;
+  try { info = await api("/api/info"); } catch (err) { showError(err.message); return; }
+  if (info.setup_error) showError(`The models could not be loaded: ${info.setup_error}`);
+  $("k-input").max = info.limits.max_samples;
+  if (info.d_model) {
+    $("pair-info").textContent = `subject ${info.subject.split("/").slice(-3).join("/")} · layer ${info.layer_index}` +
+      ` · d_model ${info.d_model}` + (info.world ? " · world ground truth on" : "");
+  }
+  for (const d of info.world_docs || []) {
+    const opt = el("option", { value: d.doc_id }, `#${d.doc_id}: ${d.title}…`);
+    opt.dataset.text = d.text;
+    $("doc-select").appendChild(opt);
+  }
+  if (info.run) { $("tab-run").hidden = false; loadRun(); }
+}
+
+init();

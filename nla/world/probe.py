@@ -1,0 +1,241 @@
+"""What is in the vector? Linear probes for the world's facts, per layer.
+
+For every layer K of the subject model, the residual-stream output of block K (HF
+``hidden_states[K + 1]``, the vector an NLA at layer K reads) is collected at random
+token positions of world stories, with the facts true at that token. For each fact kind
+a linear probe (one sigmoid per fact of the kind, L2-regularised logistic regression)
+is fitted on training stories and scored on held-out stories:
+
+1. ``top1``: over held-out rows where at least one fact of the kind is true, how often the
+   probe's highest-scoring fact of the kind is a true one.
+2. ``chance``: the same for a guess uniform over the kind's facts, i.e. the mean over
+   those rows of ``n_true_of_kind / n_facts_of_kind``.
+3. Vectors are L2-normalised (the NLA compares directions), then standardised with the
+   training rows' mean and std, so every layer is probed on the same footing.
+
+It bounds what any verbalizer can say faithfully about the facts at a layer, and picks
+the extraction layer (DESIGN §5). Notation: N rows, d width, F facts of a kind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from nla.world.facts import KINDS, VOCAB, Document, Fact, token_facts
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KindProbe:
+    """Held-out decodability of one fact kind at one layer."""
+
+    kind: str
+    n_facts: int  # facts of the kind the probe chooses among
+    n_rows: int  # held-out rows where the kind is present
+    top1: float
+    chance: float
+
+
+@dataclass(frozen=True)
+class LayerProbe:
+    """Every kind's probe at layer ``layer`` (output of block ``layer``)."""
+
+    layer: int
+    kinds: tuple[KindProbe, ...]
+
+    @property
+    def mean_top1(self) -> float:
+        return float(np.mean([k.top1 for k in self.kinds])) if self.kinds else float("nan")
+
+    @property
+    def mean_chance(self) -> float:
+        return float(np.mean([k.chance for k in self.kinds])) if self.kinds else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layer": self.layer, "mean_top1": self.mean_top1, "mean_chance": self.mean_chance,
+                "kinds": [asdict(k) for k in self.kinds]}
+
+
+def _standardise(x_train: torch.Tensor, x_test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x_train = torch.nn.functional.normalize(x_train, dim=-1)
+    x_test = torch.nn.functional.normalize(x_test, dim=-1)
+    mu, sd = x_train.mean(0), x_train.std(0).clamp_min(1e-6)
+    return (x_train - mu) / sd, (x_test - mu) / sd
+
+
+def _fit_logistic(x: torch.Tensor, y: torch.Tensor, l2: float, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-label logistic regression ``sigmoid(x @ w + b)`` by full-batch L-BFGS.  x [N, d], y [N, F]."""
+    w = torch.zeros(x.shape[1], y.shape[1], requires_grad=True)
+    b = torch.zeros(y.shape[1], requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=steps, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(x @ w + b, y) + l2 * (w * w).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return w.detach(), b.detach()
+
+
+def probe_kinds(
+    x_train: np.ndarray | torch.Tensor,
+    facts_train: Sequence[Sequence[str]],
+    x_test: np.ndarray | torch.Tensor,
+    facts_test: Sequence[Sequence[str]],
+    kinds: Sequence[str] = KINDS,
+    l2: float = 1e-3,
+    steps: int = 100,
+) -> tuple[KindProbe, ...]:
+    """Fit and score one probe per kind. ``facts_*[i]``: the facts true at row i, as ``"kind=value"``.
+
+    A kind with no training row or no held-out row where it is present is left out.
+    """
+    x_tr, x_te = _standardise(torch.as_tensor(np.asarray(x_train), dtype=torch.float32),
+                              torch.as_tensor(np.asarray(x_test), dtype=torch.float32))
+    if x_tr.shape[0] != len(facts_train) or x_te.shape[0] != len(facts_test):
+        raise ValueError(
+            f"probe_kinds: {x_tr.shape[0]} training vectors for {len(facts_train)} fact rows and "
+            f"{x_te.shape[0]} held-out vectors for {len(facts_test)}; they must match one to one"
+        )
+    out = []
+    for kind in kinds:
+        facts = [str(Fact(kind, v)) for v in sorted(VOCAB[kind])]
+        y_tr = torch.tensor([[f in set(fs) for f in facts] for fs in facts_train], dtype=torch.float32)
+        y_te = torch.tensor([[f in set(fs) for f in facts] for fs in facts_test], dtype=torch.float32)
+        has = y_te.sum(1) > 0
+        if y_tr.sum() == 0 or not bool(has.any()):
+            continue
+        w, b = _fit_logistic(x_tr, y_tr, l2, steps)
+        scores = x_te[has] @ w + b  # [N_has, F]
+        top1 = float(y_te[has].gather(1, scores.argmax(1, keepdim=True)).mean())
+        chance = float((y_te[has].sum(1) / len(facts)).mean())
+        out.append(KindProbe(kind, len(facts), int(has.sum()), top1, chance))
+    return tuple(out)
+
+
+@torch.no_grad()
+def collect_layer_vectors(
+    model: Any,
+    tokenizer: Any,
+    docs: Sequence[Document],
+    layers: Sequence[int],
+    positions_per_doc: int = 8,
+    skip_first: int = 4,
+    seed: int = 0,
+    max_len: int = 128,
+    batch_size: int = 32,
+    progress: bool = False,
+) -> tuple[dict[int, np.ndarray], list[list[str]]]:
+    """Block-``K`` outputs for every K in ``layers`` at sampled positions, and the facts there.
+
+    Positions are drawn as in datagen (``nla.datagen.extract.sample_positions``), so a probe
+    sees the same kind of rows the NLA is trained on. Returns ``({K: [N, d]}, facts)``.
+    """
+    from nla.datagen.extract import sample_positions
+
+    vecs: dict[int, list[np.ndarray]] = {k: [] for k in layers}
+    facts: list[list[str]] = []
+    model.eval()
+    for i in tqdm(range(0, len(docs), batch_size), desc="probe: collect", disable=not progress, leave=False):
+        batch = docs[i : i + batch_size]
+        enc = tokenizer([d.text for d in batch], truncation=True, max_length=max_len, padding=True,
+                        return_offsets_mapping=True, return_tensors="pt")
+        offsets = enc.pop("offset_mapping")
+        out = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], output_hidden_states=True)
+        for j, doc in enumerate(batch):
+            real = enc["attention_mask"][j].nonzero().squeeze(1)  # token indices, whichever side pads
+            pos = sample_positions(seed, doc.doc_id, len(real), positions_per_doc, skip_first)
+            if len(pos) == 0:
+                continue
+            tf = token_facts(doc, [tuple(o) for o in offsets[j, real].tolist()])
+            facts += [sorted(str(f) for f in tf[p]) for p in pos]
+            idx = real[torch.as_tensor(pos)]
+            for k in layers:
+                vecs[k].append(out.hidden_states[k + 1][j, idx].float().numpy())
+    return {k: np.concatenate(v) for k, v in vecs.items()}, facts
+
+
+def probe_world_layers(
+    subject_dir: str | Path,
+    train_docs: Sequence[Document],
+    test_docs: Sequence[Document],
+    layers: Sequence[int] | None = None,
+    positions_per_doc: int = 8,
+    skip_first: int = 4,
+    max_len: int = 128,
+    progress: bool = False,
+) -> list[LayerProbe]:
+    """Probe every layer in ``layers`` (default: every block but the last) of a world subject."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(subject_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(subject_dir), use_safetensors=True)
+    n_layers = int(model.config.num_hidden_layers)
+    layers = list(range(n_layers - 1)) if layers is None else list(layers)
+    bad = [k for k in layers if not 0 <= k < n_layers - 1]
+    if bad:
+        raise ValueError(f"probe layers: expected blocks 0..{n_layers - 2} of this {n_layers}-block subject, "
+                         f"found {bad}")
+    kw = dict(positions_per_doc=positions_per_doc, skip_first=skip_first, max_len=max_len, progress=progress)
+    x_tr, f_tr = collect_layer_vectors(model, tok, train_docs, layers, seed=0, **kw)
+    x_te, f_te = collect_layer_vectors(model, tok, test_docs, layers, seed=1, **kw)
+    results = []
+    for k in tqdm(layers, desc="probe: fit", disable=not progress, leave=False):
+        results.append(LayerProbe(k, probe_kinds(x_tr[k], f_tr, x_te[k], f_te)))
+        logger.info("probe layer %d: mean top-1 %.3f (chance %.3f)", k, results[-1].mean_top1,
+                    results[-1].mean_chance)
+    return results
+
+
+def probe_world(
+    world: Any, layers: Sequence[int] | None = None, n_train_docs: int = 1500, n_test_docs: int = 300,
+    progress: bool = False,
+) -> list[LayerProbe]:
+    """Probe a world build (``nla.world.build.WorldArtifacts``): fit on its first training stories,
+    score on its held-out stories (never seen in pretraining)."""
+    from nla.world.generator import generate_documents
+
+    cfg = world.config
+    if n_test_docs > cfg.n_heldout_docs:
+        raise ValueError(f"n_test_docs: the world holds out {cfg.n_heldout_docs} stories, asked for {n_test_docs}")
+    train = generate_documents(cfg.seed, min(n_train_docs, cfg.n_docs))
+    test = generate_documents(cfg.seed, n_test_docs, start_id=cfg.heldout_start)
+    return probe_world_layers(world.subject_dir, train, test, layers=layers, progress=progress)
+
+
+def best_layer(results: Sequence[LayerProbe]) -> int:
+    """The layer with the highest mean top-1 (ties: the earliest)."""
+    if not results:
+        raise ValueError("best_layer: no probe results")
+    return max(results, key=lambda r: (r.mean_top1, -r.layer)).layer
+
+
+def probe_table_markdown(results: Sequence[LayerProbe], chosen: int | None = None) -> str:
+    """Rows: layers; columns: top-1 per kind, mean, chance. ``chosen`` is marked."""
+    kinds = [k.kind for k in results[0].kinds] if results else []
+    lines = ["| layer | " + " | ".join(kinds) + " | mean top-1 | chance |",
+             "|---" * (len(kinds) + 3) + "|"]
+    for r in results:
+        by = {k.kind: k for k in r.kinds}
+        cells = [f"{by[k].top1:.2f}" if k in by else "–" for k in kinds]
+        mark = " (chosen)" if r.layer == chosen else ""
+        lines.append(f"| {r.layer}{mark} | " + " | ".join(cells) + f" | **{r.mean_top1:.3f}** | {r.mean_chance:.3f} |")
+    return "\n".join(lines)
+
+
+def write_probe_json(path: str | Path, results: Sequence[LayerProbe], **info: Any) -> None:
+    from nla.fsutil import write_text_atomic
+
+    write_text_atomic(json.dumps({**info, "layers": [r.to_dict() for r in results]}, indent=1), Path(path))
