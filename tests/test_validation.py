@@ -471,3 +471,26 @@ def test_skip_bad_rows_drops_counts_and_keeps_row_numbers(pair, capsys, caplog, 
     assert code == 2
     assert_one_error_line(lines, "score", "row 1 (1 of 5) hold NaN or Inf (after conversion to float32); "
                                           "row 3 (1 of 5) are all-zero vectors")
+
+
+@pytest.mark.parametrize(
+    ("argv", "command", "culprit"),
+    [
+        (["datagen", "run", "--set", "seed=abc"], "datagen",
+         "DatagenConfig.seed: expected an integer, found 'abc' (str); fix it in the YAML or with --set seed=..."),
+        (["datagen", "run", "--set", "provider.max_tokens=many"], "datagen",
+         "ProviderConfig.max_tokens: expected an integer, found 'many'"),
+        (["world", "build"], "world", "{cfg}:2:1: the world config is not valid YAML"),
+        (["datagen", "run"], "datagen", "{cfg}:2:1: the datagen config is not valid YAML"),
+    ],
+)
+def test_datagen_and_world_config_errors(capsys, tmp_path, argv, command, culprit):
+    cfg = tmp_path / "cfg.yaml"
+    if "--set" in argv:
+        cfg.write_text("n_docs: 4\n")
+    else:
+        cfg.write_text("n_docs: 4\n\tseed: 1\n")  # a tab indent: not YAML
+    code, lines = cli(capsys, *argv, "--config", cfg, "--out", tmp_path / "out")
+    assert code == 2
+    assert_one_error_line(lines, command, culprit.format(cfg=cfg))
+    assert not (tmp_path / "out").exists()
