@@ -105,3 +105,14 @@ def test_cli_type_error_is_one_line_and_exit_2(capsys, tmp_path):
     assert err == ("nla rl: error: RLConfig.top_p: expected a number, found 'abc' (str); fix it in the YAML or "
                    "with --set top_p=...\n")
     assert not (tmp_path / "run").exists()
+
+
+def test_rl_reward_timeout_field():
+    base = {"av": "a", "ar": "b", "dataset": "c"}
+    assert load_rl_config(None, base).reward_timeout_seconds == 600.0
+    assert load_rl_config(None, {**base, "reward_timeout_seconds": None}).reward_timeout_seconds is None
+    with pytest.raises(ValueError, match=r"RLConfig.reward_timeout_seconds: expected a positive finite number of "
+                                         r"seconds or null \(no timeout\), found 0"):
+        load_rl_config(None, {**base, "reward_timeout_seconds": 0})
+    with pytest.raises(ConfigTypeError, match=r"RLConfig.reward_timeout_seconds: expected a number or null"):
+        load_rl_config(None, {**base, "reward_timeout_seconds": "soon"})
