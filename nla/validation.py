@@ -10,8 +10,10 @@ half-written artifact behind.
    with their row numbers (a zero or infinite norm has no direction, and ``mse_nrm`` divides by it).
 2. YAML: a syntax error names the file, line and column.
 3. Checkpoints: ``config.json`` parses, the weights are safetensors and every safetensors file
-   is complete (its header parses and its data section is as long as the header says). A flipped
-   bit inside the data is not detected: safetensors has no checksum.
+   is complete (its header parses and its data section is as long as the header says). nla's
+   own saves also record each safetensors file's SHA-256 (``nla_checksums.sha256``), checked at
+   load, which catches a flipped bit; other checkpoints have no such record (safetensors has
+   no checksum of its own).
 4. Output paths: the nearest existing folder must accept a file now, not after an hour of work.
 """
 
@@ -38,6 +40,8 @@ __all__ = [
     "bad_rows",
     "check_vectors",
     "describe_rows",
+    "verify_checksums",
+    "write_checksums",
     "drop_bad_rows",
     "load_yaml",
     "non_negative_int",
@@ -241,7 +245,58 @@ def check_checkpoint(path: str | os.PathLike, what: str, extra: Sequence[str] = 
         )
     for f in [*files, *(p / e for e in extra)]:
         check_safetensors_file(f)
+    verify_checksums(p)
     return p
+
+
+CHECKSUM_FILE = "nla_checksums.sha256"
+_verified: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256, so a load hashes once
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _verified:
+        h = hashlib.sha256()
+        with path.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                h.update(block)
+        _verified[key] = h.hexdigest()
+    return _verified[key]
+
+
+def write_checksums(directory: str | os.PathLike) -> Path | None:
+    """Record the SHA-256 of every ``*.safetensors`` in ``directory`` (``sha256sum`` format); None if there are none."""
+    d = Path(directory)
+    files = sorted(f for f in d.glob("*.safetensors") if f.is_file())
+    if not files:
+        return None
+    out = d / CHECKSUM_FILE
+    out.write_text("".join(f"{_sha256(f)}  {f.name}\n" for f in files), encoding="utf-8")
+    return out
+
+
+def verify_checksums(directory: str | os.PathLike) -> None:
+    """Compare ``directory``'s safetensors files with the recorded SHA-256s; no record, no check."""
+    d = Path(directory)
+    record = d / CHECKSUM_FILE
+    if not record.is_file():
+        return
+    for i, line in enumerate(record.read_text(encoding="utf-8").splitlines()):
+        if not line.strip():
+            continue
+        digest, _, name = line.partition("  ")
+        f = d / name
+        if not f.is_file():
+            raise InputError(f"{f}: missing, but {record.name} (line {i + 1}) lists it; the checkpoint is incomplete: "
+                             "re-download or re-save it")
+        if _sha256(f) != digest:
+            raise InputError(
+                f"{f}: its SHA-256 differs from the one recorded when it was saved ({record.name}); the file is "
+                "corrupted (a flipped bit, a bad copy): re-download or re-save the checkpoint"
+            )
 
 
 def check_model_source(spec: str | os.PathLike, what: str = "base_model") -> str:

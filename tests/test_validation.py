@@ -494,3 +494,29 @@ def test_datagen_and_world_config_errors(capsys, tmp_path, argv, command, culpri
     assert code == 2
     assert_one_error_line(lines, command, culprit.format(cfg=cfg))
     assert not (tmp_path / "out").exists()
+
+
+def test_flipped_bit_in_a_saved_checkpoint_is_caught(pair, capsys, tmp_path, tiny_tokenizer, single_thread):
+    from train_helpers import dataset_sidecar, write_ar_dataset
+
+    from nla.validation import CHECKSUM_FILE, verify_checksums
+
+    vec = np.random.default_rng(0).standard_normal((8, D)).astype(np.float32)
+    ds = write_ar_dataset(tmp_path / "ar.parquet", dataset_sidecar(tiny_tokenizer, pair["av"], D, 1), vec)
+    assert cli(capsys, *_ar_train_args(tmp_path, ds, "--max-steps", "2"))[0] == 0
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
+    recorded = dict(ln.split("  ")[::-1] for ln in (ckpt / CHECKSUM_FILE).read_text().splitlines())
+    assert sorted(recorded) == ["model.safetensors", "value_head.safetensors"]
+    import hashlib
+
+    assert recorded["model.safetensors"] == hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
+    verify_checksums(ckpt)  # intact: passes
+    data = bytearray((ckpt / "model.safetensors").read_bytes())
+    data[-5] ^= 0x01  # one bit of the last tensor: the file stays complete and loadable
+    (ckpt / "model.safetensors").write_bytes(bytes(data))
+    (tmp_path / "t.txt").write_text("the cat\n")
+    np.save(tmp_path / "v.npy", vec[:1])
+    code, lines = cli(capsys, "score", "--ar", ckpt, "--texts", tmp_path / "t.txt", "--vectors", tmp_path / "v.npy",
+                      "--device", "cpu")
+    assert code == 2
+    assert_one_error_line(lines, "score", f"{ckpt / 'model.safetensors'}: its SHA-256 differs from the one recorded")

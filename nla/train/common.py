@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from nla.health import StuckRunMonitor
+from nla.validation import write_checksums
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,9 @@ def atomic_dir(final_path: str | os.PathLike) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        # Each folder of weights records their SHA-256: a flipped bit is caught at load (nla.validation).
+        for folder in sorted({f.parent for f in tmp.rglob("*.safetensors")}):
+            write_checksums(folder)
         _fsync_tree(tmp)
         old = None
         if final.exists():
