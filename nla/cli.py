@@ -18,8 +18,15 @@ from nla import __version__
 COMMANDS = ("world", "datagen", "train", "rl", "eval", "verbalize", "score", "quickstart", "explore")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Usage errors as one line ``nla CMD: error: ...`` and exit code 2, like every other input error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="nla", description="Natural Language Autoencoders: train and use verbalizer/reconstructor pairs."
     )
     parser.add_argument("--version", action="version", version=f"nla {__version__}")
@@ -52,12 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+    except (ValueError, OSError, RuntimeError) as exc:
         # Our errors name the field, the expected and found values and the fix: show that,
         # not a traceback (-v shows the traceback too).
         if args.verbose:
             raise
-        print(f"nla {args.command}: error: {exc}", file=sys.stderr)
+        # One line: multi-line messages (HF, OS) are joined so the culprit stays on the error line.
+        message = " ".join(str(exc).split("\n")) if str(exc) else type(exc).__name__
+        print(f"nla {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

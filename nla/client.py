@@ -33,9 +33,11 @@ import torch
 from torch import Tensor, nn
 
 from nla import arch
-from nla.reconstructor import Reconstructor
-from nla.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar, verify_tokenizer
-from nla.vectors import cosine, mse_nrm, normalize_activation
+from nla.reconstructor import VALUE_HEAD_FILE, Reconstructor
+from nla.reward import failed_mse
+from nla.sidecar import SIDECAR_NAME, NLAConfig, SidecarError, load_sidecar, verify_tokenizer
+from nla.validation import check_checkpoint, check_vectors
+from nla.vectors import cosine, mse_nrm
 
 logger = logging.getLogger(__name__)
 
@@ -101,51 +103,54 @@ class ScoreResult:
         return float(self.failed.float().mean()) if self.n else 0.0
 
 
-def failed_mse(gold: Tensor, scale: float | None) -> Tensor:
-    """MSE [N] charged to a sample without a prediction: that of an orthogonal prediction of equal norm.
+def load_vectors(path: str | os.PathLike, rows: int | None = None, *, check: bool = True) -> np.ndarray:
+    """RAW vectors [N, d] float32 from a parquet ``activation_vector`` column or a ``.npy`` [N, d] file.
 
-    ``mean_d((p - g)^2) = (|p|^2 + |g|^2) / d = 2 |ĝ|^2 / d`` for ``p ⟂ g``, ``|p| = |ĝ|``;
-    2.0 at ``scale = sqrt(d)``, matching ``FAILED_EXTRACTION_REWARD``.
+    With ``check`` (the default) unusable rows are an error naming them
+    (``nla.validation.check_vectors``); without, the array comes back as stored (first ``rows``
+    rows), for callers that drop bad rows themselves (``nla.validation.drop_bad_rows``).
     """
-    g = normalize_activation(gold.float(), scale).float()
-    return 2.0 * (g**2).mean(dim=-1)
-
-
-def load_vectors(path: str | os.PathLike, rows: int | None = None) -> np.ndarray:
-    """RAW vectors [N, d] float32 from a parquet ``activation_vector`` column or a ``.npy`` [N, d] file."""
     from nla.datagen.io import read_vectors
 
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"vectors: no file at {p}; pass a parquet with an activation_vector column or a .npy")
+    if rows is not None and rows < 1:
+        raise NLAClientError(f"rows: expected a positive number of rows, found {rows}")
     if p.suffix == ".npy":
-        arr = np.load(p, allow_pickle=False)  # never unpickle (DESIGN §3.3)
+        try:
+            arr = np.load(p, allow_pickle=False)  # never unpickle (DESIGN §3.3)
+        except (ValueError, OSError, EOFError) as err:
+            raise NLAClientError(f"vectors: {p} is not a readable .npy array ({err}); save it with np.save") from None
     elif p.suffix == ".parquet":
-        arr = read_vectors(p)
+        arr = read_vectors(p, check=False)
     else:
         raise NLAClientError(f"vectors: expected a .parquet or .npy file, found {p.name!r}")
     if arr.ndim != 2:
         raise NLAClientError(f"vectors: {p} holds an array of shape {arr.shape}, expected [N, d]")
     if rows is not None:
         arr = arr[:rows]
-    return np.ascontiguousarray(arr, dtype=np.float32)
+    return check_vectors(arr, f"vectors {p}") if check else arr
 
 
 def _as_tensor(vectors: Any, d_model: int, what: str) -> Tensor:
-    """[N, d] fp32 CPU tensor from numpy/torch; raise naming both widths on a mismatch."""
-    # np.array copies: arrow-backed arrays are read-only, which torch warns about.
-    t = torch.from_numpy(np.array(vectors, dtype=np.float32)) if not isinstance(vectors, Tensor) else vectors
-    t = t.detach().float().cpu()
-    if t.ndim == 1:
-        t = t.unsqueeze(0)
-    if t.ndim != 2:
-        raise NLAClientError(f"vectors: expected [N, d], found shape {tuple(t.shape)}")
-    if t.shape[1] != d_model:
+    """[N, d] fp32 CPU tensor from numpy/torch; raise naming both widths on a mismatch, or the bad rows."""
+    if isinstance(vectors, Tensor):
+        t = vectors.detach().cpu()
+        arr = (t.float() if t.dtype == torch.bfloat16 else t).numpy()  # numpy has no bfloat16
+    else:
+        arr = np.asarray(vectors)
+    if arr.ndim == 1:
+        arr = arr[None]
+    if arr.ndim != 2:
+        raise NLAClientError(f"vectors: expected [N, d], found shape {tuple(arr.shape)}")
+    if arr.shape[1] != d_model:
         raise NLAClientError(
-            f"vectors: have d={t.shape[1]} but the {what} sidecar's d_model is {d_model}; use vectors extracted "
+            f"vectors: have d={arr.shape[1]} but the {what} sidecar's d_model is {d_model}; use vectors extracted "
             "from the subject model this checkpoint was trained on (same layer, same model)"
         )
-    return t
+    # np.array copies: arrow-backed arrays are read-only, which torch warns about.
+    return torch.from_numpy(np.array(check_vectors(arr, "vectors"), dtype=np.float32))
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -185,13 +190,15 @@ class NLAClient:
             from transformers import AutoModelForCausalLM
 
             path = Path(av)
-            av_side = explicit or _own_sidecar(path, "av")
+            av_side = explicit or load_checkpoint_sidecar(path, "av")
+            check_checkpoint(path, "av")
             av_tok = _checkpoint_tokenizer(path, "av")
             av_model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, use_safetensors=True).to(dev).eval()
         ar_model = ar_tok = ar_side = None
         if ar is not None:
             path = Path(ar)
-            ar_side = explicit or _own_sidecar(path, "ar")
+            ar_side = explicit or load_checkpoint_sidecar(path, "ar")
+            check_checkpoint(path, "ar", extra=(VALUE_HEAD_FILE,))
             ar_model = Reconstructor.from_pretrained(path, dtype=dt).to(dev).eval()
             ar_tok = ar_model.tokenizer
             if ar_tok is None:
@@ -249,7 +256,8 @@ class NLAClient:
                 f"d_model: the AV sidecar says {av_side.d_model} but the AR sidecar says {ar_side.d_model}; the two "
                 "checkpoints were not trained on the same subject model and cannot form a pair"
             )
-        if av_side is not None and ar_side is not None and av_side.layer_index != ar_side.layer_index:
+        if (av_side is not None and ar_side is not None and None not in (av_side.layer_index, ar_side.layer_index)
+                and av_side.layer_index != ar_side.layer_index):
             logger.warning("AV sidecar layer_index %d differs from the AR's %d; check that they form a pair",
                            av_side.layer_index, ar_side.layer_index)
         self.av_model, self.av_tokenizer, self.av_sidecar = av_model, av_tok, av_side
@@ -391,7 +399,7 @@ class NLAClient:
                                  batch_size=verbalize_kwargs.get("batch_size", 64))
 
 
-def _own_sidecar(path: Path, role: str) -> NLAConfig:
+def load_checkpoint_sidecar(path: Path, role: str) -> NLAConfig:
     if not path.is_dir():
         raise FileNotFoundError(f"{role}: checkpoint directory {path} does not exist")
     if not (path / SIDECAR_NAME).is_file():
@@ -400,9 +408,19 @@ def _own_sidecar(path: Path, role: str) -> NLAConfig:
             "--sidecar PATH explicitly, or re-save the checkpoint with nla)"
         )
     side = load_sidecar(path)
-    if side.role not in (None, role):
-        logger.warning("%s: sidecar role is %r, loading it as the %s anyway", path, side.role, role.upper())
-    return side
+    other = "ar" if role == "av" else "av"
+    is_ar_dir = (path / VALUE_HEAD_FILE).is_file()
+    if side.role == other or (side.role is None and is_ar_dir == (role == "av")):
+        # Loading the other role "works" (an AR dir as AV gets a random lm_head) and writes garbage: refuse.
+        found = f"role {side.role!r}" if side.role else ("a value head" if is_ar_dir else "no value head")
+        raise NLAClientError(
+            f"{role}: {path} is an {other.upper()} checkpoint ({found}), not an {role.upper()}; pass the "
+            f"{'verbalizer' if role == 'av' else 'reconstructor'} checkpoint as --{role}"
+        )
+    try:
+        return side.need_av("verbalizing") if role == "av" else side.need_ar("reconstructing")
+    except SidecarError as err:
+        raise NLAClientError(f"{role}: {path}: {err}") from None
 
 
 def _checkpoint_tokenizer(path: Path, role: str) -> Any:

@@ -103,6 +103,7 @@ class InjectionHook:
     @classmethod
     def from_config(cls, model: nn.Module, cfg: Any) -> InjectionHook:
         """Hook configured from an :class:`nla.sidecar.NLAConfig`."""
+        cfg.need_av("injection")
         return cls(
             model,
             cfg.injection_token_id,

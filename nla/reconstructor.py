@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from nla import arch
 from nla.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar, write_sidecar
+from nla.validation import check_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -111,10 +112,12 @@ class Reconstructor(nn.Module):
                     setattr(inner, name, nn.ModuleList(list(layers)[:n_keep]))
             inner.config = arch.truncate_config(inner.config, n_keep)
         else:
+            if Path(base).is_dir():
+                check_checkpoint(base, "base model")
             config = AutoConfig.from_pretrained(base)
             _check_layer(layer_index, arch.num_layers(config))
             config = arch.truncate_config(arch.text_config(config), n_keep)
-            inner = AutoModel.from_pretrained(base, config=config, **load_kwargs)
+            inner = AutoModel.from_pretrained(base, config=config, use_safetensors=True, **load_kwargs)
             inner = arch.base_model(inner)
             if tokenizer is None:
                 tokenizer = _maybe_tokenizer(base)
@@ -155,8 +158,7 @@ class Reconstructor(nn.Module):
                 self.tokenizer.save_pretrained(tmp)
             meta = sidecar if sidecar is not None else self.sidecar
             if meta is not None:
-                meta = meta.replace(kind="nla_model", role="ar", layer_index=self.layer_index,
-                                    ar_num_hidden_layers=self.layer_index + 1)
+                meta = meta.replace(kind="nla_model", role="ar", layer_index=self.layer_index)
                 write_sidecar(tmp / SIDECAR_NAME, meta, **provenance)
             _replace_dir(tmp, target)
         except BaseException:
@@ -176,6 +178,7 @@ class Reconstructor(nn.Module):
                 f"{path} is not a reconstructor checkpoint: {VALUE_HEAD_FILE} is missing; build one with "
                 "Reconstructor.from_base(...) and save_pretrained"
             )
+        check_checkpoint(path, "reconstructor", extra=(VALUE_HEAD_FILE,))
         inner = arch.base_model(AutoModel.from_pretrained(path, use_safetensors=True, **load_kwargs))
         weight = load_file(str(head_file))["weight"]
         d = arch.hidden_size(inner.config)
@@ -185,10 +188,13 @@ class Reconstructor(nn.Module):
         with torch.no_grad():
             head.weight.copy_(weight)
         sidecar = load_sidecar(path) if (path / SIDECAR_NAME).is_file() else None
-        if sidecar is not None and sidecar.ar_num_hidden_layers not in (None, arch.num_layers(inner.config)):
+        n_blocks = arch.num_layers(inner.config)
+        if sidecar is not None and sidecar.layer_index is not None and sidecar.layer_index + 1 != n_blocks:
+            # The sidecar records K (ar.num_hidden_layers or extraction.layer_index); the AR keeps K+1 blocks.
             raise ValueError(
-                f"{path}: sidecar ar.num_hidden_layers = {sidecar.ar_num_hidden_layers} but config.json has "
-                f"{arch.num_layers(inner.config)} layers; the checkpoint is inconsistent, re-save it"
+                f"{path}: the sidecar records layer K = {sidecar.layer_index}, so the AR should keep K+1 = "
+                f"{sidecar.layer_index + 1} blocks, but config.json has {n_blocks}; the checkpoint is inconsistent, "
+                "re-save it (or fix ar.num_hidden_layers in nla_meta.yaml to K)"
             )
         return cls(inner, value_head=head, tokenizer=_maybe_tokenizer(path), sidecar=sidecar)
 

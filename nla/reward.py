@@ -8,8 +8,15 @@ the reward of an *orthogonal* prediction (``mse_nrm = 2`` at ``scale =
 sqrt(d)``) under the same variant, so a failure is never better than a
 useless answer and never worse than an anti-correlated one.
 
+A failed sample costs the orthogonal MSE whatever its gold vector
+(:func:`failed_mse`): ``2 s^2 / d`` at scale ``s``, never computed from the gold,
+so a zero (or overflowing) gold cannot turn a failure into a perfect score.
+
 ``RewardBatcher`` gathers single-sample reward requests into batched AR
-forwards. The score function it wraps is supplied by the caller and called as
+forwards. A forward that runs past ``timeout_seconds`` fails every sample
+waiting on it (:class:`RewardTimeoutError`); a non-finite value from the score
+function fails its batch (:class:`NonFiniteRewardError`) instead of reaching the
+advantages as NaN. The score function it wraps is supplied by the caller and called as
 is: the RL loop passes a closure over the *live* reconstructor, so every
 reward uses the AR's current weights. The batcher never copies, reloads or
 caches the model or its outputs.
@@ -33,6 +40,10 @@ from nla.vectors import mse_nrm
 __all__ = [
     "FAILED_EXTRACTION_REWARD",
     "FAILED_EXTRACTION_REWARD_LOG",
+    "FAILED_MSE",
+    "NonFiniteRewardError",
+    "RewardTimeoutError",
+    "failed_mse",
     "LOG_MSE_FLOOR",
     "BatcherStats",
     "RewardBatcher",
@@ -45,7 +56,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Reward of an orthogonal prediction (mse_nrm = 2) under each variant.
+# mse_nrm of an orthogonal prediction at scale sqrt(d), and its reward under each variant.
+FAILED_MSE = 2.0
 FAILED_EXTRACTION_REWARD = -2.0
 FAILED_EXTRACTION_REWARD_LOG = -math.log(2.0)
 
@@ -56,6 +68,28 @@ LOG_MSE_FLOOR = 1e-6
 
 OPEN_TAG = "<explanation>"
 CLOSE_TAG = "</explanation>"
+
+
+class RewardTimeoutError(TimeoutError):
+    """A reward forward ran past the batcher's timeout; every sample waiting on it gets this error."""
+
+
+class NonFiniteRewardError(ValueError):
+    """The score function returned NaN or Inf for some items."""
+
+
+def failed_mse(gold: Tensor, scale: float | None) -> Tensor:
+    """MSE [B] charged to samples without a prediction: that of an orthogonal prediction of equal norm.
+
+    gold: [B, d]. ``mean_d((p - g)^2) = (|p|^2 + |g|^2) / d = 2 s^2 / d`` for ``p ⟂ g`` with both
+    normalised to ``s = scale``: a constant (``FAILED_MSE`` = 2.0 at ``s = sqrt(d)``) that never
+    reads the gold. Raw comparison (``scale`` None) has no fixed norm: ``2 |g|^2 / d``, computed
+    in float64 so large entries do not overflow.
+    """
+    b, d = gold.shape[0], gold.shape[-1]
+    if scale is not None:
+        return torch.full((b,), 2.0 * float(scale) ** 2 / d, dtype=torch.float32)
+    return (2.0 * gold.double().pow(2).mean(dim=-1)).float()
 
 
 def failed_extraction_reward(log_mse: bool) -> float:
@@ -156,13 +190,17 @@ class RewardBatcher(Generic[Item]):
     other (``score_all`` runs a fresh loop per call), but not at once.
     """
 
-    def __init__(self, score_batch: ScoreBatch, batch_size: int, flush_seconds: float) -> None:
+    def __init__(self, score_batch: ScoreBatch, batch_size: int, flush_seconds: float,
+                 timeout_seconds: float | None = None) -> None:
         if not callable(score_batch):
             raise TypeError(f"score_batch must be callable, found {type(score_batch).__name__}.")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, found {batch_size}.")
         if not (flush_seconds >= 0 and math.isfinite(flush_seconds)):
             raise ValueError(f"flush_seconds must be a finite number >= 0, found {flush_seconds}.")
+        if timeout_seconds is not None and not (timeout_seconds > 0 and math.isfinite(timeout_seconds)):
+            raise ValueError(f"timeout_seconds must be a finite number > 0 or None, found {timeout_seconds}.")
+        self.timeout_seconds = timeout_seconds
         self.score_batch = score_batch
         self.batch_size = batch_size
         self.flush_seconds = flush_seconds
@@ -273,7 +311,16 @@ class RewardBatcher(Generic[Item]):
             self._stats.n_batches + 1, self._stats.n_items + len(items), self._stats.n_failed_batches
         )
         try:
-            raw = await loop.run_in_executor(self._executor, self.score_batch, items)
+            call = loop.run_in_executor(self._executor, self.score_batch, items)
+            try:
+                raw = await asyncio.wait_for(call, self.timeout_seconds)
+            except asyncio.TimeoutError:
+                # The forward keeps its thread (Python cannot stop it); the waiters are told now.
+                raise RewardTimeoutError(
+                    f"a reward batch of {len(items)} items took longer than timeout_seconds="
+                    f"{self.timeout_seconds}; the reconstructor forward is stuck or far too slow "
+                    "(raise reward_timeout_seconds, or lower reward_batch_size)"
+                ) from None
             rewards = _to_float_list(raw, len(items))
         except asyncio.CancelledError:
             # The loop is shutting down: cancel the waiters instead of leaving them pending.
@@ -305,6 +352,13 @@ def _to_float_list(raw: list[float] | Tensor, n: int) -> list[float]:
         raise ValueError(
             f"score_batch returned {len(raw)} rewards for a batch of {n} items; "
             "it must return one reward per item, in order."
+        )
+    bad = [i for i, r in enumerate(raw) if not math.isfinite(r)]
+    if bad:
+        raise NonFiniteRewardError(
+            f"score_batch returned non-finite values for items {bad[:10]}{' ...' if len(bad) > 10 else ''} "
+            f"({len(bad)} of {n}, e.g. {raw[bad[0]]}); the reconstructor diverged or a gold vector is not "
+            "finite. Check the AR's loss and the dataset"
         )
     return raw
 
@@ -351,13 +405,15 @@ class RewardService:
     ``close()`` flushes and stops the thread.
     """
 
-    def __init__(self, score_batch: ScoreBatch, batch_size: int, flush_seconds: float) -> None:
+    def __init__(self, score_batch: ScoreBatch, batch_size: int, flush_seconds: float,
+                 timeout_seconds: float | None = None) -> None:
         import threading
 
+        # The batcher first: bad arguments raise before a loop thread exists.
+        self.batcher: RewardBatcher = RewardBatcher(score_batch, batch_size, flush_seconds, timeout_seconds)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="nla-reward-loop", daemon=True)
         self._thread.start()
-        self.batcher: RewardBatcher = RewardBatcher(score_batch, batch_size, flush_seconds)
 
     @property
     def stats(self) -> BatcherStats:

@@ -6,9 +6,20 @@ and the two prompt templates. Token ids are computed from a live tokenizer
 a mismatch is an error that names the field, never a silent fix, because a drifted id
 makes injection write into the wrong position and training quietly learns nothing.
 
-Readers accept the published layout (``prompt_templates.av/ar`` or the older
-``actor/critic``; layer under ``extraction.layer_index`` or ``critic.extraction_layer_index``;
-``d_model`` top level or under ``extraction``) and ignore unknown keys.
+Readers accept the published layouts and ignore unknown keys:
+
+1. Templates under ``prompt_templates.av/ar`` or the older ``actor/critic``.
+2. The layer K under ``extraction.layer_index``, ``critic.extraction_layer_index``, or, as the
+   published AR sidecars record it, ``ar.num_hidden_layers`` (= K; the AR's config.json holds
+   K+1 blocks) or the older ``critic.num_hidden_layers``. Sidecars written by nla before this
+   rule recorded K+1 under ``ar.num_hidden_layers`` beside ``extraction.layer_index``; that pair
+   is accepted too.
+3. Each role carries only what it uses: an AV sidecar may have no layer and no AR fields (the
+   published AV checkpoints have neither), an AR sidecar no injection fields and no scale.
+   The layer, the AV fields and the AR fields are demanded where they are used
+   (:meth:`NLAConfig.need_layer`, :meth:`~NLAConfig.need_av`, :meth:`~NLAConfig.need_ar`), with an
+   error that names the purpose and the missing keys.
+4. ``d_model`` top level or under ``extraction``.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from typing import Any
 import yaml
 
 from nla.fsutil import write_text_atomic
+from nla.validation import InputError, load_yaml
 from nla.vectors import SQRT_D_MODEL, resolve_scale
 
 logger = logging.getLogger(__name__)
@@ -68,41 +80,55 @@ class ARSuffixMismatchError(SidecarMismatchError):
     """The tokenised tail of the AR template differs from ``critic_suffix_ids``."""
 
 
-@dataclass(frozen=True)
+AV_FIELDS = ("injection_char", "injection_token_id", "injection_left_neighbor_id", "injection_right_neighbor_id",
+             "av_template")
+AR_FIELDS = ("critic_suffix_ids", "ar_template")
+# Where each field sits in the written layout, for error messages.
+_KEY_OF = {
+    "injection_char": "tokens.injection_char", "injection_token_id": "tokens.injection_token_id",
+    "injection_left_neighbor_id": "tokens.injection_left_neighbor_id",
+    "injection_right_neighbor_id": "tokens.injection_right_neighbor_id", "av_template": "prompt_templates.av",
+    "critic_suffix_ids": "tokens.critic_suffix_ids", "ar_template": "prompt_templates.ar",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
 class NLAConfig:
     """Resolved contents of a sidecar.
 
     kind: "nla_model" (checkpoint) or "nla_dataset" (parquet).
-    role: "av", "ar" or None (datasets).
+    role: "av", "ar" or None (datasets, and the published AV sidecars, which record no role).
     d_model: width of the subject model's residual stream.
-    layer_index: K; vectors are the output of block K (HF ``hidden_states[K+1]``).
+    layer_index: K; vectors are the output of block K (HF ``hidden_states[K+1]``); None when the
+        sidecar records no layer (published AV checkpoints). The AR keeps blocks 0..K.
     injection_char / injection_token_id / injection_{left,right}_neighbor_id: the marker and the
-        token ids that must surround it in the canonical AV prompt.
-    critic_suffix_ids: ids of the AR template's constant tail after ``{explanation}``.
-    av_template: user message of the AV prompt, with ``{injection_char}``.
-    ar_template: AR input text, with ``{explanation}`` followed by a constant tail.
+        token ids that must surround it in the canonical AV prompt (the AV fields; None in AR sidecars).
+    critic_suffix_ids: ids of the AR template's constant tail after ``{explanation}`` (None in AV-only sidecars).
+    av_template: user message of the AV prompt, with ``{injection_char}`` (None in AR sidecars).
+    ar_template: AR input text, with ``{explanation}`` followed by a constant tail (None in AV-only sidecars).
     injection_scale: norm the vector is rescaled to before injection; "sqrt_d_model"; None = raw.
     mse_scale: norm both vectors are rescaled to before MSE; default "sqrt_d_model"; None = raw.
     base_model: name or path of the subject model (provenance).
-    ar_num_hidden_layers: blocks kept by the AR (K+1), recorded by AR sidecars.
     training: free-form provenance (lr, batch, step, parents).
+
+    The AV fields come all together or not at all, the AR fields likewise. Role "av" needs the AV
+    fields, role "ar" the AR fields, a dataset both; a model sidecar without a role needs one set.
     """
 
     kind: str
     role: str | None
     d_model: int
-    layer_index: int
-    injection_char: str
-    injection_token_id: int
-    injection_left_neighbor_id: int
-    injection_right_neighbor_id: int
-    critic_suffix_ids: tuple[int, ...]
-    av_template: str
-    ar_template: str
-    injection_scale: float | str | None
+    layer_index: int | None = None
+    injection_char: str | None = None
+    injection_token_id: int | None = None
+    injection_left_neighbor_id: int | None = None
+    injection_right_neighbor_id: int | None = None
+    critic_suffix_ids: tuple[int, ...] | None = None
+    av_template: str | None = None
+    ar_template: str | None = None
+    injection_scale: float | str | None = None
     mse_scale: float | str | None = SQRT_D_MODEL
     base_model: str | None = None
-    ar_num_hidden_layers: int | None = None
     training: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -110,45 +136,105 @@ class NLAConfig:
             raise ValueError(f"NLAConfig.kind: expected one of {KINDS}, found {self.kind!r}")
         if self.role not in ROLES:
             raise ValueError(f"NLAConfig.role: expected 'av', 'ar' or None, found {self.role!r}")
-        for name in ("d_model", "layer_index", "injection_token_id", "injection_left_neighbor_id",
+        if isinstance(self.d_model, bool) or not isinstance(self.d_model, int) or self.d_model < 1:
+            raise ValueError(f"NLAConfig.d_model: expected a positive int, found {self.d_model!r}")
+        for name in ("layer_index", "injection_token_id", "injection_left_neighbor_id",
                      "injection_right_neighbor_id"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"NLAConfig.{name}: expected a non-negative int, found {value!r}")
-        if self.d_model == 0:
-            raise ValueError("NLAConfig.d_model: expected a positive int, found 0")
-        if not isinstance(self.injection_char, str) or not self.injection_char:
-            raise ValueError(f"NLAConfig.injection_char: expected a non-empty string, found {self.injection_char!r}")
-        suffix = self.critic_suffix_ids
-        if isinstance(suffix, (str, bytes)) or not isinstance(suffix, Sequence):
-            raise ValueError(f"NLAConfig.critic_suffix_ids: expected a list of token ids, found {suffix!r}")
-        suffix = tuple(suffix)
-        if not suffix or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in suffix):
-            raise ValueError(
-                f"NLAConfig.critic_suffix_ids: expected a non-empty list of non-negative ints, found {list(suffix)!r}"
-            )
-        object.__setattr__(self, "critic_suffix_ids", suffix)
-        _check_template("av_template", self.av_template, "injection_char")
-        _check_template("ar_template", self.ar_template, "explanation")
-        if not self.ar_template.split("{explanation}")[-1].strip():
-            raise ValueError(
-                f"NLAConfig.ar_template: needs a constant tail after {{explanation}} (the AR reads its prediction "
-                f"at the tail's last token), found {self.ar_template!r}"
-            )
+        self._check_groups()
+        if self.has_av_fields:
+            if not isinstance(self.injection_char, str) or not self.injection_char:
+                raise ValueError(
+                    f"NLAConfig.injection_char: expected a non-empty string, found {self.injection_char!r}")
+            _check_template("av_template", self.av_template, "injection_char")
+        if self.has_ar_fields:
+            suffix = self.critic_suffix_ids
+            if isinstance(suffix, (str, bytes)) or not isinstance(suffix, Sequence):
+                raise ValueError(f"NLAConfig.critic_suffix_ids: expected a list of token ids, found {suffix!r}")
+            suffix = tuple(suffix)
+            if not suffix or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in suffix):
+                raise ValueError(
+                    f"NLAConfig.critic_suffix_ids: expected a non-empty list of non-negative ints, found "
+                    f"{list(suffix)!r}"
+                )
+            object.__setattr__(self, "critic_suffix_ids", suffix)
+            _check_template("ar_template", self.ar_template, "explanation")
+            if not self.ar_template.split("{explanation}")[-1].strip():
+                raise ValueError(
+                    f"NLAConfig.ar_template: needs a constant tail after {{explanation}} (the AR reads its prediction "
+                    f"at the tail's last token), found {self.ar_template!r}"
+                )
         for name in ("injection_scale", "mse_scale"):
             try:
                 resolve_scale(getattr(self, name), self.d_model)
             except ValueError as err:
                 raise ValueError(f"NLAConfig.{name}: {err}") from None
-        if self.ar_num_hidden_layers is not None and (
-            isinstance(self.ar_num_hidden_layers, bool) or not isinstance(self.ar_num_hidden_layers, int)
-            or self.ar_num_hidden_layers < 1
-        ):
-            raise ValueError(f"NLAConfig.ar_num_hidden_layers: expected a positive int or None, found "
-                             f"{self.ar_num_hidden_layers!r}")
         if not isinstance(self.training, Mapping):
             raise ValueError(f"NLAConfig.training: expected a mapping, found {type(self.training).__name__}")
         object.__setattr__(self, "training", dict(self.training))
+
+    def _check_groups(self) -> None:
+        for label, names in (("AV", AV_FIELDS), ("AR", AR_FIELDS)):
+            given = [n for n in names if getattr(self, n) is not None]
+            if given and len(given) != len(names):
+                missing = [_KEY_OF[n] for n in names if getattr(self, n) is None]
+                raise ValueError(
+                    f"NLAConfig: the {label} fields come together; found {', '.join(_KEY_OF[n] for n in given)} "
+                    f"but not {', '.join(missing)}. Complete the sidecar or drop the {label} fields"
+                )
+        needed = {"av": ("AV",), "ar": ("AR",)}.get(self.role, ("AV", "AR") if self.kind == "nla_dataset" else ())
+        for label in needed:
+            if not (self.has_av_fields if label == "AV" else self.has_ar_fields):
+                names = AV_FIELDS if label == "AV" else AR_FIELDS
+                what = f"role {self.role!r}" if self.role else f"kind {self.kind!r}"
+                raise ValueError(
+                    f"NLAConfig: a sidecar of {what} needs the {label} fields ({', '.join(_KEY_OF[n] for n in names)}); "
+                    "found none. Use the sidecar written with the checkpoint or dataset"
+                )
+        if self.kind == "nla_model" and self.role is None and not (self.has_av_fields or self.has_ar_fields):
+            raise ValueError(
+                "NLAConfig: a model sidecar needs the AV fields (tokens.injection_*, prompt_templates.av) or the AR "
+                "fields (tokens.critic_suffix_ids, prompt_templates.ar); found neither"
+            )
+
+    # -- what each use needs ------------------------------------------------------------------------
+    @property
+    def has_av_fields(self) -> bool:
+        return any(getattr(self, n) is not None for n in AV_FIELDS)
+
+    @property
+    def has_ar_fields(self) -> bool:
+        return any(getattr(self, n) is not None for n in AR_FIELDS)
+
+    def need_av(self, purpose: str) -> NLAConfig:
+        """``self`` if it carries the AV fields (injection marker, AV template); else a :class:`SidecarError`."""
+        if not self.has_av_fields:
+            raise SidecarError(
+                f"{purpose} needs the AV fields of a sidecar ({', '.join(_KEY_OF[n] for n in AV_FIELDS)}), but this "
+                f"sidecar (kind {self.kind!r}, role {self.role!r}) has none; use the verbalizer's own sidecar"
+            )
+        return self
+
+    def need_ar(self, purpose: str) -> NLAConfig:
+        """``self`` if it carries the AR fields (AR template and its tail ids); else a :class:`SidecarError`."""
+        if not self.has_ar_fields:
+            raise SidecarError(
+                f"{purpose} needs the AR fields of a sidecar ({', '.join(_KEY_OF[n] for n in AR_FIELDS)}), but this "
+                f"sidecar (kind {self.kind!r}, role {self.role!r}) has none; use the reconstructor's own sidecar"
+            )
+        return self
+
+    def need_layer(self, purpose: str) -> int:
+        """K, for the uses that need it (extraction, building an AR from a base model)."""
+        if self.layer_index is None:
+            raise SidecarError(
+                f"{purpose} needs the extraction layer K, but this sidecar (kind {self.kind!r}, role {self.role!r}) "
+                "records none (extraction.layer_index, or ar.num_hidden_layers in an AR sidecar); set it "
+                "explicitly (e.g. --set layer_index=K) or use the dataset's sidecar"
+            )
+        return self.layer_index
 
     # -- derived values ---------------------------------------------------------------------------
     def injection_scale_value(self) -> float | None:
@@ -159,10 +245,12 @@ class NLAConfig:
 
     def av_messages(self, placeholder: str | None = None) -> list[dict]:
         """The canonical AV chat messages; ``placeholder`` (e.g. ``"<INJECT>"``) replaces the marker."""
+        self.need_av("the AV prompt")
         marker = placeholder or self.injection_char
         return [{"role": "user", "content": self.av_template.format(injection_char=marker)}]
 
     def ar_text(self, explanation: str) -> str:
+        self.need_ar("the AR text")
         return self.ar_template.format(explanation=explanation)
 
     def replace(self, **kw: Any) -> NLAConfig:
@@ -177,7 +265,7 @@ class NLAConfig:
         kind: str,
         role: str | None,
         d_model: int,
-        layer_index: int,
+        layer_index: int | None,
         av_template: str,
         ar_template: str,
         injection_char: str,
@@ -185,15 +273,13 @@ class NLAConfig:
         mse_scale: float | str | None = SQRT_D_MODEL,
         base_model: str | None = None,
         training: dict | None = None,
-        ar_num_hidden_layers: int | None = None,
     ) -> NLAConfig:
         """Build a config whose token ids are computed from ``tokenizer``, then verify it."""
         marker_id = _single_marker_id(tokenizer, injection_char)
         draft = dict(
             kind=kind, role=role, d_model=d_model, layer_index=layer_index, injection_char=injection_char,
             av_template=av_template, ar_template=ar_template, injection_scale=injection_scale,
-            mse_scale=mse_scale, base_model=base_model, ar_num_hidden_layers=ar_num_hidden_layers,
-            training=dict(training or {}),
+            mse_scale=mse_scale, base_model=base_model, training=dict(training or {}),
         )
         messages = [{"role": "user", "content": av_template.format(injection_char=injection_char)}]
         prompt = canonical_av_prompt_ids(tokenizer, messages)
@@ -289,7 +375,17 @@ def _marker_position(prompt: list[int], marker_id: int, injection_char: str) -> 
 
 
 def verify_tokenizer(cfg: NLAConfig, tokenizer: Any) -> None:
-    """Check the live tokenizer against the sidecar; raise a :class:`SidecarMismatchError` subclass."""
+    """Check the live tokenizer against the sidecar; raise a :class:`SidecarMismatchError` subclass.
+
+    The AV fields are checked when the sidecar has them, the AR fields likewise.
+    """
+    if cfg.has_av_fields:
+        _verify_av(cfg, tokenizer)
+    if cfg.has_ar_fields:
+        _verify_ar(cfg, tokenizer)
+
+
+def _verify_av(cfg: NLAConfig, tokenizer: Any) -> None:
     marker_id = _single_marker_id(tokenizer, cfg.injection_char)
     if marker_id != cfg.injection_token_id:
         raise MarkerIdMismatchError(
@@ -311,6 +407,9 @@ def verify_tokenizer(cfg: NLAConfig, tokenizer: Any) -> None:
                 "av_template changed since the sidecar was written. Use the original tokenizer/template or "
                 "rebuild the sidecar with NLAConfig.from_tokenizer"
             )
+
+
+def _verify_ar(cfg: NLAConfig, tokenizer: Any) -> None:
     n = len(cfg.critic_suffix_ids)
     for explanation in _PROBE_EXPLANATIONS:
         tail = tuple(_ar_ids(tokenizer, cfg.ar_text(explanation))[-n:])
@@ -364,11 +463,12 @@ def load_sidecar(path: str | os.PathLike) -> NLAConfig:
             "nla.sidecar.write_sidecar or pass the sidecar path explicitly"
         )
     try:
-        doc = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except yaml.YAMLError as err:
-        raise SidecarError(f"{file}: not valid YAML ({err})") from None
+        doc = load_yaml(file, "sidecar")
+    except InputError as err:
+        raise SidecarError(str(err)) from None
     if not isinstance(doc, Mapping):
         raise SidecarError(f"{file}: expected a YAML mapping at the top level, found {type(doc).__name__}")
+    _check_template_digests(doc, file)
 
     def need(name: str, *paths: tuple[str, ...]) -> Any:
         value = _lookup(doc, *paths)
@@ -380,39 +480,75 @@ def load_sidecar(path: str | os.PathLike) -> NLAConfig:
     role = _lookup(doc, ("role",))
     role = None if role is _MISSING else role
     scale = _lookup(doc, ("extraction", "injection_scale"), ("injection_scale",))
+    has_av = _lookup(doc, ("tokens", "injection_char")) is not _MISSING
     if scale is _MISSING:
-        if role != "ar":  # the AR never injects, so its sidecar may leave the scale out
+        if role != "ar" and has_av:  # the AR never injects, so its sidecar may leave the scale out
             need("injection_scale", ("extraction", "injection_scale"), ("injection_scale",))
         scale = None
     mse_scale = _lookup(doc, ("extraction", "mse_scale"), ("mse_scale",))
-    ar_layers = _lookup(doc, ("ar", "num_hidden_layers"))
     base = _lookup(doc, ("extraction", "base_model"), ("base_model",))
     training = _lookup(doc, ("training",))
+
+    def opt(*paths: tuple[str, ...]) -> Any:
+        value = _lookup(doc, *paths)
+        return None if value is _MISSING else value
+
     try:
         return NLAConfig(
             kind=need("kind", ("kind",)),
             role=role,
             d_model=need("d_model", ("d_model",), ("extraction", "d_model")),
-            layer_index=need("layer_index", ("extraction", "layer_index"), ("critic", "extraction_layer_index"),
-                             ("layer_index",)),
-            injection_char=need("injection_char", ("tokens", "injection_char")),
-            injection_token_id=need("injection_token_id", ("tokens", "injection_token_id")),
-            injection_left_neighbor_id=need("injection_left_neighbor_id", ("tokens", "injection_left_neighbor_id")),
-            injection_right_neighbor_id=need("injection_right_neighbor_id",
-                                             ("tokens", "injection_right_neighbor_id")),
-            critic_suffix_ids=need("critic_suffix_ids", ("tokens", "critic_suffix_ids")),
-            av_template=need("AV template", ("prompt_templates", "av"), ("prompt_templates", "actor")),
-            ar_template=need("AR template", ("prompt_templates", "ar"), ("prompt_templates", "critic")),
+            layer_index=_layer_of(doc, file),
+            injection_char=opt(("tokens", "injection_char")),
+            injection_token_id=opt(("tokens", "injection_token_id")),
+            injection_left_neighbor_id=opt(("tokens", "injection_left_neighbor_id")),
+            injection_right_neighbor_id=opt(("tokens", "injection_right_neighbor_id")),
+            critic_suffix_ids=opt(("tokens", "critic_suffix_ids")),
+            av_template=opt(("prompt_templates", "av"), ("prompt_templates", "actor")),
+            ar_template=opt(("prompt_templates", "ar"), ("prompt_templates", "critic")),
             injection_scale=scale,
             mse_scale=SQRT_D_MODEL if mse_scale is _MISSING else mse_scale,
             base_model=None if base is _MISSING else base,
-            ar_num_hidden_layers=None if ar_layers is _MISSING else ar_layers,
             training={} if training is _MISSING or training is None else training,
         )
     except SidecarError:
         raise
     except ValueError as err:
         raise SidecarError(f"{file}: {err}") from None
+
+
+# Keys that record K directly, then the keys of the AR's depth (published: = K as well).
+_LAYER_KEYS = (("extraction", "layer_index"), ("critic", "extraction_layer_index"), ("layer_index",))
+_AR_DEPTH_KEYS = (("ar", "num_hidden_layers"), ("critic", "num_hidden_layers"))
+
+
+def _layer_of(doc: Mapping, file: Path) -> int | None:
+    """K from the first key that records it; None when the sidecar records no layer."""
+
+    def as_int(path: tuple[str, ...], value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise SidecarError(f"{file}: {'.'.join(path)}: expected a non-negative int (the layer K), found {value!r}")
+        return value
+
+    direct = [(p, as_int(p, v)) for p in _LAYER_KEYS if (v := _lookup(doc, p)) is not _MISSING]
+    depth = [(p, as_int(p, v)) for p in _AR_DEPTH_KEYS if (v := _lookup(doc, p)) is not _MISSING]
+    if len({v for _, v in direct}) > 1:
+        found = ", ".join(f"{'.'.join(p)} = {v}" for p, v in direct)
+        raise SidecarError(f"{file}: the sidecar records two different layers ({found}); keep the right one")
+    if direct:
+        k = direct[0][1]
+        for p, v in depth:
+            # K is what the published AR sidecars record; K+1 is what nla wrote before following them.
+            if v not in (k, k + 1):
+                raise SidecarError(
+                    f"{file}: {'.'.join(p)} = {v} disagrees with {'.'.join(direct[0][0])} = {k} (expected {k}, "
+                    "the extraction layer); the sidecar does not describe one checkpoint, fix it"
+                )
+        return k
+    if len({v for _, v in depth}) > 1:
+        found = ", ".join(f"{'.'.join(p)} = {v}" for p, v in depth)
+        raise SidecarError(f"{file}: the sidecar records two different layers ({found}); keep the right one")
+    return depth[0][1] if depth else None
 
 
 def _plain(value: Any) -> Any:
@@ -442,20 +578,53 @@ def sidecar_document(cfg: NLAConfig, **provenance: Any) -> dict:
         extraction["d_model"] = cfg.d_model
     if cfg.base_model is not None:
         extraction["base_model"] = cfg.base_model
-    extraction.update(layer_index=cfg.layer_index, injection_scale=cfg.injection_scale, mse_scale=cfg.mse_scale)
+    if cfg.layer_index is not None:
+        extraction["layer_index"] = cfg.layer_index
+    extraction.update(injection_scale=cfg.injection_scale, mse_scale=cfg.mse_scale)
     doc["extraction"] = extraction
-    doc["tokens"] = {
-        "injection_char": cfg.injection_char,
-        "injection_token_id": cfg.injection_token_id,
-        "injection_left_neighbor_id": cfg.injection_left_neighbor_id,
-        "injection_right_neighbor_id": cfg.injection_right_neighbor_id,
-        "critic_suffix_ids": list(cfg.critic_suffix_ids),
-    }
-    doc["prompt_templates"] = {"av": cfg.av_template, "ar": cfg.ar_template}
-    if cfg.ar_num_hidden_layers is not None:
-        doc["ar"] = {"num_hidden_layers": cfg.ar_num_hidden_layers}
+    tokens: dict[str, Any] = {}
+    templates: dict[str, Any] = {}
+    if cfg.has_av_fields:
+        tokens.update(
+            injection_char=cfg.injection_char,
+            injection_token_id=cfg.injection_token_id,
+            injection_left_neighbor_id=cfg.injection_left_neighbor_id,
+            injection_right_neighbor_id=cfg.injection_right_neighbor_id,
+        )
+        templates["av"] = cfg.av_template
+    if cfg.has_ar_fields:
+        tokens["critic_suffix_ids"] = list(cfg.critic_suffix_ids)
+        templates["ar"] = cfg.ar_template
+    doc["tokens"] = tokens
+    doc["prompt_templates"] = templates
+    # Not in the published layout (readers ignore unknown keys): catches a template edited after
+    # training, which the token checks miss whenever the marker's neighbours stay the same.
+    doc["prompt_template_sha256"] = {k: template_digest(v) for k, v in templates.items()}
+    if cfg.role == "ar" and cfg.layer_index is not None:
+        doc["ar"] = {"num_hidden_layers": cfg.layer_index}  # K, as the published AR sidecars record it
     doc["training"] = _plain({**cfg.training, **provenance})
     return doc
+
+
+def template_digest(template: str) -> str:
+    """First 16 hex digits of the template's SHA-256 (what ``prompt_template_sha256`` records)."""
+    import hashlib
+
+    return hashlib.sha256(template.encode("utf-8")).hexdigest()[:16]
+
+
+def _check_template_digests(doc: Mapping, file: Path) -> None:
+    digests = _lookup(doc, ("prompt_template_sha256",))
+    if not isinstance(digests, Mapping):
+        return  # written by another tool, or before nla recorded digests
+    for role in ("av", "ar"):
+        template = _lookup(doc, ("prompt_templates", role))
+        if role in digests and isinstance(template, str) and template_digest(template) != digests[role]:
+            raise SidecarError(
+                f"{file}: prompt_templates.{role} was edited after this sidecar was written (its SHA-256 starts "
+                f"{template_digest(template)}, the sidecar recorded {digests[role]}); the model was trained on the "
+                "recorded template. Restore it, or delete prompt_template_sha256 if the change is deliberate"
+            )
 
 
 def write_sidecar(path: str | os.PathLike, cfg: NLAConfig, **provenance: Any) -> Path:

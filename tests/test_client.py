@@ -163,7 +163,7 @@ def test_errors_name_the_problem(nla_pair, client, tmp_path):
     with pytest.raises(NLAClientError, match=r"d=16 but the AR sidecar's d_model is 32"):
         client.score(["a", "b"], torch.zeros(2, 16))
     with pytest.raises(NLAClientError, match="2 texts for 3 vectors"):
-        client.score(["a", "b"], torch.zeros(3, D))
+        client.score(["a", "b"], torch.ones(3, D))
     with pytest.raises(NLAClientError, match="text 1 is NoneType"):
         client.reconstruct(["a", None])
     with pytest.raises(NLAClientError, match="give an AV checkpoint"):
@@ -211,3 +211,92 @@ def test_load_vectors_npy_and_parquet(tmp_path):
     np.save(tmp_path / "flat.npy", arr.reshape(-1))
     with pytest.raises(NLAClientError, match=r"shape \(12,\), expected \[N, d\]"):
         load_vectors(tmp_path / "flat.npy")
+
+
+# --- the published sidecar layouts, on real (tiny) checkpoints -------------------------------------
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _documented_layout(fixture: str, values: dict) -> dict:
+    """The fixture's document with its values replaced by this pair's (ids, widths), key for key."""
+    import yaml
+
+    doc = yaml.safe_load((FIXTURES / fixture).read_text())
+
+    def fill(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                fill(value, f"{prefix}{key}.")
+            else:
+                node[key] = values.pop(f"{prefix}{key}", value)
+
+    fill(doc, "")
+    assert not values, f"keys not in the documented layout: {values}"
+    return doc
+
+
+def _copy_checkpoint(src: Path, dst: Path, doc: dict) -> Path:
+    import shutil
+
+    import yaml
+
+    shutil.copytree(src, dst)
+    (dst / "nla_meta.yaml").write_text(yaml.safe_dump(doc, allow_unicode=True))
+    return dst
+
+
+def test_documented_av_layout_verbalizes_like_the_full_sidecar(nla_pair, client, tmp_path):
+    s = nla_pair.side
+    doc = _documented_layout("published_av.nla_meta.yaml", {
+        "d_model": D, "extraction.injection_scale": s.injection_scale, "tokens.injection_token_id": s.injection_token_id,
+        "tokens.injection_char": s.injection_char, "tokens.injection_left_neighbor_id": s.injection_left_neighbor_id,
+        "tokens.injection_right_neighbor_id": s.injection_right_neighbor_id, "prompt_templates.av": s.av_template,
+    })
+    assert "layer_index" not in doc["extraction"] and "role" not in doc and "critic_suffix_ids" not in doc["tokens"]
+    av = NLAClient(_copy_checkpoint(nla_pair.av_dir, tmp_path / "av", doc), device="cpu")
+    assert av.av_sidecar.layer_index is None and av.av_sidecar.ar_template is None
+    vectors = torch.randn(3, D, generator=torch.Generator().manual_seed(5))
+    assert av.verbalize(vectors, max_new_tokens=20) == client.verbalize(vectors, max_new_tokens=20)
+    # The documented tokenizer check still runs: a drifted neighbour id is named.
+    doc["tokens"]["injection_left_neighbor_id"] += 1
+    bad = _copy_checkpoint(nla_pair.av_dir, tmp_path / "av_bad", doc)
+    with pytest.raises(ValueError, match="injection_left_neighbor_id: the sidecar records"):
+        NLAClient(bad, device="cpu")
+
+
+def test_documented_ar_layout_scores_like_the_full_sidecar(nla_pair, client, tmp_path):
+    import json
+    import math
+
+    s = nla_pair.side
+    values = {"d_model": D, "extraction.mse_scale": math.sqrt(D), "ar.num_hidden_layers": 1,
+              "tokens.critic_suffix_ids": list(s.critic_suffix_ids), "prompt_templates.ar": s.ar_template}
+    doc = _documented_layout("published_ar.nla_meta.yaml", dict(values))
+    ar_dir = _copy_checkpoint(nla_pair.ar_dir, tmp_path / "ar", doc)
+    assert json.loads((ar_dir / "config.json").read_text())["num_hidden_layers"] == 2  # K+1 blocks for K = 1
+    ar = NLAClient(None, ar_dir, device="cpu")
+    assert ar.ar_sidecar.layer_index == 1 and ar.ar_sidecar.injection_char is None
+    texts, vectors = ["Alice is in the garden", None, "the dog runs"], torch.randn(3, D)
+    got, want = ar.score(texts, vectors), client.score(texts, vectors)
+    torch.testing.assert_close(got.mse_nrm, want.mse_nrm, equal_nan=True)
+    # K+1 under ar.num_hidden_layers (the config's block count, not K) is an inconsistent checkpoint.
+    doc = _documented_layout("published_ar.nla_meta.yaml", {**values, "ar.num_hidden_layers": 2})
+    with pytest.raises(ValueError, match=r"records layer K = 2, so the AR should keep K\+1 = 3 blocks, but "
+                                         r"config.json has 2"):
+        NLAClient(None, _copy_checkpoint(nla_pair.ar_dir, tmp_path / "ar_bad", doc), device="cpu")
+
+
+def test_roles_are_checked_not_warned_about(nla_pair, tmp_path):
+    with pytest.raises(NLAClientError, match=r"av: .*/ar is an AR checkpoint \(role 'ar'\), not an AV; pass the "
+                                             r"verbalizer checkpoint as --av"):
+        NLAClient(nla_pair.ar_dir, device="cpu")
+    with pytest.raises(NLAClientError, match=r"ar: .*/av is an AV checkpoint \(role 'av'\), not an AR"):
+        NLAClient(None, nla_pair.av_dir, device="cpu")
+    # Without a role, the value head tells an AR directory apart.
+    import yaml
+
+    doc = yaml.safe_load((nla_pair.ar_dir / "nla_meta.yaml").read_text())
+    del doc["role"]
+    no_role = _copy_checkpoint(nla_pair.ar_dir, tmp_path / "ar_no_role", doc)
+    with pytest.raises(NLAClientError, match=r"is an AR checkpoint \(a value head\), not an AV"):
+        NLAClient(no_role, device="cpu")

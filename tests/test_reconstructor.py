@@ -1,5 +1,6 @@
 import pytest
 import torch
+import yaml
 from conftest import ARCHS
 
 from nla.arch import num_layers
@@ -83,7 +84,8 @@ def test_save_load_roundtrip(tiny_model_dir, tiny_tokenizer, tmp_path, name):
     assert (out / VALUE_HEAD_FILE).is_file() and (out / "tokenizer.json").is_file()
     assert read_config_layers(out) == 2
     meta = load_sidecar(out)
-    assert (meta.role, meta.layer_index, meta.ar_num_hidden_layers, meta.training["step"]) == ("ar", 1, 2, 7)
+    assert (meta.role, meta.layer_index, meta.training["step"]) == ("ar", 1, 7)
+    assert yaml.safe_load((out / "nla_meta.yaml").read_text())["ar"] == {"num_hidden_layers": 1}  # K, as published
     ar.save_pretrained(out, cfg)  # overwrite an existing checkpoint
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ar"]  # no temp / old dirs left behind
     back = Reconstructor.from_pretrained(out).eval()

@@ -311,3 +311,56 @@ def test_reward_service_merges_submissions_and_delivers_failures():
                 f.result(timeout=5)
     with pytest.raises(RuntimeError, match="closed"):
         service.submit([1])
+
+
+def test_failed_mse_is_orthogonal_whatever_the_gold():
+    import math
+
+    from nla.client import failed_mse as client_failed_mse
+    from nla.reward import FAILED_MSE, failed_mse
+
+    d = 4
+    gold = torch.tensor([[0.0, 0.0, 0.0, 0.0],  # zero gold: used to cost 0, a perfect score
+                         [1e38, 1e38, 0.0, 0.0],  # overflows fp32 when squared: used to normalise to 0
+                         [1.0, 2.0, 3.0, 4.0]])
+    # scale sqrt(d): 2 * d / d = 2.0 for every row
+    assert failed_mse(gold, math.sqrt(d)).tolist() == [FAILED_MSE] * 3 == [2.0] * 3
+    # scale 3: 2 * 9 / 4 = 4.5
+    assert failed_mse(gold, 3.0).tolist() == [4.5] * 3
+    # raw (no scale): 2 |g|^2 / d -> row 2: 2 * 30 / 4 = 15; row 1: 2 * 2e76 / 4 = 1e76 -> inf in fp32
+    raw = failed_mse(gold, None)
+    assert raw[0] == 0.0 and raw[2] == 15.0 and raw[1] == float("inf")
+    assert client_failed_mse is failed_mse  # one definition, used by score, eval and the reward docs
+
+
+def test_non_finite_rewards_fail_their_batch():
+    from nla.reward import NonFiniteRewardError, RewardService
+
+    with RewardService(lambda items: [0.5, float("nan"), float("inf")][: len(items)], batch_size=3,
+                       flush_seconds=0.01) as service:
+        with pytest.raises(NonFiniteRewardError, match=r"non-finite values for items \[1, 2\] \(2 of 3, e.g. nan\)"):
+            service.score([0, 1, 2])
+
+
+def test_reward_timeout_fails_every_waiting_sample():
+    import threading
+    import time
+
+    from nla.reward import RewardService, RewardTimeoutError
+
+    release = threading.Event()
+
+    def stuck(items):
+        release.wait(30)  # a forward that never returns on its own
+        return [0.0] * len(items)
+
+    t0 = time.perf_counter()
+    with RewardService(stuck, batch_size=2, flush_seconds=0.01, timeout_seconds=0.2) as service:
+        futs = [service.submit([1, 2]), service.submit([3])]
+        for f in futs:
+            with pytest.raises(RewardTimeoutError, match=r"took longer than timeout_seconds=0.2"):
+                f.result(timeout=10)
+        release.set()  # let the stuck thread end so the service closes
+    assert time.perf_counter() - t0 < 10  # nothing waited for the 30 s forward
+    with pytest.raises(ValueError, match="timeout_seconds must be a finite number > 0 or None, found 0"):
+        RewardService(stuck, 2, 0.01, timeout_seconds=0)

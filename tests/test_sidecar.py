@@ -28,7 +28,39 @@ AR_TPL = "<explanation>{explanation}</explanation> <summary>"
 
 
 def test_published_av_fixture_parses():
+    # The AV layout of the published docs: no role, no layer, no AR fields.
     cfg = load_sidecar(FIXTURES / "published_av.nla_meta.yaml")
+    assert cfg == NLAConfig(
+        kind="nla_model", role=None, d_model=3584, injection_char="㈎", injection_token_id=149705,
+        injection_left_neighbor_id=29, injection_right_neighbor_id=522,
+        av_template="...<concept>{injection_char}</concept>...", injection_scale=150.0,
+    )
+    assert (cfg.layer_index, cfg.critic_suffix_ids, cfg.ar_template) == (None, None, None)
+    assert cfg.mse_scale_value() == pytest.approx(math.sqrt(3584))  # absent = sqrt_d_model
+    assert cfg.need_av("verbalizing") is cfg
+    with pytest.raises(SidecarError, match=r"building an AR needs the extraction layer K.*records none"):
+        cfg.need_layer("building an AR")
+    with pytest.raises(SidecarError, match=r"scoring needs the AR fields .*tokens.critic_suffix_ids"):
+        cfg.need_ar("scoring")
+    with pytest.raises(SidecarError, match="the AR text needs the AR fields"):
+        cfg.ar_text("x")
+
+
+def test_published_ar_fixture_parses_layer_from_ar_num_hidden_layers():
+    # The AR layout of the published docs: ar.num_hidden_layers is K itself, no injection fields.
+    cfg = load_sidecar(FIXTURES / "published_ar.nla_meta.yaml")
+    assert cfg == NLAConfig(
+        kind="nla_model", role="ar", d_model=3584, layer_index=20, critic_suffix_ids=(1318, 29, 366, 1708, 29),
+        ar_template="Summary of the following text: <text>{explanation}</text> <summary>", mse_scale=59.87,
+    )
+    assert cfg.injection_char is None and cfg.injection_scale is None and cfg.av_template is None
+    assert cfg.need_layer("building an AR") == 20 and cfg.mse_scale_value() == 59.87
+    with pytest.raises(SidecarError, match="injection needs the AV fields"):
+        cfg.need_av("injection")
+
+
+def test_full_av_fixture_parses():
+    cfg = load_sidecar(FIXTURES / "full_av.nla_meta.yaml")
     assert cfg == NLAConfig(
         kind="nla_model", role="av", d_model=3584, layer_index=20, injection_char="㈎",
         injection_token_id=149705, injection_left_neighbor_id=29, injection_right_neighbor_id=522,
@@ -39,24 +71,95 @@ def test_published_av_fixture_parses():
     assert cfg.injection_scale_value() == 150.0 and cfg.mse_scale_value() == 59.87
 
 
-def test_published_ar_fixture_parses_old_keys_and_defaults():
-    cfg = load_sidecar(FIXTURES / "published_ar.nla_meta.yaml")
-    assert (cfg.role, cfg.d_model, cfg.layer_index, cfg.ar_num_hidden_layers) == ("ar", 3584, 20, 21)
+def test_older_writer_ar_fixture_parses_critic_keys_and_defaults():
+    cfg = load_sidecar(FIXTURES / "older_writer_ar.nla_meta.yaml")
+    assert (cfg.role, cfg.d_model, cfg.layer_index) == ("ar", 3584, 20)
     assert cfg.av_template == AV_TPL and cfg.ar_template == AR_TPL
     assert cfg.injection_scale is None
     assert cfg.mse_scale == "sqrt_d_model"
     assert cfg.mse_scale_value() == pytest.approx(math.sqrt(3584))  # 59.866...
 
 
+def _published_ar_doc() -> dict:
+    return yaml.safe_load((FIXTURES / "published_ar.nla_meta.yaml").read_text())
+
+
+@pytest.mark.parametrize(
+    ("layer_keys", "expected"),
+    [
+        ({"ar": {"num_hidden_layers": 7}}, 7),  # published: K
+        ({"critic": {"num_hidden_layers": 7}}, 7),  # older writers: K
+        ({"critic": {"extraction_layer_index": 7}}, 7),
+        ({"extraction": {"layer_index": 7}, "ar": {"num_hidden_layers": 8}}, 7),  # nla before: K and K+1
+        ({"extraction": {"layer_index": 7}, "ar": {"num_hidden_layers": 7}}, 7),  # nla now: K and K
+        ({}, None),  # no layer at all: allowed, demanded only where used
+    ],
+)
+def test_layer_keys(tmp_path, layer_keys, expected):
+    doc = _published_ar_doc()
+    del doc["ar"]
+    for key, sub in layer_keys.items():
+        doc.setdefault(key, {}).update(sub)
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(doc))
+    assert load_sidecar(tmp_path / "s.yaml").layer_index == expected
+
+
+@pytest.mark.parametrize(
+    ("layer_keys", "message"),
+    [
+        ({"extraction": {"layer_index": 7}, "ar": {"num_hidden_layers": 9}},
+         r"ar.num_hidden_layers = 9 disagrees with extraction.layer_index = 7"),
+        ({"extraction": {"layer_index": 7}, "critic": {"extraction_layer_index": 6}},
+         r"two different layers \(extraction.layer_index = 7, critic.extraction_layer_index = 6\)"),
+        ({"ar": {"num_hidden_layers": "twenty"}}, r"ar.num_hidden_layers: expected a non-negative int.*'twenty'"),
+    ],
+)
+def test_contradictory_or_bad_layer_keys_are_refused(tmp_path, layer_keys, message):
+    doc = _published_ar_doc()
+    del doc["ar"]
+    for key, sub in layer_keys.items():
+        doc.setdefault(key, {}).update(sub)
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(SidecarError, match=message):
+        load_sidecar(tmp_path / "s.yaml")
+
+
+def test_role_needs_its_fields_and_groups_come_whole(tmp_path):
+    doc = _published_ar_doc()
+    del doc["tokens"]["critic_suffix_ids"]
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(SidecarError, match=r"AR fields come together; found prompt_templates.ar but not "
+                                           r"tokens.critic_suffix_ids"):
+        load_sidecar(tmp_path / "s.yaml")
+    del doc["prompt_templates"]["ar"]
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(SidecarError, match=r"role 'ar' needs the AR fields"):
+        load_sidecar(tmp_path / "s.yaml")
+
+
+def test_written_layouts_round_trip_and_follow_the_published_keys(tmp_path):
+    ar = load_sidecar(FIXTURES / "published_ar.nla_meta.yaml")
+    write_sidecar(tmp_path / "ar", ar)
+    doc = yaml.safe_load((tmp_path / "ar" / "nla_meta.yaml").read_text())
+    assert doc["ar"] == {"num_hidden_layers": 20} and doc["extraction"]["layer_index"] == 20  # both K
+    assert set(doc["tokens"]) == {"critic_suffix_ids"} and set(doc["prompt_templates"]) == {"ar"}
+    assert load_sidecar(tmp_path / "ar") == ar
+    av = load_sidecar(FIXTURES / "published_av.nla_meta.yaml")
+    write_sidecar(tmp_path / "av", av)
+    doc = yaml.safe_load((tmp_path / "av" / "nla_meta.yaml").read_text())
+    assert "layer_index" not in doc["extraction"] and "critic_suffix_ids" not in doc["tokens"] and "ar" not in doc
+    assert load_sidecar(tmp_path / "av") == av
+
+
 def test_messages_and_ar_text():
-    cfg = load_sidecar(FIXTURES / "published_av.nla_meta.yaml")
+    cfg = load_sidecar(FIXTURES / "full_av.nla_meta.yaml")
     assert cfg.av_messages() == [{"role": "user", "content": AV_TPL.format(injection_char="㈎")}]
     assert cfg.av_messages(AV_PLACEHOLDER)[0]["content"].startswith("Here is a hidden state <<INJECT>>")
     assert cfg.ar_text("hi") == "<explanation>hi</explanation> <summary>"
 
 
 def test_write_then_load_roundtrip_with_provenance(tmp_path):
-    cfg = load_sidecar(FIXTURES / "published_av.nla_meta.yaml")
+    cfg = load_sidecar(FIXTURES / "full_av.nla_meta.yaml")
     out = write_sidecar(tmp_path, cfg, step=5, parent=tmp_path / "x")
     assert out == tmp_path / "nla_meta.yaml"
     back = load_sidecar(tmp_path)
@@ -72,7 +175,7 @@ def test_write_then_load_roundtrip_with_provenance(tmp_path):
 
 
 def test_missing_key_names_key_and_file(tmp_path):
-    doc = yaml.safe_load((FIXTURES / "published_av.nla_meta.yaml").read_text())
+    doc = yaml.safe_load((FIXTURES / "full_av.nla_meta.yaml").read_text())
     del doc["tokens"]["injection_right_neighbor_id"]
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(doc, allow_unicode=True))
@@ -80,7 +183,7 @@ def test_missing_key_names_key_and_file(tmp_path):
         load_sidecar(bad)
     assert str(bad) in str(info.value)
     # an AV sidecar must record its injection scale (null is allowed, absence is not)
-    doc = yaml.safe_load((FIXTURES / "published_av.nla_meta.yaml").read_text())
+    doc = yaml.safe_load((FIXTURES / "full_av.nla_meta.yaml").read_text())
     del doc["extraction"]["injection_scale"]
     bad.write_text(yaml.safe_dump(doc, allow_unicode=True))
     with pytest.raises(SidecarError, match="injection_scale"):
@@ -88,7 +191,7 @@ def test_missing_key_names_key_and_file(tmp_path):
 
 
 def test_bad_values_name_the_field(tmp_path):
-    cfg = load_sidecar(FIXTURES / "published_av.nla_meta.yaml")
+    cfg = load_sidecar(FIXTURES / "full_av.nla_meta.yaml")
     with pytest.raises(ValueError, match="NLAConfig.role"):
         cfg.replace(role="critic")
     with pytest.raises(ValueError, match="NLAConfig.mse_scale.*'sqrt_dmodel'"):
@@ -102,7 +205,7 @@ def test_bad_values_name_the_field(tmp_path):
 def test_sidecar_path_for_and_resolve(tmp_path):
     assert sidecar_path_for(tmp_path) == tmp_path / "nla_meta.yaml"
     assert sidecar_path_for(tmp_path / "a.parquet") == tmp_path / "a.parquet.nla_meta.yaml"
-    cfg = load_sidecar(FIXTURES / "published_av.nla_meta.yaml")
+    cfg = load_sidecar(FIXTURES / "full_av.nla_meta.yaml")
     ckpt, data = tmp_path / "ckpt", tmp_path / "d.parquet"
     ckpt.mkdir()
     write_sidecar(data, cfg.replace(kind="nla_dataset", role=None, layer_index=3))
@@ -183,3 +286,18 @@ def test_error_classes_are_distinct_value_errors():
                NeighborMismatchError, ARSuffixMismatchError}
     assert len(classes) == 6
     assert all(issubclass(c, SidecarMismatchError) and issubclass(c, ValueError) for c in classes)
+
+
+def test_edited_template_is_refused(tmp_path):
+    cfg = load_sidecar(FIXTURES / "full_av.nla_meta.yaml")
+    write_sidecar(tmp_path, cfg)
+    doc = yaml.safe_load((tmp_path / "nla_meta.yaml").read_text())
+    assert set(doc["prompt_template_sha256"]) == {"av", "ar"}
+    # An edit that keeps the marker's neighbours ("<" and ">") passes every token check; the digest catches it.
+    doc["prompt_templates"]["av"] = doc["prompt_templates"]["av"].replace("Explain what it encodes.", "Be brief.")
+    (tmp_path / "nla_meta.yaml").write_text(yaml.safe_dump(doc, allow_unicode=True))
+    with pytest.raises(SidecarError, match=r"prompt_templates.av was edited after this sidecar was written"):
+        load_sidecar(tmp_path)
+    del doc["prompt_template_sha256"]  # a deliberate change: the user drops the record
+    (tmp_path / "nla_meta.yaml").write_text(yaml.safe_dump(doc, allow_unicode=True))
+    assert load_sidecar(tmp_path).av_template.endswith("Be brief.")

@@ -175,3 +175,20 @@ def test_data_cursor_epochs_and_resume():
     np.testing.assert_array_equal(resumed.next_indices(6), b)
     with pytest.raises(ValueError, match="same dataset"):
         DataCursor(n=6, seed=0).load_state_dict(c.state_dict())
+
+
+def test_atomic_dir_names_a_failed_save_and_keeps_the_old_checkpoint(tmp_path):
+    from nla.train.common import CheckpointSaveError
+
+    final = tmp_path / "step_00000002"
+    with atomic_dir(final) as d:
+        (d / "a.txt").write_text("old")
+    # /dev/full answers every write with ENOSPC: a real full-disk save, whose torch message is
+    # only "[enforce fail at inline_container.cc] ... unexpected pos".
+    with pytest.raises(CheckpointSaveError, match=r"saving the checkpoint .*step_00000002 failed \(.*\); \d+ MB are "
+                                                  r"free on that disk now. The previous checkpoint is intact"):
+        with atomic_dir(final) as d:
+            (d / "state.pt").symlink_to("/dev/full")
+            torch.save({"w": torch.zeros(1000)}, d / "state.pt")
+    assert (final / "a.txt").read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000002"]

@@ -42,6 +42,12 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         overrides["out_dir"] = args.out
     cfg = DatagenConfig.from_yaml(args.config, overrides)
+    from nla.validation import check_device, check_model_source, check_output_path
+
+    check_output_path(cfg.out_dir, "out_dir")
+    check_device(cfg.device)
+    if cfg.model_dir:
+        check_model_source(cfg.model_dir, "model_dir")
     stages = STAGES if args.datagen_step == "run" else (args.datagen_step,)
     summary = run_pipeline(cfg, stages=stages, force=args.force)
     log.info("datagen summary:\n%s", json.dumps(summary, indent=2, default=str))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from nla.validation import non_negative_int, positive_int
+
 log = logging.getLogger("nla.eval")
 
 
@@ -20,11 +22,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--av", help="verbalizer checkpoint dir (omit to evaluate the AR alone)")
     p.add_argument("--ar", required=True, help="reconstructor checkpoint dir")
     p.add_argument("--dataset", required=True, help="held-out parquet with activation_vector (+ sidecar)")
-    p.add_argument("--max-rows", type=int, help="evaluate a seeded random subset of this many rows")
+    p.add_argument("--max-rows", type=positive_int, help="evaluate a seeded random subset of this many rows")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=150)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--samples", type=int, default=8, help="explanations shown next to their ground truth")
+    p.add_argument("--max-new-tokens", type=positive_int, default=150)
+    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--samples", type=non_negative_int, default=8,
+                   help="explanations shown next to their ground truth")
     p.add_argument("--no-text-explainer", action="store_true", help="skip the text-explainer baseline row")
     p.add_argument("--out", help="directory for eval.json and eval.md")
     add_model_args(p)
@@ -35,9 +38,14 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from nla.client import NLAClient
-    from nla.datagen.io import write_text_atomic
+    from nla.datagen.io import read_vectors, write_text_atomic
     from nla.evaluation import evaluate_pair
+    from nla.validation import check_device, check_output_path
 
+    check_device(args.device)
+    if args.out:
+        check_output_path(args.out, "--out")
+    read_vectors(args.dataset)  # NaN / Inf / zero rows are named with the file before any model loads
     client = NLAClient(args.av, args.ar, device=args.device, dtype=args.dtype, sidecar=args.sidecar)
     report = evaluate_pair(client, args.dataset, max_rows=args.max_rows, seed=args.seed,
                            text_explainer_baseline=not args.no_text_explainer, n_show=args.samples,

@@ -19,8 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from nla.quickstart import run_quickstart
+    from nla.validation import check_output_path
 
-    out = args.out or f"runs/quickstart-{args.preset}"
+    out = str(check_output_path(args.out or f"runs/quickstart-{args.preset}", "--out"))
     report = run_quickstart(args.preset, out, backend=args.backend, progress=not args.no_progress)
     head = json.loads((report.parent / "report.json").read_text())["headline"]
     print("\n== nla quickstart: done ==", file=sys.stderr)

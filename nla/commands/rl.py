@@ -6,6 +6,8 @@ import argparse
 import json
 import logging
 
+from nla.validation import positive_int
+
 log = logging.getLogger("nla.rl")
 
 
@@ -18,17 +20,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ar", help="warm-started AR checkpoint dir (overrides ar)")
     p.add_argument("--dataset", help="RL prompts parquet (overrides dataset)")
     p.add_argument("--out", help="run directory (overrides out_dir)")
-    p.add_argument("--steps", type=int, help="RL steps (overrides steps)")
+    p.add_argument("--steps", type=positive_int, help="RL steps (overrides steps)")
     p.add_argument("--backend", choices=["local", "ray"], help="worker backend (overrides backend)")
     p.add_argument("--ray-address", help="existing Ray cluster address (overrides ray_address)")
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in out_dir")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the last checkpoint in out_dir (the config must match the run's)")
+    p.add_argument("--overwrite", action="store_true", help="delete a previous run in out_dir and start over")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from nla.client import load_checkpoint_sidecar
+    from nla.datagen.io import read_vectors
+    from nla.reconstructor import VALUE_HEAD_FILE
     from nla.rl.config import load_rl_config
     from nla.rl.loop import run_rl
+    from nla.rundir import prepare_run_dir
     from nla.train.config import parse_overrides
+    from nla.validation import check_checkpoint, check_device, check_output_path
 
     overrides = parse_overrides(args.set)
     for flag, key in (("av", "av"), ("ar", "ar"), ("dataset", "dataset"), ("out", "out_dir"), ("steps", "steps"),
@@ -37,6 +48,16 @@ def run(args: argparse.Namespace) -> int:
         if value is not None:
             overrides[key] = value
     cfg = load_rl_config(args.config, overrides)
+    # Every input is checked before anything is written (nla.validation).
+    check_output_path(cfg.out_dir, "out_dir")
+    check_device(cfg.device)
+    load_checkpoint_sidecar(Path(cfg.av), "av")  # roles are checked, not warned about
+    load_checkpoint_sidecar(Path(cfg.ar), "ar")
+    check_checkpoint(cfg.av, "av")
+    check_checkpoint(cfg.ar, "ar", extra=(VALUE_HEAD_FILE,))
+    for dataset in filter(None, (cfg.dataset, cfg.eval_dataset)):
+        read_vectors(dataset)  # NaN / Inf / zero rows stop the run here, named
+    prepare_run_dir(cfg.out_dir, cfg.to_dict(), "rl_config.yaml", resume=args.resume, overwrite=args.overwrite)
     result = run_rl(cfg, resume=args.resume)
     log.info("checkpoint: %s (%.1f s)", result.checkpoint_dir, result.seconds)
     log.info("final metrics:\n%s", json.dumps(result.metrics, indent=2, default=str))

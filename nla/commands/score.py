@@ -1,6 +1,6 @@
 """`nla score --ar DIR (--texts FILE | --dataset PARQUET) [--vectors ...] [--out jsonl]`: reconstruct and score.
 
-``--texts`` is a text file with one explanation per line, or a JSONL file (e.g. the output of
+``--texts`` is a text file with one explanation per ``\n``-terminated line, or a JSONL file (e.g. the output of
 ``nla verbalize``) whose objects carry an ``explanation`` (null = failed sample). ``--dataset``
 takes the ``explanation`` column and, unless ``--vectors`` is given, the vectors of the same parquet.
 """
@@ -13,6 +13,7 @@ import logging
 import numpy as np
 
 from nla.commands.eval import add_model_args
+from nla.validation import positive_int
 
 log = logging.getLogger("nla.score")
 
@@ -24,27 +25,46 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--texts", help="explanations: one per line (.txt) or JSONL with an 'explanation' field")
     src.add_argument("--dataset", help="parquet with an explanation column (and activation_vector)")
     p.add_argument("--vectors", help="parquet with activation_vector, or .npy [N, d]; default: --dataset's")
-    p.add_argument("--rows", type=int, help="only the first N rows")
+    p.add_argument("--rows", type=positive_int, help="only the first N rows")
     p.add_argument("--out", help="JSONL of per-row scores; default: only the summary is printed")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--skip-bad-rows", action="store_true",
+                   help="drop vectors with NaN/Inf, zero or overflowing norms (counted and named) instead of refusing")
+    p.add_argument("--batch-size", type=positive_int, default=64)
     add_model_args(p)
     p.set_defaults(func=run)
 
 
 def read_texts(path: str) -> list[str | None]:
-    """Explanations from a .jsonl (``explanation`` field) or a plain text file (one per line)."""
+    """Explanations from a .jsonl (``explanation`` field) or a plain text file (one per line).
+
+    Lines end at ``\n`` only (a trailing ``\r`` is dropped): ``str.splitlines`` also breaks at
+    U+2028, NEL, form feeds and lone CRs, which would shift every later explanation onto the
+    wrong vector. In a text file an empty line is an empty explanation (a row); blank lines of
+    a JSONL file are skipped (they hold no object).
+    """
     import json
     from pathlib import Path
 
     p = Path(path)
-    lines = [ln for ln in p.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    lines = p.read_bytes().decode("utf-8").split("\n")  # not read_text: it turns lone CRs into row breaks
+    if lines and lines[-1] == "":
+        lines.pop()  # the file's final newline ends the last row, it does not start a new one
+    lines = [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
     if p.suffix != ".jsonl":
         return lines
     out: list[str | None] = []
     for i, ln in enumerate(lines):
-        obj = json.loads(ln)
+        if not ln.strip():
+            continue
+        try:
+            obj = json.loads(ln)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{p}: line {i + 1} is not valid JSON ({err.msg} at column {err.colno})") from None
         if not isinstance(obj, dict) or "explanation" not in obj:
             raise ValueError(f"{p}: line {i + 1} has no 'explanation' field; expected the output of nla verbalize")
+        if obj["explanation"] is not None and not isinstance(obj["explanation"], str):
+            raise ValueError(f"{p}: line {i + 1}: 'explanation' must be a string or null, found "
+                             f"{type(obj['explanation']).__name__}")
         out.append(obj["explanation"])
     return out
 
@@ -52,40 +72,53 @@ def read_texts(path: str) -> list[str | None]:
 def run(args: argparse.Namespace) -> int:
     import json
 
+    import torch
+
     from nla.client import NLAClient, failed_mse, load_vectors
     from nla.datagen.io import read_parquet
     from nla.fsutil import write_text_atomic
+    from nla.validation import check_device, check_output_path, check_vectors, drop_bad_rows
     from nla.vectors import fve
 
+    check_device(args.device)
+    if args.out:
+        check_output_path(args.out, "--out", is_file=True)
     if args.texts:
-        texts = read_texts(args.texts)
         if not args.vectors:
-            raise SystemExit("nla score: --texts needs --vectors (parquet or .npy) to score against")
+            raise ValueError("--texts needs --vectors (parquet or .npy) to score against")
+        texts = read_texts(args.texts)
     else:
         table = read_parquet(args.dataset)
         if "explanation" not in table.column_names:
-            raise SystemExit(f"nla score: {args.dataset} has no explanation column; found {table.column_names}")
+            raise ValueError(f"{args.dataset} has no explanation column; found {table.column_names}")
         texts = table.column("explanation").to_pylist()
-    vectors = load_vectors(args.vectors or args.dataset)
-    if args.rows is not None:
-        texts, vectors = texts[: args.rows], vectors[: args.rows]
+    source = args.vectors or args.dataset
+    raw = load_vectors(source, rows=args.rows, check=False)
+    texts = texts[: args.rows] if args.rows is not None else texts
+    if len(texts) != raw.shape[0]:
+        raise ValueError(f"{len(texts)} texts for {raw.shape[0]} vectors in {source}; pass exactly one explanation "
+                         "per vector (--rows N takes the first N of both)")
+    if args.skip_bad_rows:
+        vectors, kept, report = drop_bad_rows(raw, f"vectors {source}")
+        if report:
+            log.warning(report)
+        texts = [texts[i] for i in kept]
+    else:
+        vectors, kept = check_vectors(raw, f"vectors {source}"), np.arange(raw.shape[0])
     client = NLAClient(None, args.ar, device=args.device, dtype=args.dtype, sidecar=args.sidecar)
     res = client.score(texts, vectors, batch_size=args.batch_size)
     ok = ~res.failed
-    summary = {"rows": res.n, "failure_rate": res.failure_rate,
+    summary = {"rows": res.n, "skipped_rows": int(raw.shape[0] - res.n), "failure_rate": res.failure_rate,
                "mse_nrm_mean": float(res.mse_nrm[ok].mean()) if ok.any() else None,
                "cosine_mean": float(res.cosine[ok].mean()) if ok.any() else None}
+    gold = torch.from_numpy(np.array(vectors))  # a copy: arrow-backed arrays are read-only
     if int(ok.sum()) >= 2:
-        import torch
-
-        summary["fve_completed_rows"] = fve(res.predictions[ok], torch.from_numpy(np.array(vectors, dtype=np.float32))[ok], client.mse_scale)
+        summary["fve_completed_rows"] = fve(res.predictions[ok], gold[ok], client.mse_scale)
     if res.failed.any():
-        import torch
-
-        fm = failed_mse(torch.from_numpy(np.array(vectors, dtype=np.float32)), client.mse_scale)
+        fm = failed_mse(gold, client.mse_scale)
         summary["mse_nrm_mean_failed_as_orthogonal"] = float(torch.where(res.failed, fm, res.mse_nrm).mean())
     if args.out:
-        rows = "".join(json.dumps({"row": i, "failed": bool(res.failed[i]),
+        rows = "".join(json.dumps({"row": int(kept[i]), "failed": bool(res.failed[i]),
                                    "mse_nrm": None if res.failed[i] else float(res.mse_nrm[i]),
                                    "cosine": None if res.failed[i] else float(res.cosine[i])}) + "\n"
                        for i in range(res.n))

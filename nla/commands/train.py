@@ -6,6 +6,8 @@ import argparse
 import json
 import logging
 
+from nla.validation import positive_int
+
 log = logging.getLogger("nla.train")
 
 
@@ -21,14 +23,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         sp.add_argument("--dataset", help="training parquet (overrides dataset)")
         sp.add_argument("--out", help="run directory (overrides out_dir)")
         sp.add_argument("--base-model", help="HF model directory to start from (overrides base_model)")
-        sp.add_argument("--max-steps", type=int, help="optimiser steps (overrides max_steps)")
-        sp.add_argument("--resume", action="store_true", help="continue from the last checkpoint in out_dir")
+        sp.add_argument("--max-steps", type=positive_int, help="optimiser steps (overrides max_steps)")
+        sp.add_argument("--resume", action="store_true",
+                        help="continue from the last checkpoint in out_dir (the config must match the run's)")
+        sp.add_argument("--overwrite", action="store_true", help="delete a previous run in out_dir and start over")
         sp.set_defaults(func=run)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
 def run(args: argparse.Namespace) -> int:
+    from nla.datagen.io import read_vectors
+    from nla.rundir import prepare_run_dir
     from nla.train.config import ARTrainConfig, AVTrainConfig, load_config, parse_overrides
+    from nla.validation import check_device, check_model_source, check_output_path
 
     overrides = parse_overrides(args.set)
     for flag, key in (("dataset", "dataset"), ("out", "out_dir"), ("base_model", "base_model"),
@@ -44,6 +51,14 @@ def run(args: argparse.Namespace) -> int:
         from nla.train.av import train_av as train
 
         cfg = load_config(AVTrainConfig, args.config, overrides)
+    # Every input is checked before anything is written (nla.validation).
+    check_output_path(cfg.out_dir, "out_dir")
+    check_device(cfg.device)
+    if cfg.base_model:
+        check_model_source(cfg.base_model, "base_model")
+    for dataset in filter(None, (cfg.dataset, cfg.eval_dataset)):
+        read_vectors(dataset)  # NaN / Inf / zero rows stop the run here, named
+    prepare_run_dir(cfg.out_dir, cfg.to_dict(), "train_config.yaml", resume=args.resume, overwrite=args.overwrite)
     result = train(cfg, resume=args.resume)
     log.info("checkpoint: %s (%.1f s)", result.checkpoint_dir, result.seconds)
     log.info("final metrics:\n%s", json.dumps(result.metrics, indent=2, default=str))

@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from nla.commands.eval import add_model_args
+from nla.validation import positive_int
 
 log = logging.getLogger("nla.verbalize")
 
@@ -14,14 +15,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verbalize", help="explain activation vectors with a verbalizer (AV)")
     p.add_argument("--av", required=True, help="verbalizer checkpoint dir")
     p.add_argument("--vectors", required=True, help="parquet with activation_vector, or .npy [N, d] (RAW)")
-    p.add_argument("--rows", type=int, help="only the first N vectors")
+    p.add_argument("--rows", type=positive_int, help="only the first N vectors")
     p.add_argument("--out", help="JSONL file (one {row, status, explanation, text} per sample); default stdout")
-    p.add_argument("--max-new-tokens", type=int, default=150)
-    p.add_argument("--n-samples", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=positive_int, default=150)
+    p.add_argument("--n-samples", type=positive_int, default=1)
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int)
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--skip-bad-rows", action="store_true",
+                   help="drop vectors with NaN/Inf, zero or overflowing norms (counted and named) instead of refusing")
     add_model_args(p)
     p.set_defaults(func=run)
 
@@ -32,13 +35,25 @@ def run(args: argparse.Namespace) -> int:
 
     from nla.client import NLAClient, load_vectors
     from nla.fsutil import write_text_atomic
+    from nla.validation import check_device, check_output_path, drop_bad_rows
 
-    vectors = load_vectors(args.vectors, rows=args.rows)
+    check_device(args.device)
+    if args.out:
+        check_output_path(args.out, "--out", is_file=True)
+    if args.skip_bad_rows:
+        vectors, kept, report = drop_bad_rows(load_vectors(args.vectors, rows=args.rows, check=False),
+                                              f"vectors {args.vectors}")
+        if report:
+            log.warning(report)
+    else:
+        vectors = load_vectors(args.vectors, rows=args.rows)
+        kept = range(vectors.shape[0])
     client = NLAClient(args.av, None, device=args.device, dtype=args.dtype, sidecar=args.sidecar)
     out = client.verbalize(vectors, max_new_tokens=args.max_new_tokens, greedy=not args.sample,
                            temperature=args.temperature, n_samples=args.n_samples, seed=args.seed,
                            batch_size=args.batch_size)
-    lines = "".join(json.dumps(v.to_dict(), ensure_ascii=False) + "\n" for v in out)
+    # Rows are numbered as in the input file, skipped rows included.
+    lines = "".join(json.dumps({**v.to_dict(), "row": int(kept[v.row])}, ensure_ascii=False) + "\n" for v in out)
     if args.out:
         write_text_atomic(lines, args.out)
         log.info("wrote %d samples to %s", len(out), args.out)

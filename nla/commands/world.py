@@ -51,8 +51,11 @@ def format_summary(art) -> str:
 
 
 def _target(args: argparse.Namespace):
+    from nla.validation import check_output_path
     from nla.world.build import WORLD_PRESETS, WorldConfig
 
+    if args.out is not None:
+        check_output_path(args.out, "--out")
     if args.config is not None:
         return WorldConfig.from_yaml(args.config)
     if args.preset in WORLD_PRESETS:

@@ -211,7 +211,7 @@ def load_dataset(path: str | os.PathLike, model_dir: str | os.PathLike | None = 
                 f"{path}: sidecar d_model={cfg.d_model} but model {model_dir} has hidden size {d} (d_model mismatch); "
                 "use the model the dataset was extracted from"
             )
-        if not 0 <= cfg.layer_index < n:
+        if not 0 <= cfg.need_layer(f"{path}: checking the dataset against {model_dir}") < n:
             raise DatagenError(
                 f"{path}: sidecar layer_index={cfg.layer_index} is out of range for {model_dir} "
                 f"({n} blocks, valid range 0..{n - 1})"

@@ -15,6 +15,9 @@ from typing import Any
 
 import yaml
 
+from nla.configcheck import check_config_types
+from nla.validation import load_yaml
+
 SPLITS = ("av_sft", "ar_sft", "rl")
 SOURCES = ("world", "file")
 BAD_VECTOR_POLICIES = ("error", "drop")
@@ -187,16 +190,6 @@ class DatagenConfig:
         unknown = sorted(set(data) - valid)
         if unknown:
             raise ValueError(f"DatagenConfig: unknown key(s) {unknown}; valid keys: {sorted(valid)}")
-        nested = {"provider": ProviderConfig, "world_explainer": WorldExplainerConfig}
-        for key, sub in nested.items():
-            if key in data and isinstance(data[key], dict):
-                sub_valid = {f.name for f in dataclasses.fields(sub)}
-                bad = sorted(set(data[key]) - sub_valid)
-                if bad:
-                    raise ValueError(
-                        f"DatagenConfig.{key}: unknown key(s) {bad}; valid keys: {sorted(sub_valid)}"
-                    )
-                data[key] = sub(**data[key])
         if "split_fractions" in data:
             fr = data["split_fractions"]
             if isinstance(fr, dict):
@@ -208,6 +201,17 @@ class DatagenConfig:
                 fr = [fr[s] for s in SPLITS]
             if isinstance(fr, list):
                 data["split_fractions"] = tuple(fr)
+        data = check_config_types(cls, data)  # types before any comparison, nested sections too
+        nested = {"provider": ProviderConfig, "world_explainer": WorldExplainerConfig}
+        for key, sub in nested.items():
+            if key in data and isinstance(data[key], dict):
+                sub_valid = {f.name for f in dataclasses.fields(sub)}
+                bad = sorted(set(data[key]) - sub_valid)
+                if bad:
+                    raise ValueError(
+                        f"DatagenConfig.{key}: unknown key(s) {bad}; valid keys: {sorted(sub_valid)}"
+                    )
+                data[key] = sub(**data[key])
         return cls(**data)
 
     @classmethod
@@ -215,7 +219,7 @@ class DatagenConfig:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"datagen config {path} not found; see configs/datagen/ for examples")
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = load_yaml(path, "datagen config") or {}
         if not isinstance(data, dict):
             raise ValueError(
                 f"{path}: expected a YAML mapping of DatagenConfig fields, found {type(data).__name__}"

@@ -108,13 +108,17 @@ def load_subject(model_dir: str | os.PathLike, device: str = "cpu") -> tuple[Any
     """(model, tokenizer) from a local HF directory, fp32, eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from nla.validation import check_checkpoint
+
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").exists():
         raise DatagenError(
             f"model_dir {model_dir}: no config.json; expected a local Hugging Face model directory"
         )
+    check_checkpoint(model_dir, "model_dir")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32,
+                                                 use_safetensors=True)
     model.to(resolve_device(device)).eval()
     return model, tokenizer
 

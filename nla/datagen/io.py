@@ -41,15 +41,26 @@ def read_parquet(path: str | os.PathLike) -> pa.Table:
         ) from exc
 
 
-def read_vectors(path_or_table: str | os.PathLike | pa.Table, column: str = VECTOR_COLUMN) -> np.ndarray:
+def read_vectors(path_or_table: str | os.PathLike | pa.Table, column: str = VECTOR_COLUMN, *,
+                 source: str | os.PathLike | None = None, check: bool = True) -> np.ndarray:
     """Return the vector column as a float32 array [N, d] without building Python floats.
 
     Rows must all have the same length; a ragged column is an error naming the first bad row.
+    The values must be floats; with ``check`` (the default) rows with NaN/Inf, zero vectors and
+    norms that overflow float32 are refused with their row numbers (``nla.validation.check_vectors``).
+    ``source`` names the file in messages (defaults to the path when one is given).
     """
+    from nla.validation import InputError, check_vectors
+
+    if source is None and not isinstance(path_or_table, pa.Table):
+        source = path_or_table
+    where = f"{source}: column {column!r}" if source is not None else f"column {column!r}"
     table = path_or_table if isinstance(path_or_table, pa.Table) else read_parquet(path_or_table)
     if column not in table.column_names:
         raise DatagenError(f"column {column!r} missing; found columns {table.column_names}")
     col = table.column(column).combine_chunks()
+    if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type) or pa.types.is_fixed_size_list(col.type)):
+        raise InputError(f"{where}: expected a list<float32> column of vectors, found {col.type}")
     n = len(col)
     if n == 0:
         return np.zeros((0, 0), dtype=np.float32)
@@ -68,10 +79,15 @@ def read_vectors(path_or_table: str | os.PathLike | pa.Table, column: str = VECT
                 "all vectors of one dataset must share d_model"
             )
     flat = col.flatten()
+    if not pa.types.is_floating(flat.type):
+        raise InputError(
+            f"{where}: expected lists of floats (RAW activations), found lists of {flat.type}; "
+            "rewrite the column as list<float32>"
+        )
     if flat.type != pa.float32():
         flat = flat.cast(pa.float32())
-    arr = flat.to_numpy(zero_copy_only=True)
-    return arr.reshape(n, d)
+    arr = flat.to_numpy(zero_copy_only=True).reshape(n, d)
+    return check_vectors(arr, where) if check else arr
 
 
 def vectors_to_arrow(vectors: np.ndarray) -> pa.Array:

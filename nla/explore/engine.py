@@ -183,7 +183,7 @@ class Explorer:
                 "pair's vectors were extracted from")
         model, tok = load_subject(subject_dir, device=str(next(client.av_model.parameters()).device))
         world = WorldDocs.for_subject(subject_dir, limits.max_world_docs)
-        layer = client.ar_sidecar.layer_index
+        layer = client.ar_sidecar.need_layer("explore (extracting activations of block K)")
         logger.info("explore: subject %s, layer %d, d_model %d, world %s", subject_dir, layer, client.d_model,
                     world.root if world else "none")
         return cls(client, model, tok, subject_dir=subject_dir, layer_index=layer, world=world, limits=limits)

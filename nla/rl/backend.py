@@ -26,6 +26,7 @@ from nla.rl.workers import (
 )
 from nla.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar, verify_tokenizer
 from nla.train.common import resolve_device, resolve_dtype
+from nla.validation import check_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def load_pair_sidecars(av_dir: str | Path, ar_dir: str | Path) -> tuple[NLAConfi
         sides.append(load_sidecar(path))
     av, ar = sides
     for field in ("d_model", "layer_index"):
-        if getattr(av, field) != getattr(ar, field):
+        if None not in (getattr(av, field), getattr(ar, field)) and getattr(av, field) != getattr(ar, field):
             raise RLSetupError(
                 f"{field}: the AV sidecar says {getattr(av, field)} but the AR sidecar says {getattr(ar, field)}; "
                 "the two checkpoints come from different datasets or subject layers"
@@ -57,6 +58,7 @@ def load_pair_sidecars(av_dir: str | Path, ar_dir: str | Path) -> tuple[NLAConfi
 def load_av(path: str | Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM
 
+    check_checkpoint(path, "av")  # complete safetensors, recorded checksums
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True).to(device)
     tok = arch.load_tokenizer(path)
     return model, tok

@@ -49,6 +49,8 @@ class RLConfig:
       log_mse: reward = -log(mse) instead of -mse.
     Optimisers: lr (AV), ar_lr (AR, null = lr), value_lr (PPO value model, null = lr).
     Reward batching: reward_batch_size, reward_flush_seconds (RewardBatcher);
+      reward_timeout_seconds: a reward forward running longer fails every waiting sample
+      with a clear error instead of hanging the run (null = wait forever);
       generation_chunk_prompts: generate this many prompts at a time and score each chunk
       while the next generates (null = the whole rollout at once).
     step0_guard_tol: refuse to start when the padded reward path and the AR's training
@@ -96,6 +98,7 @@ class RLConfig:
     ar_max_length: int = 256
     reward_batch_size: int = 64
     reward_flush_seconds: float = 0.05
+    reward_timeout_seconds: float | None = 600.0
     generation_chunk_prompts: int | None = None
     step0_guard_tol: float = 1e-4
     eval_every: int = 10
@@ -150,6 +153,10 @@ class RLConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 _bad(name, "a positive finite number", v)
+        if self.reward_timeout_seconds is not None and not (
+                self.reward_timeout_seconds > 0 and math.isfinite(self.reward_timeout_seconds)):
+            _bad("reward_timeout_seconds", "a positive finite number of seconds or null (no timeout)",
+                 self.reward_timeout_seconds)
         for name in ("ar_lr", "value_lr"):
             v = getattr(self, name)
             if v is not None and not (v > 0 and math.isfinite(v)):

@@ -46,10 +46,13 @@ def micro_chunks(rows: Tensor, n: int, world: int, micro_batch_size: int) -> lis
     return list(torch.tensor_split(rows, k))
 
 
-def free_port() -> int:
-    """A TCP port free on this host now (the group's rendezvous port)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the group's rendezvous port).
+
+    The probe binds ``host`` (the address the group will rendezvous on), never all interfaces.
+    """
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 

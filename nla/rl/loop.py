@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from nla.datagen.io import read_parquet, read_vectors
+from nla.health import StuckRunMonitor
 from nla.metrics import MetricsLogger
 from nla.reward import RewardService, failed_extraction_reward
 from nla.rl import algorithms as A
@@ -75,7 +76,7 @@ class RLData:
     @classmethod
     def load(cls, path: str | Path) -> RLData:
         table = read_parquet(path)
-        vecs = torch.from_numpy(read_vectors(table).copy())
+        vecs = torch.from_numpy(read_vectors(table, source=path).copy())
         facts = table.column("facts").to_pylist() if "facts" in table.column_names else None
         if vecs.shape[0] == 0:
             raise ValueError(f"{path}: the RL dataset has no rows")
@@ -316,8 +317,9 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
     stop = min(cfg.steps, cfg.stop_after_steps or cfg.steps)
     metrics_log = MetricsLogger(out, "rl", tensorboard=cfg.tensorboard)
     # The live AR's bound method: every reward comes from its current weights (no copy).
-    rewards = RewardService(groups.reconstructor.score_batch, cfg.reward_batch_size, cfg.reward_flush_seconds)
-    last_ckpt, final = ckpt, {}
+    rewards = RewardService(groups.reconstructor.score_batch, cfg.reward_batch_size, cfg.reward_flush_seconds,
+                            cfg.reward_timeout_seconds)
+    last_ckpt, final, stuck = ckpt, {}, StuckRunMonitor("rl")
     bar = tqdm(total=stop, initial=step, desc="rl", disable=not cfg.progress)
     try:
         while step < stop:
@@ -350,6 +352,7 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
             m["time_ar"] = time.perf_counter() - t2
             groups.rollout.sync_weights(groups.policy)
             step += 1
+            stuck.observe(step, grad_norm=m.get("grad_norm"), failure_rate=m.get("extraction_fail_rate"))
             if eval_data is not None and (step % cfg.eval_every == 0 or step == stop):
                 m.update(evaluate(groups, cfg, eval_data, eval_baseline, rewards))
             m["time_step"] = time.perf_counter() - t0
@@ -367,5 +370,6 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
             groups.close()
         metrics_log.plot(out / "rl_curves.png", PLOT_KEYS, title="RL")
         metrics_log.close()
+    final["stuck_warnings"] = stuck.warnings
     (out / "rl_summary.json").write_text(json.dumps({"step": step, **final}, indent=2, default=float))
     return RLResult(out, last_ckpt, {"step": step, **final}, time.perf_counter() - t_start)

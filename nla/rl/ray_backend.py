@@ -80,7 +80,8 @@ class _RankBase:
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's IP and a free port: rank 0's answer becomes the group's MASTER_ADDR/PORT."""
-        return ray.util.get_node_ip_address(), D.free_port()
+        ip = ray.util.get_node_ip_address()
+        return ip, D.free_port(ip)
 
     def init_group(self, master_addr: str, master_port: int) -> None:
         self.mesh = D.init_group(self.rank, self.world, master_addr, master_port, self.use_cuda,

@@ -35,6 +35,7 @@ from nla.train.common import (
     seed_everything,
 )
 from nla.train.config import ARTrainConfig
+from nla.validation import check_model_source
 from nla.vectors import fve, mse_nrm, predict_mean_baselines
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ def load_split(cfg: Any, text_column: str) -> tuple[Any, np.ndarray, Any, np.nda
     table = read_parquet(path)
     if text_column not in table.column_names:
         raise ARTrainError(f"dataset {path}: column {text_column!r} missing; found {table.column_names}")
-    vectors = read_vectors(table)
+    vectors = read_vectors(table, source=path)
     if cfg.eval_dataset:
         epath = Path(cfg.eval_dataset)
         if not epath.is_file():
@@ -116,7 +117,7 @@ def load_split(cfg: Any, text_column: str) -> tuple[Any, np.ndarray, Any, np.nda
                 f"eval_dataset {epath}: column {text_column!r} missing (found {etable.column_names}); the eval set "
                 "must be the same kind of split as the training set (e.g. another ar_sft/av_sft parquet, not rl)"
             )
-        return table, vectors, etable, read_vectors(etable)
+        return table, vectors, etable, read_vectors(etable, source=epath)
     tr, ev = _split_eval(table, cfg.eval_fraction, cfg.seed)
     if len(tr) == 0:
         raise ARTrainError(f"eval_fraction={cfg.eval_fraction} leaves no training rows in {path}; lower it")
@@ -131,7 +132,7 @@ def _resolve_sidecar_and_base(cfg: Any) -> tuple[NLAConfig, str]:
             "base_model: neither the train config nor the dataset sidecar names the base model; "
             "set base_model in the config (or --set base_model=PATH)"
         )
-    return side, str(base)
+    return side, check_model_source(str(base), "base_model")
 
 
 def _check_d_model(side: NLAConfig, model_d: int, vectors: np.ndarray, where: str) -> None:
@@ -150,7 +151,7 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
     """Warm-start the reconstructor on ``cfg.dataset`` (``ar_sft.parquet``). See module docstring."""
     seed_everything(cfg.seed)
     side, base = _resolve_sidecar_and_base(cfg)
-    layer = cfg.layer_index if cfg.layer_index is not None else side.layer_index
+    side.need_ar("AR training")
     train_tab, train_vec, eval_tab, eval_vec = load_split(cfg, "prompt")
     scale = side.mse_scale_value()
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
@@ -158,6 +159,7 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
     if resume_from is not None:
         model = Reconstructor.from_pretrained(resume_from)
     else:
+        layer = cfg.layer_index if cfg.layer_index is not None else side.need_layer("building the AR from the base model")
         model = Reconstructor.from_base(base, layer)
     if model.tokenizer is None:
         raise ARTrainError(f"base_model: no tokenizer files in {base}; save the tokenizer beside the model")
@@ -169,7 +171,7 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
     gold_all = torch.from_numpy(np.ascontiguousarray(train_vec))
     baselines = predict_mean_baselines(gold_all, scale)
     logger.info("AR: %d train / %d eval rows, K=%d, mse_scale=%s, raw-mean baseline %.4f (normalised-mean %.4f)",
-                len(texts), len(eval_texts), layer, scale, baselines.raw_mean, baselines.normalized_mean)
+                len(texts), len(eval_texts), model.layer_index, scale, baselines.raw_mean, baselines.normalized_mean)
     checked = {"suffix": False}
 
     def micro_loss(idx: np.ndarray) -> tuple[torch.Tensor, dict[str, float]]:

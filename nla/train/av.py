@@ -44,6 +44,7 @@ from nla.train.common import (
     seed_everything,
 )
 from nla.train.config import AVTrainConfig
+from nla.validation import check_checkpoint
 from nla.vectors import resolve_scale
 
 logger = logging.getLogger(__name__)
@@ -169,9 +170,11 @@ def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
     resume_from = find_resume_checkpoint(cfg.out_dir) if resume else None
     src = str(resume_from) if resume_from is not None else base
+    if resume_from is not None:
+        check_checkpoint(resume_from, "--resume checkpoint")
     tok = AutoTokenizer.from_pretrained(src)
     verify_tokenizer(side, tok)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, use_safetensors=True)
     d = arch.hidden_size(model.config)
     if d != side.d_model:
         raise AVTrainError(f"d_model: the sidecar says {side.d_model} but the model at {src} has width {d}; "

@@ -32,6 +32,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from nla.health import StuckRunMonitor
+from nla.validation import write_checksums
+
 logger = logging.getLogger(__name__)
 
 TRAINING_STATE_FILE = "training_state.pt"
@@ -177,6 +180,9 @@ def atomic_dir(final_path: str | os.PathLike) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        # Each folder of weights records their SHA-256: a flipped bit is caught at load (nla.validation).
+        for folder in sorted({f.parent for f in tmp.rglob("*.safetensors")}):
+            write_checksums(folder)
         _fsync_tree(tmp)
         old = None
         if final.exists():
@@ -185,9 +191,21 @@ def atomic_dir(final_path: str | os.PathLike) -> Iterator[Path]:
         os.replace(tmp, final)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, (OSError, RuntimeError)) and not isinstance(exc, CheckpointSaveError):
+            # torch.save on a full disk says only "[enforce fail at inline_container.cc] unexpected pos".
+            free = shutil.disk_usage(final.parent).free
+            raise CheckpointSaveError(
+                f"saving the checkpoint {final} failed ({' '.join(str(exc).split())}); {free / 2**20:.0f} MB are free "
+                f"on that disk now. The previous checkpoint is intact; free space (or pick another out_dir) and "
+                "rerun with --resume"
+            ) from exc
         raise
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (full disk, permissions); nothing partial was left in its place."""
 
 
 # ---------------------------------------------------------------- RNG & training state
@@ -378,7 +396,10 @@ def prune_checkpoints(ckpt_root: str | os.PathLike, keep_last: int) -> None:
 
 
 def resolve_device(spec: str) -> torch.device:
-    """``"auto"`` -> cuda when available, else cpu; anything else is passed to torch.device."""
+    """``"auto"`` -> cuda when available, else cpu; anything else is checked, then passed to torch.device."""
+    from nla.validation import check_device
+
+    check_device(spec)
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(spec)
@@ -490,6 +511,7 @@ def run_training_loop(cfg: Any, spec: LoopSpec) -> TrainResult:
     last_ckpt: Path | None = spec.resume_from
     summary: dict[str, Any] = {}
     model.train()
+    stuck = StuckRunMonitor(spec.name)
     bar = tqdm(total=stop, initial=step, desc=f"train {spec.name}", disable=not cfg.progress)
     try:
         while step < stop:
@@ -506,6 +528,7 @@ def run_training_loop(cfg: Any, spec: LoopSpec) -> TrainResult:
             stepped, grad_norm = optimizer_step_guarded(model, opt, sched, cfg.max_grad_norm)
             skipped += 0 if stepped else 1
             step += 1
+            stuck.observe(step, grad_norm=grad_norm)
             bar.update(1)
             last = step == stop
             if step % cfg.log_every == 0 or last:
@@ -540,6 +563,7 @@ def run_training_loop(cfg: Any, spec: LoopSpec) -> TrainResult:
         final_metrics.update(rec)
     final_metrics.update(summary)
     final_metrics["skipped_steps"] = skipped
+    final_metrics["stuck_warnings"] = stuck.warnings
     metrics.plot(out / f"{spec.name}_curves.png", spec.plot_keys, title=f"{spec.name} warm-start")
     metrics.close()
     if last_ckpt is None:

@@ -15,6 +15,9 @@ from typing import Any, TypeVar
 
 import yaml
 
+from nla.configcheck import check_config_types
+from nla.validation import load_yaml
+
 _DEVICES_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -205,22 +208,8 @@ def config_from_dict(cls: type[C], data: dict[str, Any]) -> C:
     unknown = sorted(set(data) - valid)
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown config key(s) {unknown}; valid keys: {sorted(valid)}")
-    data = dict(data)
-    # YAML reads 1e-4 as a string under YAML 1.1 rules (no dot); accept it as the number it means.
-    for f in fields(cls):
-        v = data.get(f.name)
-        if isinstance(v, str) and f.name in _FLOAT_FIELDS:
-            try:
-                data[f.name] = float(v)
-            except ValueError:
-                pass
-    return cls(**data)
-
-
-# Fields YAML 1.1 may read as strings (``1e-4`` without a dot); RL's are included so every
-# stage config loads through the same function.
-_FLOAT_FIELDS = {"lr", "weight_decay", "min_lr_ratio", "max_grad_norm", "eval_fraction", "injection_scale",
-                 "ar_lr", "value_lr", "kl_coef", "reward_flush_seconds", "step0_guard_tol", "temperature"}
+    # Types first (YAML 1.1's "1e-4" strings become floats there), so __post_init__ compares numbers.
+    return cls(**check_config_types(cls, data))
 
 
 def load_config(
@@ -230,9 +219,7 @@ def load_config(
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"config file not found: {p}")
-        loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        loaded = load_yaml(p, f"{cls.__name__} config") or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"{p}: expected a mapping of config keys, found {type(loaded).__name__}")
         data.update(loaded)

@@ -34,7 +34,9 @@ from typing import Any
 
 import yaml
 
+from nla.configcheck import check_config_types
 from nla.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE
+from nla.validation import load_yaml
 from nla.world.explain import TextExplainer
 from nla.world.facts import Document, all_facts, current_word, facts_at, token_facts, words_with_spans
 from nla.world.generator import generate_documents
@@ -120,11 +122,11 @@ class WorldConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"WorldConfig: unknown keys {unknown}; valid keys are {sorted(known)}")
-        return cls(**data)
+        return cls(**check_config_types(cls, data))
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> WorldConfig:
-        return cls.from_dict(yaml.safe_load(Path(path).read_text()) or {})
+        return cls.from_dict(load_yaml(path, "world config") or {})
 
 
 WORLD_PRESETS: dict[str, WorldConfig] = {

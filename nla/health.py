@@ -1,0 +1,63 @@
+"""Loud warnings for a run that makes no progress while looking healthy.
+
+A run can go to its last step with nothing learned: ``lr=1e6`` drives the AR into a dead
+state where the loss sits at 1.0 and every gradient is exactly zero (finite, so no step is
+"skipped"), or non-finite (every step skipped, counted but easy to miss). In RL, a policy that stops closing its explanation tag gets
+the failure reward on every sample. :class:`StuckRunMonitor` watches the two signals:
+
+1. the gradient norm is zero (below ``ZERO_GRAD_NORM``) or non-finite (the step is skipped)
+   for ``patience`` steps in a row;
+2. every sample of the rollout failed (``failure_rate == 1``) for ``patience`` steps in a row.
+
+Each streak warns once, when it reaches ``patience``, at WARNING level with what to check;
+the messages are kept in ``warnings`` so callers can put them in their summary and report.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ZERO_GRAD_NORM", "StuckRunMonitor"]
+
+ZERO_GRAD_NORM = 1e-12
+
+
+class StuckRunMonitor:
+    """Count zero-gradient and all-failed streaks; warn once per streak of ``patience`` steps."""
+
+    def __init__(self, name: str, patience: int = 10) -> None:
+        if patience < 1:
+            raise ValueError(f"patience: expected an integer >= 1, found {patience}")
+        self.name, self.patience = name, patience
+        self.warnings: list[str] = []
+        self._zero_grad = 0
+        self._all_failed = 0
+
+    def observe(self, step: int, *, grad_norm: float | None = None, failure_rate: float | None = None) -> list[str]:
+        """Record one step's signals (None = not measured); returns the warnings raised at this step."""
+        new: list[str] = []
+        if grad_norm is not None:
+            dead = not math.isfinite(grad_norm) or abs(grad_norm) < ZERO_GRAD_NORM
+            self._zero_grad = self._zero_grad + 1 if dead else 0
+            if self._zero_grad == self.patience:
+                new.append(
+                    f"{self.name} looks stuck: the gradient norm has been zero or non-finite for {self.patience} steps "
+                    f"in a row (step {step}, last {grad_norm}); the model no longer learns (lr far too high, or a "
+                    "dead/collapsed output). "
+                    "Check lr and the loss curve; the checkpoints after this point are not worth keeping"
+                )
+        if failure_rate is not None:
+            self._all_failed = self._all_failed + 1 if failure_rate >= 1.0 else 0
+            if self._all_failed == self.patience:
+                new.append(
+                    f"{self.name} looks stuck: every sample has failed for {self.patience} steps in a row (step {step}); "
+                    "no explanation is extracted, so every reward is the failure value and the policy gets no "
+                    "signal. Check max_response_len and the AV's outputs"
+                )
+        for message in new:
+            logger.warning("!!! %s", message)
+        self.warnings.extend(new)
+        return new

@@ -1,0 +1,118 @@
+"""The generic config type check: expected types read from dataclass annotations (nla.configcheck)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pytest
+
+from nla.cli import main
+from nla.configcheck import ConfigTypeError, check_config_types
+from nla.datagen.config import DatagenConfig
+from nla.rl.config import load_rl_config
+from nla.train.config import ARTrainConfig, load_config
+from nla.world.build import WorldConfig
+
+
+@dataclass(frozen=True)
+class Inner:
+    k: int = 1
+
+
+@dataclass(frozen=True)
+class Toy:
+    n: int = 0
+    x: float = 0.0
+    name: str = ""
+    flag: bool = False
+    maybe: int | None = None
+    scale: float | str | None = None
+    mode: Literal["a", "b"] = "a"
+    pair: tuple[float, float] = (0.0, 1.0)
+    ids: tuple[int, ...] = ()
+    inner: Inner = field(default_factory=Inner)
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({"n": 3, "x": 2}, {"n": 3, "x": 2}),  # float accepts int
+        ({"x": "1e-4"}, {"x": 1e-4}),  # YAML 1.1 reads 1e-4 as a string: converted
+        ({"maybe": None, "scale": "sqrt_d_model"}, {"maybe": None, "scale": "sqrt_d_model"}),
+        ({"scale": 2.5, "mode": "b"}, {"scale": 2.5, "mode": "b"}),
+        ({"pair": [0.9, 1], "ids": [1, 2, 3]}, {"pair": [0.9, 1], "ids": [1, 2, 3]}),
+        ({"inner": {"k": 4}}, {"inner": {"k": 4}}),
+        ({"unknown": "left to the caller"}, {"unknown": "left to the caller"}),
+    ],
+)
+def test_accepted_values(data, expected):
+    assert check_config_types(Toy, data) == expected
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"n": "3"}, r"Toy.n: expected an integer, found '3' \(str\); fix it in the YAML or with --set n=..."),
+        ({"n": True}, r"Toy.n: expected an integer, found True \(bool\)"),  # bool is not an int here
+        ({"n": 2.0}, r"Toy.n: expected an integer, found 2.0 \(float\)"),
+        ({"x": False}, r"Toy.x: expected a number, found False"),
+        ({"x": "nan"}, r"Toy.x: expected a number, found 'nan'"),  # not converted: no range check would catch it
+        ({"x": [1.0]}, r"Toy.x: expected a number, found \[1.0\] \(list\)"),
+        ({"name": 5}, r"Toy.name: expected a string, found 5"),
+        ({"flag": "yes please"}, r"Toy.flag: expected true or false"),
+        ({"maybe": "x"}, r"Toy.maybe: expected an integer or null, found 'x'"),
+        ({"scale": [1]}, r"Toy.scale: expected a number or a string or null"),
+        ({"mode": "c"}, r"Toy.mode: expected one of 'a', 'b', found 'c'"),
+        ({"pair": [0.9]}, r"Toy.pair: expected a list of 2 \(a number, a number\), found \[0.9\]"),
+        ({"pair": [0.9, "x"]}, r"Toy.pair: expected a list of 2"),
+        ({"ids": [1, True]}, r"Toy.ids: expected a list of an integer"),
+        ({"inner": {"k": "four"}}, r"Inner.k: expected an integer, found 'four' .*--set inner.k=..."),
+        ({"inner": 3}, r"Toy.inner: expected a mapping of Inner fields, found 3"),
+    ],
+)
+def test_refused_values_name_field_expected_and_found(data, message):
+    with pytest.raises(ConfigTypeError, match=message):
+        check_config_types(Toy, data)
+
+
+@pytest.mark.parametrize(
+    ("field_name", "value", "expected"),
+    [("top_p", "abc", "a number"), ("warmup_steps", "ten", "an integer"), ("gamma", "one", "a number"),
+     ("seed", "x", "an integer"), ("weight_decay", "none", "a number"), ("steps", True, "an integer")],
+)
+def test_rl_config_strings_where_numbers_belong(field_name, value, expected):
+    with pytest.raises(ConfigTypeError, match=rf"RLConfig.{field_name}: expected {expected}, found {value!r}"):
+        load_rl_config(None, {"av": "a", "ar": "b", "dataset": "c", field_name: value})
+
+
+def test_every_stage_config_checks_types():
+    with pytest.raises(ConfigTypeError, match=r"ARTrainConfig.weight_decay: expected a number, found 'lots'"):
+        load_config(ARTrainConfig, None, {"dataset": "d.parquet", "weight_decay": "lots"})
+    assert load_config(ARTrainConfig, None, {"dataset": "d.parquet", "lr": "3e-4"}).lr == 3e-4
+    with pytest.raises(ConfigTypeError, match=r"DatagenConfig.seed: expected an integer, found 'x'"):
+        DatagenConfig.from_dict({"seed": "x"})
+    with pytest.raises(ConfigTypeError, match=r"ProviderConfig.max_tokens: .*--set provider.max_tokens=..."):
+        DatagenConfig.from_dict({"provider": {"max_tokens": "many"}})
+    with pytest.raises(ConfigTypeError, match=r"WorldConfig.n_layers: expected an integer, found '6'"):
+        WorldConfig.from_dict({"n_layers": "6"})
+
+
+def test_cli_type_error_is_one_line_and_exit_2(capsys, tmp_path):
+    assert main(["rl", "--set", "av=a", "--set", "ar=b", "--set", "dataset=c", "--set", "top_p=abc",
+                 "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err == ("nla rl: error: RLConfig.top_p: expected a number, found 'abc' (str); fix it in the YAML or "
+                   "with --set top_p=...\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_rl_reward_timeout_field():
+    base = {"av": "a", "ar": "b", "dataset": "c"}
+    assert load_rl_config(None, base).reward_timeout_seconds == 600.0
+    assert load_rl_config(None, {**base, "reward_timeout_seconds": None}).reward_timeout_seconds is None
+    with pytest.raises(ValueError, match=r"RLConfig.reward_timeout_seconds: expected a positive finite number of "
+                                         r"seconds or null \(no timeout\), found 0"):
+        load_rl_config(None, {**base, "reward_timeout_seconds": 0})
+    with pytest.raises(ConfigTypeError, match=r"RLConfig.reward_timeout_seconds: expected a number or null"):
+        load_rl_config(None, {**base, "reward_timeout_seconds": "soon"})

@@ -1,0 +1,522 @@
+"""Bad input through the CLI: exit code 2, one line naming the culprit, nothing written (nla.validation).
+
+Real files throughout: NaN / zero / complex / boolean .npy arrays, a parquet whose vector column
+holds strings, truncated and corrupt safetensors, a YAML syntax error, unwritable outputs, on a
+tiny real AV/AR pair saved here.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import build_tiny_model
+
+from nla.cli import main
+from nla.datagen.io import vectors_to_arrow
+from nla.reconstructor import VALUE_HEAD_FILE, Reconstructor
+from nla.sidecar import NLAConfig, write_sidecar
+from nla.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
+from nla.validation import (
+    InputError,
+    check_safetensors_file,
+    check_vectors,
+    describe_rows,
+    load_yaml,
+)
+
+D = 32
+
+
+def cli(capsys, *argv: str) -> tuple[int, list[str]]:
+    """Exit code and the non-empty stderr lines of ``nla *argv``."""
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exc:  # argparse usage errors
+        code = exc.code
+    err = capsys.readouterr().err
+    return code, [ln for ln in err.splitlines() if ln.strip()]
+
+
+def assert_one_error_line(lines: list[str], command: str, *parts: str) -> str:
+    errors = [ln for ln in lines if ln.startswith(f"nla {command}: error: ")]
+    assert len(errors) == 1, lines
+    assert not any("Traceback" in ln for ln in lines)
+    for part in parts:
+        assert part in errors[0], (part, errors[0])
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, tiny_tokenizer):
+    root = tmp_path_factory.mktemp("validation")
+    model = build_tiny_model("llama", tiny_tokenizer)
+    side = NLAConfig.from_tokenizer(
+        tiny_tokenizer, kind="nla_model", role="av", d_model=D, layer_index=1, av_template=DEFAULT_AV_TEMPLATE,
+        ar_template=DEFAULT_AR_TEMPLATE, injection_char=DEFAULT_INJECTION_CHAR, injection_scale="sqrt_d_model",
+    )
+    av = root / "av"
+    model.save_pretrained(av)
+    tiny_tokenizer.save_pretrained(av)
+    write_sidecar(av, side)
+    ar = root / "ar"
+    Reconstructor.from_base(model, 1, tokenizer=tiny_tokenizer, sidecar=side).save_pretrained(ar)
+    good = np.random.default_rng(0).standard_normal((4, D)).astype(np.float32)
+    np.save(root / "good.npy", good)
+    return {"root": root, "av": av, "ar": ar, "good": good, "side": side}
+
+
+# --- vectors ------------------------------------------------------------------------------------
+def test_describe_rows():
+    assert describe_rows([3], 10) == "row 3 (1 of 10)"
+    assert describe_rows(range(12), 20) == "rows 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, ... (12 of 20)"
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda a: a.__setitem__((1, 0), np.nan) or a.__setitem__((3, 5), np.inf) or a,
+         "rows 1, 3 (2 of 4) hold NaN or Inf"),
+        (lambda a: a.__setitem__(2, 0.0) or a, "row 2 (1 of 4) are all-zero vectors"),
+        (lambda a: a.astype(np.float64) * 1e300, "rows 0, 1, 2, 3 (4 of 4) hold NaN or Inf (after conversion"),
+        (lambda a: np.full_like(a, 1e38), "rows 0, 1, 2, 3 (4 of 4) have a norm that overflows float32"),
+        (lambda a: a.astype(np.complex64), "found complex numbers (dtype complex64)"),
+        (lambda a: a > 0, "found booleans (dtype bool)"),
+        (lambda a: a.astype(np.int64), "found integers (dtype int64)"),
+    ],
+)
+def test_check_vectors_refuses(pair, make, message):
+    with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_vectors(make(pair["good"].copy()), "v.npy")
+
+
+def test_check_vectors_accepts_float16_and_returns_float32(pair):
+    out = check_vectors(pair["good"].astype(np.float16))
+    assert out.dtype == np.float32 and out.flags.c_contiguous
+    np.testing.assert_array_equal(out, pair["good"].astype(np.float16).astype(np.float32))
+
+
+@pytest.mark.parametrize("command", ["verbalize", "score"])
+def test_nan_row_refused_by_verbalize_and_score(pair, capsys, tmp_path, command):
+    bad = pair["good"].copy()
+    bad[2, 7] = np.nan
+    np.save(tmp_path / "nan.npy", bad)
+    out = tmp_path / "out.jsonl"
+    if command == "verbalize":
+        argv = ["verbalize", "--av", pair["av"], "--vectors", tmp_path / "nan.npy", "--out", out, "--device", "cpu"]
+    else:
+        (tmp_path / "t.txt").write_text("a\nb\nc\nd\n")
+        argv = ["score", "--ar", pair["ar"], "--texts", tmp_path / "t.txt", "--vectors", tmp_path / "nan.npy",
+                "--out", out, "--device", "cpu"]
+    code, lines = cli(capsys, *argv)
+    assert code == 2
+    assert_one_error_line(lines, command, str(tmp_path / "nan.npy"), "row 2 (1 of 4) hold NaN or Inf")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("array", "found"), [(np.zeros((3, D), np.complex128) + 1j, "complex numbers"), (np.ones((3, D), bool), "booleans")]
+)
+def test_complex_and_bool_npy_refused(pair, capsys, tmp_path, array, found):
+    np.save(tmp_path / "v.npy", array)
+    code, lines = cli(capsys, "verbalize", "--av", pair["av"], "--vectors", tmp_path / "v.npy", "--device", "cpu")
+    assert code == 2
+    assert_one_error_line(lines, "verbalize", "v.npy", f"found {found}")
+
+
+def test_parquet_vector_column_of_strings_refused(pair, capsys, tmp_path):
+    col = pa.array([[str(x) for x in row] for row in pair["good"]], pa.list_(pa.string()))
+    pq.write_table(pa.table({"activation_vector": col}), tmp_path / "s.parquet")
+    code, lines = cli(capsys, "verbalize", "--av", pair["av"], "--vectors", tmp_path / "s.parquet", "--device", "cpu")
+    assert code == 2
+    assert_one_error_line(lines, "verbalize", "s.parquet", "'activation_vector'", "lists of string")
+
+
+def test_zero_vector_dataset_refused_by_rl_before_anything_is_written(pair, capsys, tmp_path):
+    vec = pair["good"].copy()
+    vec[1] = 0.0
+    pq.write_table(pa.table({"activation_vector": vectors_to_arrow(vec)}), tmp_path / "rl.parquet")
+    run = tmp_path / "run"
+    code, lines = cli(capsys, "rl", "--av", pair["av"], "--ar", pair["ar"], "--dataset", tmp_path / "rl.parquet",
+                      "--out", run, "--set", "device=cpu")
+    assert code == 2
+    assert_one_error_line(lines, "rl", "rl.parquet", "row 1 (1 of 4) are all-zero vectors")
+    assert not run.exists()
+
+
+def test_rl_nan_row_stops_before_step_0_naming_the_row(pair, capsys, tmp_path):
+    vec = np.tile(pair["good"], (3, 1))
+    vec[9, 0] = np.nan
+    pq.write_table(pa.table({"activation_vector": vectors_to_arrow(vec)}), tmp_path / "rl.parquet")
+    run = tmp_path / "run"
+    code, lines = cli(capsys, "rl", "--av", pair["av"], "--ar", pair["ar"], "--dataset", tmp_path / "rl.parquet",
+                      "--out", run, "--set", "device=cpu")
+    assert code == 2
+    assert_one_error_line(lines, "rl", "row 9 (1 of 12) hold NaN or Inf")
+    assert not run.exists()
+
+
+# --- integer flags --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("argv", "command", "culprit"),
+    [
+        (["verbalize", "--av", "x", "--vectors", "v.npy", "--rows", "-1"], "verbalize",
+         "argument --rows: expected an integer >= 1, found -1"),
+        (["eval", "--ar", "x", "--dataset", "d.parquet", "--samples", "-5"], "eval",
+         "argument --samples: expected an integer >= 0, found -5"),
+        (["score", "--ar", "x", "--texts", "t.txt", "--vectors", "v.npy", "--batch-size", "0"], "score",
+         "argument --batch-size: expected an integer >= 1, found 0"),
+        (["rl", "--steps", "two"], "rl", "argument --steps: expected an integer >= 1, found 'two'"),
+    ],
+)
+def test_negative_counts_refused_in_one_line(capsys, argv, command, culprit):
+    code, lines = cli(capsys, *argv)
+    assert code == 2
+    assert lines == [f"nla {command}: error: {culprit}; see nla {command} --help"]
+
+
+# --- YAML -----------------------------------------------------------------------------------------
+def test_yaml_error_names_file_line_and_column(pair, capsys, tmp_path):
+    bad = tmp_path / "train.yaml"
+    bad.write_text("dataset: d.parquet\nlr: 1e-4\nbatch_size: [8, 16\nseed: 0\n")
+    with pytest.raises(InputError, match=rf"{bad}:4:5: the ARTrainConfig config is not valid YAML"):
+        load_yaml(bad, "ARTrainConfig config")
+    code, lines = cli(capsys, "train", "ar", "--config", bad, "--out", tmp_path / "run")
+    assert code == 2
+    assert_one_error_line(lines, "train", f"{bad}:4:5", "not valid YAML", "fix the syntax there")
+    assert not (tmp_path / "run").exists()
+    side = tmp_path / "nla_meta.yaml"
+    side.write_text("kind: nla_model\nrole: av\n  d_model: 3\n")
+    code, lines = cli(capsys, "verbalize", "--av", tmp_path, "--vectors", pair["root"] / "good.npy", "--device", "cpu")
+    assert code == 2
+    assert_one_error_line(lines, "verbalize", f"{side}:3:10", "the sidecar is not valid YAML")
+
+
+# --- checkpoint files -----------------------------------------------------------------------------
+def _damaged_copy(pair, tmp_path, role: str, file: str, how: str) -> Path:
+    dst = tmp_path / f"{role}_{how}"
+    shutil.copytree(pair[role], dst)
+    target = dst / file
+    data = target.read_bytes()
+    if how == "truncated":
+        target.write_bytes(data[: len(data) - 100])
+    elif how == "missing":
+        target.unlink()
+    elif how == "corrupt_header":
+        (n,) = struct.unpack("<Q", data[:8])
+        target.write_bytes(data[:8] + b"{" * n + data[8 + n :])
+    elif how == "empty":
+        target.write_bytes(b"")
+    return dst
+
+
+def test_check_safetensors_file_by_hand(tmp_path):
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    good = struct.pack("<Q", len(header)) + header + b"\0" * 8
+    (tmp_path / "ok.safetensors").write_bytes(good)
+    check_safetensors_file(tmp_path / "ok.safetensors")
+    (tmp_path / "short.safetensors").write_bytes(good[:-1])
+    with pytest.raises(InputError, match=rf"short.safetensors: truncated or corrupt .* announces {len(good)} bytes, "
+                                         rf"the file has {len(good) - 1}"):
+        check_safetensors_file(tmp_path / "short.safetensors")
+    (tmp_path / "huge.safetensors").write_bytes(struct.pack("<Q", 10**9) + header)
+    with pytest.raises(InputError, match=r"header of 1000000000 bytes announced"):
+        check_safetensors_file(tmp_path / "huge.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("role", "file", "how", "message"),
+    [
+        ("av", "model.safetensors", "truncated", "model.safetensors: truncated or corrupt safetensors file"),
+        ("av", "model.safetensors", "missing", "has no model.safetensors (no weights)"),
+        ("av", "model.safetensors", "corrupt_header", "model.safetensors: corrupt safetensors file"),
+        ("ar", VALUE_HEAD_FILE, "truncated", "value_head.safetensors: truncated or corrupt safetensors file"),
+        ("ar", "model.safetensors", "empty", "model.safetensors: truncated safetensors file (0 bytes"),
+    ],
+)
+def test_damaged_checkpoints_are_named(pair, capsys, tmp_path, role, file, how, message):
+    ckpt = _damaged_copy(pair, tmp_path, role, file, how)
+    out = tmp_path / "out.jsonl"
+    if role == "av":
+        argv = ["verbalize", "--av", ckpt, "--vectors", pair["root"] / "good.npy", "--out", out]
+    else:
+        (tmp_path / "t.txt").write_text("a\nb\nc\nd\n")
+        argv = ["score", "--ar", ckpt, "--texts", tmp_path / "t.txt", "--vectors", pair["root"] / "good.npy",
+                "--out", out]
+    code, lines = cli(capsys, *argv, "--device", "cpu")
+    assert code == 2
+    line = assert_one_error_line(lines, argv[0], message)
+    assert str(ckpt) in line and ("re-download or re-save" in line or "safe_serialization" in line)
+    assert not out.exists()
+
+
+def test_damaged_checkpoint_refused_by_rl(pair, capsys, tmp_path):
+    ar = _damaged_copy(pair, tmp_path, "ar", VALUE_HEAD_FILE, "truncated")
+    pq.write_table(pa.table({"activation_vector": vectors_to_arrow(pair["good"])}), tmp_path / "rl.parquet")
+    code, lines = cli(capsys, "rl", "--av", pair["av"], "--ar", ar, "--dataset", tmp_path / "rl.parquet",
+                      "--out", tmp_path / "run")
+    assert code == 2
+    assert_one_error_line(lines, "rl", f"{ar / VALUE_HEAD_FILE}: truncated")
+    assert not (tmp_path / "run").exists()
+
+
+def test_base_model_that_is_not_a_directory(capsys, tmp_path):
+    code, lines = cli(capsys, "train", "ar", "--set", "dataset=d.parquet", "--base-model", tmp_path / "no" / "model",
+                      "--out", tmp_path / "run")
+    assert code == 2
+    assert_one_error_line(lines, "train", f"base_model: no model directory at '{tmp_path / 'no' / 'model'}'")
+    assert not (tmp_path / "run").exists()
+
+
+def test_truncated_base_model_refused_by_train(pair, capsys, tmp_path):
+    base = _damaged_copy(pair, tmp_path, "av", "model.safetensors", "truncated")
+    code, lines = cli(capsys, "train", "ar", "--set", "dataset=d.parquet", "--base-model", base,
+                      "--out", tmp_path / "run")
+    assert code == 2
+    assert_one_error_line(lines, "train", f"{base / 'model.safetensors'}: truncated")
+
+
+# --- outputs and devices --------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["under_a_file", "proc"])
+def test_unwritable_output_fails_before_work(pair, capsys, tmp_path, where):
+    if where == "under_a_file":
+        (tmp_path / "afile").write_text("x")
+        out, culprit = tmp_path / "afile" / "sub" / "out.jsonl", f"{tmp_path / 'afile'} is a file"
+    else:
+        out, culprit = Path("/proc/nla-no-such-dir/out.jsonl"), "cannot write under /proc"
+    code, lines = cli(capsys, "verbalize", "--av", pair["av"], "--vectors", pair["root"] / "good.npy",
+                      "--out", out, "--device", "cpu")
+    assert code == 2
+    assert_one_error_line(lines, "verbalize", culprit, str(out))
+
+
+def test_unwritable_run_dir_fails_before_training(capsys, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    code, lines = cli(capsys, "train", "av", "--set", "dataset=d.parquet", "--out", tmp_path / "afile")
+    assert code == 2
+    assert_one_error_line(lines, "train", f"out_dir: {tmp_path / 'afile'} is a file, expected a directory")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_on_a_cpu_machine_is_refused(pair, capsys):
+    code, lines = cli(capsys, "verbalize", "--av", pair["av"], "--vectors", pair["root"] / "good.npy",
+                      "--device", "cuda")
+    assert code == 2
+    assert_one_error_line(lines, "verbalize", "device: 'cuda' asked for, but this machine has", "--device cpu")
+
+
+# --- texts, roles, run directories, stuck runs -----------------------------------------------------
+def test_texts_split_on_newline_only(pair, capsys, tmp_path):
+    from nla.client import NLAClient
+    from nla.commands.score import read_texts
+
+    # U+2028, NEL and a lone CR are inside explanations; only \n (with an optional \r before it) ends a row.
+    (tmp_path / "t.txt").write_bytes("a\u2028b cat\nthe\x85dog\rruns\r\n\nAlice\n".encode())
+    expected = ["a\u2028b cat", "the\x85dog\rruns", "", "Alice"]
+    assert read_texts(str(tmp_path / "t.txt")) == expected
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps({"explanation": e}) for e in ["x\u2028y", None]) + "\n\n")
+    assert read_texts(str(tmp_path / "t.jsonl")) == ["x\u2028y", None]
+    vec = np.random.default_rng(1).standard_normal((4, D)).astype(np.float32)
+    np.save(tmp_path / "v.npy", vec)
+    out = tmp_path / "scores.jsonl"
+    code, _ = cli(capsys, "score", "--ar", pair["ar"], "--texts", tmp_path / "t.txt", "--vectors", tmp_path / "v.npy",
+                  "--out", out, "--device", "cpu")
+    assert code == 0
+    rows = [json.loads(ln) for ln in out.read_text().splitlines()]
+    want = NLAClient(None, pair["ar"], device="cpu").score(expected, vec).mse_nrm
+    assert [r["row"] for r in rows] == [0, 1, 2, 3]
+    np.testing.assert_allclose([r["mse_nrm"] for r in rows], want.numpy(), rtol=1e-6)
+    (tmp_path / "bad.jsonl").write_text('{"explanation": "ok"}\n{"explanation": \n')
+    with pytest.raises(ValueError, match=r"bad.jsonl: line 2 is not valid JSON"):
+        read_texts(str(tmp_path / "bad.jsonl"))
+
+
+def test_swapped_roles_refused_by_rl(pair, capsys, tmp_path):
+    pq.write_table(pa.table({"activation_vector": vectors_to_arrow(pair["good"])}), tmp_path / "rl.parquet")
+    code, lines = cli(capsys, "rl", "--av", pair["ar"], "--ar", pair["av"], "--dataset", tmp_path / "rl.parquet",
+                      "--out", tmp_path / "run")
+    assert code == 2
+    assert_one_error_line(lines, "rl", f"av: {pair['ar']} is an AR checkpoint (role 'ar'), not an AV")
+    assert not (tmp_path / "run").exists()
+
+
+def _ar_train_args(tmp_path, ds, *extra):
+    return ["train", "ar", "--dataset", ds, "--out", tmp_path / "run", "--max-steps", "4", "--set", "batch_size=4",
+            "--set", "warmup_steps=1", "--set", "save_every=2", "--set", "eval_fraction=0.25",
+            "--set", "tensorboard=false", "--set", "progress=false", "--set", "log_every=1", *extra]
+
+
+def test_run_dir_is_not_reused_silently(pair, capsys, tmp_path, tiny_tokenizer, single_thread):
+    import yaml
+    from train_helpers import dataset_sidecar, write_ar_dataset
+
+    from nla.metrics import read_metrics
+
+    vec = np.random.default_rng(0).standard_normal((8, D)).astype(np.float32)
+    ds = write_ar_dataset(tmp_path / "ar.parquet", dataset_sidecar(tiny_tokenizer, pair["av"], D, 1), vec)
+    run, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    assert cli(capsys, *_ar_train_args(tmp_path, ds, "--set", "stop_after_steps=2"))[0] == 0
+    # A kill during a save leaves a temp dir; the next start removes it.
+    (ckpts / ".step_00000004.tmp-deadbeef").mkdir()
+    (ckpts / ".step_00000004.tmp-deadbeef" / "model.safetensors").write_bytes(b"x" * 1000)
+    code, lines = cli(capsys, *_ar_train_args(tmp_path, ds))
+    assert code == 2
+    assert_one_error_line(lines, "train", f"out_dir {run} already holds a run (checkpoints up to step_00000002)",
+                          "--resume", "--overwrite")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002"]  # stale temp dir gone, run untouched
+    code, lines = cli(capsys, *_ar_train_args(tmp_path, ds, "--resume", "--set", "lr=0.003"))
+    assert code == 2
+    assert_one_error_line(lines, "train", "--resume: the config differs from the run's",
+                          "lr: 0.0001 in the run, 0.003 now")
+    assert cli(capsys, *_ar_train_args(tmp_path, ds, "--resume"))[0] == 0  # same config: continues
+    assert [r["step"] for r in read_metrics(run / "ar.jsonl")] == [1, 2, 3, 4]
+    assert cli(capsys, *_ar_train_args(tmp_path, ds, "--overwrite", "--max-steps", "2"))[0] == 0
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002"]
+    assert [r["step"] for r in read_metrics(run / "ar.jsonl")] == [1, 2]  # a new run, not a mix
+    saved = yaml.safe_load((ckpts / "step_00000002" / "train_config.yaml").read_text())
+    assert saved["max_steps"] == 2
+
+
+def test_diverged_training_warns_loudly(pair, capsys, caplog, tmp_path, tiny_tokenizer, single_thread):
+    from train_helpers import dataset_sidecar, write_ar_dataset
+
+    vec = np.random.default_rng(0).standard_normal((8, D)).astype(np.float32)
+    ds = write_ar_dataset(tmp_path / "ar.parquet", dataset_sidecar(tiny_tokenizer, pair["av"], D, 1), vec)
+    with caplog.at_level("WARNING", logger="nla.health"):
+        code, _ = cli(capsys, *_ar_train_args(tmp_path, ds, "--max-steps", "12", "--set", "lr=1e6",
+                                              "--set", "save_every=100"))
+    assert code == 0
+    stuck = [r.message for r in caplog.records if "looks stuck" in r.message]
+    assert len(stuck) == 1 and "ar looks stuck: the gradient norm has been zero or non-finite for 10" in stuck[0]
+
+
+def test_pickled_weights_are_refused(pair, capsys, tmp_path):
+    from nla.validation import check_checkpoint
+
+    ckpt = tmp_path / "pickled"
+    shutil.copytree(pair["av"], ckpt)
+    (ckpt / "model.safetensors").unlink()
+    torch.save({"w": torch.zeros(1)}, ckpt / "pytorch_model.bin")
+    with pytest.raises(InputError, match=r"has no model.safetensors \(only pickled weights \['pytorch_model.bin'\]\); "
+                                         r"nla loads safetensors only"):
+        check_checkpoint(ckpt, "av")
+    with pytest.raises(InputError, match="only pickled weights"):
+        Reconstructor.from_base(ckpt, 1)  # base-model loads insist on safetensors too
+    code, lines = cli(capsys, "verbalize", "--av", ckpt, "--vectors", pair["root"] / "good.npy", "--device", "cpu")
+    assert code == 2
+    assert_one_error_line(lines, "verbalize", "only pickled weights")
+
+
+def test_rendezvous_port_probe_binds_the_given_host_only():
+    import socket
+
+    from nla.rl.distributed import free_port
+
+    port = free_port()  # default: loopback, never all interfaces
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", port))  # the probe released it, on the loopback it tested
+    with pytest.raises(OSError):
+        free_port("203.0.113.7")  # TEST-NET-3: not an address of this host, so nothing can be bound there
+
+
+def test_eval_names_the_nan_row_and_file(pair, capsys, tmp_path):
+    vec = pair["good"].copy()
+    vec[3, 1] = -np.inf
+    pq.write_table(pa.table({"activation_vector": vectors_to_arrow(vec)}), tmp_path / "heldout.parquet")
+    code, lines = cli(capsys, "eval", "--av", pair["av"], "--ar", pair["ar"], "--dataset", tmp_path / "heldout.parquet",
+                      "--out", tmp_path / "ev", "--device", "cpu")
+    assert code == 2
+    assert_one_error_line(lines, "eval", "heldout.parquet: column 'activation_vector': row 3 (1 of 4) hold NaN or Inf")
+    assert not (tmp_path / "ev").exists()
+
+
+def test_skip_bad_rows_drops_counts_and_keeps_row_numbers(pair, capsys, caplog, tmp_path):
+    from nla.client import NLAClient
+    from nla.validation import drop_bad_rows
+
+    vec = np.random.default_rng(2).standard_normal((5, D)).astype(np.float32)
+    vec[1, 4], vec[3] = np.nan, 0.0
+    kept_vec, kept, report = drop_bad_rows(vec, "v")
+    assert kept.tolist() == [0, 2, 4] and np.array_equal(kept_vec, vec[[0, 2, 4]])
+    assert report == ("v: skipped 2 of 5 rows: row 1 (1 of 5) hold NaN or Inf (after conversion to float32); "
+                      "row 3 (1 of 5) are all-zero vectors")
+    np.save(tmp_path / "v.npy", vec)
+    out = tmp_path / "verbs.jsonl"
+    with caplog.at_level("WARNING"):
+        code, _ = cli(capsys, "verbalize", "--av", pair["av"], "--vectors", tmp_path / "v.npy", "--skip-bad-rows",
+                      "--max-new-tokens", "6", "--out", out, "--device", "cpu")
+    assert code == 0 and any("skipped 2 of 5 rows" in r.message for r in caplog.records)
+    got = [json.loads(ln) for ln in out.read_text().splitlines()]
+    want = NLAClient(pair["av"], device="cpu").verbalize(vec[[0, 2, 4]], max_new_tokens=6)
+    assert [g["row"] for g in got] == [0, 2, 4]
+    assert [g["text"] for g in got] == [w.text for w in want]
+    texts = ["the cat", "a dog", "Alice runs", "Bob", "the river"]
+    (tmp_path / "t.txt").write_text("\n".join(texts) + "\n")
+    code, _ = cli(capsys, "score", "--ar", pair["ar"], "--texts", tmp_path / "t.txt", "--vectors", tmp_path / "v.npy",
+                  "--skip-bad-rows", "--out", tmp_path / "s.jsonl", "--device", "cpu")
+    assert code == 0
+    rows = [json.loads(ln) for ln in (tmp_path / "s.jsonl").read_text().splitlines()]
+    ref = NLAClient(None, pair["ar"], device="cpu").score([texts[i] for i in (0, 2, 4)], vec[[0, 2, 4]]).mse_nrm
+    assert [r["row"] for r in rows] == [0, 2, 4]
+    np.testing.assert_allclose([r["mse_nrm"] for r in rows], ref.numpy(), rtol=1e-6)
+    code, lines = cli(capsys, "score", "--ar", pair["ar"], "--texts", tmp_path / "t.txt", "--vectors",
+                      tmp_path / "v.npy", "--device", "cpu")  # without the flag: refused, both rows named
+    assert code == 2
+    assert_one_error_line(lines, "score", "row 1 (1 of 5) hold NaN or Inf (after conversion to float32); "
+                                          "row 3 (1 of 5) are all-zero vectors")
+
+
+@pytest.mark.parametrize(
+    ("argv", "command", "culprit"),
+    [
+        (["datagen", "run", "--set", "seed=abc"], "datagen",
+         "DatagenConfig.seed: expected an integer, found 'abc' (str); fix it in the YAML or with --set seed=..."),
+        (["datagen", "run", "--set", "provider.max_tokens=many"], "datagen",
+         "ProviderConfig.max_tokens: expected an integer, found 'many'"),
+        (["world", "build"], "world", "{cfg}:2:1: the world config is not valid YAML"),
+        (["datagen", "run"], "datagen", "{cfg}:2:1: the datagen config is not valid YAML"),
+    ],
+)
+def test_datagen_and_world_config_errors(capsys, tmp_path, argv, command, culprit):
+    cfg = tmp_path / "cfg.yaml"
+    if "--set" in argv:
+        cfg.write_text("n_docs: 4\n")
+    else:
+        cfg.write_text("n_docs: 4\n\tseed: 1\n")  # a tab indent: not YAML
+    code, lines = cli(capsys, *argv, "--config", cfg, "--out", tmp_path / "out")
+    assert code == 2
+    assert_one_error_line(lines, command, culprit.format(cfg=cfg))
+    assert not (tmp_path / "out").exists()
+
+
+def test_flipped_bit_in_a_saved_checkpoint_is_caught(pair, capsys, tmp_path, tiny_tokenizer, single_thread):
+    from train_helpers import dataset_sidecar, write_ar_dataset
+
+    from nla.validation import CHECKSUM_FILE, verify_checksums
+
+    vec = np.random.default_rng(0).standard_normal((8, D)).astype(np.float32)
+    ds = write_ar_dataset(tmp_path / "ar.parquet", dataset_sidecar(tiny_tokenizer, pair["av"], D, 1), vec)
+    assert cli(capsys, *_ar_train_args(tmp_path, ds, "--max-steps", "2"))[0] == 0
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
+    recorded = dict(ln.split("  ")[::-1] for ln in (ckpt / CHECKSUM_FILE).read_text().splitlines())
+    assert sorted(recorded) == ["model.safetensors", "value_head.safetensors"]
+    import hashlib
+
+    assert recorded["model.safetensors"] == hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
+    verify_checksums(ckpt)  # intact: passes
+    data = bytearray((ckpt / "model.safetensors").read_bytes())
+    data[-5] ^= 0x01  # one bit of the last tensor: the file stays complete and loadable
+    (ckpt / "model.safetensors").write_bytes(bytes(data))
+    (tmp_path / "t.txt").write_text("the cat\n")
+    np.save(tmp_path / "v.npy", vec[:1])
+    code, lines = cli(capsys, "score", "--ar", ckpt, "--texts", tmp_path / "t.txt", "--vectors", tmp_path / "v.npy",
+                      "--device", "cpu")
+    assert code == 2
+    assert_one_error_line(lines, "score", f"{ckpt / 'model.safetensors'}: its SHA-256 differs from the one recorded")
