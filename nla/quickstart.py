@@ -56,7 +56,7 @@ PRESETS: dict[str, QuickstartPreset] = {
     ),
     "default": QuickstartPreset(
         world="default",
-        datagen=dict(n_docs=4000, max_len=96, **_DATAGEN_COMMON),
+        datagen=dict(n_docs=4000, max_len=128, **_DATAGEN_COMMON),
         ar=dict(max_steps=400, eval_every=100, save_every=400, **_AR_COMMON),
         av=dict(max_steps=500, eval_every=100, save_every=500, smoke_num=3, smoke_max_new_tokens=48, **_AV_COMMON),
         # 120 steps: measured held-out round-trip FVE 0.466 -> 0.619 (60 steps: -> 0.499).

@@ -24,7 +24,7 @@ from test_client import FIXED_EXPLANATION, D, Pair
 from nla.cli import build_parser
 from nla.commands import explore as explore_cmd
 from nla.explore import Explorer, create_app, load_run
-from nla.world import WORLD_PRESETS, Fact, generate_documents, grade, parse_facts, token_facts
+from nla.world import WORLD_PRESETS, Fact, facts_at, generate_documents, grade, parse_facts, token_facts
 
 K = 1
 WORDS = "Alice walks to the garden in the morning and she is happy ."
@@ -97,7 +97,8 @@ def test_tokenize_spans_and_world_ground_truth(api, explorer):
     assert all(t["text"] == doc.text[t["start"]:t["end"]] for t in toks)
     expected = [sorted(str(f) for f in fs) for fs in token_facts(doc, [tuple(o) for o in enc["offset_mapping"]])]
     assert [t["facts"] for t in toks] == expected
-    assert expected[-1] == sorted(str(f) for f in doc.facts)  # by the last token every fact is revealed
+    # by the last token the facts are what is true at the end of the story
+    assert expected[-1] == sorted(str(f) for f in facts_at(doc, len(doc.text)))
     plain = api.post("/api/tokenize", json={"text": WORDS}).json()
     assert [t["text"] for t in plain["tokens"]] == WORDS.split() and "facts" not in plain["tokens"][0]
 
