@@ -164,3 +164,33 @@ def test_config_files_match_presets():
     root = Path(__file__).resolve().parents[1] / "configs" / "world"
     for name, cfg in WORLD_PRESETS.items():
         assert WorldConfig.from_yaml(root / f"{name}.yaml") == cfg, f"configs/world/{name}.yaml drifted from the preset"
+
+
+def test_pack_state_blocks_aligns_with_pack_blocks():
+    from nla.world.subject import pack_state_blocks
+
+    # samples: [a0 a1] EOS [b0] EOS [c0 c1 c2] EOS -> 9 tokens, 2 blocks of 4 (the last EOS dropped)
+    ids = [[10, 11], [20], [30, 31, 32]]
+    states = [[[0], [1, 2]], None, [[3], [], [0]]]
+    blocks = pack_blocks(ids, 4, eos_id=99)
+    assert blocks.tolist() == [[10, 11, 99, 20], [99, 30, 31, 32]]
+    targets, mask = pack_state_blocks(states, [2, 1, 3], 4, n_facts=5)
+    # labelled: the story tokens (a0 a1 c0 c1 c2); EOS and the stateless sample b are masked
+    assert mask.tolist() == [[True, True, False, False], [False, True, True, True]]
+    assert targets[0, 0].tolist() == [1, 0, 0, 0, 0] and targets[0, 1].tolist() == [0, 1, 1, 0, 0]
+    assert targets[1, 1].tolist() == [0, 0, 0, 1, 0] and targets[1, 2].tolist() == [0] * 5  # labelled, nothing true
+    assert targets[1, 3].tolist() == [1, 0, 0, 0, 0] and int(targets[0, 2:].sum()) == 0
+
+
+def test_state_objective_trains_a_plain_llama(tmp_path):
+    # The state head exists only during pretraining: its loss falls, and the saved model is a plain
+    # LlamaForCausalLM with no extra weights (its forward needs no hook).
+    art = build_world(MICRO, out=tmp_path, progress=False)
+    assert art.config.state_weight > 0 and art.summary["final_state_loss"] is not None
+    model = AutoModelForCausalLM.from_pretrained(art.subject_dir)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert not any(m._forward_hooks for m in model.modules())
+    off = build_world(WorldConfig(**{**MICRO.to_dict(), "state_weight": 0.0}), out=tmp_path, progress=False)
+    assert off.summary["final_state_loss"] is None
+    # Same seed and data: the state objective changes the LM's training trajectory.
+    assert off.summary["train_losses"][1:] != art.summary["train_losses"][1:]

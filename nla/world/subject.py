@@ -178,6 +178,10 @@ def pretrain(
     head = None
     if use_state:
         head = torch.nn.Linear(model.config.hidden_size, state[0].shape[-1])
+        with torch.no_grad():  # start at each fact's base rate, so early state gradients stay small
+            rate = (state[0][state[1]].float().mean(0)).clamp(1e-4, 1 - 1e-4)
+            head.weight.zero_()
+            head.bias.copy_(torch.log(rate / (1 - rate)))
         captured: dict[str, torch.Tensor] = {}
         # Block K's output, as datagen extracts it (HF hidden_states[K+1]).
         hook = model.model.layers[settings.state_layer].register_forward_hook(
