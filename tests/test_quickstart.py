@@ -23,20 +23,34 @@ def test_report_has_every_section_with_finite_numbers(run_dir):
     md = (run_dir / "report.md").read_text()
     for section in ("## Evaluation (held-out documents)", "## Training", "## Example explanations",
                     "## Time per stage", "## Configs used", "![RL](rl_curves.png)", "![AR warm-start](ar_curves.png)",
-                    "![AV warm-start](av_curves.png)"):
+                    "![AV warm-start](av_curves.png)", "## What is in the vector", "| 1 (extraction layer) |",
+                    "Faithfulness (facts named"):
         assert section in md, section
     rep = json.loads((run_dir / "report.json").read_text())
     head = rep["headline"]
     for key in ("round_trip_fve_warmstart", "round_trip_fve_rl", "ar_heldout_fve_warmstart", "av_vector_gap",
-                "rl_final_reward_mean", "subject_heldout_loss", "total_seconds"):
+                "rl_final_reward_mean", "subject_heldout_loss", "total_seconds", "recall_warmstart", "recall_rl",
+                "precision_rl", "frozen_ar_fve_warmstart", "frozen_ar_fve_rl", "degenerate_rl", "probe_mean_top1",
+                "probe_mean_chance"):
         assert isinstance(head[key], float) and math.isfinite(head[key]), key
     for which in ("eval_warmstart", "eval_rl"):
         names = [r["name"] for r in rep[which]["rows"]]
-        assert names[:3] == ["AV → AR round trip", "AV on shuffled vectors → AR", "text explainer → AR"]
+        assert names[:4] == ["AV → AR round trip", "AV → frozen warm-start AR", "AV on shuffled vectors → AR",
+                             "text explainer → AR"]
         for r in rep[which]["rows"]:
             assert math.isfinite(r["fve"]) and math.isfinite(r["mse_mean"]), (which, r["name"])
+        rows = {r["name"]: r for r in rep[which]["rows"]}
+        for name in names[:4]:  # every explanation row is graded and checked for degeneracy
+            assert 0 <= rows[name]["faithfulness"]["recall"] <= 1 and 0 <= rows[name]["degenerate"]["any"] <= 1
+        # the frozen reader grades the same texts as the round trip
+        assert rows[names[1]]["faithfulness"] == rows[names[0]]["faithfulness"]
         assert rep[which]["samples"], which
-    assert [s["name"] for s in rep["stages"]] == ["world", "datagen", "ar", "av", "eval_warmstart", "rl", "eval_rl"]
+    assert [s["name"] for s in rep["stages"]] == ["world", "probe", "datagen", "ar", "av", "eval_warmstart", "rl",
+                                                  "eval_rl"]
+    # in the warm-start eval the frozen AR *is* the live AR: identical numbers
+    warm = {r["name"]: r for r in rep["eval_warmstart"]["rows"]}
+    assert warm["AV → frozen warm-start AR"]["fve"] == pytest.approx(warm["AV → AR round trip"]["fve"], abs=1e-6)
+    assert rep["headline"]["probe_mean_top1"] > rep["headline"]["probe_mean_chance"]
     for png in rep["plots"].values():
         assert (run_dir / png).stat().st_size > 1000
 
