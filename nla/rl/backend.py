@@ -73,11 +73,7 @@ def build_local_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_d
     ar = Reconstructor.from_pretrained(ar_dir or cfg.ar, dtype=dtype).to(device)
     ar_tok = ar.tokenizer if ar.tokenizer is not None else tok
     verify_tokenizer(ar_side, ar_tok)
-    settings = PolicyLossSettings(
-        eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c, kl_coef=cfg.kl_coef,
-        kl_estimator=cfg.kl_estimator, loss_agg=cfg.loss_agg, micro_batch_size=cfg.micro_batch_size,
-        updates_per_rollout=cfg.updates_per_rollout,
-    )
+    settings = PolicyLossSettings.from_config(cfg)
     policy = PolicyWorker(policy_model, av_side, cfg.lr, cfg.weight_decay, cfg.warmup_steps, cfg.steps,
                           cfg.max_grad_norm, settings)
     value = None

@@ -130,6 +130,11 @@ class RLConfig:
             _bad("stop_after_steps", "a positive integer or null", self.stop_after_steps)
         if self.n_samples_per_prompt < 2 and self.advantage in ("grpo", "drgrpo"):
             _bad("n_samples_per_prompt", f">= 2 for the group baseline of {self.advantage!r}", self.n_samples_per_prompt)
+        if self.dynamic_sampling and self.n_samples_per_prompt < 2:
+            _bad("n_samples_per_prompt",
+                 ">= 2 with dynamic_sampling: true (a group of one sample has no reward spread, so dynamic "
+                 "sampling would drop every group and never update); raise n_samples_per_prompt or set "
+                 "dynamic_sampling: false", self.n_samples_per_prompt)
         n = self.rollout_batch_size * self.n_samples_per_prompt
         if self.global_batch_size is not None:
             if not isinstance(self.global_batch_size, int) or self.global_batch_size <= 0 or n % self.global_batch_size:

@@ -47,6 +47,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from torch import Tensor
 
+from nla.rl import algorithms as A
 from nla.rl import distributed as D
 from nla.rl.config import RLConfig
 from nla.rl.types import Rollout
@@ -115,10 +116,7 @@ class PolicyRank(_RankBase):
         D.shard_model(self.ref, arch.decoder_layers(self.ref), self.mesh)
         self.hook = InjectionHook.from_config(self.model, self.sidecar)
         self.ref_hook = InjectionHook.from_config(self.ref, self.sidecar)
-        self.settings = PolicyLossSettings(
-            eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c, kl_coef=cfg.kl_coef,
-            kl_estimator=cfg.kl_estimator, loss_agg=cfg.loss_agg, micro_batch_size=cfg.micro_batch_size,
-            updates_per_rollout=cfg.updates_per_rollout)
+        self.settings = PolicyLossSettings.from_config(cfg)
         total = cfg.steps * cfg.updates_per_rollout
         self.opt = build_optimizer(self.model, cfg.lr, cfg.weight_decay)
         self.sched = warmup_cosine(self.opt, cfg.warmup_steps, total, min_lr_ratio=1.0) if total > 0 else None
@@ -182,19 +180,13 @@ class PolicyRank(_RankBase):
         step_sums: dict[str, float] = {}
         for u in range(s.updates_per_rollout):
             rows = torch.arange(u * per_update, (u + 1) * per_update)
-            total_tokens = float(mask[rows].sum().clamp_min(1.0))
             mine = rows[D.rank_rows(per_update, self.world, self.rank)]
             for chunk in D.micro_chunks(mine, per_update, self.world, s.micro_batch_size):
                 dummy = len(chunk) == 0
                 idx = rows[:1] if dummy else chunk
                 loss, m, pm = policy_micro_loss(self.model, self.hook, rollout, idx, advantages, ref_logp, old_all, s)
                 # Share of the *global* batch; x W undoes FSDP's average over ranks.
-                if dummy:
-                    w = 0.0
-                elif s.loss_agg == "token-mean":
-                    w = float(m.sum()) / total_tokens
-                else:
-                    w = len(chunk) / per_update
+                w = 0.0 if dummy else A.get_loss_agg(s.loss_agg).micro_batch_weight(m.cpu(), mask[rows])
                 (loss * (w * self.world)).backward()
                 if dummy:
                     continue

@@ -28,6 +28,7 @@ from nla.injection import InjectionHook
 from nla.reconstructor import Reconstructor, last_token_index
 from nla.reward import extract_explanation, mse_to_reward
 from nla.rl import algorithms as A
+from nla.rl.config import RLConfig
 from nla.rl.types import COMPLETED, FAILED_EXTRACTION, TRUNCATED, Rollout
 from nla.sidecar import SIDECAR_NAME, NLAConfig, canonical_av_prompt_ids, write_sidecar
 from nla.train.ar import tokenize_ar_texts
@@ -162,8 +163,10 @@ class _Trainable:
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
-@dataclass
+@dataclass(frozen=True)
 class PolicyLossSettings:
+    """What the policy loss of every backend reads from the RL config."""
+
     eps_low: float
     eps_high: float
     dual_clip_c: float | None
@@ -172,6 +175,13 @@ class PolicyLossSettings:
     loss_agg: str
     micro_batch_size: int
     updates_per_rollout: int
+    norm_len: int  # the generation cap: the constant of seq-mean-token-sum-norm (Dr.GRPO)
+
+    @classmethod
+    def from_config(cls, cfg: RLConfig) -> PolicyLossSettings:
+        return cls(eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c, kl_coef=cfg.kl_coef,
+                   kl_estimator=cfg.kl_estimator, loss_agg=cfg.loss_agg, micro_batch_size=cfg.micro_batch_size,
+                   updates_per_rollout=cfg.updates_per_rollout, norm_len=cfg.max_response_len)
 
 
 def policy_micro_loss(model: nn.Module, hook: InjectionHook, rollout: Rollout, idx: Tensor, advantages: Tensor,
@@ -188,9 +198,9 @@ def policy_micro_loss(model: nn.Module, hook: InjectionHook, rollout: Rollout, i
     m = rollout.response_mask[idx].float().to(logp.device)
     old = old_all[idx].to(logp.device) if old_all is not None else logp.detach()
     pg, pm = A.policy_loss(logp, old, advantages[idx].to(logp.device), m, eps_low=s.eps_low,
-                           eps_high=s.eps_high, dual_clip_c=s.dual_clip_c, agg=s.loss_agg)
-    kl_tok = A.kl_penalty(logp, ref_logp[idx].to(logp.device), s.kl_estimator)
-    loss = pg + s.kl_coef * A.aggregate_loss(kl_tok, m, s.loss_agg)
+                           eps_high=s.eps_high, dual_clip_c=s.dual_clip_c, agg=s.loss_agg, norm_len=s.norm_len)
+    kl_tok = A.kl_penalty(logp, ref_logp[idx].to(logp.device), s.kl_estimator, mask=m)
+    loss = pg + s.kl_coef * A.aggregate_loss(kl_tok, m, s.loss_agg, norm_len=s.norm_len)
     pm.update(pg_loss=float(pg.detach()), kl=float(A.masked_mean(kl_tok.detach(), m)),
               entropy=float(A.masked_mean(ent, m)), policy_loss=float(loss.detach()))
     return loss, m, pm
@@ -224,6 +234,7 @@ class PolicyWorker(_Trainable):
         compute ``old_logp`` once up front.
         """
         s = self.settings
+        agg = A.get_loss_agg(s.loss_agg)
         self.model.train()
         mask = rollout.response_mask.float()
         old_all = self.logprobs(rollout) if s.updates_per_rollout > 1 else None
@@ -233,13 +244,11 @@ class PolicyWorker(_Trainable):
         for u in range(s.updates_per_rollout):
             rows = torch.arange(u * per_update, (u + 1) * per_update)
             sub_mask = mask[rows]
-            total_tokens = float(sub_mask.sum().clamp_min(1.0))
-            for sl, w_rows in micro_batches(len(rows), s.micro_batch_size):
+            for sl, _ in micro_batches(len(rows), s.micro_batch_size):
                 idx = rows[sl]
                 loss, m, pm = policy_micro_loss(self.model, self.hook, rollout, idx, advantages, ref_logp, old_all, s)
-                # Exact aggregation across micro-batches: token-mean weights by tokens, the
-                # sequence modes by rows (see aggregate_loss).
-                w = float(m.sum()) / total_tokens if s.loss_agg == "token-mean" else w_rows
+                # Exact aggregation across micro-batches: each mode weights by its own unit.
+                w = agg.micro_batch_weight(m.cpu(), sub_mask)
                 (loss * w).backward()
                 for k, v in pm.items():
                     if math.isfinite(v):
