@@ -34,8 +34,9 @@ from torch import Tensor, nn
 
 from nla import arch
 from nla.reconstructor import Reconstructor
+from nla.reward import FAILED_EXTRACTION_MSE
 from nla.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar, verify_tokenizer
-from nla.vectors import cosine, mse_nrm, normalize_activation
+from nla.vectors import cosine, mse_nrm
 
 logger = logging.getLogger(__name__)
 
@@ -101,14 +102,14 @@ class ScoreResult:
         return float(self.failed.float().mean()) if self.n else 0.0
 
 
-def failed_mse(gold: Tensor, scale: float | None) -> Tensor:
-    """MSE [N] charged to a sample without a prediction: that of an orthogonal prediction of equal norm.
+def failed_mse(gold: Tensor, scale: float | None = None) -> Tensor:
+    """MSE [N] charged to a sample without a prediction: ``FAILED_EXTRACTION_MSE`` (2.0) per row.
 
-    ``mean_d((p - g)^2) = (|p|^2 + |g|^2) / d = 2 |ĝ|^2 / d`` for ``p ⟂ g``, ``|p| = |ĝ|``;
-    2.0 at ``scale = sqrt(d)``, matching ``FAILED_EXTRACTION_REWARD``.
+    The MSE of an orthogonal prediction at ``scale = sqrt(d)``, the same constant the RL
+    reward charges, whatever the gold vector (a zero or oddly scaled gold must not make a
+    failure cheaper). ``gold`` [N, d] only sets N; ``scale`` is accepted for callers that pass it.
     """
-    g = normalize_activation(gold.float(), scale).float()
-    return 2.0 * (g**2).mean(dim=-1)
+    return torch.full((gold.shape[0],), FAILED_EXTRACTION_MSE, dtype=torch.float32)
 
 
 def load_vectors(path: str | os.PathLike, rows: int | None = None) -> np.ndarray:

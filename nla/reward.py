@@ -1,12 +1,14 @@
 """Reward primitives for RL: explanation extraction, MSE -> reward, batched scoring.
 
 The RL reward of a sample is ``-mse_nrm(AR(explanation), gold, scale)``
-(DESIGN §4 step 2), or ``-log(mse_nrm)`` under the log variant. A sample whose
-explanation cannot be extracted (missing/malformed tags, or a truncated
-response, which the caller knows about) gets ``failed_extraction_reward``:
-the reward of an *orthogonal* prediction (``mse_nrm = 2`` at ``scale =
-sqrt(d)``) under the same variant, so a failure is never better than a
-useless answer and never worse than an anti-correlated one.
+(DESIGN §4 step 2), or ``-log(mse_nrm)`` under the log variant
+(``reward_from_mse``). A sample whose explanation cannot be extracted
+(missing/malformed tags, or a truncated response, which the caller knows
+about) counts as ``FAILED_EXTRACTION_MSE`` = 2.0, the MSE of an *orthogonal*
+prediction at ``scale = sqrt(d)``, whatever its gold vector; its reward
+(``failed_extraction_reward``) is that MSE under the same variant, so a
+failure is never better than a useless answer and never worse than an
+anti-correlated one.
 
 ``RewardBatcher`` gathers single-sample reward requests into batched AR
 forwards. The score function it wraps is supplied by the caller and called as
@@ -31,6 +33,7 @@ from torch import Tensor
 from nla.vectors import mse_nrm
 
 __all__ = [
+    "FAILED_EXTRACTION_MSE",
     "FAILED_EXTRACTION_REWARD",
     "FAILED_EXTRACTION_REWARD_LOG",
     "LOG_MSE_FLOOR",
@@ -40,14 +43,17 @@ __all__ = [
     "extract_explanation",
     "failed_extraction_reward",
     "mse_to_reward",
+    "reward_from_mse",
     "score_all",
 ]
 
 logger = logging.getLogger(__name__)
 
-# Reward of an orthogonal prediction (mse_nrm = 2) under each variant.
-FAILED_EXTRACTION_REWARD = -2.0
-FAILED_EXTRACTION_REWARD_LOG = -math.log(2.0)
+# What a sample without a usable explanation counts as: the mse_nrm of an orthogonal
+# prediction (2 at scale sqrt(d)), whatever its gold; and its reward under each variant.
+FAILED_EXTRACTION_MSE = 2.0
+FAILED_EXTRACTION_REWARD = -FAILED_EXTRACTION_MSE
+FAILED_EXTRACTION_REWARD_LOG = -math.log(FAILED_EXTRACTION_MSE)
 
 # Floor on mse_nrm before the log so a perfect prediction gives a finite
 # reward (-log 1e-6 ~ 13.8) instead of +inf. A floor (not ``+ eps``) keeps the
@@ -101,7 +107,11 @@ def mse_to_reward(pred: Tensor, gold: Tensor, scale: float | None, log_mse: bool
     ``failed_extraction_reward(log_mse)``, the orthogonal value of the same
     variant.
     """
-    mse = mse_nrm(pred, gold, scale)
+    return reward_from_mse(mse_nrm(pred, gold, scale), log_mse)
+
+
+def reward_from_mse(mse: Tensor, log_mse: bool = False) -> Tensor:
+    """Reward [B] from ``mse_nrm`` values [B]: ``-mse``, or ``-log(max(mse, LOG_MSE_FLOOR))``."""
     if log_mse:
         return -torch.log(mse.clamp_min(LOG_MSE_FLOOR))
     return -mse

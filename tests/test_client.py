@@ -138,8 +138,12 @@ def test_score_by_hand_and_failed_rows(client):
     assert res.failed.tolist() == [False, True, False]
     assert torch.isnan(res.mse_nrm[1]) and torch.isnan(res.predictions[1]).all()
     assert res.failure_rate == pytest.approx(1 / 3)
-    # An orthogonal prediction of equal norm at scale sqrt(d): 2 |g|^2/d with |g|^2 = d -> 2.0.
+    # A failure counts as an orthogonal prediction at scale sqrt(d): 2 |g|^2/d with |g|^2 = d -> 2.0,
+    # whatever the gold: a zero gold or raw (unscaled) vectors must not make a failure cheaper.
     torch.testing.assert_close(failed_mse(gold, D**0.5), torch.full((3,), 2.0))
+    odd = torch.stack([torch.zeros(D), 10 * gold[0], gold[1]])
+    torch.testing.assert_close(failed_mse(odd, None), torch.full((3,), 2.0))
+    torch.testing.assert_close(failed_mse(odd, 3.0), torch.full((3,), 2.0))
 
 
 def test_round_trip_scores_each_sample_against_its_vector(client):

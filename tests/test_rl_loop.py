@@ -17,7 +17,7 @@ from train_helpers import dataset_sidecar, write_av_dataset
 
 from nla.datagen.io import vectors_to_arrow
 from nla.metrics import read_metrics
-from nla.reward import FAILED_EXTRACTION_REWARD, RewardBatcher, RewardService, score_all
+from nla.reward import FAILED_EXTRACTION_REWARD, FAILED_EXTRACTION_REWARD_LOG, RewardBatcher, RewardService, score_all
 from nla.rl.backend import build_groups
 from nla.rl.config import RLConfig, load_rl_config
 from nla.rl.loop import RLGuardError, run_rl, step0_guard
@@ -106,14 +106,14 @@ def test_reward_uses_the_live_reconstructor(pair, tmp_path):
     gold = torch.randn(4, D)
     items = [("the cat is happy", gold[0]), ("the dog is happy", gold[1]), ("the fish is happy", gold[2]),
              ("the bird is happy", gold[3])]
-    batcher = RewardBatcher(ar.score_batch, batch_size=2, flush_seconds=0.01)
+    batcher = RewardBatcher(ar.mse_batch, batch_size=2, flush_seconds=0.01)
     before = score_all(batcher, items)
     ar.update([t for t, _ in items], gold)  # one AR step, no checkpoint written in between
     after = score_all(batcher, items)
     assert batcher.stats.n_batches == 4  # 2 calls x ceil(4 / 2)
     assert all(b != a for b, a in zip(before, after, strict=True))
-    # after a step towards the golds, the rewards (negative MSE) improve on average
-    assert np.mean(after) > np.mean(before)
+    # after a step towards the golds, the MSEs fall on average
+    assert np.mean(after) < np.mean(before)
 
 
 def test_step0_guard_passes_and_refuses(pair, tmp_path):
@@ -144,12 +144,34 @@ def test_rollout_statuses_and_failed_reward(pair, tmp_path):
     from nla.rl.loop import score_rollout
     from nla.rl.types import COMPLETED
 
-    with RewardService(groups.reconstructor.score_batch, 8, 0.01) as service:
-        score_rollout(r, service, log_mse=False)
+    with RewardService(groups.reconstructor.mse_batch, 8, 0.01) as service:
+        score_rollout(r, service, cfg)
     failed = r.status != COMPLETED
     assert failed.all()  # 3 tokens cannot hold "<explanation> x </explanation>" + EOS
     assert torch.all(r.rewards[failed] == FAILED_EXTRACTION_REWARD)
     assert torch.isnan(r.mse[failed]).all()
+
+
+def test_shape_rewards_is_the_one_place_a_reward_is_made():
+    from nla.rl.loop import shape_rewards
+    from nla.rl.types import COMPLETED, FAILED_EXTRACTION, TRUNCATED
+
+    status = torch.tensor([COMPLETED, TRUNCATED, FAILED_EXTRACTION, COMPLETED])
+    # row 2 failed although an MSE of 0.0 sits in its slot (say, scored against a zero gold):
+    # a failure always counts as the orthogonal MSE 2.0, whatever its gold or its slot holds.
+    mse = torch.tensor([0.5, float("nan"), 0.0, 1.0])
+    lengths = torch.tensor([10, 3, 8, 6])
+    cfg = RLConfig(av="a", ar="b", dataset="c", max_response_len=10)
+    torch.testing.assert_close(shape_rewards(status, mse, lengths, cfg), torch.tensor([-0.5, -2.0, -2.0, -1.0]))
+    # -log variant: [-log 0.5, -log 2, -log 2, -log 1] = [log 2, -log 2, -log 2, 0]
+    log2 = float(np.log(2.0))
+    torch.testing.assert_close(shape_rewards(status, mse, lengths, cfg.replace(log_mse=True)),
+                               torch.tensor([log2, -log2, -log2, 0.0]))
+    assert shape_rewards(status, mse, lengths, cfg.replace(log_mse=True))[1].item() == pytest.approx(
+        FAILED_EXTRACTION_REWARD_LOG, abs=1e-7)
+    # overlong: cap 10, buffer 4 -> expected 6; lengths 10, 3, 8, 6 -> penalties -1, 0, -0.5, 0
+    over = cfg.replace(overlong_buffer_len=4, overlong_penalty_factor=1.0)
+    torch.testing.assert_close(shape_rewards(status, mse, lengths, over), torch.tensor([-1.5, -2.0, -2.5, -1.0]))
 
 
 def test_grpo_raises_mean_reward(pair, tmp_path):
@@ -224,7 +246,7 @@ def test_chunked_generation_scores_every_chunk_with_the_live_ar(pair, tmp_path):
     groups = build_groups(cfg)
     data = RLData.load(cfg.dataset)
     rows = torch.arange(5)  # chunks of 2, 2, 1 prompts
-    with RewardService(groups.reconstructor.score_batch, 64, 0.01) as service:
+    with RewardService(groups.reconstructor.mse_batch, 64, 0.01) as service:
         r, t_gen, t_wait = generate_and_score(groups, cfg, data, rows, service)
         n_batches = service.stats.n_batches
     G = cfg.n_samples_per_prompt
@@ -234,6 +256,7 @@ def test_chunked_generation_scores_every_chunk_with_the_live_ar(pair, tmp_path):
     # starved loop thread could merge two chunks into one forward, never split one
     assert 2 <= n_batches <= 3
     ok = r.ok
-    direct = groups.reconstructor.score_batch([(r.explanations[i], r.vectors[i]) for i in ok.nonzero()[:, 0].tolist()])
-    torch.testing.assert_close(r.rewards[ok], direct.float(), atol=1e-5, rtol=0)
+    direct = groups.reconstructor.mse_batch([(r.explanations[i], r.vectors[i]) for i in ok.nonzero()[:, 0].tolist()])
+    torch.testing.assert_close(r.mse[ok], direct.float(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(r.rewards[ok], -direct.float(), atol=1e-5, rtol=0)
     assert torch.all(r.rewards[~ok] == FAILED_EXTRACTION_REWARD)

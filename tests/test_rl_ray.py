@@ -112,22 +112,22 @@ def test_live_ar_dead_worker_and_resume(pair, tmp_path):  # noqa: F811
     pids = [p for ps in groups.pids.values() for p in ps]
     assert len(pids) == 3
     try:
-        # 1. rewards come from the live AR: one update, no checkpoint, different rewards
+        # 1. rewards come from the live AR: one update, no checkpoint, different MSEs
         ar = groups.reconstructor
         gold = torch.randn(4, 64)
         items = [(f"the {w} is happy", gold[i]) for i, w in enumerate(["cat", "dog", "fish", "bird"])]
-        batcher = RewardBatcher(ar.score_batch, batch_size=2, flush_seconds=0.01)
+        batcher = RewardBatcher(ar.mse_batch, batch_size=2, flush_seconds=0.01)
         before = score_all(batcher, items)
         # One row over two AR ranks: rank 1 owns nothing and runs a zero-weight dummy micro-batch
         # (its forward/backward keep FSDP's collectives paired). The reported loss is that row's
-        # MSE at the pre-update weights, i.e. minus its reward above (one row: no padding).
+        # MSE at the pre-update weights, i.e. its score above (one row: no padding).
         one = ar.update([items[0][0]], gold[:1])
         assert one["ar_rows"] == 1.0
-        assert one["ar_loss"] == pytest.approx(-before[0], rel=1e-5)
+        assert one["ar_loss"] == pytest.approx(before[0], rel=1e-5)
         ar.update([t for t, _ in items], gold)
         after = score_all(batcher, items)
         assert all(x != y for x, y in zip(before, after, strict=True))
-        assert np.mean(after) > np.mean(before)
+        assert np.mean(after) < np.mean(before)
 
         # 2. an AR rank dies mid-run (after step 3's AR update): the next reward call fails loudly
         calls = {"n": 0}

@@ -87,7 +87,7 @@ def build_local_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_d
         reference=ReferenceWorker(ref_model, av_side, cfg.micro_batch_size),
         reconstructor=ReconstructorWorker(
             ar, ar_tok, ar_side, cfg.ar_lr_value, cfg.weight_decay, cfg.warmup_steps, cfg.steps, cfg.max_grad_norm,
-            cfg.ar_max_length, cfg.micro_batch_size, cfg.log_mse, device),
+            cfg.ar_max_length, cfg.micro_batch_size, device),
         value=value, tokenizer=tok, av_sidecar=av_side, ar_sidecar=ar_side,
     )
 

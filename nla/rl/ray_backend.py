@@ -256,11 +256,11 @@ class ReconstructorRank(_RankBase):
         # sharded module (its forward is collective, and every rank sees the same batch).
         self.worker = ReconstructorWorker(ar, tok, ar_side, cfg.ar_lr_value, cfg.weight_decay, cfg.warmup_steps,
                                           cfg.steps, cfg.max_grad_norm, cfg.ar_max_length, cfg.micro_batch_size,
-                                          cfg.log_mse, self.device)
+                                          self.device)
         self.shadow = Reconstructor.from_pretrained(ar_dir, dtype=dtype) if self.rank == 0 else None
 
-    def score_batch(self, items: list[tuple[str, Tensor]]) -> Tensor:
-        return self.worker.score_batch(items)
+    def mse_batch(self, items: list[tuple[str, Tensor]]) -> Tensor:
+        return self.worker.mse_batch(items)
 
     def layout_check(self, explanations: list[str], golds: Tensor) -> float:
         return self.worker.layout_check(explanations, golds)
@@ -411,7 +411,7 @@ class RayReference:
 
 
 class RayReconstructor:
-    """Proxy: live-AR rewards (every AR rank, rank 0's answer) and the data-parallel AR update."""
+    """Proxy: live-AR MSEs for the rewards (every AR rank, rank 0's answer) and the data-parallel AR update."""
 
     def __init__(self, group: _ActorGroup) -> None:
         self._g = group
@@ -420,8 +420,8 @@ class RayReconstructor:
     def actors(self) -> list[Any]:
         return self._g.actors
 
-    def score_batch(self, items: list[tuple[str, Tensor]]) -> Tensor:
-        return self._g.call("score_batch", items)[0]
+    def mse_batch(self, items: list[tuple[str, Tensor]]) -> Tensor:
+        return self._g.call("mse_batch", items)[0]
 
     def layout_check(self, explanations: list[str], golds: Tensor) -> float:
         return self._g.call("layout_check", explanations, golds)[0]

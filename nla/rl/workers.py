@@ -6,7 +6,7 @@ distributed backend can replace any of them without touching the loop:
 - ``RolloutWorker.generate(vectors, n_samples, ...) -> Rollout`` and ``sync_weights(policy)``
 - ``PolicyWorker.update(rollout, advantages, ref_logp) -> metrics`` (the AV, trained)
 - ``ReferenceWorker.logprobs(rollout) -> [N, L]`` (the frozen warm-started AV)
-- ``ReconstructorWorker.score_batch(items) -> rewards`` (live weights) and ``update(...)``
+- ``ReconstructorWorker.mse_batch(items) -> mse_nrm`` (live weights; never a reward) and ``update(...)``
 - ``ValueWorker.values(rollout)`` / ``update(...)`` (PPO only)
 
 Notation as in ``nla.rl.types``: N samples, P prompt tokens, L response tokens, d width.
@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from nla import arch
 from nla.injection import InjectionHook
 from nla.reconstructor import Reconstructor, last_token_index
-from nla.reward import extract_explanation, mse_to_reward
+from nla.reward import extract_explanation
 from nla.rl import algorithms as A
 from nla.rl.config import RLConfig
 from nla.rl.types import COMPLETED, FAILED_EXTRACTION, TRUNCATED, Rollout
@@ -285,18 +285,19 @@ class ReferenceWorker:
 
 
 class ReconstructorWorker(_Trainable):
-    """The AR: rewards from its *live* weights, and supervised MSE updates on the same rollouts.
+    """The AR: ``mse_nrm`` from its *live* weights, and supervised MSE updates on the same rollouts.
 
-    ``score_batch`` is handed to a ``RewardBatcher`` as a bound method, so every reward is
-    computed by this very module: no copy, no reload.
+    ``mse_batch`` is handed to a ``RewardBatcher`` as a bound method, so every reward is
+    computed from this very module: no copy, no reload. It returns MSEs; the loop alone turns
+    them into rewards (``nla.rl.loop.shape_rewards``).
     """
 
     def __init__(self, ar: Reconstructor, tokenizer: Any, sidecar: NLAConfig, lr: float, weight_decay: float,
                  warmup: int, total_steps: int, max_grad_norm: float, max_length: int, micro_batch_size: int,
-                 log_mse: bool, device: torch.device) -> None:
+                 device: torch.device) -> None:
         self.ar, self.tokenizer, self.sidecar = ar, tokenizer, sidecar
         self.scale = sidecar.mse_scale_value()
-        self.max_length, self.micro_batch_size, self.log_mse, self.device = max_length, micro_batch_size, log_mse, device
+        self.max_length, self.micro_batch_size, self.device = max_length, micro_batch_size, device
         self._setup_optim(ar, lr, weight_decay, warmup, total_steps, max_grad_norm)
 
     def _encode(self, explanations: list[str], padding_side: str = "right") -> dict[str, Tensor]:
@@ -327,11 +328,11 @@ class ReconstructorWorker(_Trainable):
             self.ar.train(was)
         return pred.float().cpu()
 
-    def score_batch(self, items: list[tuple[str, Tensor]]) -> Tensor:
-        """Rewards [n] for (explanation, RAW gold [d]) pairs with the live AR weights."""
+    def mse_batch(self, items: list[tuple[str, Tensor]]) -> Tensor:
+        """``mse_nrm`` [n] for (explanation, RAW gold [d]) pairs with the live AR weights."""
         pred = self.predict([e for e, _ in items])
         gold = torch.stack([g for _, g in items]).float()
-        return mse_to_reward(pred, gold, self.scale, log_mse=self.log_mse)
+        return mse_nrm(pred, gold, self.scale)
 
     def layout_check(self, explanations: list[str], golds: Tensor) -> float:
         """Max relative difference of per-sample MSE between the reward and training layouts."""
