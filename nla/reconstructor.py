@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from nla import arch
 from nla.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar, write_sidecar
+from nla.vectors import mse_nrm
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,38 @@ def last_token_index(attention_mask: Tensor) -> Tensor:
     if attention_mask.ndim != 2:
         raise ValueError(f"attention_mask: expected [B, T], found shape {tuple(attention_mask.shape)}")
     return attention_mask.long().cumsum(1).argmax(1)
+
+
+def tokenize_ar_texts(tokenizer: Any, texts: list[str], max_length: int, padding_side: str = "right"
+                      ) -> dict[str, Tensor]:
+    """Tokenise full AR texts [B] -> ``input_ids`` / ``attention_mask`` [B, T], truncated on the left.
+
+    Left truncation keeps the constant AR suffix the prediction is read at. Training pads on
+    the right; the RL reward path pads on the left like a batched inference server (the RL
+    step-0 guard checks both give the same MSE). Every caller tokenises here, with default
+    special tokens and no EOS after the suffix, or its predictions would not match the
+    trained layout.
+    """
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side: expected 'left' or 'right', found {padding_side!r}")
+    old_side, old_pad = tokenizer.truncation_side, tokenizer.padding_side
+    tokenizer.truncation_side, tokenizer.padding_side = "left", padding_side
+    try:
+        enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    finally:
+        tokenizer.truncation_side, tokenizer.padding_side = old_side, old_pad
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+
+
+def reconstruction_loss(ar: nn.Module, input_ids: Tensor, attention_mask: Tensor, gold: Tensor,
+                        scale: float | None) -> tuple[Tensor, Tensor]:
+    """The AR's training loss: mean ``mse_nrm`` of its prediction [B, d] against RAW ``gold`` [B, d].
+
+    Returns ``(loss, pred)``. The one definition used by the warm-start (``nla.train.ar``)
+    and the online RL update on both backends.
+    """
+    pred = ar.predict(input_ids, attention_mask)
+    return mse_nrm(pred, gold.to(pred.device), scale).mean(), pred
 
 
 class _SkippedNorm(nn.Module):

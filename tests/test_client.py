@@ -17,10 +17,9 @@ from conftest import build_tiny_model, build_tiny_tokenizer
 
 from nla.client import NLAClient, NLAClientError, failed_mse, load_vectors
 from nla.injection import InjectionHook
-from nla.reconstructor import Reconstructor
+from nla.reconstructor import Reconstructor, tokenize_ar_texts
 from nla.sidecar import NLAConfig, canonical_av_prompt_ids, write_sidecar
 from nla.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
-from nla.train.ar import tokenize_ar_texts
 
 D = 32
 FIXED_EXPLANATION = "Alice is in the garden in the morning"

@@ -17,7 +17,13 @@ from train_helpers import dataset_sidecar, write_av_dataset
 
 from nla.datagen.io import vectors_to_arrow
 from nla.metrics import read_metrics
-from nla.reward import FAILED_EXTRACTION_REWARD, FAILED_EXTRACTION_REWARD_LOG, RewardBatcher, RewardService, score_all
+from nla.reward import (
+    FAILED_EXTRACTION_REWARD,
+    FAILED_EXTRACTION_REWARD_LOG,
+    RewardBatcher,
+    RewardService,
+    score_all,
+)
 from nla.rl.backend import build_groups
 from nla.rl.config import RLConfig, load_rl_config
 from nla.rl.loop import RLGuardError, run_rl, step0_guard

@@ -6,15 +6,11 @@ shares the policy module, so a weight sync is free.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
-from typing import Any
 
-import torch
-
-from nla import arch
 from nla.reconstructor import Reconstructor
 from nla.rl.config import RLConfig
+from nla.rl.setup import BACKENDS, RLSetupError, load_av, load_pair_sidecars
 from nla.rl.workers import (
     PolicyLossSettings,
     PolicyWorker,
@@ -24,42 +20,8 @@ from nla.rl.workers import (
     ValueWorker,
     WorkerGroups,
 )
-from nla.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar, verify_tokenizer
+from nla.sidecar import verify_tokenizer
 from nla.train.common import resolve_device, resolve_dtype
-
-logger = logging.getLogger(__name__)
-
-
-class RLSetupError(ValueError):
-    """A problem found before RL starts; the message names the input and the fix."""
-
-
-def load_pair_sidecars(av_dir: str | Path, ar_dir: str | Path) -> tuple[NLAConfig, NLAConfig]:
-    """Read and cross-check the AV and AR checkpoint sidecars."""
-    sides = []
-    for role, d in (("av", av_dir), ("ar", ar_dir)):
-        path = Path(d)
-        if not (path / SIDECAR_NAME).is_file():
-            raise RLSetupError(f"{role}: {path} has no {SIDECAR_NAME}; pass a checkpoint written by `nla train {role}`")
-        sides.append(load_sidecar(path))
-    av, ar = sides
-    for field in ("d_model", "layer_index"):
-        if getattr(av, field) != getattr(ar, field):
-            raise RLSetupError(
-                f"{field}: the AV sidecar says {getattr(av, field)} but the AR sidecar says {getattr(ar, field)}; "
-                "the two checkpoints come from different datasets or subject layers"
-            )
-    if av.injection_scale_value() is None and av.injection_scale is None:
-        logger.info("AV injection_scale is null: vectors are injected raw")
-    return av, ar
-
-
-def load_av(path: str | Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True).to(device)
-    tok = arch.load_tokenizer(path)
-    return model, tok
 
 
 def build_local_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_dir: str | Path | None = None
@@ -112,6 +74,6 @@ def build_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_dir: st
         builder = BACKEND_BUILDERS[cfg.backend]
     except KeyError:
         raise RLSetupError(
-            f"backend: {cfg.backend!r} is not available in this build; valid: {sorted(BACKEND_BUILDERS)}"
+            f"backend: {cfg.backend!r} is not available in this build; valid: {sorted(BACKENDS)}"
         ) from None
     return builder(cfg, policy_dir, ar_dir)

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from nla.rl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
+from nla.rl.setup import BACKENDS
 from nla.train.config import load_config, save_config
-
-BACKENDS = ("local", "ray")
 
 
 def _bad(name: str, expected: str, found: Any) -> None:
@@ -116,7 +115,7 @@ class RLConfig:
             if not getattr(self, name):
                 _bad(name, "a path", getattr(self, name))
         if self.backend not in BACKENDS:
-            _bad("backend", f"one of {list(BACKENDS)}", self.backend)
+            _bad("backend", f"one of {sorted(BACKENDS)}", self.backend)
         for name in ("steps", "rollout_batch_size", "n_samples_per_prompt", "micro_batch_size", "max_response_len",
                      "ar_max_length", "reward_batch_size", "eval_every", "eval_max_rows", "save_every", "log_every",
                      "num_policy_workers", "num_reconstructor_workers"):

@@ -97,7 +97,7 @@ class PolicyRank(_RankBase):
 
     def setup(self, cfg: RLConfig, policy_dir: str, ref_dir: str) -> None:
         from nla.injection import InjectionHook
-        from nla.rl.backend import load_av, load_pair_sidecars
+        from nla.rl.setup import load_av, load_pair_sidecars
         from nla.rl.workers import PolicyLossSettings, RolloutWorker
         from nla.sidecar import verify_tokenizer
         from nla.train.common import build_optimizer, resolve_dtype, warmup_cosine
@@ -245,7 +245,7 @@ class ReconstructorRank(_RankBase):
         _, ar_side = _sidecars(cfg)
         ar = Reconstructor.from_pretrained(ar_dir, dtype=dtype).to(self.device)
         if ar.tokenizer is None:
-            from nla.rl.backend import load_av
+            from nla.rl.setup import load_av
 
             _, tok = load_av(cfg.av, torch.device("cpu"), dtype)
         else:
@@ -267,8 +267,7 @@ class ReconstructorRank(_RankBase):
 
     def update(self, explanations: list[str], golds: Tensor) -> dict[str, float]:
         """``ReconstructorWorker.update`` over this rank's share of the rows (mean over all rows)."""
-        from nla.reconstructor import last_token_index
-        from nla.vectors import mse_nrm
+        from nla.reconstructor import reconstruction_loss
 
         w_ = self.worker
         n = len(explanations)
@@ -278,10 +277,8 @@ class ReconstructorRank(_RankBase):
             dummy = len(chunk) == 0
             idx = [0] if dummy else chunk.tolist()
             enc = w_._encode([explanations[i] for i in idx], "right")
-            ids, attn = enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
-            values = w_.ar(ids, attn)
-            pred = values[torch.arange(ids.shape[0], device=self.device), last_token_index(attn)]
-            loss = mse_nrm(pred, golds[idx].to(self.device), w_.scale).mean()
+            loss, _ = reconstruction_loss(w_.ar, enc["input_ids"].to(self.device),
+                                          enc["attention_mask"].to(self.device), golds[idx], w_.scale)
             w = 0.0 if dummy else len(idx) / n
             (loss * (w * self.world)).backward()  # x W undoes FSDP's average over ranks
             total += float(loss.detach()) * w
@@ -313,7 +310,7 @@ class ReconstructorRank(_RankBase):
 
 
 def _sidecars(cfg: RLConfig) -> tuple[NLAConfig, NLAConfig]:
-    from nla.rl.backend import load_pair_sidecars
+    from nla.rl.setup import load_pair_sidecars
 
     return load_pair_sidecars(cfg.av, cfg.ar)
 
@@ -496,7 +493,7 @@ def _gpu_fraction(cfg: RLConfig) -> float:
     NCCL refuses two ranks of one group on the same GPU, so sharing is only possible for
     groups no larger than the GPU count (one GPU: 1 policy rank + 1 reconstructor rank).
     """
-    from nla.rl.backend import RLSetupError
+    from nla.rl.setup import RLSetupError
 
     n_gpus = int(ray.cluster_resources().get("GPU", 0))
     p, a = cfg.num_policy_workers, cfg.num_reconstructor_workers
@@ -534,7 +531,7 @@ def build_ray_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_dir
                      ) -> RayWorkerGroups:
     """Start the policy and reconstructor actor groups; ``policy_dir`` / ``ar_dir`` override the weights (resume)."""
     from nla import arch
-    from nla.rl.backend import RLSetupError
+    from nla.rl.setup import RLSetupError
 
     if cfg.advantage == "gae":
         raise RLSetupError(

@@ -25,13 +25,12 @@ from torch import Tensor, nn
 
 from nla import arch
 from nla.injection import InjectionHook
-from nla.reconstructor import Reconstructor, last_token_index
+from nla.reconstructor import Reconstructor, reconstruction_loss, tokenize_ar_texts
 from nla.reward import extract_explanation
 from nla.rl import algorithms as A
 from nla.rl.config import RLConfig
 from nla.rl.types import COMPLETED, FAILED_EXTRACTION, TRUNCATED, Rollout
 from nla.sidecar import SIDECAR_NAME, NLAConfig, canonical_av_prompt_ids, write_sidecar
-from nla.train.ar import tokenize_ar_texts
 from nla.train.common import build_optimizer, micro_batches, optimizer_step_guarded, warmup_cosine
 from nla.vectors import mse_nrm
 
@@ -302,15 +301,7 @@ class ReconstructorWorker(_Trainable):
 
     def _encode(self, explanations: list[str], padding_side: str = "right") -> dict[str, Tensor]:
         texts = [self.sidecar.ar_text(e) for e in explanations]
-        if padding_side == "right":
-            return tokenize_ar_texts(self.tokenizer, texts, self.max_length)
-        old = self.tokenizer.padding_side, self.tokenizer.truncation_side
-        self.tokenizer.padding_side, self.tokenizer.truncation_side = "left", "left"
-        try:
-            enc = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
-        finally:
-            self.tokenizer.padding_side, self.tokenizer.truncation_side = old
-        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+        return tokenize_ar_texts(self.tokenizer, texts, self.max_length, padding_side)
 
     @torch.no_grad()
     def predict(self, explanations: list[str], padding_side: str = "left") -> Tensor:
@@ -351,10 +342,8 @@ class ReconstructorWorker(_Trainable):
         total = 0.0
         for sl, w in micro_batches(len(explanations), self.micro_batch_size):
             enc = self._encode(explanations[sl], "right")
-            ids, attn = enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
-            values = self.ar(ids, attn)
-            pred = values[torch.arange(ids.shape[0], device=self.device), last_token_index(attn)]
-            loss = mse_nrm(pred, golds[sl].to(self.device), self.scale).mean()
+            loss, _ = reconstruction_loss(self.ar, enc["input_ids"].to(self.device),
+                                          enc["attention_mask"].to(self.device), golds[sl], self.scale)
             (loss * w).backward()
             total += float(loss.detach()) * w
         stats = {f"ar_{k}": v for k, v in self._step(self.ar).items()}
