@@ -171,19 +171,25 @@ class Reconstructor(nn.Module):
         idx = last_token_index(attention_mask)
         return values[torch.arange(values.shape[0], device=values.device), idx]
 
-    def save_pretrained(self, directory: str | os.PathLike, sidecar: NLAConfig | None = None,
-                        **provenance: Any) -> Path:
+    def save_pretrained(self, directory: str | os.PathLike, sidecar: NLAConfig | None = None, *,
+                        state_dict: dict[str, Tensor] | None = None, **provenance: Any) -> Path:
         """Write an HF dir + ``value_head.safetensors`` + tokenizer + ``nla_meta.yaml`` (role "ar"), atomically.
 
         Everything goes to a temp dir beside ``directory`` that is then renamed into place, so a
-        crash leaves either the old checkpoint or the new one, never a mix.
+        crash leaves either the old checkpoint or the new one, never a mix. ``state_dict``: the
+        full weights to write instead of the module's own (a sharded module gathers them first).
         """
         target = Path(directory)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
-            self.base.save_pretrained(tmp, safe_serialization=True)
-            save_file({"weight": self.value_head.weight.detach().cpu().contiguous()}, str(tmp / VALUE_HEAD_FILE))
+            if state_dict is None:
+                base_state, head = None, self.value_head.weight
+            else:
+                base_state = {k.removeprefix("base."): v for k, v in state_dict.items() if k.startswith("base.")}
+                head = state_dict["value_head.weight"]
+            self.base.save_pretrained(tmp, state_dict=base_state, safe_serialization=True)
+            save_file({"weight": head.detach().cpu().contiguous()}, str(tmp / VALUE_HEAD_FILE))
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(tmp)
             meta = sidecar if sidecar is not None else self.sidecar

@@ -180,6 +180,47 @@ def test_shape_rewards_is_the_one_place_a_reward_is_made():
     torch.testing.assert_close(shape_rewards(status, mse, lengths, over), torch.tensor([-1.5, -2.0, -2.5, -1.0]))
 
 
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                      "seq-mean-token-sum-norm"])
+def test_policy_update_is_the_same_on_any_micro_batch_split(pair, tmp_path, loss_agg):
+    # One policy step on one rollout, with the whole batch in one micro-batch and split 3+3+2:
+    # the loss and the (pre-clip) gradient norm agree, and so do the weights after the step.
+    # The rollout has responses of varied length, so token and row weights differ.
+    from nla.rl.algorithms import broadcast_to_tokens, grpo_advantages
+
+    whole_cfg = _cfg(pair, tmp_path, loss_agg=loss_agg, micro_batch_size=8, n_samples_per_prompt=4,
+                     rollout_batch_size=2, max_grad_norm=1e9)
+    results = []
+    for cfg in (whole_cfg, whole_cfg.replace(micro_batch_size=3)):
+        torch.manual_seed(0)
+        groups = build_groups(cfg)
+        vec = torch.from_numpy(_class_vectors(2, 5)[0])
+        r = groups.rollout.generate(vec, torch.arange(2), 4, cfg.max_response_len)
+        assert len(set(r.lengths.tolist())) > 1
+        adv = broadcast_to_tokens(grpo_advantages(torch.linspace(-1, 1, r.n), 4), r.response_mask.float())
+        ref = groups.reference.logprobs(r) - 0.05  # a KL term that is not zero
+        m = groups.policy.update(r, adv, ref)
+        weights = {k: v.detach().clone() for k, v in groups.policy.model.named_parameters()}
+        results.append((r.response_ids, m, weights))
+    (ids_a, m_a, w_a), (ids_b, m_b, w_b) = results
+    assert torch.equal(ids_a, ids_b)  # the same seeded rollout
+    for key in ("policy_loss", "pg_loss", "kl", "grad_norm"):
+        assert m_b[key] == pytest.approx(m_a[key], rel=1e-5, abs=1e-7), key
+    # Adam's first step is ~lr x sign(g) (lr 3e-4): float-order noise in a near-zero gradient
+    # entry can move its weight by a few 1e-6, a wrong weighting by ~lr.
+    for k in w_a:
+        torch.testing.assert_close(w_b[k], w_a[k], rtol=1e-5, atol=5e-6)
+
+
+def test_optimizer_state_of_another_backend_is_refused(pair, tmp_path):
+    groups = build_groups(_cfg(pair, tmp_path))
+    state = groups.policy.optim_state()
+    assert state["format"] == "local"
+    groups.policy.load_optim_state({k: v for k, v in state.items() if k != "format"})  # older local checkpoints
+    with pytest.raises(ValueError, match=r"expected the 'local' format of this backend, found 'full_fqn'"):
+        groups.reconstructor.load_optim_state({**groups.reconstructor.optim_state(), "format": "full_fqn"})
+
+
 def test_grpo_raises_mean_reward(pair, tmp_path):
     # Seeded run; measured on this fixture (2026-11-30): mean reward over the first 5 steps
     # -1.49, over the last 5 of 30 steps -1.07 (+0.42). Assert a margin of 0.2.

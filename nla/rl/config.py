@@ -15,8 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from nla.rl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
-from nla.rl.setup import BACKENDS
 from nla.train.config import load_config, save_config
+
+# The one registry of backend names: config validation reads it, and the dispatcher
+# (``nla.rl.backend.BACKEND_BUILDERS``) has one builder per name.
+BACKENDS: dict[str, str] = {
+    "local": "every role in this process, on one device (CPU or one GPU)",
+    "ray": "each role a group of Ray actors with torch.distributed and FSDP2 (pip install 'nla[ray]')",
+}
 
 
 def _bad(name: str, expected: str, found: Any) -> None:

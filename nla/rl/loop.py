@@ -227,7 +227,7 @@ def save_checkpoint(root: Path, step: int, groups: WorkerGroups, cfg: RLConfig, 
                     keep_last: int) -> Path:
     final = root / checkpoint_dir_name(step)
     with atomic_dir(final) as tmp:
-        groups.policy.save_model(tmp / "av", groups.tokenizer, stage="rl", rl_step=step, parent_av=str(cfg.av),
+        groups.policy.save_model(tmp / "av", stage="rl", rl_step=step, parent_av=str(cfg.av),
                                  parent_ar=str(cfg.ar), lr=cfg.lr)
         groups.reconstructor.save_model(tmp / "ar", stage="rl", rl_step=step, parent_ar=str(cfg.ar),
                                         lr=cfg.ar_lr_value)

@@ -1,7 +1,8 @@
-"""What every RL backend needs before its workers exist: the backend names, sidecar checks, loading the AV.
+"""How every RL backend builds its roles: sidecar checks, loading the AV, the role builders.
 
 A layer below the backends: ``nla.rl.backend`` (the dispatcher and the local backend) and
-``nla.rl.ray_backend`` both import it, and neither imports the other's module for it.
+``nla.rl.ray_backend`` both build their roles here, with their own ``DataParallel`` (one
+rank owning every row, or this actor's ``RankGroup``), and neither imports the other.
 """
 
 from __future__ import annotations
@@ -13,16 +14,21 @@ from typing import Any
 import torch
 
 from nla import arch
-from nla.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar
+from nla.reconstructor import Reconstructor
+from nla.rl.config import RLConfig
+from nla.rl.distributed import DataParallel
+from nla.rl.workers import (
+    OptimSettings,
+    PolicyLossSettings,
+    PolicyWorker,
+    ReconstructorWorker,
+    ReferenceWorker,
+    RolloutWorker,
+)
+from nla.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar, verify_tokenizer
+from nla.train.common import resolve_dtype
 
 logger = logging.getLogger(__name__)
-
-# The one registry of backend names (config validation and the dispatcher both read it).
-BACKENDS: dict[str, str] = {
-    "local": "every role in this process, on one device (CPU or one GPU)",
-    "ray": "each role a group of Ray actors with torch.distributed and FSDP2 (pip install 'nla[ray]')",
-}
-
 
 class RLSetupError(ValueError):
     """A problem found before RL starts; the message names the input and the fix."""
@@ -56,4 +62,48 @@ def load_av(path: str | Path, device: torch.device, dtype: torch.dtype) -> tuple
     return model, tok
 
 
-__all__ = ["BACKENDS", "RLSetupError", "load_av", "load_pair_sidecars"]
+def build_policy_roles(cfg: RLConfig, policy_dir: str | Path, dp: DataParallel, device: torch.device, *,
+                       rollout_copy: bool) -> dict[str, Any]:
+    """The ``policy`` and ``reference`` roles, and ``rollout`` on the answering rank.
+
+    ``policy_dir`` holds the starting weights (the warm-started AV, or a checkpoint on
+    resume); the reference is always the warm-started AV (``cfg.av``). ``rollout_copy``
+    False: the rollout role shares the policy module (local: a weight sync is free); True:
+    it gets its own unsharded copy. Models are sharded by ``dp`` before any role (hooks,
+    optimiser) is built on them.
+    """
+    torch.manual_seed(cfg.seed)  # any module init draws from the RNG: every rank builds the same
+    dtype = resolve_dtype(cfg.dtype)
+    av_side, _ = load_pair_sidecars(cfg.av, cfg.ar)
+    model, tok = load_av(policy_dir, device, dtype)
+    verify_tokenizer(av_side, tok)
+    ref, _ = load_av(cfg.av, device, dtype)
+    ref.eval().requires_grad_(False)
+    dp.shard(model, arch.decoder_layers(model))
+    dp.shard(ref, arch.decoder_layers(ref))
+    roles: dict[str, Any] = {
+        "policy": PolicyWorker(model, tok, av_side, PolicyLossSettings.from_config(cfg), OptimSettings.for_policy(cfg),
+                               dp),
+        "reference": ReferenceWorker(ref, av_side, cfg.micro_batch_size, dp),
+    }
+    if dp.answers:
+        rollout_model = load_av(policy_dir, device, dtype)[0] if rollout_copy else model
+        roles["rollout"] = RolloutWorker(rollout_model, tok, av_side, device)
+    return roles
+
+
+def build_reconstructor_role(cfg: RLConfig, ar_dir: str | Path, dp: DataParallel, device: torch.device
+                             ) -> ReconstructorWorker:
+    """The ``reconstructor`` role from ``ar_dir`` (the warm-started AR, or a checkpoint on resume)."""
+    torch.manual_seed(cfg.seed)
+    dtype = resolve_dtype(cfg.dtype)
+    _, ar_side = load_pair_sidecars(cfg.av, cfg.ar)
+    ar = Reconstructor.from_pretrained(ar_dir, dtype=dtype).to(device)
+    tok = ar.tokenizer if ar.tokenizer is not None else arch.load_tokenizer(cfg.av)
+    verify_tokenizer(ar_side, tok)
+    dp.shard(ar, arch.decoder_layers(ar.base))
+    return ReconstructorWorker(ar, tok, ar_side, OptimSettings.for_reconstructor(cfg), cfg.ar_max_length,
+                               cfg.micro_batch_size, device, dp)
+
+
+__all__ = ["RLSetupError", "build_policy_roles", "build_reconstructor_role", "load_av", "load_pair_sidecars"]
