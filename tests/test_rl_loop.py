@@ -87,21 +87,24 @@ def pair(tmp_path_factory):
 
 
 def _cfg(pair, out, **kw) -> RLConfig:
-    base = dict(av=pair["av"], ar=pair["ar"], dataset=pair["dataset"], out_dir=str(out), steps=4,
-                rollout_batch_size=4, n_samples_per_prompt=4, micro_batch_size=16, max_response_len=24,
-                lr=3e-4, ar_lr=1e-3, save_every=2, eval_every=1000, tensorboard=False, progress=False, seed=0)
-    base.update(kw)
-    return RLConfig(**base)
+    """The fixture's config; ``kw``: top-level fields, or sections as mappings of the keys to change."""
+    base = RLConfig.from_dict(dict(
+        av=pair["av"], ar=pair["ar"], dataset=pair["dataset"], out_dir=str(out), steps=4, eval_every=1000,
+        tensorboard=False, progress=False, seed=0,
+        rollout=dict(rollout_batch_size=4, n_samples_per_prompt=4, max_response_len=24),
+        optimiser=dict(micro_batch_size=16, lr=3e-4), reconstructor=dict(lr=1e-3), checkpointing=dict(save_every=2)))
+    return base.replace(**kw)
 
 
 def test_config_guards_name_the_field(pair, tmp_path):
-    with pytest.raises(ValueError, match="global_batch_size"):
-        _cfg(pair, tmp_path, global_batch_size=8)  # two steps per rollout without opting in
-    assert _cfg(pair, tmp_path, global_batch_size=8, allow_multiple_updates=True).updates_per_rollout == 2
-    with pytest.raises(ValueError, match="advantage: expected one of"):
-        _cfg(pair, tmp_path, advantage="ppo2")
-    with pytest.raises(ValueError, match="n_samples_per_prompt"):
-        _cfg(pair, tmp_path, n_samples_per_prompt=1)
+    with pytest.raises(ValueError, match="optimiser.global_batch_size"):
+        _cfg(pair, tmp_path, optimiser=dict(global_batch_size=8))  # two steps per rollout without opting in
+    assert _cfg(pair, tmp_path, optimiser=dict(global_batch_size=8, allow_multiple_updates=True)
+                ).updates_per_rollout == 2
+    with pytest.raises(ValueError, match="loss.advantage: expected one of"):
+        _cfg(pair, tmp_path, loss=dict(advantage="ppo2"))
+    with pytest.raises(ValueError, match="rollout.n_samples_per_prompt: expected >= 2 for the group baseline"):
+        _cfg(pair, tmp_path, rollout=dict(n_samples_per_prompt=1))
     with pytest.raises(ValueError, match="unknown config key"):
         load_rl_config(None, {"av": "a", "ar": "b", "dataset": "c", "lerning_rate": 1})
 
@@ -126,7 +129,7 @@ def test_step0_guard_passes_and_refuses(pair, tmp_path):
     cfg = _cfg(pair, tmp_path)
     groups = build_groups(cfg)
     vec = torch.from_numpy(_class_vectors(4, 3)[0])
-    r = groups.rollout.generate(vec, torch.arange(4), 2, cfg.max_response_len)
+    r = groups.rollout.generate(vec, torch.arange(4), 2, cfg.rollout.max_response_len)
     diff = step0_guard(groups, r, tol=1e-4)  # left- vs right-padded AR layouts agree in fp32
     assert diff < 1e-4
     # Break the layout the way a real bug would: reading the last *position* instead of
@@ -142,10 +145,10 @@ def test_step0_guard_passes_and_refuses(pair, tmp_path):
 
 
 def test_rollout_statuses_and_failed_reward(pair, tmp_path):
-    cfg = _cfg(pair, tmp_path, max_response_len=4)  # too short for any complete explanation
+    cfg = _cfg(pair, tmp_path, rollout=dict(max_response_len=4))  # too short for any complete explanation
     groups = build_groups(cfg)
     vec = torch.from_numpy(_class_vectors(2, 3)[0])
-    r = groups.rollout.generate(vec, torch.arange(2), 3, cfg.max_response_len)
+    r = groups.rollout.generate(vec, torch.arange(2), 3, cfg.rollout.max_response_len)
     assert r.n == 6 and r.group.tolist() == [0, 0, 0, 1, 1, 1]
     from nla.rl.loop import score_rollout
     from nla.rl.types import COMPLETED
@@ -167,16 +170,17 @@ def test_shape_rewards_is_the_one_place_a_reward_is_made():
     # a failure always counts as the orthogonal MSE 2.0, whatever its gold or its slot holds.
     mse = torch.tensor([0.5, float("nan"), 0.0, 1.0])
     lengths = torch.tensor([10, 3, 8, 6])
-    cfg = RLConfig(av="a", ar="b", dataset="c", max_response_len=10)
+    cfg = RLConfig.from_dict(dict(av="a", ar="b", dataset="c", rollout=dict(max_response_len=10)))
     torch.testing.assert_close(shape_rewards(status, mse, lengths, cfg), torch.tensor([-0.5, -2.0, -2.0, -1.0]))
     # -log variant: [-log 0.5, -log 2, -log 2, -log 1] = [log 2, -log 2, -log 2, 0]
     log2 = float(np.log(2.0))
-    torch.testing.assert_close(shape_rewards(status, mse, lengths, cfg.replace(log_mse=True)),
+    log_cfg = cfg.replace(reward=dict(log_mse=True))
+    torch.testing.assert_close(shape_rewards(status, mse, lengths, log_cfg),
                                torch.tensor([log2, -log2, -log2, 0.0]))
-    assert shape_rewards(status, mse, lengths, cfg.replace(log_mse=True))[1].item() == pytest.approx(
+    assert shape_rewards(status, mse, lengths, log_cfg)[1].item() == pytest.approx(
         FAILED_EXTRACTION_REWARD_LOG, abs=1e-7)
     # overlong: cap 10, buffer 4 -> expected 6; lengths 10, 3, 8, 6 -> penalties -1, 0, -0.5, 0
-    over = cfg.replace(overlong_buffer_len=4, overlong_penalty_factor=1.0)
+    over = cfg.replace(reward=dict(overlong_buffer_len=4, overlong_penalty_factor=1.0))
     torch.testing.assert_close(shape_rewards(status, mse, lengths, over), torch.tensor([-1.5, -2.0, -2.5, -1.0]))
 
 
@@ -188,14 +192,14 @@ def test_policy_update_is_the_same_on_any_micro_batch_split(pair, tmp_path, loss
     # The rollout has responses of varied length, so token and row weights differ.
     from nla.rl.algorithms import broadcast_to_tokens, grpo_advantages
 
-    whole_cfg = _cfg(pair, tmp_path, loss_agg=loss_agg, micro_batch_size=8, n_samples_per_prompt=4,
-                     rollout_batch_size=2, max_grad_norm=1e9)
+    whole_cfg = _cfg(pair, tmp_path, loss=dict(loss_agg=loss_agg), optimiser=dict(micro_batch_size=8, max_grad_norm=1e9),
+                     rollout=dict(n_samples_per_prompt=4, rollout_batch_size=2))
     results = []
-    for cfg in (whole_cfg, whole_cfg.replace(micro_batch_size=3)):
+    for cfg in (whole_cfg, whole_cfg.replace(optimiser=dict(micro_batch_size=3))):
         torch.manual_seed(0)
         groups = build_groups(cfg)
         vec = torch.from_numpy(_class_vectors(2, 5)[0])
-        r = groups.rollout.generate(vec, torch.arange(2), 4, cfg.max_response_len)
+        r = groups.rollout.generate(vec, torch.arange(2), 4, cfg.rollout.max_response_len)
         assert len(set(r.lengths.tolist())) > 1
         adv = broadcast_to_tokens(grpo_advantages(torch.linspace(-1, 1, r.n), 4), r.response_mask.float())
         ref = groups.reference.logprobs(r) - 0.05  # a KL term that is not zero
@@ -225,7 +229,7 @@ def test_grpo_raises_mean_reward(pair, tmp_path):
     # Seeded run; measured on this fixture (2026-11-30): mean reward over the first 5 steps
     # -1.49, over the last 5 of 30 steps -1.07 (+0.42). Assert a margin of 0.2.
     out = tmp_path / "grpo"
-    res = run_rl(_cfg(pair, out, steps=30, save_every=15, eval_every=1000))
+    res = run_rl(_cfg(pair, out, steps=30, checkpointing=dict(save_every=15), eval_every=1000))
     recs = [r for r in read_metrics(out / "rl.jsonl") if "reward_mean" in r]
     assert len(recs) == 30
     first = np.mean([r["reward_mean"] for r in recs[:5]])
@@ -244,10 +248,10 @@ def test_grpo_raises_mean_reward(pair, tmp_path):
 
 def test_resume_matches_uninterrupted(pair, tmp_path):
     straight = tmp_path / "straight"
-    run_rl(_cfg(pair, straight, steps=4, save_every=2))
+    run_rl(_cfg(pair, straight, steps=4))
     split = tmp_path / "split"
-    run_rl(_cfg(pair, split, steps=4, save_every=2, stop_after_steps=2))
-    run_rl(_cfg(pair, split, steps=4, save_every=2), resume=True)
+    run_rl(_cfg(pair, split, steps=4, stop_after_steps=2))
+    run_rl(_cfg(pair, split, steps=4), resume=True)
     a = [r for r in read_metrics(straight / "rl.jsonl") if "reward_mean" in r]
     b = [r for r in read_metrics(split / "rl.jsonl") if "reward_mean" in r]
     assert [r["step"] for r in b] == [1, 2, 3, 4]
@@ -268,35 +272,37 @@ def load_file_weights(out):
 
 
 @pytest.mark.parametrize("variant", [
-    {"advantage": "gae", "gamma": 1.0, "lam": 0.95},
-    {"dynamic_sampling": True, "eps_high": 0.28, "overlong_buffer_len": 4, "loss_agg": "seq-mean-token-mean"},
-    {"advantage": "drgrpo", "kl_estimator": "k1", "loss_agg": "seq-mean-token-sum", "log_mse": True},
-    {"global_batch_size": 8, "allow_multiple_updates": True, "dual_clip_c": 3.0},
+    {"loss": {"advantage": "gae", "gamma": 1.0, "lam": 0.95}},
+    {"rollout": {"dynamic_sampling": True}, "loss": {"eps_high": 0.28, "loss_agg": "seq-mean-token-mean"},
+     "reward": {"overlong_buffer_len": 4}},
+    {"loss": {"advantage": "drgrpo", "kl_estimator": "k1", "loss_agg": "seq-mean-token-sum-norm"},
+     "reward": {"log_mse": True}},
+    {"optimiser": {"global_batch_size": 8, "allow_multiple_updates": True}, "loss": {"dual_clip_c": 3.0}},
 ])
 def test_variants_run_and_log(pair, tmp_path, variant):
     out = tmp_path / "v"
-    res = run_rl(_cfg(pair, out, steps=2, save_every=2, **variant))
+    res = run_rl(_cfg(pair, out, steps=2, **variant))
     rec = [r for r in read_metrics(out / "rl.jsonl") if "reward_mean" in r][-1]
     assert np.isfinite(rec["reward_mean"]) and np.isfinite(rec["ar_loss"])
-    if variant.get("advantage") == "gae":
+    if variant.get("loss", {}).get("advantage") == "gae":
         assert "value_loss" in rec and (res.checkpoint_dir / "value_model.pt").is_file()
-    if variant.get("dynamic_sampling"):
+    if variant.get("rollout", {}).get("dynamic_sampling"):
         assert 0.0 <= rec["zero_spread_frac"] <= 1.0 and "refill_rounds" in rec
-    if variant.get("global_batch_size"):
+    if variant.get("optimiser", {}).get("global_batch_size"):
         assert rec["ratio_mean"] != 1.0 or rec["approx_kl"] >= 0.0
 
 
 def test_chunked_generation_scores_every_chunk_with_the_live_ar(pair, tmp_path):
     from nla.rl.loop import RLData, generate_and_score
 
-    cfg = _cfg(pair, tmp_path, generation_chunk_prompts=2)
+    cfg = _cfg(pair, tmp_path, rollout=dict(generation_chunk_prompts=2))
     groups = build_groups(cfg)
     data = RLData.load(cfg.dataset)
     rows = torch.arange(5)  # chunks of 2, 2, 1 prompts
     with RewardService(groups.reconstructor.mse_batch, 64, 0.01) as service:
         r, t_gen, t_wait = generate_and_score(groups, cfg, data, rows, service)
         n_batches = service.stats.n_batches
-    G = cfg.n_samples_per_prompt
+    G = cfg.rollout.n_samples_per_prompt
     assert r.n == 5 * G and r.group.tolist() == [g for g in range(5) for _ in range(G)]
     assert r.prompt_rows.tolist() == [p for p in range(5) for _ in range(G)]
     # one AR forward per chunk, each flushed (10 ms timer) while the next one generated; a

@@ -624,12 +624,14 @@ class AdvantageEstimator:
 
     ``fn(rewards [N], mask [N, L], *, group_size, values, gamma, lam)`` returns
     ``(advantages [N, L], returns [N, L] | None)``; ``returns`` is only set by
-    estimators that need a value model (``needs_values``).
+    estimators that need a value model (``needs_values``). ``needs_groups``: the
+    baseline is the group's own rewards, so a group needs at least 2 samples.
     """
 
     name: str
     needs_values: bool
     fn: Callable[..., tuple[Tensor, Tensor | None]]
+    needs_groups: bool = False
 
     def __call__(
         self,
@@ -663,8 +665,8 @@ def _est_gae(rewards, mask, *, group_size, values, gamma, lam):
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    "grpo": AdvantageEstimator("grpo", False, _est_grpo),
-    "drgrpo": AdvantageEstimator("drgrpo", False, _est_drgrpo),
+    "grpo": AdvantageEstimator("grpo", False, _est_grpo, needs_groups=True),
+    "drgrpo": AdvantageEstimator("drgrpo", False, _est_drgrpo, needs_groups=True),
     "reinforce_baseline": AdvantageEstimator("reinforce_baseline", False, _est_reinforce),
     "gae": AdvantageEstimator("gae", True, _est_gae),
 }

@@ -23,9 +23,9 @@ def build_local_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_d
     av_side, ar_side = load_pair_sidecars(cfg.av, cfg.ar)
     roles = build_policy_roles(cfg, policy_dir or cfg.av, dp, device, rollout_copy=False)
     value = None
-    if A.get_advantage_estimator(cfg.advantage).needs_values:
-        value = ValueWorker(roles["policy"].model, av_side, OptimSettings.for_value(cfg), cfg.micro_batch_size,
-                            clip_eps=None)
+    if A.get_advantage_estimator(cfg.loss.advantage).needs_values:
+        value = ValueWorker(roles["policy"].model, av_side, OptimSettings.for_value(cfg),
+                            cfg.optimiser.micro_batch_size, clip_eps=None)
         value.model.to(device)
     return WorkerGroups(
         rollout=roles["rollout"], policy=roles["policy"], reference=roles["reference"],
@@ -51,9 +51,9 @@ BACKEND_BUILDERS = {"local": build_local_groups, "ray": _build_ray_groups}
 def build_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_dir: str | Path | None = None
                  ) -> WorkerGroups:
     try:
-        builder = BACKEND_BUILDERS[cfg.backend]
+        builder = BACKEND_BUILDERS[cfg.backend.name]
     except KeyError:
         raise RLSetupError(
-            f"backend: {cfg.backend!r} is not available in this build; valid: {sorted(BACKENDS)}"
+            f"backend: {cfg.backend.name!r} is not available in this build; valid: {sorted(BACKENDS)}"
         ) from None
     return builder(cfg, policy_dir, ar_dir)

@@ -108,10 +108,10 @@ def shape_rewards(status: torch.Tensor, mse: torch.Tensor, lengths: torch.Tensor
     """
     failed = status != COMPLETED
     charged = torch.where(failed, torch.full_like(mse, FAILED_EXTRACTION_MSE), mse).float()
-    rewards = reward_from_mse(charged, cfg.log_mse)
-    if cfg.overlong_buffer_len > 0:
-        rewards = rewards + A.overlong_penalty(lengths, cfg.max_response_len, cfg.overlong_buffer_len,
-                                               cfg.overlong_penalty_factor)
+    rewards = reward_from_mse(charged, cfg.reward.log_mse)
+    if cfg.reward.overlong_buffer_len > 0:
+        rewards = rewards + A.overlong_penalty(lengths, cfg.rollout.max_response_len,
+                                               cfg.reward.overlong_buffer_len, cfg.reward.overlong_penalty_factor)
     return rewards
 
 
@@ -136,13 +136,14 @@ def generate_and_score(groups: WorkerGroups, cfg: RLConfig, data: RLData, rows: 
     submitted to the reward service as soon as it is done, so the AR's forwards run while the
     next chunk generates (on separate devices or Ray actors that hides the reward time).
     """
-    G = cfg.n_samples_per_prompt
-    size = cfg.generation_chunk_prompts or len(rows)
+    G = cfg.rollout.n_samples_per_prompt
+    size = cfg.rollout.generation_chunk_prompts or len(rows)
     pending, t_gen = [], 0.0
     for start in range(0, len(rows), size):
         chunk = rows[start : start + size]
         t0 = time.perf_counter()
-        r = groups.rollout.generate(data.vectors[chunk], chunk, G, cfg.max_response_len, cfg.temperature, cfg.top_p)
+        ro = cfg.rollout
+        r = groups.rollout.generate(data.vectors[chunk], chunk, G, ro.max_response_len, ro.temperature, ro.top_p)
         t_gen += time.perf_counter() - t0
         pending.append((r, service.submit(reward_items(r))))
     t0 = time.perf_counter()
@@ -175,12 +176,12 @@ def collect_rollout(groups: WorkerGroups, cfg: RLConfig, data: RLData, cursor: D
     Returns (the rollout to train the policy on, every scored sample of the step for the AR
     update, metrics).
     """
-    G = cfg.n_samples_per_prompt
+    G = cfg.rollout.n_samples_per_prompt
     parts, everything = [], []
     kept_groups, rounds, first_zero_frac = 0, 0, None
     t_gen = t_rew = 0.0
     while True:
-        rows = torch.from_numpy(cursor.next_indices(cfg.rollout_batch_size - kept_groups)).long()
+        rows = torch.from_numpy(cursor.next_indices(cfg.rollout.rollout_batch_size - kept_groups)).long()
         r, dt_gen, dt_rew = generate_and_score(groups, cfg, data, rows, service)
         t_gen += dt_gen
         t_rew += dt_rew
@@ -188,14 +189,14 @@ def collect_rollout(groups: WorkerGroups, cfg: RLConfig, data: RLData, cursor: D
         spread = A.dynamic_sampling_mask(r.rewards, G)  # [b]
         if first_zero_frac is None:
             first_zero_frac = float((~spread).float().mean())
-        if not cfg.dynamic_sampling:
+        if not cfg.rollout.dynamic_sampling:
             parts.append(r)
             break
         keep = spread.repeat_interleave(G)
         if keep.any():
             parts.append(r.select(keep))
             kept_groups += int(spread.sum())
-        if kept_groups >= cfg.rollout_batch_size or rounds >= cfg.max_refill_rounds:
+        if kept_groups >= cfg.rollout.rollout_batch_size or rounds >= cfg.rollout.max_refill_rounds:
             break
         rounds += 1
     pad = groups.rollout.pad_id
@@ -228,7 +229,7 @@ def save_checkpoint(root: Path, step: int, groups: WorkerGroups, cfg: RLConfig, 
     final = root / checkpoint_dir_name(step)
     with atomic_dir(final) as tmp:
         groups.policy.save_model(tmp / "av", stage="rl", rl_step=step, parent_av=str(cfg.av),
-                                 parent_ar=str(cfg.ar), lr=cfg.lr)
+                                 parent_ar=str(cfg.ar), lr=cfg.optimiser.lr)
         groups.reconstructor.save_model(tmp / "ar", stage="rl", rl_step=step, parent_ar=str(cfg.ar),
                                         lr=cfg.ar_lr_value)
         state: dict[str, Any] = {
@@ -274,7 +275,7 @@ def evaluate(groups: WorkerGroups, cfg: RLConfig, data: RLData, baseline: float,
     """Greedy decode of up to ``eval_max_rows`` held-out vectors, scored by the live AR."""
     n = min(cfg.eval_max_rows, data.vectors.shape[0])
     rows = torch.arange(n)
-    r = groups.rollout.generate(data.vectors[rows], rows, 1, cfg.max_response_len, greedy=True)
+    r = groups.rollout.generate(data.vectors[rows], rows, 1, cfg.rollout.max_response_len, greedy=True)
     score_rollout(r, service, cfg)
     m = rollout_metrics(r, baseline)
     m.update(grade_facts(r, data.facts))
@@ -329,7 +330,8 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
     stop = min(cfg.steps, cfg.stop_after_steps or cfg.steps)
     metrics_log = MetricsLogger(out, "rl", tensorboard=cfg.tensorboard)
     # The live AR's bound method: every reward comes from its current weights (no copy).
-    service = RewardService(groups.reconstructor.mse_batch, cfg.reward_batch_size, cfg.reward_flush_seconds)
+    service = RewardService(groups.reconstructor.mse_batch, cfg.reward.reward_batch_size,
+                            cfg.reward.reward_flush_seconds)
     last_ckpt, final = ckpt, {}
     bar = tqdm(total=stop, initial=step, desc="rl", disable=not cfg.progress)
     try:
@@ -337,7 +339,7 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
             t0 = time.perf_counter()
             train, everything, m = collect_rollout(groups, cfg, data, cursor, service)
             if step == 0 and ckpt is None:
-                m["step0_guard_diff"] = step0_guard(groups, everything, cfg.step0_guard_tol)
+                m["step0_guard_diff"] = step0_guard(groups, everything, cfg.reward.step0_guard_tol)
             m.update(rollout_metrics(everything, baseline))
             m.update(grade_facts(everything, data.facts))
             t1 = time.perf_counter()
@@ -346,11 +348,10 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
                 values = returns = None
                 if groups.value is not None:
                     values = groups.value.values(train)
-                est = A.get_advantage_estimator(cfg.advantage)
-                if cfg.advantage == "grpo" and not cfg.scale_by_std:
-                    est = A.get_advantage_estimator("drgrpo")
-                adv, returns = est(train.rewards, train.response_mask.float(), group_size=cfg.n_samples_per_prompt,
-                                   values=values, gamma=cfg.gamma, lam=cfg.lam)
+                est = A.get_advantage_estimator(cfg.loss.advantage)
+                adv, returns = est(train.rewards, train.response_mask.float(),
+                                   group_size=cfg.rollout.n_samples_per_prompt, values=values, gamma=cfg.loss.gamma,
+                                   lam=cfg.loss.lam)
                 m.update(groups.policy.update(train, adv, ref_logp))
                 if groups.value is not None:
                     m.update(groups.value.update(train, values, returns))
@@ -371,8 +372,8 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
             final.update(m)
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", fve=f"{m.get('fve_nrm', float('nan')):.3f}")
-            if step % cfg.save_every == 0 or step == stop:
-                last_ckpt = save_checkpoint(root, step, groups, cfg, cursor, cfg.keep_last)
+            if step % cfg.checkpointing.save_every == 0 or step == stop:
+                last_ckpt = save_checkpoint(root, step, groups, cfg, cursor, cfg.checkpointing.keep_last)
     finally:
         bar.close()
         service.close()

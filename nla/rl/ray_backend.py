@@ -290,10 +290,10 @@ def _start_ray(cfg: RLConfig) -> bool:
     """Connect to (or start) Ray; returns True when this call started/connected it (so close shuts it down)."""
     if ray.is_initialized():
         return False
-    if cfg.ray_address:
-        ray.init(address=cfg.ray_address, log_to_driver=True)
+    if cfg.backend.ray_address:
+        ray.init(address=cfg.backend.ray_address, log_to_driver=True)
     else:
-        n_actors = cfg.num_policy_workers + cfg.num_reconstructor_workers
+        n_actors = cfg.backend.num_policy_workers + cfg.backend.num_reconstructor_workers
         want_gpu = cfg.device in ("auto", "cuda") and torch.cuda.is_available()
         num_cpus = max(1, math.ceil(CPU_ACTOR_CPUS * n_actors)) if not want_gpu else max(2, n_actors)
         ray.init(num_cpus=num_cpus, num_gpus=torch.cuda.device_count() if want_gpu else 0,
@@ -308,7 +308,7 @@ def _gpu_fraction(cfg: RLConfig) -> float:
     groups no larger than the GPU count (one GPU: 1 policy rank + 1 reconstructor rank).
     """
     n_gpus = int(ray.cluster_resources().get("GPU", 0))
-    p, a = cfg.num_policy_workers, cfg.num_reconstructor_workers
+    p, a = cfg.backend.num_policy_workers, cfg.backend.num_reconstructor_workers
     if p + a <= n_gpus:
         return 1.0
     if max(p, a) > n_gpus:
@@ -342,19 +342,20 @@ def _make_group(role: str, world: int, use_cuda: bool, gpu_fraction: float = 1.0
 def build_ray_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_dir: str | Path | None = None
                      ) -> RayWorkerGroups:
     """Start the policy and reconstructor actor groups; ``policy_dir`` / ``ar_dir`` override the weights (resume)."""
-    if A.get_advantage_estimator(cfg.advantage).needs_values:
+    if A.get_advantage_estimator(cfg.loss.advantage).needs_values:
+        no_values = sorted(n for n, e in A.ADVANTAGE_ESTIMATORS.items() if not e.needs_values)
         raise RLSetupError(
-            "advantage: 'gae' (PPO) needs the value model, which the ray backend does not run yet; "
-            "use backend: local for PPO, or advantage: grpo | drgrpo | reinforce_baseline on ray")
+            f"loss.advantage: {cfg.loss.advantage!r} needs the value model, which the ray backend does not run "
+            f"yet; use backend.name: local for it, or loss.advantage: one of {no_values} on ray")
     av_side, ar_side = load_pair_sidecars(cfg.av, cfg.ar)
     owns = _start_ray(cfg)
     use_cuda = cfg.device != "cpu" and _cluster_has_gpus()
     groups: list[_ActorGroup] = []
     try:
         frac = _gpu_fraction(cfg) if use_cuda else 0.0
-        policy = _make_group("policy", cfg.num_policy_workers, use_cuda, frac)
+        policy = _make_group("policy", cfg.backend.num_policy_workers, use_cuda, frac)
         groups.append(policy)
-        recon = _make_group("reconstructor", cfg.num_reconstructor_workers, use_cuda, frac)
+        recon = _make_group("reconstructor", cfg.backend.num_reconstructor_workers, use_cuda, frac)
         groups.append(recon)
         # Both groups load their models at once (each setup blocks on its own collectives only).
         refs = [a.setup.remote(_policy_roles, cfg, str(policy_dir or cfg.av)) for a in policy.actors]
@@ -365,8 +366,8 @@ def build_ray_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_dir
         raise
     tok = arch.load_tokenizer(policy_dir or cfg.av)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    logger.info("ray backend: %d policy rank(s), %d reconstructor rank(s), %s", cfg.num_policy_workers,
-                cfg.num_reconstructor_workers, "GPU/NCCL" if use_cuda else "CPU/gloo")
+    logger.info("ray backend: %d policy rank(s), %d reconstructor rank(s), %s", cfg.backend.num_policy_workers,
+                cfg.backend.num_reconstructor_workers, "GPU/NCCL" if use_cuda else "CPU/gloo")
     return RayWorkerGroups(
         rollout=RayRollout(policy, pad_id), policy=RayPolicy(policy), reference=RayReference(policy),
         reconstructor=RayReconstructor(recon), value=None, tokenizer=tok, av_sidecar=av_side, ar_sidecar=ar_side,

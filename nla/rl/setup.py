@@ -84,7 +84,7 @@ def build_policy_roles(cfg: RLConfig, policy_dir: str | Path, dp: DataParallel, 
     roles: dict[str, Any] = {
         "policy": PolicyWorker(model, tok, av_side, PolicyLossSettings.from_config(cfg), OptimSettings.for_policy(cfg),
                                dp),
-        "reference": ReferenceWorker(ref, av_side, cfg.micro_batch_size, dp),
+        "reference": ReferenceWorker(ref, av_side, cfg.optimiser.micro_batch_size, dp),
     }
     if dp.answers:
         rollout_model = load_av(policy_dir, device, dtype)[0] if rollout_copy else model
@@ -102,8 +102,8 @@ def build_reconstructor_role(cfg: RLConfig, ar_dir: str | Path, dp: DataParallel
     tok = ar.tokenizer if ar.tokenizer is not None else arch.load_tokenizer(cfg.av)
     verify_tokenizer(ar_side, tok)
     dp.shard(ar, arch.decoder_layers(ar.base))
-    return ReconstructorWorker(ar, tok, ar_side, OptimSettings.for_reconstructor(cfg), cfg.ar_max_length,
-                               cfg.micro_batch_size, device, dp)
+    return ReconstructorWorker(ar, tok, ar_side, OptimSettings.for_reconstructor(cfg), cfg.reconstructor.max_length,
+                               cfg.optimiser.micro_batch_size, device, dp)
 
 
 __all__ = ["RLSetupError", "build_policy_roles", "build_reconstructor_role", "load_av", "load_pair_sidecars"]

@@ -121,16 +121,21 @@ class OptimSettings:
     max_grad_norm: float
 
     @classmethod
+    def _of(cls, cfg: RLConfig, lr: float, total_steps: int) -> OptimSettings:
+        o = cfg.optimiser
+        return cls(lr, o.weight_decay, o.warmup_steps, total_steps, o.max_grad_norm)
+
+    @classmethod
     def for_policy(cls, cfg: RLConfig) -> OptimSettings:
-        return cls(cfg.lr, cfg.weight_decay, cfg.warmup_steps, cfg.steps * cfg.updates_per_rollout, cfg.max_grad_norm)
+        return cls._of(cfg, cfg.optimiser.lr, cfg.steps * cfg.updates_per_rollout)
 
     @classmethod
     def for_reconstructor(cls, cfg: RLConfig) -> OptimSettings:
-        return cls(cfg.ar_lr_value, cfg.weight_decay, cfg.warmup_steps, cfg.steps, cfg.max_grad_norm)
+        return cls._of(cfg, cfg.ar_lr_value, cfg.steps)
 
     @classmethod
     def for_value(cls, cfg: RLConfig) -> OptimSettings:
-        return cls(cfg.value_lr_value, cfg.weight_decay, cfg.warmup_steps, cfg.steps, cfg.max_grad_norm)
+        return cls._of(cfg, cfg.optimiser.value_lr_value, cfg.steps)
 
 
 @dataclass(frozen=True)
@@ -149,9 +154,10 @@ class PolicyLossSettings:
 
     @classmethod
     def from_config(cls, cfg: RLConfig) -> PolicyLossSettings:
-        return cls(eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c, kl_coef=cfg.kl_coef,
-                   kl_estimator=cfg.kl_estimator, loss_agg=cfg.loss_agg, micro_batch_size=cfg.micro_batch_size,
-                   updates_per_rollout=cfg.updates_per_rollout, norm_len=cfg.max_response_len)
+        lo = cfg.loss
+        return cls(eps_low=lo.eps_low, eps_high=lo.eps_high, dual_clip_c=lo.dual_clip_c, kl_coef=lo.kl_coef,
+                   kl_estimator=lo.kl_estimator, loss_agg=lo.loss_agg, micro_batch_size=cfg.optimiser.micro_batch_size,
+                   updates_per_rollout=cfg.updates_per_rollout, norm_len=cfg.rollout.max_response_len)
 
 
 # ----------------------------------------------------------------------------- roles

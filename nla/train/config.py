@@ -223,19 +223,22 @@ _FLOAT_FIELDS = {"lr", "weight_decay", "min_lr_ratio", "max_grad_norm", "eval_fr
                  "ar_lr", "value_lr", "kl_coef", "reward_flush_seconds", "step0_guard_tol", "temperature"}
 
 
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """The mapping a YAML config file holds (an empty file is an empty mapping)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"config file not found: {p}")
+    loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{p}: expected a mapping of config keys, found {type(loaded).__name__}")
+    return loaded
+
+
 def load_config(
     cls: type[C], path: str | os.PathLike | None = None, overrides: dict[str, Any] | list[str] | None = None
 ) -> C:
     """Read a YAML config (optional) and apply overrides on top."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"config file not found: {p}")
-        loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{p}: expected a mapping of config keys, found {type(loaded).__name__}")
-        data.update(loaded)
+    data: dict[str, Any] = read_config_file(path) if path is not None else {}
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
     data.update(overrides or {})
@@ -247,4 +250,5 @@ def save_config(cfg: Any, path: str | os.PathLike) -> None:
     Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
 
 
-__all__ = ["ARTrainConfig", "AVTrainConfig", "config_from_dict", "load_config", "parse_overrides", "save_config"]
+__all__ = ["ARTrainConfig", "AVTrainConfig", "config_from_dict", "load_config", "parse_overrides", "read_config_file",
+           "save_config"]
