@@ -24,6 +24,7 @@ from nla.reward import (
     RewardService,
     score_all,
 )
+from nla.rl.algorithms import LOSS_AGG_MODES
 from nla.rl.backend import build_groups
 from nla.rl.config import RLConfig, load_rl_config
 from nla.rl.loop import RLGuardError, run_rl, step0_guard
@@ -184,8 +185,7 @@ def test_shape_rewards_is_the_one_place_a_reward_is_made():
     torch.testing.assert_close(shape_rewards(status, mse, lengths, over), torch.tensor([-1.5, -2.0, -2.5, -1.0]))
 
 
-@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                      "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("loss_agg", sorted(LOSS_AGG_MODES))
 def test_policy_update_is_the_same_on_any_micro_batch_split(pair, tmp_path, loss_agg):
     # One policy step on one rollout, with the whole batch in one micro-batch and split 3+3+2:
     # the loss and the (pre-clip) gradient norm agree, and so do the weights after the step.
