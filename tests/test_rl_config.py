@@ -73,6 +73,15 @@ def test_refusals_name_the_key_and_where_it_belongs():
     with pytest.raises(ValueError, match=r"key 'kl_coef' belongs to section 'loss'; write it as `loss: \{kl_coef: "
                                          r"\.\.\.\}` in YAML, or --set loss.kl_coef=\.\.\."):
         cfg_of(kl_coef=0.1)
+    # renamed keys point at their new name; the AV's flat `lr` is the optimiser's, not the AR's
+    with pytest.raises(ValueError, match=r"key 'lr' belongs to section 'optimiser'.*--set optimiser.lr=\.\.\."):
+        cfg_of(lr=1e-4)
+    with pytest.raises(ValueError, match=r"key 'ar_lr' is now reconstructor.lr; .*--set reconstructor.lr=\.\.\."):
+        cfg_of(ar_lr=1e-4)
+    with pytest.raises(ValueError, match=r"RLConfig.backend is a section; write `backend: \{name: ray\}`"):
+        cfg_of(backend="ray")
+    with pytest.raises(ValueError, match=r"'scale_by_std' is gone; .*loss.advantage=drgrpo"):
+        cfg_of(scale_by_std=False)
     with pytest.raises(ValueError, match=r"RLConfig.loss: unknown config key\(s\) \['kl_cof'\]; valid keys: .*kl_coef"):
         cfg_of(loss=dict(kl_cof=0.1))
     with pytest.raises(ValueError, match=r"unknown section 'losses' in 'losses.kl_coef'"):

@@ -352,16 +352,24 @@ class RLConfig:
         data = _nest(data)
         valid = {f.name for f in dataclasses.fields(cls)}
         for key, value in list(data.items()):
+            if key == "backend" and isinstance(value, str):  # the flat layout's `backend: ray`
+                raise ValueError(f"RLConfig.backend is a section; write `backend: {{name: {value}}}` in YAML, or "
+                                 f"--set backend.name={value} (or --backend {value})")
             if key in SECTIONS:
                 if value is None:
                     del data[key]  # an empty section in YAML: its defaults
                 else:
                     _check_section_keys(key, SECTIONS[key], value)
-            elif key in _SECTION_OF_KEY and key not in valid:
+            elif key in _FLAT_KEYS and key not in valid:
+                section, sub = _FLAT_KEYS[key].split(".")
+                moved = f"belongs to section {section!r}" if sub == key else f"is now {section}.{sub}"
                 raise ValueError(
-                    f"RLConfig: key {key!r} belongs to section {_SECTION_OF_KEY[key]!r}; write it as "
-                    f"`{_SECTION_OF_KEY[key]}: {{{key}: ...}}` in YAML, or --set {_SECTION_OF_KEY[key]}.{key}=..."
+                    f"RLConfig: key {key!r} {moved}; write it as `{section}: {{{sub}: ...}}` in YAML, "
+                    f"or --set {section}.{sub}=..."
                 )
+            elif key == "scale_by_std":
+                raise ValueError("RLConfig: key 'scale_by_std' is gone; GRPO without std scaling is "
+                                 "`loss: {advantage: drgrpo}` (--set loss.advantage=drgrpo)")
             elif key not in valid:
                 raise ValueError(f"RLConfig: unknown config key {key!r}; valid keys: {sorted(valid)}")
         # Types first, sections included (YAML 1.1's "1e-4" strings become floats there), so every
@@ -385,7 +393,12 @@ class RLConfig:
         return dataclasses.asdict(self)
 
 
-_SECTION_OF_KEY = {f.name: name for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+# Keys of the flat layout (before sections) -> their dotted place now. The AV's ``lr`` is the
+# optimiser's (the reconstructor's own ``lr`` was ``ar_lr``), hence the explicit renames.
+_FLAT_KEYS = {
+    **{f.name: f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)},
+    "lr": "optimiser.lr", "ar_lr": "reconstructor.lr", "ar_max_length": "reconstructor.max_length",
+}
 
 
 def _nest(data: dict[str, Any]) -> dict[str, Any]:
