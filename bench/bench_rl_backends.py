@@ -81,13 +81,15 @@ def build_pair(root: Path) -> dict[str, str]:
 
 
 def measure(pair: dict[str, str], out: Path, layout: str, steps: int, batch: tuple[int, int]) -> dict[str, float]:
-    kw: dict = {"backend": "local"}
+    backend: dict = {"name": "local"}
     if layout != "local":
         p, a = (int(x) for x in layout.split("x"))
-        kw = {"backend": "ray", "num_policy_workers": p, "num_reconstructor_workers": a}
-    cfg = RLConfig(**pair, out_dir=str(out), steps=steps, rollout_batch_size=batch[0], n_samples_per_prompt=batch[1],
-                   micro_batch_size=16, max_response_len=24, lr=3e-4, ar_lr=1e-3, save_every=10_000,
-                   eval_every=10_000, tensorboard=False, progress=False, seed=0, **kw)
+        backend = {"name": "ray", "num_policy_workers": p, "num_reconstructor_workers": a}
+    cfg = RLConfig.from_dict(dict(
+        **pair, out_dir=str(out), steps=steps, eval_every=10_000, tensorboard=False, progress=False, seed=0,
+        rollout=dict(rollout_batch_size=batch[0], n_samples_per_prompt=batch[1], max_response_len=24),
+        optimiser=dict(micro_batch_size=16, lr=3e-4), reconstructor=dict(lr=1e-3),
+        checkpointing=dict(save_every=10_000), backend=backend))
     t0 = time.perf_counter()
     groups = build_groups(cfg)
     t_build = time.perf_counter() - t0

@@ -29,8 +29,8 @@ test -f "$CFG" || { echo "missing $CFG: the quickstart did not reach its RL stag
 for BACKEND in local ray; do
   rm -rf "$OUT/$BACKEND"
   "$NLA" rl --config "$CFG" --out "$OUT/$BACKEND" --backend "$BACKEND" --steps "$STEPS" \
-    --set device=cuda --set dtype="$DTYPE" --set progress=false --set save_every="$STEPS" \
-    --set eval_every="$STEPS" --set num_policy_workers=1 --set num_reconstructor_workers=1
+    --set device=cuda --set dtype="$DTYPE" --set progress=false --set checkpointing.save_every="$STEPS" \
+    --set eval_every="$STEPS" --set backend.num_policy_workers=1 --set backend.num_reconstructor_workers=1
 done
 
 "$PY" - "$OUT" "$DTYPE" <<'PYEOF'

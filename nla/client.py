@@ -8,7 +8,7 @@ than copying them, so what the client measures is what training optimised:
 
 1. Generation is ``nla.rl.workers.RolloutWorker.generate``: injection through the hook, the
    marker token suppressed, EOS handling, decoding with special tokens kept.
-2. Reconstruction tokenises like AR training (``nla.train.ar.tokenize_ar_texts``: right
+2. Reconstruction tokenises like AR training (``nla.reconstructor.tokenize_ar_texts``: right
    padding, left truncation so the AR template's tail survives) and reads the prediction at
    the last real token (``Reconstructor.predict``).
 3. Scores use the AR sidecar's ``mse_scale`` (``nla.vectors.mse_nrm``), like the RL reward.
@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from nla import arch
-from nla.reconstructor import VALUE_HEAD_FILE, Reconstructor
+from nla.reconstructor import VALUE_HEAD_FILE, Reconstructor, tokenize_ar_texts
 from nla.reward import failed_mse
 from nla.sidecar import SIDECAR_NAME, NLAConfig, SidecarError, load_sidecar, verify_tokenizer
 from nla.validation import check_checkpoint, check_vectors
@@ -340,7 +340,6 @@ class NLAClient:
     @torch.no_grad()
     def reconstruct(self, texts: Sequence[str], batch_size: int = 64) -> Tensor:
         """AR predictions [N, d] (fp32, CPU) for explanations (wrapped in the AR template here)."""
-        from nla.train.ar import tokenize_ar_texts
 
         side = self._need_ar("reconstruct")
         for i, t in enumerate(texts):

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from nla import arch
 from nla.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar, write_sidecar
 from nla.validation import check_checkpoint
+from nla.vectors import mse_nrm
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,38 @@ def last_token_index(attention_mask: Tensor) -> Tensor:
     if attention_mask.ndim != 2:
         raise ValueError(f"attention_mask: expected [B, T], found shape {tuple(attention_mask.shape)}")
     return attention_mask.long().cumsum(1).argmax(1)
+
+
+def tokenize_ar_texts(tokenizer: Any, texts: list[str], max_length: int, padding_side: str = "right"
+                      ) -> dict[str, Tensor]:
+    """Tokenise full AR texts [B] -> ``input_ids`` / ``attention_mask`` [B, T], truncated on the left.
+
+    Left truncation keeps the constant AR suffix the prediction is read at. Training pads on
+    the right; the RL reward path pads on the left like a batched inference server (the RL
+    step-0 guard checks both give the same MSE). Every caller tokenises here, with default
+    special tokens and no EOS after the suffix, or its predictions would not match the
+    trained layout.
+    """
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side: expected 'left' or 'right', found {padding_side!r}")
+    old_side, old_pad = tokenizer.truncation_side, tokenizer.padding_side
+    tokenizer.truncation_side, tokenizer.padding_side = "left", padding_side
+    try:
+        enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    finally:
+        tokenizer.truncation_side, tokenizer.padding_side = old_side, old_pad
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+
+
+def reconstruction_loss(ar: nn.Module, input_ids: Tensor, attention_mask: Tensor, gold: Tensor,
+                        scale: float | None) -> tuple[Tensor, Tensor]:
+    """The AR's training loss: mean ``mse_nrm`` of its prediction [B, d] against RAW ``gold`` [B, d].
+
+    Returns ``(loss, pred)``. The one definition used by the warm-start (``nla.train.ar``)
+    and the online RL update on both backends.
+    """
+    pred = ar.predict(input_ids, attention_mask)
+    return mse_nrm(pred, gold.to(pred.device), scale).mean(), pred
 
 
 class _SkippedNorm(nn.Module):
@@ -141,19 +174,25 @@ class Reconstructor(nn.Module):
         idx = last_token_index(attention_mask)
         return values[torch.arange(values.shape[0], device=values.device), idx]
 
-    def save_pretrained(self, directory: str | os.PathLike, sidecar: NLAConfig | None = None,
-                        **provenance: Any) -> Path:
+    def save_pretrained(self, directory: str | os.PathLike, sidecar: NLAConfig | None = None, *,
+                        state_dict: dict[str, Tensor] | None = None, **provenance: Any) -> Path:
         """Write an HF dir + ``value_head.safetensors`` + tokenizer + ``nla_meta.yaml`` (role "ar"), atomically.
 
         Everything goes to a temp dir beside ``directory`` that is then renamed into place, so a
-        crash leaves either the old checkpoint or the new one, never a mix.
+        crash leaves either the old checkpoint or the new one, never a mix. ``state_dict``: the
+        full weights to write instead of the module's own (a sharded module gathers them first).
         """
         target = Path(directory)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
-            self.base.save_pretrained(tmp, safe_serialization=True)
-            save_file({"weight": self.value_head.weight.detach().cpu().contiguous()}, str(tmp / VALUE_HEAD_FILE))
+            if state_dict is None:
+                base_state, head = None, self.value_head.weight
+            else:
+                base_state = {k.removeprefix("base."): v for k, v in state_dict.items() if k.startswith("base.")}
+                head = state_dict["value_head.weight"]
+            self.base.save_pretrained(tmp, state_dict=base_state, safe_serialization=True)
+            save_file({"weight": head.detach().cpu().contiguous()}, str(tmp / VALUE_HEAD_FILE))
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(tmp)
             meta = sidecar if sidecar is not None else self.sidecar

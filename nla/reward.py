@@ -1,16 +1,19 @@
 """Reward primitives for RL: explanation extraction, MSE -> reward, batched scoring.
 
 The RL reward of a sample is ``-mse_nrm(AR(explanation), gold, scale)``
-(DESIGN §4 step 2), or ``-log(mse_nrm)`` under the log variant. A sample whose
-explanation cannot be extracted (missing/malformed tags, or a truncated
-response, which the caller knows about) gets ``failed_extraction_reward``:
-the reward of an *orthogonal* prediction (``mse_nrm = 2`` at ``scale =
-sqrt(d)``) under the same variant, so a failure is never better than a
-useless answer and never worse than an anti-correlated one.
+(DESIGN §4 step 2), or ``-log(mse_nrm)`` under the log variant
+(``reward_from_mse``). A sample whose explanation cannot be extracted
+(missing/malformed tags, or a truncated response, which the caller knows
+about) counts as ``FAILED_EXTRACTION_MSE`` = 2.0, the MSE of an *orthogonal*
+prediction at ``scale = sqrt(d)``, whatever its gold vector; its reward
+(``failed_extraction_reward``) is that MSE under the same variant, so a
+failure is never better than a useless answer and never worse than an
+anti-correlated one.
 
-A failed sample costs the orthogonal MSE whatever its gold vector
-(:func:`failed_mse`): ``2 s^2 / d`` at scale ``s``, never computed from the gold,
-so a zero (or overflowing) gold cannot turn a failure into a perfect score.
+Outside RL (client scores, evaluation), a failed sample costs the orthogonal MSE at
+the comparison's own scale (:func:`failed_mse`): ``2 s^2 / d`` at scale ``s``
+(``FAILED_EXTRACTION_MSE`` at ``s = sqrt(d)``), never computed from the gold, so a
+zero (or overflowing) gold cannot turn a failure into a perfect score.
 
 ``RewardBatcher`` gathers single-sample reward requests into batched AR
 forwards. A forward that runs past ``timeout_seconds`` fails every sample
@@ -38,9 +41,9 @@ from torch import Tensor
 from nla.vectors import mse_nrm
 
 __all__ = [
+    "FAILED_EXTRACTION_MSE",
     "FAILED_EXTRACTION_REWARD",
     "FAILED_EXTRACTION_REWARD_LOG",
-    "FAILED_MSE",
     "NonFiniteRewardError",
     "RewardTimeoutError",
     "failed_mse",
@@ -51,15 +54,17 @@ __all__ = [
     "extract_explanation",
     "failed_extraction_reward",
     "mse_to_reward",
+    "reward_from_mse",
     "score_all",
 ]
 
 logger = logging.getLogger(__name__)
 
-# mse_nrm of an orthogonal prediction at scale sqrt(d), and its reward under each variant.
-FAILED_MSE = 2.0
-FAILED_EXTRACTION_REWARD = -2.0
-FAILED_EXTRACTION_REWARD_LOG = -math.log(2.0)
+# What a sample without a usable explanation counts as: the mse_nrm of an orthogonal
+# prediction (2 at scale sqrt(d)), whatever its gold; and its reward under each variant.
+FAILED_EXTRACTION_MSE = 2.0
+FAILED_EXTRACTION_REWARD = -FAILED_EXTRACTION_MSE
+FAILED_EXTRACTION_REWARD_LOG = -math.log(FAILED_EXTRACTION_MSE)
 
 # Floor on mse_nrm before the log so a perfect prediction gives a finite
 # reward (-log 1e-6 ~ 13.8) instead of +inf. A floor (not ``+ eps``) keeps the
@@ -82,7 +87,7 @@ def failed_mse(gold: Tensor, scale: float | None) -> Tensor:
     """MSE [B] charged to samples without a prediction: that of an orthogonal prediction of equal norm.
 
     gold: [B, d]. ``mean_d((p - g)^2) = (|p|^2 + |g|^2) / d = 2 s^2 / d`` for ``p ⟂ g`` with both
-    normalised to ``s = scale``: a constant (``FAILED_MSE`` = 2.0 at ``s = sqrt(d)``) that never
+    normalised to ``s = scale``: a constant (``FAILED_EXTRACTION_MSE`` = 2.0 at ``s = sqrt(d)``) that never
     reads the gold. Raw comparison (``scale`` None) has no fixed norm: ``2 |g|^2 / d``, computed
     in float64 so large entries do not overflow.
     """
@@ -135,7 +140,11 @@ def mse_to_reward(pred: Tensor, gold: Tensor, scale: float | None, log_mse: bool
     ``failed_extraction_reward(log_mse)``, the orthogonal value of the same
     variant.
     """
-    mse = mse_nrm(pred, gold, scale)
+    return reward_from_mse(mse_nrm(pred, gold, scale), log_mse)
+
+
+def reward_from_mse(mse: Tensor, log_mse: bool = False) -> Tensor:
+    """Reward [B] from ``mse_nrm`` values [B]: ``-mse``, or ``-log(max(mse, LOG_MSE_FLOOR))``."""
     if log_mse:
         return -torch.log(mse.clamp_min(LOG_MSE_FLOOR))
     return -mse

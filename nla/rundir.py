@@ -9,7 +9,8 @@ Used by ``nla train`` and ``nla rl`` before any work starts:
    ``--overwrite`` (delete it and start over): a fresh run used to write its checkpoints next
    to the old run's, and ``--resume`` picked whichever was newest.
 3. ``--resume`` compares the new config with the one saved in the last checkpoint, field by
-   field; any difference outside :data:`RESUME_MAY_CHANGE` is refused with the fields named
+   field (a config section, such as RL's ``loss``, field by field too, named by its dotted
+   path); any difference outside :data:`RESUME_MAY_CHANGE` is refused with the fields named
    (resuming with another lr or step count used to continue silently with the old one's state).
 """
 
@@ -27,10 +28,11 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["RESUME_MAY_CHANGE", "RunDirError", "prepare_run_dir", "remove_stale_temp_dirs"]
 
-# Fields that only say how this invocation runs or reports, not what it trains.
+# Fields that only say how this invocation runs or reports, not what it trains; a field of a
+# config section (RL) is named by its dotted path.
 RESUME_MAY_CHANGE = frozenset({
     "stop_after_steps", "progress", "tensorboard", "device", "keep_last", "log_every", "eval_every", "save_every",
-    "eval_max_rows", "ray_address",
+    "eval_max_rows", "checkpointing.keep_last", "checkpointing.save_every", "backend.ray_address",
 })
 
 
@@ -62,12 +64,16 @@ def remove_stale_temp_dirs(out_dir: str | os.PathLike) -> list[Path]:
     return stale
 
 
-def _differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+def _differences(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
     out = []
-    for key in sorted(set(saved) | set(now)):
+    for name in sorted(set(saved) | set(now)):
+        key = f"{prefix}{name}"
         if key in RESUME_MAY_CHANGE:
             continue
-        a, b = saved.get(key, "<absent>"), now.get(key, "<absent>")
+        a, b = saved.get(name, "<absent>"), now.get(name, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):  # a config section: compare field by field
+            out.extend(_differences(a, b, f"{key}."))
+            continue
         if isinstance(a, tuple):
             a = list(a)
         if isinstance(b, tuple):

@@ -17,10 +17,10 @@ from conftest import build_tiny_model, build_tiny_tokenizer
 
 from nla.client import NLAClient, NLAClientError, failed_mse, load_vectors
 from nla.injection import InjectionHook
-from nla.reconstructor import Reconstructor
+from nla.reconstructor import Reconstructor, tokenize_ar_texts
+from nla.reward import FAILED_EXTRACTION_MSE
 from nla.sidecar import NLAConfig, canonical_av_prompt_ids, write_sidecar
 from nla.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
-from nla.train.ar import tokenize_ar_texts
 
 D = 32
 FIXED_EXPLANATION = "Alice is in the garden in the morning"
@@ -138,8 +138,13 @@ def test_score_by_hand_and_failed_rows(client):
     assert res.failed.tolist() == [False, True, False]
     assert torch.isnan(res.mse_nrm[1]) and torch.isnan(res.predictions[1]).all()
     assert res.failure_rate == pytest.approx(1 / 3)
-    # An orthogonal prediction of equal norm at scale sqrt(d): 2 |g|^2/d with |g|^2 = d -> 2.0.
-    torch.testing.assert_close(failed_mse(gold, D**0.5), torch.full((3,), 2.0))
+    # A failure counts as an orthogonal prediction at the AR's scale s: 2 s^2/d, = 2.0
+    # (FAILED_EXTRACTION_MSE) at s = sqrt(d), whatever the gold: a zero or oddly scaled gold
+    # must not make a failure cheaper.
+    torch.testing.assert_close(failed_mse(gold, D**0.5), torch.full((3,), FAILED_EXTRACTION_MSE))
+    odd = torch.stack([torch.zeros(D), 10 * gold[0], gold[1]])
+    torch.testing.assert_close(failed_mse(odd, D**0.5), torch.full((3,), 2.0))
+    torch.testing.assert_close(failed_mse(odd, 3.0), torch.full((3,), 2 * 9 / D))
 
 
 def test_round_trip_scores_each_sample_against_its_vector(client):

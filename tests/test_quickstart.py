@@ -59,8 +59,8 @@ def test_eval_numbers_match_a_direct_computation(run_dir):
     """Re-derive the RL pair's sample rows by hand: greedy verbalization, AR prediction, mse_nrm."""
     from nla.client import NLAClient
     from nla.datagen.io import read_vectors
+    from nla.reconstructor import tokenize_ar_texts
     from nla.reward import extract_explanation
-    from nla.train.ar import tokenize_ar_texts
     from nla.vectors import fve, mse_nrm
 
     rep = json.loads((run_dir / "report.json").read_text())

@@ -102,3 +102,28 @@ def test_bad_layer_index_and_missing_head(tiny_model_dir, tmp_path):
         Reconstructor.from_base(tiny_model_dir("llama"), 4)
     with pytest.raises(FileNotFoundError, match="value_head.safetensors is missing"):
         Reconstructor.from_pretrained(tiny_model_dir("llama"))
+
+
+def test_tokenize_ar_texts_pads_either_side_and_keeps_the_suffix(tiny_tokenizer):
+    from nla.reconstructor import tokenize_ar_texts
+
+    texts = ["the cat walks to the river . Summary", "Bob sings . Summary"]
+    right = tokenize_ar_texts(tiny_tokenizer, texts, 64)
+    left = tokenize_ar_texts(tiny_tokenizer, texts, 64, padding_side="left")
+    for r in range(2):  # the same real tokens, padding on the named side
+        assert torch.equal(right["input_ids"][r][right["attention_mask"][r].bool()],
+                           left["input_ids"][r][left["attention_mask"][r].bool()])
+    assert right["attention_mask"][1, -1] == 0 and left["attention_mask"][1, 0] == 0
+    # truncation drops the head, never the suffix the prediction is read at
+    short = tokenize_ar_texts(tiny_tokenizer, texts[:1], 3)
+    assert tiny_tokenizer.convert_ids_to_tokens(short["input_ids"][0].tolist()) == ["river", ".", "Summary"]
+    # the tokenizer's own sides are restored afterwards
+    before = tiny_tokenizer.padding_side, tiny_tokenizer.truncation_side
+    tiny_tokenizer.padding_side, tiny_tokenizer.truncation_side = "left", "right"
+    try:
+        tokenize_ar_texts(tiny_tokenizer, texts, 64)
+        assert (tiny_tokenizer.padding_side, tiny_tokenizer.truncation_side) == ("left", "right")
+    finally:
+        tiny_tokenizer.padding_side, tiny_tokenizer.truncation_side = before
+    with pytest.raises(ValueError, match="padding_side: expected 'left' or 'right', found 'middle'"):
+        tokenize_ar_texts(tiny_tokenizer, texts, 64, padding_side="middle")

@@ -317,14 +317,14 @@ def test_failed_mse_is_orthogonal_whatever_the_gold():
     import math
 
     from nla.client import failed_mse as client_failed_mse
-    from nla.reward import FAILED_MSE, failed_mse
+    from nla.reward import FAILED_EXTRACTION_MSE, failed_mse
 
     d = 4
     gold = torch.tensor([[0.0, 0.0, 0.0, 0.0],  # zero gold: used to cost 0, a perfect score
                          [1e38, 1e38, 0.0, 0.0],  # overflows fp32 when squared: used to normalise to 0
                          [1.0, 2.0, 3.0, 4.0]])
     # scale sqrt(d): 2 * d / d = 2.0 for every row
-    assert failed_mse(gold, math.sqrt(d)).tolist() == [FAILED_MSE] * 3 == [2.0] * 3
+    assert failed_mse(gold, math.sqrt(d)).tolist() == [FAILED_EXTRACTION_MSE] * 3 == [2.0] * 3
     # scale 3: 2 * 9 / 4 = 4.5
     assert failed_mse(gold, 3.0).tolist() == [4.5] * 3
     # raw (no scale): 2 |g|^2 / d -> row 2: 2 * 30 / 4 = 15; row 1: 2 * 2e76 / 4 = 1e76 -> inf in fp32

@@ -151,13 +151,13 @@ def test_aggregation_modes_on_2x3_mask():
     # token-mean: (1 + 2 + 4) / 3 = 7/3
     # seq-mean-token-mean: mean(1.5, 4) = 2.75
     # seq-mean-token-sum: mean(3, 4) = 3.5
-    # seq-mean-token-sum-norm: 3.5 / L(3) = 7/6
+    # seq-mean-token-sum-norm: 3.5 / norm_len(3) = 7/6
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     assert A.aggregate_loss(loss, mask, "token-mean").item() == pytest.approx(7 / 3)
     assert A.aggregate_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx(2.75)
     assert A.aggregate_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx(3.5)
-    assert A.aggregate_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(7 / 6)
+    assert A.aggregate_loss(loss, mask, "seq-mean-token-sum-norm", norm_len=3).item() == pytest.approx(7 / 6)
 
 
 def test_aggregation_skips_empty_rows_and_guards_empty_mask():
@@ -167,7 +167,7 @@ def test_aggregation_skips_empty_rows_and_guards_empty_mask():
     assert A.aggregate_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx(1.5)
     assert A.aggregate_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx(3.0)
     for mode in A.LOSS_AGG_MODES:
-        out = A.aggregate_loss(loss, torch.zeros(2, 3), mode)
+        out = A.aggregate_loss(loss, torch.zeros(2, 3), mode, norm_len=3)
         assert out.item() == 0.0
         (g,) = torch.autograd.grad(out, loss)
         assert torch.all(g == 0)
@@ -428,3 +428,115 @@ def test_policy_loss_matches_scalar_reference_on_random_data(dual_clip_c):
     )
     assert loss.item() == pytest.approx(total / count, rel=1e-12)
     assert m["clipfrac"] == pytest.approx(clipped / count)
+
+
+# ------------------------------------------------- fp32 groups, padding garbage, Dr.GRPO cap
+
+
+def test_grpo_all_equal_fp32_groups_give_exactly_zero():
+    # The issue's example: fp32 mean of eight -1.7 is off by an ulp and the std is ~1e-7,
+    # so (r - mean) / (std + 1e-6) was -0.1057 for every row; equal rewards carry no signal.
+    assert torch.equal(A.grpo_advantages(torch.full((8,), -1.7), 8), torch.zeros(8))
+    # 500 random fp32 values, each repeated over a group of 8 (about 40% used to fail).
+    vals = torch.randn(500, generator=torch.Generator().manual_seed(0)) * 3
+    r = vals.repeat_interleave(8)
+    for adv in (A.grpo_advantages(r, 8), A.drgrpo_advantages(r, 8), A.grpo_advantages(r.half(), 8)):
+        assert torch.count_nonzero(adv) == 0
+    # A mixed batch: only the flat groups are zeroed, the others keep their (float64-exact) values.
+    mixed = torch.tensor([0.3, 0.3, 0.3, 0.3, 1.0, 2.0, 3.0, 2.0])
+    # group 1: mean 2, unbiased var (1 + 0 + 1 + 0) / 3 = 2/3 -> A = [-1, 0, 1, 0] / sqrt(2/3)
+    s = math.sqrt(2 / 3)
+    torch.testing.assert_close(A.grpo_advantages(mixed, 4, eps=0.0),
+                               torch.tensor([0.0, 0.0, 0.0, 0.0, -1 / s, 0.0, 1 / s, 0.0]))
+
+
+def _garbage_like(x: torch.Tensor, mask: torch.Tensor, seed: int) -> torch.Tensor:
+    """``x`` with NaN, +inf, -inf and huge values written into the positions outside ``mask``."""
+    g = torch.Generator().manual_seed(seed)
+    junk = torch.tensor([math.nan, math.inf, -math.inf, 1e30])[torch.randint(0, 4, x.shape, generator=g)]
+    return torch.where(mask.bool(), x, junk)
+
+
+@pytest.mark.parametrize("mode", sorted(A.LOSS_AGG_MODES))
+def test_garbage_in_padding_changes_neither_loss_nor_gradient(mode):
+    g = torch.Generator().manual_seed(1)
+    N, L = 6, 5
+    lengths = torch.tensor([5, 3, 1, 4, 0, 2])  # one empty row
+    mask = (torch.arange(L)[None] < lengths[:, None]).float()
+    logp = torch.randn(N, L, generator=g) - 1
+    old = logp + 0.3 * torch.randn(N, L, generator=g)
+    ref = logp + 0.3 * torch.randn(N, L, generator=g)
+    adv = torch.randn(N, L, generator=g)
+    values, returns = torch.randn(N, L, generator=g), torch.randn(N, L, generator=g)
+
+    def losses(lp, o, r, a, v, ret):
+        lp = lp.clone().requires_grad_(True)
+        v = v.clone().requires_grad_(True)
+        pg, _ = A.policy_loss(lp, o, a, mask, eps_high=0.28, dual_clip_c=3.0, agg=mode, norm_len=8)
+        kl = A.aggregate_loss(A.kl_penalty(lp, r, "k3", mask=mask), mask, mode, norm_len=8)
+        vl, _ = A.value_loss(v, o, ret, mask, clip_eps=0.2, agg=mode, norm_len=8)
+        total = pg + 0.1 * kl + vl
+        total.backward()
+        return total.detach(), lp.grad, v.grad
+
+    clean = losses(logp, old, ref, adv, values, returns)
+    dirty = losses(*(_garbage_like(t, mask, i) for i, t in enumerate((logp, old, ref, adv, values, returns))))
+    assert torch.isfinite(clean[0])
+    for c, d in zip(clean, dirty, strict=True):
+        assert torch.equal(c, d)
+    # masked_mean, masked_whiten and GAE read nothing outside the mask either
+    x = torch.randn(N, L, generator=g)
+    assert torch.equal(A.masked_mean(_garbage_like(x, mask, 7), mask), A.masked_mean(x, mask))
+    assert torch.equal(A.masked_whiten(_garbage_like(x, mask, 8), mask), A.masked_whiten(x, mask))
+    tr = A.sequence_to_token_rewards(torch.randn(N, generator=g), mask)
+    for a, b in zip(A.gae_advantages(tr, _garbage_like(values, mask, 9), mask, 1.0, 0.95),
+                    A.gae_advantages(tr, values, mask, 1.0, 0.95), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_drgrpo_aggregation_divides_by_the_cap_not_the_padded_length():
+    # loss = [[1, 2, 3], [4, 5, 6]], mask = [[1, 1, 0], [1, 0, 0]]: row sums 3 and 4,
+    # mean 3.5; with the cap norm_len = 10 -> 0.35, whatever the padded length of the step.
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert A.aggregate_loss(loss, mask, "seq-mean-token-sum-norm", norm_len=10).item() == pytest.approx(0.35)
+    wider = torch.nn.functional.pad(loss, (0, 4), value=9.0)  # the same rows padded to L = 7
+    wider_mask = torch.nn.functional.pad(mask, (0, 4))
+    assert A.aggregate_loss(wider, wider_mask, "seq-mean-token-sum-norm", norm_len=10).item() == pytest.approx(0.35)
+    with pytest.raises(ValueError, match=r"needs norm_len > 0 \(the generation cap, max_response_len\), found None"):
+        A.aggregate_loss(loss, mask, "seq-mean-token-sum-norm")
+
+
+@pytest.mark.parametrize("mode", sorted(A.LOSS_AGG_MODES))
+def test_micro_batch_split_keeps_loss_and_gradient(mode):
+    # The loss of a batch equals the sum over its micro-batches of each micro-batch's loss
+    # times the mode's micro_batch_weight; so do the gradients. Ragged lengths and an empty
+    # row make token and row weights differ.
+    g = torch.Generator().manual_seed(2)
+    N, L = 7, 6
+    lengths = torch.tensor([6, 2, 0, 5, 1, 3, 4])
+    mask = (torch.arange(L)[None] < lengths[:, None]).float()
+    logp0 = torch.randn(N, L, generator=g) - 1
+    old, ref = logp0 + 0.2 * torch.randn(N, L, generator=g), logp0 + 0.2 * torch.randn(N, L, generator=g)
+    adv = A.broadcast_to_tokens(torch.randn(N, generator=g), mask)
+    agg = A.get_loss_agg(mode)
+
+    def loss_of(lp, rows):
+        m = mask[rows]
+        pg, _ = A.policy_loss(lp[rows], old[rows], adv[rows], m, eps_high=0.28, agg=mode, norm_len=L + 2)
+        return pg + 0.05 * A.aggregate_loss(A.kl_penalty(lp[rows], ref[rows], "k2", mask=m), m, mode, norm_len=L + 2)
+
+    whole_lp = logp0.clone().requires_grad_(True)
+    whole = loss_of(whole_lp, torch.arange(N))
+    whole.backward()
+    split_lp = logp0.clone().requires_grad_(True)
+    split = torch.zeros(())
+    for rows in torch.arange(N).split(3):  # 3 + 3 + 1 rows
+        part = loss_of(split_lp, rows) * agg.micro_batch_weight(mask[rows], mask)
+        part.backward()
+        split = split + part.detach()
+    torch.testing.assert_close(split, whole.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(split_lp.grad, whole_lp.grad, rtol=1e-6, atol=1e-7)
+    # the weights are unit shares: tokens 6+2+0 of 21, or non-empty rows 2 of 6
+    expected = 8 / 21 if agg.unit == "tokens" else 2 / 6
+    assert agg.micro_batch_weight(mask[:3], mask) == pytest.approx(expected)

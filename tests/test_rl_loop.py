@@ -17,7 +17,14 @@ from train_helpers import dataset_sidecar, write_av_dataset
 
 from nla.datagen.io import vectors_to_arrow
 from nla.metrics import read_metrics
-from nla.reward import FAILED_EXTRACTION_REWARD, RewardBatcher, RewardService, score_all
+from nla.reward import (
+    FAILED_EXTRACTION_REWARD,
+    FAILED_EXTRACTION_REWARD_LOG,
+    RewardBatcher,
+    RewardService,
+    score_all,
+)
+from nla.rl.algorithms import LOSS_AGG_MODES
 from nla.rl.backend import build_groups
 from nla.rl.config import RLConfig, load_rl_config
 from nla.rl.loop import RLGuardError, run_rl, step0_guard
@@ -81,21 +88,24 @@ def pair(tmp_path_factory):
 
 
 def _cfg(pair, out, **kw) -> RLConfig:
-    base = dict(av=pair["av"], ar=pair["ar"], dataset=pair["dataset"], out_dir=str(out), steps=4,
-                rollout_batch_size=4, n_samples_per_prompt=4, micro_batch_size=16, max_response_len=24,
-                lr=3e-4, ar_lr=1e-3, save_every=2, eval_every=1000, tensorboard=False, progress=False, seed=0)
-    base.update(kw)
-    return RLConfig(**base)
+    """The fixture's config; ``kw``: top-level fields, or sections as mappings of the keys to change."""
+    base = RLConfig.from_dict(dict(
+        av=pair["av"], ar=pair["ar"], dataset=pair["dataset"], out_dir=str(out), steps=4, eval_every=1000,
+        tensorboard=False, progress=False, seed=0,
+        rollout=dict(rollout_batch_size=4, n_samples_per_prompt=4, max_response_len=24),
+        optimiser=dict(micro_batch_size=16, lr=3e-4), reconstructor=dict(lr=1e-3), checkpointing=dict(save_every=2)))
+    return base.replace(**kw)
 
 
 def test_config_guards_name_the_field(pair, tmp_path):
-    with pytest.raises(ValueError, match="global_batch_size"):
-        _cfg(pair, tmp_path, global_batch_size=8)  # two steps per rollout without opting in
-    assert _cfg(pair, tmp_path, global_batch_size=8, allow_multiple_updates=True).updates_per_rollout == 2
-    with pytest.raises(ValueError, match="advantage: expected one of"):
-        _cfg(pair, tmp_path, advantage="ppo2")
-    with pytest.raises(ValueError, match="n_samples_per_prompt"):
-        _cfg(pair, tmp_path, n_samples_per_prompt=1)
+    with pytest.raises(ValueError, match="optimiser.global_batch_size"):
+        _cfg(pair, tmp_path, optimiser=dict(global_batch_size=8))  # two steps per rollout without opting in
+    assert _cfg(pair, tmp_path, optimiser=dict(global_batch_size=8, allow_multiple_updates=True)
+                ).updates_per_rollout == 2
+    with pytest.raises(ValueError, match="loss.advantage: expected one of"):
+        _cfg(pair, tmp_path, loss=dict(advantage="ppo2"))
+    with pytest.raises(ValueError, match="rollout.n_samples_per_prompt: expected >= 2 for the group baseline"):
+        _cfg(pair, tmp_path, rollout=dict(n_samples_per_prompt=1))
     with pytest.raises(ValueError, match="unknown config key"):
         load_rl_config(None, {"av": "a", "ar": "b", "dataset": "c", "lerning_rate": 1})
 
@@ -106,21 +116,21 @@ def test_reward_uses_the_live_reconstructor(pair, tmp_path):
     gold = torch.randn(4, D)
     items = [("the cat is happy", gold[0]), ("the dog is happy", gold[1]), ("the fish is happy", gold[2]),
              ("the bird is happy", gold[3])]
-    batcher = RewardBatcher(ar.score_batch, batch_size=2, flush_seconds=0.01)
+    batcher = RewardBatcher(ar.mse_batch, batch_size=2, flush_seconds=0.01)
     before = score_all(batcher, items)
     ar.update([t for t, _ in items], gold)  # one AR step, no checkpoint written in between
     after = score_all(batcher, items)
     assert batcher.stats.n_batches == 4  # 2 calls x ceil(4 / 2)
     assert all(b != a for b, a in zip(before, after, strict=True))
-    # after a step towards the golds, the rewards (negative MSE) improve on average
-    assert np.mean(after) > np.mean(before)
+    # after a step towards the golds, the MSEs fall on average
+    assert np.mean(after) < np.mean(before)
 
 
 def test_step0_guard_passes_and_refuses(pair, tmp_path):
     cfg = _cfg(pair, tmp_path)
     groups = build_groups(cfg)
     vec = torch.from_numpy(_class_vectors(4, 3)[0])
-    r = groups.rollout.generate(vec, torch.arange(4), 2, cfg.max_response_len)
+    r = groups.rollout.generate(vec, torch.arange(4), 2, cfg.rollout.max_response_len)
     diff = step0_guard(groups, r, tol=1e-4)  # left- vs right-padded AR layouts agree in fp32
     assert diff < 1e-4
     # Break the layout the way a real bug would: reading the last *position* instead of
@@ -136,27 +146,90 @@ def test_step0_guard_passes_and_refuses(pair, tmp_path):
 
 
 def test_rollout_statuses_and_failed_reward(pair, tmp_path):
-    cfg = _cfg(pair, tmp_path, max_response_len=4)  # too short for any complete explanation
+    cfg = _cfg(pair, tmp_path, rollout=dict(max_response_len=4))  # too short for any complete explanation
     groups = build_groups(cfg)
     vec = torch.from_numpy(_class_vectors(2, 3)[0])
-    r = groups.rollout.generate(vec, torch.arange(2), 3, cfg.max_response_len)
+    r = groups.rollout.generate(vec, torch.arange(2), 3, cfg.rollout.max_response_len)
     assert r.n == 6 and r.group.tolist() == [0, 0, 0, 1, 1, 1]
     from nla.rl.loop import score_rollout
     from nla.rl.types import COMPLETED
 
-    with RewardService(groups.reconstructor.score_batch, 8, 0.01) as service:
-        score_rollout(r, service, log_mse=False)
+    with RewardService(groups.reconstructor.mse_batch, 8, 0.01) as service:
+        score_rollout(r, service, cfg)
     failed = r.status != COMPLETED
     assert failed.all()  # 3 tokens cannot hold "<explanation> x </explanation>" + EOS
     assert torch.all(r.rewards[failed] == FAILED_EXTRACTION_REWARD)
     assert torch.isnan(r.mse[failed]).all()
 
 
+def test_shape_rewards_is_the_one_place_a_reward_is_made():
+    from nla.rl.loop import shape_rewards
+    from nla.rl.types import COMPLETED, FAILED_EXTRACTION, TRUNCATED
+
+    status = torch.tensor([COMPLETED, TRUNCATED, FAILED_EXTRACTION, COMPLETED])
+    # row 2 failed although an MSE of 0.0 sits in its slot (say, scored against a zero gold):
+    # a failure always counts as the orthogonal MSE 2.0, whatever its gold or its slot holds.
+    mse = torch.tensor([0.5, float("nan"), 0.0, 1.0])
+    lengths = torch.tensor([10, 3, 8, 6])
+    cfg = RLConfig.from_dict(dict(av="a", ar="b", dataset="c", rollout=dict(max_response_len=10)))
+    torch.testing.assert_close(shape_rewards(status, mse, lengths, cfg), torch.tensor([-0.5, -2.0, -2.0, -1.0]))
+    # -log variant: [-log 0.5, -log 2, -log 2, -log 1] = [log 2, -log 2, -log 2, 0]
+    log2 = float(np.log(2.0))
+    log_cfg = cfg.replace(reward=dict(log_mse=True))
+    torch.testing.assert_close(shape_rewards(status, mse, lengths, log_cfg),
+                               torch.tensor([log2, -log2, -log2, 0.0]))
+    assert shape_rewards(status, mse, lengths, log_cfg)[1].item() == pytest.approx(
+        FAILED_EXTRACTION_REWARD_LOG, abs=1e-7)
+    # overlong: cap 10, buffer 4 -> expected 6; lengths 10, 3, 8, 6 -> penalties -1, 0, -0.5, 0
+    over = cfg.replace(reward=dict(overlong_buffer_len=4, overlong_penalty_factor=1.0))
+    torch.testing.assert_close(shape_rewards(status, mse, lengths, over), torch.tensor([-1.5, -2.0, -2.5, -1.0]))
+
+
+@pytest.mark.parametrize("loss_agg", sorted(LOSS_AGG_MODES))
+def test_policy_update_is_the_same_on_any_micro_batch_split(pair, tmp_path, loss_agg):
+    # One policy step on one rollout, with the whole batch in one micro-batch and split 3+3+2:
+    # the loss and the (pre-clip) gradient norm agree, and so do the weights after the step.
+    # The rollout has responses of varied length, so token and row weights differ.
+    from nla.rl.algorithms import broadcast_to_tokens, grpo_advantages
+
+    whole_cfg = _cfg(pair, tmp_path, loss=dict(loss_agg=loss_agg), optimiser=dict(micro_batch_size=8, max_grad_norm=1e9),
+                     rollout=dict(n_samples_per_prompt=4, rollout_batch_size=2))
+    results = []
+    for cfg in (whole_cfg, whole_cfg.replace(optimiser=dict(micro_batch_size=3))):
+        torch.manual_seed(0)
+        groups = build_groups(cfg)
+        vec = torch.from_numpy(_class_vectors(2, 5)[0])
+        r = groups.rollout.generate(vec, torch.arange(2), 4, cfg.rollout.max_response_len)
+        assert len(set(r.lengths.tolist())) > 1
+        adv = broadcast_to_tokens(grpo_advantages(torch.linspace(-1, 1, r.n), 4), r.response_mask.float())
+        ref = groups.reference.logprobs(r) - 0.05  # a KL term that is not zero
+        m = groups.policy.update(r, adv, ref)
+        weights = {k: v.detach().clone() for k, v in groups.policy.model.named_parameters()}
+        results.append((r.response_ids, m, weights))
+    (ids_a, m_a, w_a), (ids_b, m_b, w_b) = results
+    assert torch.equal(ids_a, ids_b)  # the same seeded rollout
+    for key in ("policy_loss", "pg_loss", "kl", "grad_norm"):
+        assert m_b[key] == pytest.approx(m_a[key], rel=1e-5, abs=1e-7), key
+    # Adam's first step is ~lr x sign(g) (lr 3e-4): float-order noise in a near-zero gradient
+    # entry can move its weight by a few 1e-6, a wrong weighting by ~lr.
+    for k in w_a:
+        torch.testing.assert_close(w_b[k], w_a[k], rtol=1e-5, atol=5e-6)
+
+
+def test_optimizer_state_of_another_backend_is_refused(pair, tmp_path):
+    groups = build_groups(_cfg(pair, tmp_path))
+    state = groups.policy.optim_state()
+    assert state["format"] == "local"
+    groups.policy.load_optim_state({k: v for k, v in state.items() if k != "format"})  # older local checkpoints
+    with pytest.raises(ValueError, match=r"expected the 'local' format of this backend, found 'full_fqn'"):
+        groups.reconstructor.load_optim_state({**groups.reconstructor.optim_state(), "format": "full_fqn"})
+
+
 def test_grpo_raises_mean_reward(pair, tmp_path):
     # Seeded run; measured on this fixture (2026-11-30): mean reward over the first 5 steps
     # -1.49, over the last 5 of 30 steps -1.07 (+0.42). Assert a margin of 0.2.
     out = tmp_path / "grpo"
-    res = run_rl(_cfg(pair, out, steps=30, save_every=15, eval_every=1000))
+    res = run_rl(_cfg(pair, out, steps=30, checkpointing=dict(save_every=15), eval_every=1000))
     recs = [r for r in read_metrics(out / "rl.jsonl") if "reward_mean" in r]
     assert len(recs) == 30
     first = np.mean([r["reward_mean"] for r in recs[:5]])
@@ -175,10 +248,10 @@ def test_grpo_raises_mean_reward(pair, tmp_path):
 
 def test_resume_matches_uninterrupted(pair, tmp_path):
     straight = tmp_path / "straight"
-    run_rl(_cfg(pair, straight, steps=4, save_every=2))
+    run_rl(_cfg(pair, straight, steps=4))
     split = tmp_path / "split"
-    run_rl(_cfg(pair, split, steps=4, save_every=2, stop_after_steps=2))
-    run_rl(_cfg(pair, split, steps=4, save_every=2), resume=True)
+    run_rl(_cfg(pair, split, steps=4, stop_after_steps=2))
+    run_rl(_cfg(pair, split, steps=4), resume=True)
     a = [r for r in read_metrics(straight / "rl.jsonl") if "reward_mean" in r]
     b = [r for r in read_metrics(split / "rl.jsonl") if "reward_mean" in r]
     assert [r["step"] for r in b] == [1, 2, 3, 4]
@@ -199,41 +272,44 @@ def load_file_weights(out):
 
 
 @pytest.mark.parametrize("variant", [
-    {"advantage": "gae", "gamma": 1.0, "lam": 0.95},
-    {"dynamic_sampling": True, "eps_high": 0.28, "overlong_buffer_len": 4, "loss_agg": "seq-mean-token-mean"},
-    {"advantage": "drgrpo", "kl_estimator": "k1", "loss_agg": "seq-mean-token-sum", "log_mse": True},
-    {"global_batch_size": 8, "allow_multiple_updates": True, "dual_clip_c": 3.0},
+    {"loss": {"advantage": "gae", "gamma": 1.0, "lam": 0.95}},
+    {"rollout": {"dynamic_sampling": True}, "loss": {"eps_high": 0.28, "loss_agg": "seq-mean-token-mean"},
+     "reward": {"overlong_buffer_len": 4}},
+    {"loss": {"advantage": "drgrpo", "kl_estimator": "k1", "loss_agg": "seq-mean-token-sum-norm"},
+     "reward": {"log_mse": True}},
+    {"optimiser": {"global_batch_size": 8, "allow_multiple_updates": True}, "loss": {"dual_clip_c": 3.0}},
 ])
 def test_variants_run_and_log(pair, tmp_path, variant):
     out = tmp_path / "v"
-    res = run_rl(_cfg(pair, out, steps=2, save_every=2, **variant))
+    res = run_rl(_cfg(pair, out, steps=2, **variant))
     rec = [r for r in read_metrics(out / "rl.jsonl") if "reward_mean" in r][-1]
     assert np.isfinite(rec["reward_mean"]) and np.isfinite(rec["ar_loss"])
-    if variant.get("advantage") == "gae":
+    if variant.get("loss", {}).get("advantage") == "gae":
         assert "value_loss" in rec and (res.checkpoint_dir / "value_model.pt").is_file()
-    if variant.get("dynamic_sampling"):
+    if variant.get("rollout", {}).get("dynamic_sampling"):
         assert 0.0 <= rec["zero_spread_frac"] <= 1.0 and "refill_rounds" in rec
-    if variant.get("global_batch_size"):
+    if variant.get("optimiser", {}).get("global_batch_size"):
         assert rec["ratio_mean"] != 1.0 or rec["approx_kl"] >= 0.0
 
 
 def test_chunked_generation_scores_every_chunk_with_the_live_ar(pair, tmp_path):
     from nla.rl.loop import RLData, generate_and_score
 
-    cfg = _cfg(pair, tmp_path, generation_chunk_prompts=2)
+    cfg = _cfg(pair, tmp_path, rollout=dict(generation_chunk_prompts=2))
     groups = build_groups(cfg)
     data = RLData.load(cfg.dataset)
     rows = torch.arange(5)  # chunks of 2, 2, 1 prompts
-    with RewardService(groups.reconstructor.score_batch, 64, 0.01) as service:
+    with RewardService(groups.reconstructor.mse_batch, 64, 0.01) as service:
         r, t_gen, t_wait = generate_and_score(groups, cfg, data, rows, service)
         n_batches = service.stats.n_batches
-    G = cfg.n_samples_per_prompt
+    G = cfg.rollout.n_samples_per_prompt
     assert r.n == 5 * G and r.group.tolist() == [g for g in range(5) for _ in range(G)]
     assert r.prompt_rows.tolist() == [p for p in range(5) for _ in range(G)]
     # one AR forward per chunk, each flushed (10 ms timer) while the next one generated; a
     # starved loop thread could merge two chunks into one forward, never split one
     assert 2 <= n_batches <= 3
     ok = r.ok
-    direct = groups.reconstructor.score_batch([(r.explanations[i], r.vectors[i]) for i in ok.nonzero()[:, 0].tolist()])
-    torch.testing.assert_close(r.rewards[ok], direct.float(), atol=1e-5, rtol=0)
+    direct = groups.reconstructor.mse_batch([(r.explanations[i], r.vectors[i]) for i in ok.nonzero()[:, 0].tolist()])
+    torch.testing.assert_close(r.mse[ok], direct.float(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(r.rewards[ok], -direct.float(), atol=1e-5, rtol=0)
     assert torch.all(r.rewards[~ok] == FAILED_EXTRACTION_REWARD)

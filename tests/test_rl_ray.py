@@ -67,15 +67,15 @@ def test_ray_matches_local_rewards_and_losses(pair, tmp_path):  # noqa: F811
     from nla.rl.backend import build_groups
 
     local = tmp_path / "local"
-    cfg_local = _cfg(pair, local, steps=3, save_every=3)
+    cfg_local = _cfg(pair, local, steps=3, checkpointing=dict(save_every=3))
     # Built before run_rl seeds: building local models draws from the driver's RNG (weight
     # init of modules later overwritten), building Ray actors does not; this way both runs
     # sample from the same seeded stream.
     local_groups = build_groups(cfg_local)
     run_rl(cfg_local, groups=local_groups)
     remote = tmp_path / "ray"
-    res = run_rl(_cfg(pair, remote, steps=3, save_every=3, backend="ray", num_policy_workers=2,
-                      num_reconstructor_workers=2))
+    res = run_rl(_cfg(pair, remote, steps=3, checkpointing=dict(save_every=3),
+                      backend=dict(name="ray", num_policy_workers=2, num_reconstructor_workers=2)))
     assert not ray.is_initialized()  # nla started Ray, so closing the groups shut it down
     a = [r for r in read_metrics(local / "rl.jsonl") if "reward_mean" in r]
     b = [r for r in read_metrics(remote / "rl.jsonl") if "reward_mean" in r]
@@ -106,28 +106,28 @@ def test_live_ar_dead_worker_and_resume(pair, tmp_path):  # noqa: F811
     from nla.rl.backend import build_groups
     from nla.rl.ray_backend import RayWorkerError
 
-    cfg = _cfg(pair, tmp_path / "run", steps=4, save_every=2, backend="ray", num_policy_workers=1,
-               num_reconstructor_workers=2)
+    cfg = _cfg(pair, tmp_path / "run", steps=4, backend=dict(name="ray", num_policy_workers=1,
+                                                           num_reconstructor_workers=2))
     groups = build_groups(cfg)
     pids = [p for ps in groups.pids.values() for p in ps]
     assert len(pids) == 3
     try:
-        # 1. rewards come from the live AR: one update, no checkpoint, different rewards
+        # 1. rewards come from the live AR: one update, no checkpoint, different MSEs
         ar = groups.reconstructor
         gold = torch.randn(4, 64)
         items = [(f"the {w} is happy", gold[i]) for i, w in enumerate(["cat", "dog", "fish", "bird"])]
-        batcher = RewardBatcher(ar.score_batch, batch_size=2, flush_seconds=0.01)
+        batcher = RewardBatcher(ar.mse_batch, batch_size=2, flush_seconds=0.01)
         before = score_all(batcher, items)
         # One row over two AR ranks: rank 1 owns nothing and runs a zero-weight dummy micro-batch
         # (its forward/backward keep FSDP's collectives paired). The reported loss is that row's
-        # MSE at the pre-update weights, i.e. minus its reward above (one row: no padding).
+        # MSE at the pre-update weights, i.e. its score above (one row: no padding).
         one = ar.update([items[0][0]], gold[:1])
         assert one["ar_rows"] == 1.0
-        assert one["ar_loss"] == pytest.approx(-before[0], rel=1e-5)
+        assert one["ar_loss"] == pytest.approx(before[0], rel=1e-5)
         ar.update([t for t, _ in items], gold)
         after = score_all(batcher, items)
         assert all(x != y for x, y in zip(before, after, strict=True))
-        assert np.mean(after) > np.mean(before)
+        assert np.mean(after) < np.mean(before)
 
         # 2. an AR rank dies mid-run (after step 3's AR update): the next reward call fails loudly
         calls = {"n": 0}
@@ -159,8 +159,8 @@ def test_live_ar_dead_worker_and_resume(pair, tmp_path):  # noqa: F811
 def test_ppo_is_refused_before_ray_starts(pair, tmp_path):  # noqa: F811
     from nla.rl.backend import RLSetupError, build_groups
 
-    with pytest.raises(RLSetupError, match="advantage: 'gae'.*backend: local"):
-        build_groups(_cfg(pair, tmp_path, backend="ray", advantage="gae"))
+    with pytest.raises(RLSetupError, match="loss.advantage: 'gae' needs the value model.*backend.name: local"):
+        build_groups(_cfg(pair, tmp_path, backend=dict(name="ray"), loss=dict(advantage="gae")))
     assert not ray.is_initialized()
 
 
@@ -183,8 +183,8 @@ def test_runs_on_an_existing_cluster_and_leaves_it_running(pair, tmp_path):  # n
                     "--disable-usage-stats"], check=True, capture_output=True, env=env, timeout=120)
     try:
         address = next(n["NodeManagerAddress"] for n in _cluster_nodes(ray_cli, env)) + f":{port}"
-        cfg = _cfg(pair, tmp_path / "run", steps=2, save_every=2, backend="ray", ray_address=address,
-                   num_policy_workers=1, num_reconstructor_workers=1)
+        cfg = _cfg(pair, tmp_path / "run", steps=2, backend=dict(name="ray", ray_address=address,
+                                                                  num_policy_workers=1, num_reconstructor_workers=1))
         res = run_rl(cfg)
         assert res.metrics["step"] == 2 and not ray.is_initialized()  # disconnected, not shut down
         assert any(n["Alive"] for n in _cluster_nodes(ray_cli, env))  # the cluster outlives the run

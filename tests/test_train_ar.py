@@ -7,9 +7,9 @@ from safetensors.torch import load_file
 from train_helpers import dataset_sidecar, explanations, write_ar_dataset
 
 from nla.metrics import read_metrics
-from nla.reconstructor import Reconstructor
+from nla.reconstructor import Reconstructor, tokenize_ar_texts
 from nla.sidecar import load_sidecar
-from nla.train.ar import ARTrainError, tokenize_ar_texts, train_ar
+from nla.train.ar import ARTrainError, train_ar
 from nla.train.common import micro_batches
 from nla.train.config import ARTrainConfig
 from nla.vectors import fve, mse_nrm

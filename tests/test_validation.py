@@ -520,3 +520,23 @@ def test_flipped_bit_in_a_saved_checkpoint_is_caught(pair, capsys, tmp_path, tin
                       "--device", "cpu")
     assert code == 2
     assert_one_error_line(lines, "score", f"{ckpt / 'model.safetensors'}: its SHA-256 differs from the one recorded")
+
+
+def test_resume_compares_config_sections_field_by_field(tmp_path):
+    # RL configs nest sections: a changed loss.kl_coef is named by its dotted path, while
+    # checkpointing.keep_last / backend.ray_address (how this invocation runs) may change.
+    import yaml
+
+    from nla.rundir import RunDirError, prepare_run_dir
+
+    saved = {"steps": 10, "loss": {"kl_coef": 0.01, "eps_low": 0.2},
+             "checkpointing": {"save_every": 5, "keep_last": 2}, "backend": {"name": "local", "ray_address": None}}
+    ckpt = tmp_path / "checkpoints" / "step_00000005"
+    ckpt.mkdir(parents=True)
+    (ckpt / "rl_config.yaml").write_text(yaml.safe_dump(saved))
+    same_run = {**saved, "checkpointing": {"save_every": 1, "keep_last": 0},
+                "backend": {"name": "local", "ray_address": "10.0.0.1:6379"}}
+    prepare_run_dir(tmp_path, same_run, "rl_config.yaml", resume=True, overwrite=False)
+    with pytest.raises(RunDirError, match=r"loss.kl_coef: 0.01 in the run, 0.1 now; steps: 10 in the run, 11 now"):
+        prepare_run_dir(tmp_path, {**saved, "steps": 11, "loss": {"kl_coef": 0.1, "eps_low": 0.2}}, "rl_config.yaml",
+                        resume=True, overwrite=False)

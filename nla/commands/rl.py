@@ -1,4 +1,4 @@
-"""`nla rl --config FILE [--set key=value ...] [--backend local|ray] [--resume]`: GRPO/PPO/DAPO with the online AR."""
+"""`nla rl --config FILE [--set key=value ...] [--backend local|ray] [--resume | --overwrite]`: GRPO/PPO/DAPO with the online AR."""
 
 from __future__ import annotations
 
@@ -13,16 +13,17 @@ log = logging.getLogger("nla.rl")
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("rl", help="train the verbalizer with RL against the live reconstructor")
-    p.add_argument("--config", help="YAML of RLConfig fields (see configs/rl/)")
+    p.add_argument("--config", help="YAML of RLConfig fields and sections (see configs/rl/)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set steps=20 --set advantage=gae")
+                   help="override a config field, section keys dotted: --set steps=20 --set loss.advantage=gae")
     p.add_argument("--av", help="warm-started AV checkpoint dir (overrides av)")
     p.add_argument("--ar", help="warm-started AR checkpoint dir (overrides ar)")
     p.add_argument("--dataset", help="RL prompts parquet (overrides dataset)")
     p.add_argument("--out", help="run directory (overrides out_dir)")
     p.add_argument("--steps", type=positive_int, help="RL steps (overrides steps)")
-    p.add_argument("--backend", choices=["local", "ray"], help="worker backend (overrides backend)")
-    p.add_argument("--ray-address", help="existing Ray cluster address (overrides ray_address)")
+    # no argparse choices: the config validates the name against nla.rl.config.BACKENDS
+    p.add_argument("--backend", help="worker backend: local | ray (overrides backend.name)")
+    p.add_argument("--ray-address", help="existing Ray cluster address (overrides backend.ray_address)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the last checkpoint in out_dir (the config must match the run's)")
     p.add_argument("--overwrite", action="store_true", help="delete a previous run in out_dir and start over")
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = parse_overrides(args.set)
     for flag, key in (("av", "av"), ("ar", "ar"), ("dataset", "dataset"), ("out", "out_dir"), ("steps", "steps"),
-                      ("backend", "backend"), ("ray_address", "ray_address")):
+                      ("backend", "backend.name"), ("ray_address", "backend.ray_address")):
         value = getattr(args, flag)
         if value is not None:
             overrides[key] = value

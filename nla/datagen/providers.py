@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from nla.datagen.config import DatagenConfig, ProviderConfig
-from nla.datagen.explain import Explainer, extract_tagged, register_explainer
+from nla.datagen.explainer_base import Explainer, extract_tagged, register_explainer
 from nla.datagen.io import DatagenError
 
 log = logging.getLogger(__name__)

@@ -41,6 +41,17 @@ Where the code departs from the papers:
    after the last response token is 0 (the episode ends there).
 7. Dynamic sampling only *marks* groups with zero reward spread; dropping
    them and refilling the batch is the loop's job.
+8. Group statistics are computed in float64 and a group whose rewards are all
+   equal (``max == min``) gets advantage exactly 0: in fp32 the mean of equal
+   values is off by an ulp and the std is ~1e-7, so ``dev / (std + eps)``
+   would give such a group a spurious uniform push of up to ~0.5.
+9. Every masked reduction selects with ``torch.where(mask, x, 0)`` instead of
+   multiplying by the mask, and the losses zero their inputs outside the mask
+   before any arithmetic: NaN or inf in a padded position (NaN x 0 = NaN)
+   changes neither the loss nor any gradient (verl guards the same way).
+10. ``seq-mean-token-sum-norm`` (Dr.GRPO) divides each row's token sum by a
+   constant ``norm_len`` (the generation cap, ``max_response_len``), as the
+   Dr.GRPO code and TRL do, never by the step's padded length.
 """
 
 from __future__ import annotations
@@ -57,6 +68,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "AdvantageEstimator",
+    "LossAggregation",
     "aggregate_loss",
     "broadcast_to_tokens",
     "drgrpo_advantages",
@@ -115,15 +127,22 @@ def _check_group(n: int, group_size: int) -> int:
 # ------------------------------------------------------------------- helpers
 
 
+def _where_mask(x: Tensor, mask: Tensor) -> Tensor:
+    """``x`` where ``mask`` is set, exactly 0 elsewhere (whatever ``x`` holds there: departure 9)."""
+    return torch.where(mask.to(torch.bool), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Mean of ``x`` over positions where ``mask`` is 1; 0 where no position is set.
 
     ``x`` and ``mask`` have the same shape; ``dim=None`` reduces everything.
     """
-    mask = mask.to(x.dtype)
+    m = mask.to(torch.bool)
+    x = _where_mask(x, m)
+    count = m.to(x.dtype)
     if dim is None:
-        return (x * mask).sum() / mask.sum().clamp_min(1.0)
-    return (x * mask).sum(dim) / mask.sum(dim).clamp_min(1.0)
+        return x.sum() / count.sum().clamp_min(1.0)
+    return x.sum(dim) / count.sum(dim).clamp_min(1.0)
 
 
 def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
@@ -134,19 +153,20 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     positions, since one value has no variance.
     """
     _check_same_shape(x=x, mask=mask)
-    m = mask.to(x.dtype)
+    m = mask.to(torch.bool)
     n = m.sum()
     if n < 2:
         raise ValueError(
             f"masked_whiten needs at least 2 masked positions, found {int(n.item())}; "
             "skip whitening for batches this small."
         )
-    mean = (x * m).sum() / n
-    var = (((x - mean) ** 2) * m).sum() / (n - 1)
+    x = _where_mask(x, m)
+    mean = x.sum() / n
+    var = _where_mask((x - mean) ** 2, m).sum() / (n - 1)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return out * m
+    return _where_mask(out, m)
 
 
 def broadcast_to_tokens(adv: Tensor, mask: Tensor) -> Tensor:
@@ -156,7 +176,7 @@ def broadcast_to_tokens(adv: Tensor, mask: Tensor) -> Tensor:
         raise ValueError(
             f"mask must be [N, L] with N={adv.shape[0]} rows to match adv, found shape {tuple(mask.shape)}."
         )
-    return adv[:, None] * mask.to(adv.dtype)
+    return _where_mask(adv[:, None].expand(mask.shape), mask)
 
 
 def sequence_to_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
@@ -191,18 +211,20 @@ def grpo_advantages(
     rewards: [N] with N = B*G, groups contiguous. Returns [N] (same dtype).
     ``std_g`` is the unbiased group std (departure 1); ``scale_by_std=False``
     gives Dr.GRPO's ``r - mean_g``. A group whose rewards are all equal gets
-    advantage 0.
+    advantage exactly 0, in any dtype (departure 8).
     """
     _check_1d("rewards", rewards)
     b = _check_group(rewards.shape[0], group_size)
-    r = rewards.reshape(b, group_size)
     if group_size == 1:
         # No group to compare against (departure 1): baseline 0, scale 1.
         return rewards.clone()
+    r = rewards.reshape(b, group_size).to(torch.float64)
     adv = r - r.mean(dim=1, keepdim=True)
     if scale_by_std:
         adv = adv / (r.std(dim=1, keepdim=True) + eps)
-    return adv.reshape(-1)
+    flat = (r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)).expand_as(adv)
+    adv = torch.where(flat, torch.zeros_like(adv), adv)
+    return adv.reshape(-1).to(rewards.dtype)
 
 
 def drgrpo_advantages(rewards: Tensor, group_size: int) -> Tensor:
@@ -232,8 +254,9 @@ def gae_advantages(
     _check_same_shape(token_rewards=token_rewards, values=values, mask=mask)
     if not (0.0 <= gamma <= 1.0) or not (0.0 <= lam <= 1.0):
         raise ValueError(f"gamma and lam must lie in [0, 1], found gamma={gamma}, lam={lam}.")
-    m = mask.to(values.dtype)
-    values = values.detach()
+    m = mask.to(torch.bool)
+    values = _where_mask(values.detach(), m)
+    token_rewards = _where_mask(token_rewards, m)
     n, L = values.shape
     next_value = values.new_zeros(n)
     last_gae = values.new_zeros(n)
@@ -243,50 +266,85 @@ def gae_advantages(
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
         gae_t = delta + gamma * lam * last_gae
         # On padding, carry the bootstrap state through unchanged.
-        last_gae = mt * gae_t + (1.0 - mt) * last_gae
-        next_value = mt * values[:, t] + (1.0 - mt) * next_value
-        adv[:, t] = gae_t * mt
-    returns = (adv + values) * m
+        last_gae = torch.where(mt, gae_t, last_gae)
+        next_value = torch.where(mt, values[:, t], next_value)
+        adv[:, t] = _where_mask(gae_t, mt)
+    returns = _where_mask(adv + values, m)
     return adv, returns
 
 
 # -------------------------------------------------------------- aggregation
 
 
-def _agg_token_mean(loss_mat: Tensor, mask: Tensor) -> Tensor:
-    m = mask.to(loss_mat.dtype)
-    return (loss_mat * m).sum() / m.sum().clamp_min(1.0)
+def _token_sums(loss_mat: Tensor, mask: Tensor) -> Tensor:
+    return _where_mask(loss_mat, mask).sum(dim=1)  # [N]
 
 
 def _seq_reduce(per_seq: Tensor, mask: Tensor) -> Tensor:
     # Mean over rows with at least one response token (departure 3).
-    nonempty = (mask.sum(dim=1) > 0).to(per_seq.dtype)
-    return (per_seq * nonempty).sum() / nonempty.sum().clamp_min(1.0)
+    nonempty = mask.to(torch.bool).any(dim=1)
+    return _where_mask(per_seq, nonempty).sum() / nonempty.sum().clamp_min(1).to(per_seq.dtype)
 
 
-def _agg_seq_mean_token_mean(loss_mat: Tensor, mask: Tensor) -> Tensor:
-    m = mask.to(loss_mat.dtype)
-    per_seq = (loss_mat * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
-    return _seq_reduce(per_seq, m)
+def _agg_token_mean(loss_mat: Tensor, mask: Tensor, norm_len: float | None) -> Tensor:
+    return _where_mask(loss_mat, mask).sum() / mask.to(torch.bool).sum().clamp_min(1).to(loss_mat.dtype)
 
 
-def _agg_seq_mean_token_sum(loss_mat: Tensor, mask: Tensor) -> Tensor:
-    m = mask.to(loss_mat.dtype)
-    return _seq_reduce((loss_mat * m).sum(dim=1), m)
+def _agg_seq_mean_token_mean(loss_mat: Tensor, mask: Tensor, norm_len: float | None) -> Tensor:
+    counts = mask.to(torch.bool).sum(dim=1).clamp_min(1).to(loss_mat.dtype)
+    return _seq_reduce(_token_sums(loss_mat, mask) / counts, mask)
 
 
-def _agg_seq_mean_token_sum_norm(loss_mat: Tensor, mask: Tensor) -> Tensor:
-    # Dr.GRPO: token sum divided by a constant (the padded length L), not by
-    # each row's own length, so long and short answers are weighted alike per token.
-    m = mask.to(loss_mat.dtype)
-    return _seq_reduce((loss_mat * m).sum(dim=1), m) / loss_mat.shape[1]
+def _agg_seq_mean_token_sum(loss_mat: Tensor, mask: Tensor, norm_len: float | None) -> Tensor:
+    return _seq_reduce(_token_sums(loss_mat, mask), mask)
 
 
-LOSS_AGG_MODES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "token-mean": _agg_token_mean,
-    "seq-mean-token-mean": _agg_seq_mean_token_mean,
-    "seq-mean-token-sum": _agg_seq_mean_token_sum,
-    "seq-mean-token-sum-norm": _agg_seq_mean_token_sum_norm,
+def _agg_seq_mean_token_sum_norm(loss_mat: Tensor, mask: Tensor, norm_len: float | None) -> Tensor:
+    # Dr.GRPO: token sum divided by a constant (departure 10), not by each row's own
+    # length nor by this batch's padded length, so every token weighs alike in every step.
+    return _seq_reduce(_token_sums(loss_mat, mask), mask) / norm_len
+
+
+@dataclass(frozen=True)
+class LossAggregation:
+    """One loss aggregation mode: the reduction and how a micro-batch is weighted.
+
+    ``fn(loss_mat [N, L], mask [N, L], norm_len)`` reduces to a scalar. ``unit`` is what
+    the mode averages over, ``"tokens"`` or ``"rows"`` (rows with at least one response
+    token): a micro-batch's loss times ``micro_batch_weight(micro_mask, batch_mask)`` (its
+    share of the batch's units), summed over micro-batches, equals the loss of the whole
+    batch. ``needs_norm_len``: the mode divides by a caller-given constant.
+    """
+
+    name: str
+    unit: str
+    fn: Callable[[Tensor, Tensor, float | None], Tensor]
+    needs_norm_len: bool = False
+
+    def __call__(self, loss_mat: Tensor, mask: Tensor, norm_len: float | None = None) -> Tensor:
+        if self.needs_norm_len and not (norm_len is not None and norm_len > 0):
+            raise ValueError(
+                f"loss aggregation {self.name!r} needs norm_len > 0 (the generation cap, max_response_len), "
+                f"found {norm_len!r}; pass norm_len=max_response_len."
+            )
+        return self.fn(loss_mat, mask, norm_len)
+
+    def units(self, mask: Tensor) -> int:
+        """How many units (tokens or non-empty rows) ``mask`` [n, L] holds."""
+        m = mask.to(torch.bool)
+        return int(m.sum()) if self.unit == "tokens" else int(m.any(dim=1).sum())
+
+    def micro_batch_weight(self, micro_mask: Tensor, batch_mask: Tensor) -> float:
+        """The share of ``batch_mask``'s units that ``micro_mask`` (a subset of its rows) holds."""
+        return self.units(micro_mask) / max(self.units(batch_mask), 1)
+
+
+LOSS_AGG_MODES: dict[str, LossAggregation] = {
+    "token-mean": LossAggregation("token-mean", "tokens", _agg_token_mean),
+    "seq-mean-token-mean": LossAggregation("seq-mean-token-mean", "rows", _agg_seq_mean_token_mean),
+    "seq-mean-token-sum": LossAggregation("seq-mean-token-sum", "rows", _agg_seq_mean_token_sum),
+    "seq-mean-token-sum-norm": LossAggregation("seq-mean-token-sum-norm", "rows", _agg_seq_mean_token_sum_norm,
+                                               needs_norm_len=True),
 }
 
 
@@ -297,26 +355,29 @@ def _lookup(registry: dict, kind: str, name: str):
         raise KeyError(f"unknown {kind} {name!r}; valid names: {sorted(registry)}") from None
 
 
-def get_loss_agg(name: str) -> Callable[[Tensor, Tensor], Tensor]:
-    """The aggregation function registered under ``name`` (KeyError lists valid names)."""
+def get_loss_agg(name: str) -> LossAggregation:
+    """The aggregation mode registered under ``name`` (KeyError lists valid names)."""
     return _lookup(LOSS_AGG_MODES, "loss aggregation mode", name)
 
 
-def aggregate_loss(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean") -> Tensor:
+def aggregate_loss(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean", *,
+                   norm_len: float | None = None) -> Tensor:
     """Reduce a per-token loss [N, L] to a scalar.
 
     ``token-mean``: sum over all response tokens / their count.
     ``seq-mean-token-mean``: per-row mean over its tokens, then mean over rows.
     ``seq-mean-token-sum``: per-row sum, then mean over rows.
-    ``seq-mean-token-sum-norm``: per-row sum / L, then mean over rows (Dr.GRPO).
+    ``seq-mean-token-sum-norm``: per-row sum / ``norm_len``, then mean over rows
+    (Dr.GRPO; ``norm_len`` is the generation cap and is required).
     Row means skip rows with no response token; an all-zero mask gives 0 (still
     connected to the graph, so ``backward`` works and yields zero gradients).
+    Values outside ``mask`` are never read (NaN there is harmless: departure 9).
     """
-    fn = get_loss_agg(mode)
+    agg = get_loss_agg(mode)
     _check_same_shape(loss_mat=loss_mat, mask=mask)
     if loss_mat.dim() != 2:
         raise ValueError(f"loss_mat must be [N, L], found shape {tuple(loss_mat.shape)}.")
-    return fn(loss_mat, mask)
+    return agg(loss_mat, mask, norm_len)
 
 
 # ------------------------------------------------------------------- losses
@@ -332,6 +393,7 @@ def policy_loss(
     eps_high: float = 0.2,
     dual_clip_c: float | None = None,
     agg: str = "token-mean",
+    norm_len: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO clipped surrogate with clip-higher and optional dual clip.
 
@@ -340,7 +402,9 @@ def policy_loss(
         ``l = max(-A ratio, -A clip(ratio, 1 - eps_low, 1 + eps_high))``
     and, when ``dual_clip_c`` (> 1) is set, for ``A < 0``:
         ``l = min(l, -A c)``  (bounds the loss at ``c |A|``).
-    The per-token loss is then reduced with ``aggregate_loss(…, agg)``.
+    The per-token loss is then reduced with ``aggregate_loss(…, agg, norm_len=norm_len)``.
+    Positions outside ``mask`` are zeroed before any arithmetic (departure 9), so
+    whatever they hold reaches neither the loss nor any gradient.
 
     Returns ``(loss, metrics)``; metrics are detached floats over response
     tokens: ``clipfrac`` (tokens where the clipped branch is active),
@@ -355,8 +419,10 @@ def policy_loss(
         )
     if dual_clip_c is not None and dual_clip_c <= 1.0:
         raise ValueError(f"dual_clip_c must be > 1 (or None to disable), found {dual_clip_c}.")
-    advantages = advantages.detach()
-    old_logp = old_logp.detach()
+    m = mask.to(torch.bool)
+    logp = _where_mask(logp, m)
+    advantages = _where_mask(advantages.detach(), m)
+    old_logp = _where_mask(old_logp.detach(), m)
     log_ratio = (logp - old_logp).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     pg1 = -advantages * ratio
@@ -370,10 +436,9 @@ def policy_loss(
         negative = advantages < 0
         per_token = torch.where(negative, bounded, clipped)
         dual_active = negative & (clipped > pg3)
-    loss = aggregate_loss(per_token, mask, agg)
+    loss = aggregate_loss(per_token, mask, agg, norm_len=norm_len)
 
     with torch.no_grad():
-        m = mask.to(torch.bool)
         mf = m.to(logp.dtype)
         r = ratio.detach()
         if m.any():
@@ -398,18 +463,23 @@ def value_loss(
     mask: Tensor,
     clip_eps: float | None = None,
     agg: str = "token-mean",
+    norm_len: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO value-model loss ``0.5 (V - R)^2`` with optional value clipping.
 
     values, old_values, returns, mask: [N, L]. With ``clip_eps`` the prediction
     is also clipped to ``old_values ± clip_eps`` and the larger of the two
     squared errors is used (PPO2 / verl). Returns ``(loss, metrics)`` with
-    ``vf_clipfrac`` and ``vpred_mean``.
+    ``vf_clipfrac`` and ``vpred_mean``. Positions outside ``mask`` are zeroed first
+    (departure 9).
     """
     _check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
     if clip_eps is not None and clip_eps <= 0:
         raise ValueError(f"clip_eps must be > 0 (or None to disable), found {clip_eps}.")
-    returns = returns.detach()
+    m = mask.to(torch.bool)
+    values = _where_mask(values, m)
+    old_values = _where_mask(old_values, m)
+    returns = _where_mask(returns.detach(), m)
     err1 = (values - returns) ** 2
     if clip_eps is None:
         per_token = err1
@@ -420,7 +490,7 @@ def value_loss(
         err2 = (v_clipped - returns) ** 2
         per_token = torch.maximum(err1, err2)
         clip_active = err2 > err1
-    loss = 0.5 * aggregate_loss(per_token, mask, agg)
+    loss = 0.5 * aggregate_loss(per_token, mask, agg, norm_len=norm_len)
     with torch.no_grad():
         mf = mask.to(values.dtype)
         metrics = {
@@ -458,17 +528,22 @@ def get_kl_estimator(name: str) -> Callable[[Tensor, Tensor], Tensor]:
     return _lookup(KL_ESTIMATORS, "KL estimator", name)
 
 
-def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
+def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k3", mask: Tensor | None = None) -> Tensor:
     """Per-token estimate of KL(pi || ref) from samples of pi. [N, L] -> [N, L].
 
     ``k1 = logp - ref_logp`` (unbiased, can be negative);
     ``k2 = 0.5 (logp - ref_logp)^2`` (biased, low variance);
     ``k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1`` (unbiased, >= 0).
-    ``ref_logp`` is treated as a constant.
+    ``ref_logp`` is treated as a constant. With ``mask`` [N, L], positions outside it
+    are 0 and whatever they hold reaches no gradient (departure 9).
     """
     fn = get_kl_estimator(kind)
     _check_same_shape(logp=logp, ref_logp=ref_logp)
-    return fn(logp, ref_logp.detach())
+    ref_logp = ref_logp.detach()
+    if mask is None:
+        return fn(logp, ref_logp)
+    _check_same_shape(logp=logp, mask=mask)
+    return _where_mask(fn(_where_mask(logp, mask), _where_mask(ref_logp, mask)), mask)
 
 
 # --------------------------------------------------------------- diagnostics
@@ -549,12 +624,14 @@ class AdvantageEstimator:
 
     ``fn(rewards [N], mask [N, L], *, group_size, values, gamma, lam)`` returns
     ``(advantages [N, L], returns [N, L] | None)``; ``returns`` is only set by
-    estimators that need a value model (``needs_values``).
+    estimators that need a value model (``needs_values``). ``needs_groups``: the
+    baseline is the group's own rewards, so a group needs at least 2 samples.
     """
 
     name: str
     needs_values: bool
     fn: Callable[..., tuple[Tensor, Tensor | None]]
+    needs_groups: bool = False
 
     def __call__(
         self,
@@ -588,8 +665,8 @@ def _est_gae(rewards, mask, *, group_size, values, gamma, lam):
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    "grpo": AdvantageEstimator("grpo", False, _est_grpo),
-    "drgrpo": AdvantageEstimator("drgrpo", False, _est_drgrpo),
+    "grpo": AdvantageEstimator("grpo", False, _est_grpo, needs_groups=True),
+    "drgrpo": AdvantageEstimator("drgrpo", False, _est_drgrpo, needs_groups=True),
     "reinforce_baseline": AdvantageEstimator("reinforce_baseline", False, _est_reinforce),
     "gae": AdvantageEstimator("gae", True, _est_gae),
 }

@@ -6,95 +6,31 @@ shares the policy module, so a weight sync is free.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
-from typing import Any
 
-import torch
-
-from nla import arch
-from nla.reconstructor import Reconstructor
-from nla.rl.config import RLConfig
-from nla.rl.workers import (
-    PolicyLossSettings,
-    PolicyWorker,
-    ReconstructorWorker,
-    ReferenceWorker,
-    RolloutWorker,
-    ValueWorker,
-    WorkerGroups,
-)
-from nla.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar, verify_tokenizer
-from nla.train.common import resolve_device, resolve_dtype
-from nla.validation import check_checkpoint
-
-logger = logging.getLogger(__name__)
-
-
-class RLSetupError(ValueError):
-    """A problem found before RL starts; the message names the input and the fix."""
-
-
-def load_pair_sidecars(av_dir: str | Path, ar_dir: str | Path) -> tuple[NLAConfig, NLAConfig]:
-    """Read and cross-check the AV and AR checkpoint sidecars."""
-    sides = []
-    for role, d in (("av", av_dir), ("ar", ar_dir)):
-        path = Path(d)
-        if not (path / SIDECAR_NAME).is_file():
-            raise RLSetupError(f"{role}: {path} has no {SIDECAR_NAME}; pass a checkpoint written by `nla train {role}`")
-        sides.append(load_sidecar(path))
-    av, ar = sides
-    for field in ("d_model", "layer_index"):
-        if None not in (getattr(av, field), getattr(ar, field)) and getattr(av, field) != getattr(ar, field):
-            raise RLSetupError(
-                f"{field}: the AV sidecar says {getattr(av, field)} but the AR sidecar says {getattr(ar, field)}; "
-                "the two checkpoints come from different datasets or subject layers"
-            )
-    if av.injection_scale_value() is None and av.injection_scale is None:
-        logger.info("AV injection_scale is null: vectors are injected raw")
-    return av, ar
-
-
-def load_av(path: str | Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM
-
-    check_checkpoint(path, "av")  # complete safetensors, recorded checksums
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True).to(device)
-    tok = arch.load_tokenizer(path)
-    return model, tok
+from nla.rl import algorithms as A
+from nla.rl.config import BACKENDS, RLConfig
+from nla.rl.distributed import DataParallel
+from nla.rl.setup import RLSetupError, build_policy_roles, build_reconstructor_role, load_pair_sidecars
+from nla.rl.workers import OptimSettings, ValueWorker, WorkerGroups
+from nla.train.common import resolve_device
 
 
 def build_local_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_dir: str | Path | None = None
                        ) -> WorkerGroups:
     """All roles in-process. ``policy_dir`` / ``ar_dir`` override the starting weights (resume)."""
-    device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
+    device, dp = resolve_device(cfg.device), DataParallel()
     av_side, ar_side = load_pair_sidecars(cfg.av, cfg.ar)
-    policy_model, tok = load_av(policy_dir or cfg.av, device, dtype)
-    ref_model, _ = load_av(cfg.av, device, dtype)  # the reference is always the warm-started AV
-    verify_tokenizer(av_side, tok)
-    ar = Reconstructor.from_pretrained(ar_dir or cfg.ar, dtype=dtype).to(device)
-    ar_tok = ar.tokenizer if ar.tokenizer is not None else tok
-    verify_tokenizer(ar_side, ar_tok)
-    settings = PolicyLossSettings(
-        eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c, kl_coef=cfg.kl_coef,
-        kl_estimator=cfg.kl_estimator, loss_agg=cfg.loss_agg, micro_batch_size=cfg.micro_batch_size,
-        updates_per_rollout=cfg.updates_per_rollout,
-    )
-    policy = PolicyWorker(policy_model, av_side, cfg.lr, cfg.weight_decay, cfg.warmup_steps, cfg.steps,
-                          cfg.max_grad_norm, settings)
+    roles = build_policy_roles(cfg, policy_dir or cfg.av, dp, device, rollout_copy=False)
     value = None
-    if cfg.advantage == "gae":
-        value = ValueWorker(policy_model, av_side, cfg.value_lr_value, cfg.weight_decay, cfg.warmup_steps,
-                            cfg.steps, cfg.max_grad_norm, cfg.micro_batch_size, clip_eps=None)
+    if A.get_advantage_estimator(cfg.loss.advantage).needs_values:
+        value = ValueWorker(roles["policy"].model, av_side, OptimSettings.for_value(cfg),
+                            cfg.optimiser.micro_batch_size, clip_eps=None)
         value.model.to(device)
     return WorkerGroups(
-        rollout=RolloutWorker(policy_model, tok, av_side, device),
-        policy=policy,
-        reference=ReferenceWorker(ref_model, av_side, cfg.micro_batch_size),
-        reconstructor=ReconstructorWorker(
-            ar, ar_tok, ar_side, cfg.ar_lr_value, cfg.weight_decay, cfg.warmup_steps, cfg.steps, cfg.max_grad_norm,
-            cfg.ar_max_length, cfg.micro_batch_size, cfg.log_mse, device),
-        value=value, tokenizer=tok, av_sidecar=av_side, ar_sidecar=ar_side,
+        rollout=roles["rollout"], policy=roles["policy"], reference=roles["reference"],
+        reconstructor=build_reconstructor_role(cfg, ar_dir or cfg.ar, dp, device),
+        value=value, tokenizer=roles["policy"].tokenizer, av_sidecar=av_side, ar_sidecar=ar_side,
     )
 
 
@@ -115,9 +51,9 @@ BACKEND_BUILDERS = {"local": build_local_groups, "ray": _build_ray_groups}
 def build_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_dir: str | Path | None = None
                  ) -> WorkerGroups:
     try:
-        builder = BACKEND_BUILDERS[cfg.backend]
+        builder = BACKEND_BUILDERS[cfg.backend.name]
     except KeyError:
         raise RLSetupError(
-            f"backend: {cfg.backend!r} is not available in this build; valid: {sorted(BACKEND_BUILDERS)}"
+            f"backend: {cfg.backend.name!r} is not available in this build; valid: {sorted(BACKENDS)}"
         ) from None
     return builder(cfg, policy_dir, ar_dir)

@@ -1,4 +1,16 @@
-"""The RL stage config: one frozen dataclass, YAML keys map one to one onto fields.
+"""The RL stage config: frozen sections, YAML mapping one to one onto them.
+
+``RLConfig`` holds the run's inputs and length at the top level and one frozen section per
+concern (``rollout``, ``loss``, ``optimiser``, ``reward``, ``reconstructor``,
+``checkpointing``, ``backend``). The YAML file has the same shape: top-level keys, and one
+mapping per section. Each section validates its own fields in ``__post_init__``;
+``RLConfig`` checks what spans sections (batch sizes against the rollout, the overlong
+buffer against the response cap, the estimator's needs against the group size). Variant
+names are checked against their registries (``nla.rl.algorithms``; ``BACKENDS`` here).
+
+Every construction from data goes through ``RLConfig.from_dict`` (nested mappings, or
+dotted keys such as ``loss.kl_coef`` from ``--set``), which type-checks every field from the
+annotations (``nla.configcheck``, sections included) before any ``__post_init__`` compares.
 
 Defaults reproduce the published recipe (DESIGN §7) where it makes sense at any scale:
 GRPO with group std scaling, 8 samples per prompt, KL loss k3 at 0.01 to the warm-started
@@ -11,71 +23,106 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from nla.configcheck import check_config_types
 from nla.rl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
-from nla.train.config import load_config, save_config
+from nla.train.config import parse_overrides, read_config_file, save_config
 
-BACKENDS = ("local", "ray")
+# The one registry of backend names: config validation reads it, and the dispatcher
+# (``nla.rl.backend.BACKEND_BUILDERS``) has one builder per name.
+BACKENDS: dict[str, str] = {
+    "local": "every role in this process, on one device (CPU or one GPU)",
+    "ray": "each role a group of Ray actors with torch.distributed and FSDP2 (pip install 'nla[ray]')",
+}
+
+_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _bad(name: str, expected: str, found: Any) -> None:
     raise ValueError(f"RLConfig.{name}: expected {expected}, found {found!r}")
 
 
-@dataclass(frozen=True)
-class RLConfig:
-    """RL stage settings.
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
-    Inputs:
-      av / ar: warm-started AV and AR checkpoint dirs (HF dir + nla_meta.yaml). The AV is
-        also the frozen KL reference.
-      dataset: RL prompts parquet (``rl.parquet``: ``activation_vector`` RAW, optional world
-        ``facts`` for faithfulness metrics).
-      eval_dataset: optional held-out parquet scored every ``eval_every`` steps.
-      out_dir: run directory (metrics, checkpoints/step_*, curves PNG, resolved config).
-    Rollout:
-      rollout_batch_size prompts x n_samples_per_prompt samples per step;
-      global_batch_size: samples per optimiser step (null = all of a rollout: one step per
-        rollout). A smaller value needs ``allow_multiple_updates: true`` (off-policy steps).
-      max_response_len, temperature, top_p: sampling.
-    Advantages / loss (``nla.rl.algorithms``):
-      advantage: grpo | drgrpo | reinforce_baseline | gae (PPO, needs the value model);
-      scale_by_std (GRPO), gamma / lam (GAE), eps_low / eps_high (clip-higher when
-      eps_high > eps_low), dual_clip_c, kl_coef / kl_estimator (k1|k2|k3), loss_agg.
-      DAPO: dynamic_sampling (drop zero-spread groups, refill up to max_refill_rounds),
-      overlong_buffer_len / overlong_penalty_factor (soft overlong punishment; 0 = off).
-      log_mse: reward = -log(mse) instead of -mse.
-    Optimisers: lr (AV), ar_lr (AR, null = lr), value_lr (PPO value model, null = lr).
-    Reward batching: reward_batch_size, reward_flush_seconds (RewardBatcher);
-      reward_timeout_seconds: a reward forward running longer fails every waiting sample
-      with a clear error instead of hanging the run (null = wait forever);
-      generation_chunk_prompts: generate this many prompts at a time and score each chunk
-      while the next generates (null = the whole rollout at once).
-    step0_guard_tol: refuse to start when the padded reward path and the AR's training
-      layout disagree by more than this ratio of MSEs.
+
+def _positive_ints(where: str, obj: Any, *names: str) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        if not _is_int(v) or v <= 0:
+            _bad(f"{where}{name}", "a positive integer", v)
+
+
+def _optional_positive_int(where: str, name: str, v: Any) -> None:
+    if v is not None and (not _is_int(v) or v <= 0):
+        _bad(f"{where}{name}", "a positive integer or null", v)
+
+
+def _positive_floats(where: str, obj: Any, *names: str) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and math.isfinite(v)):
+            _bad(f"{where}{name}", "a positive finite number", v)
+
+
+def _one_of(name: str, registry: dict, v: Any) -> None:
+    if v not in registry:
+        _bad(name, f"one of {sorted(registry)}", v)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Sampling: ``rollout_batch_size`` prompts x ``n_samples_per_prompt`` samples per step.
+
+    max_response_len, temperature, top_p: generation (the cap is also Dr.GRPO's constant).
+    generation_chunk_prompts: generate this many prompts at a time and score each chunk while
+      the next generates (null = the whole rollout at once).
+    dynamic_sampling (DAPO): drop groups with zero reward spread and refill, up to
+      ``max_refill_rounds`` extra generations per step.
     """
 
-    av: str = ""
-    ar: str = ""
-    dataset: str = ""
-    eval_dataset: str | None = None
-    out_dir: str = "runs/rl"
-    backend: str = "local"
-    ray_address: str | None = None
-    steps: int = 50
-    stop_after_steps: int | None = None
     rollout_batch_size: int = 8
     n_samples_per_prompt: int = 8
-    global_batch_size: int | None = None
-    allow_multiple_updates: bool = False
-    micro_batch_size: int = 16
     max_response_len: int = 150
     temperature: float = 1.0
     top_p: float = 1.0
+    generation_chunk_prompts: int | None = None
+    dynamic_sampling: bool = False
+    max_refill_rounds: int = 2
+
+    def __post_init__(self) -> None:
+        _positive_ints("rollout.", self, "rollout_batch_size", "n_samples_per_prompt", "max_response_len")
+        _optional_positive_int("rollout.", "generation_chunk_prompts", self.generation_chunk_prompts)
+        _positive_floats("rollout.", self, "temperature")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            _bad("rollout.top_p", "a number in (0, 1]", self.top_p)
+        if not _is_int(self.max_refill_rounds) or self.max_refill_rounds < 0:
+            _bad("rollout.max_refill_rounds", "an integer >= 0", self.max_refill_rounds)
+        if self.dynamic_sampling and self.n_samples_per_prompt < 2:
+            _bad("rollout.n_samples_per_prompt",
+                 ">= 2 with dynamic_sampling: true (a group of one sample has no reward spread, so dynamic "
+                 "sampling would drop every group and never update); raise n_samples_per_prompt or set "
+                 "dynamic_sampling: false", self.n_samples_per_prompt)
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Advantages and the policy loss (``nla.rl.algorithms``).
+
+    advantage: grpo | drgrpo (no std scaling) | reinforce_baseline | gae (PPO, needs the value
+      model); gamma / lam: GAE. eps_low / eps_high: clip range (eps_high > eps_low = DAPO
+      clip-higher); dual_clip_c: dual clip (null = off). kl_coef / kl_estimator (k1|k2|k3): KL
+      to the reference as a loss term. loss_agg: token-mean | seq-mean-token-mean |
+      seq-mean-token-sum | seq-mean-token-sum-norm (Dr.GRPO, divides by max_response_len).
+    """
+
     advantage: str = "grpo"
-    scale_by_std: bool = True
     gamma: float = 1.0
     lam: float = 1.0
     eps_low: float = 0.2
@@ -84,130 +131,326 @@ class RLConfig:
     kl_coef: float = 0.01
     kl_estimator: str = "k3"
     loss_agg: str = "token-mean"
-    dynamic_sampling: bool = False
-    max_refill_rounds: int = 2
-    overlong_buffer_len: int = 0
-    overlong_penalty_factor: float = 1.0
-    log_mse: bool = False
+
+    def __post_init__(self) -> None:
+        _one_of("loss.advantage", ADVANTAGE_ESTIMATORS, self.advantage)
+        _one_of("loss.kl_estimator", KL_ESTIMATORS, self.kl_estimator)
+        _one_of("loss.loss_agg", LOSS_AGG_MODES, self.loss_agg)
+        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
+            _bad("loss.eps_low/eps_high", "0 <= eps_low < 1 and eps_high >= 0", (self.eps_low, self.eps_high))
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
+            _bad("loss.dual_clip_c", "a number > 1 or null", self.dual_clip_c)
+        if self.kl_coef < 0:
+            _bad("loss.kl_coef", "a number >= 0", self.kl_coef)
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            _bad("loss.gamma/lam", "numbers in [0, 1]", (self.gamma, self.lam))
+
+
+@dataclass(frozen=True)
+class OptimiserConfig:
+    """The AV's optimiser (AdamW, warmup then constant LR) and the update layout.
+
+    lr: AV learning rate; value_lr: PPO value model (null = lr). global_batch_size: samples
+    per optimiser step (null = all of a rollout: one step per rollout); a smaller value needs
+    ``allow_multiple_updates: true`` (off-policy steps). micro_batch_size: rows per forward
+    (every role; gradients accumulate in between, any split gives the same step).
+    """
+
+    micro_batch_size: int = 16
+    global_batch_size: int | None = None
+    allow_multiple_updates: bool = False
     lr: float = 1e-5
-    ar_lr: float | None = None
     value_lr: float | None = None
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     warmup_steps: int = 0
-    ar_max_length: int = 256
+
+    def __post_init__(self) -> None:
+        _positive_floats("optimiser.", self, "lr")
+        if self.value_lr is not None:
+            _positive_floats("optimiser.", self, "value_lr")
+        _positive_ints("optimiser.", self, "micro_batch_size")
+        _optional_positive_int("optimiser.", "global_batch_size", self.global_batch_size)
+        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
+            _bad("optimiser.warmup_steps", "an integer >= 0", self.warmup_steps)
+        if self.weight_decay < 0:
+            _bad("optimiser.weight_decay", "a number >= 0", self.weight_decay)
+
+    @property
+    def value_lr_value(self) -> float:
+        return self.value_lr if self.value_lr is not None else self.lr
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """How a sample's reward is made and served (``nla.rl.loop.shape_rewards``, ``RewardBatcher``).
+
+    log_mse: reward = -log(mse) instead of -mse. overlong_buffer_len / overlong_penalty_factor:
+    DAPO's soft overlong punishment (0 = off). reward_batch_size / reward_flush_seconds: the
+    batcher. reward_timeout_seconds: a reward forward running longer fails every waiting
+    sample with a clear error instead of hanging the run (null = wait forever).
+    step0_guard_tol: refuse to start when the padded reward path and the AR's training layout
+    disagree by more than this ratio of MSEs.
+    """
+
+    log_mse: bool = False
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
     reward_batch_size: int = 64
     reward_flush_seconds: float = 0.05
     reward_timeout_seconds: float | None = 600.0
-    generation_chunk_prompts: int | None = None
     step0_guard_tol: float = 1e-4
-    eval_every: int = 10
-    eval_max_rows: int = 64
+
+    def __post_init__(self) -> None:
+        _positive_ints("reward.", self, "reward_batch_size")
+        _positive_floats("reward.", self, "reward_flush_seconds", "step0_guard_tol")
+        if self.reward_timeout_seconds is not None and not (
+                self.reward_timeout_seconds > 0 and math.isfinite(self.reward_timeout_seconds)):
+            _bad("reward.reward_timeout_seconds", "a positive finite number of seconds or null (no timeout)",
+                 self.reward_timeout_seconds)
+        if not _is_int(self.overlong_buffer_len) or self.overlong_buffer_len < 0:
+            _bad("reward.overlong_buffer_len", "an integer >= 0", self.overlong_buffer_len)
+        if self.overlong_penalty_factor < 0:
+            _bad("reward.overlong_penalty_factor", "a number >= 0", self.overlong_penalty_factor)
+
+
+@dataclass(frozen=True)
+class ReconstructorConfig:
+    """The online AR: its learning rate (null = optimiser.lr: parity) and token cap per text."""
+
+    lr: float | None = None
+    max_length: int = 256
+
+    def __post_init__(self) -> None:
+        if self.lr is not None:
+            _positive_floats("reconstructor.", self, "lr")
+        _positive_ints("reconstructor.", self, "max_length")
+
+
+@dataclass(frozen=True)
+class CheckpointingConfig:
+    """Checkpoint every ``save_every`` steps (and at the end); keep the last ``keep_last`` (0 = all)."""
+
     save_every: int = 25
     keep_last: int = 2
+
+    def __post_init__(self) -> None:
+        _positive_ints("checkpointing.", self, "save_every")
+        if not _is_int(self.keep_last) or self.keep_last < 0:
+            _bad("checkpointing.keep_last", "an integer >= 0", self.keep_last)
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """Where the roles run: ``name`` from ``BACKENDS``; Ray's cluster address and group sizes."""
+
+    name: str = "local"
+    ray_address: str | None = None
+    num_policy_workers: int = 1
+    num_reconstructor_workers: int = 1
+
+    def __post_init__(self) -> None:
+        _one_of("backend.name", BACKENDS, self.name)
+        _positive_ints("backend.", self, "num_policy_workers", "num_reconstructor_workers")
+
+
+SECTIONS: dict[str, type] = {
+    "rollout": RolloutConfig, "loss": LossConfig, "optimiser": OptimiserConfig, "reward": RewardConfig,
+    "reconstructor": ReconstructorConfig, "checkpointing": CheckpointingConfig, "backend": BackendConfig,
+}
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """RL stage settings: the run at the top level, one section per concern.
+
+    av / ar: warm-started AV and AR checkpoint dirs (HF dir + nla_meta.yaml); the AV is also
+      the frozen KL reference. dataset: RL prompts parquet (``rl.parquet``: ``activation_vector``
+      RAW, optional world ``facts``). eval_dataset: optional held-out parquet scored every
+      ``eval_every`` steps (up to ``eval_max_rows`` rows). out_dir: run directory (metrics,
+      checkpoints/step_*, curves PNG, resolved config).
+    steps: RL steps (the LR schedule spans them); stop_after_steps: end this invocation
+      earlier, keeping the schedule (resumable chunks). seed, device (auto | cpu | cuda),
+      dtype (float32 | bfloat16 | float16), log_every, tensorboard, progress.
+    """
+
+    av: str = ""
+    ar: str = ""
+    dataset: str = ""
+    eval_dataset: str | None = None
+    out_dir: str = "runs/rl"
+    steps: int = 50
+    stop_after_steps: int | None = None
+    eval_every: int = 10
+    eval_max_rows: int = 64
     log_every: int = 1
     seed: int = 0
     device: str = "auto"
     dtype: str = "float32"
     tensorboard: bool = True
     progress: bool = True
-    num_policy_workers: int = 1
-    num_reconstructor_workers: int = 1
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optimiser: OptimiserConfig = field(default_factory=OptimiserConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    reconstructor: ReconstructorConfig = field(default_factory=ReconstructorConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
 
     def __post_init__(self) -> None:
         for name in ("av", "ar", "dataset", "out_dir"):
             if not getattr(self, name):
                 _bad(name, "a path", getattr(self, name))
-        if self.backend not in BACKENDS:
-            _bad("backend", f"one of {list(BACKENDS)}", self.backend)
-        for name in ("steps", "rollout_batch_size", "n_samples_per_prompt", "micro_batch_size", "max_response_len",
-                     "ar_max_length", "reward_batch_size", "eval_every", "eval_max_rows", "save_every", "log_every",
-                     "num_policy_workers", "num_reconstructor_workers"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                _bad(name, "a positive integer", v)
-        if self.generation_chunk_prompts is not None and (
-                not isinstance(self.generation_chunk_prompts, int) or self.generation_chunk_prompts <= 0):
-            _bad("generation_chunk_prompts", "a positive integer or null", self.generation_chunk_prompts)
-        if self.stop_after_steps is not None and (not isinstance(self.stop_after_steps, int) or self.stop_after_steps <= 0):
-            _bad("stop_after_steps", "a positive integer or null", self.stop_after_steps)
-        if self.n_samples_per_prompt < 2 and self.advantage in ("grpo", "drgrpo"):
-            _bad("n_samples_per_prompt", f">= 2 for the group baseline of {self.advantage!r}", self.n_samples_per_prompt)
-        n = self.rollout_batch_size * self.n_samples_per_prompt
-        if self.global_batch_size is not None:
-            if not isinstance(self.global_batch_size, int) or self.global_batch_size <= 0 or n % self.global_batch_size:
-                _bad("global_batch_size", f"a positive divisor of rollout_batch_size x n_samples_per_prompt = {n}",
-                     self.global_batch_size)
-            if self.global_batch_size != n and not self.allow_multiple_updates:
-                _bad("global_batch_size",
-                     f"{n} (= rollout_batch_size x n_samples_per_prompt: one optimiser step per rollout, the on-policy "
-                     "recipe); set allow_multiple_updates: true to take several off-policy steps per rollout",
-                     self.global_batch_size)
-        if self.advantage not in ADVANTAGE_ESTIMATORS:
-            _bad("advantage", f"one of {sorted(ADVANTAGE_ESTIMATORS)}", self.advantage)
-        if self.kl_estimator not in KL_ESTIMATORS:
-            _bad("kl_estimator", f"one of {sorted(KL_ESTIMATORS)}", self.kl_estimator)
-        if self.loss_agg not in LOSS_AGG_MODES:
-            _bad("loss_agg", f"one of {sorted(LOSS_AGG_MODES)}", self.loss_agg)
-        for name in ("lr", "temperature", "reward_flush_seconds", "step0_guard_tol"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
-                _bad(name, "a positive finite number", v)
-        if self.reward_timeout_seconds is not None and not (
-                self.reward_timeout_seconds > 0 and math.isfinite(self.reward_timeout_seconds)):
-            _bad("reward_timeout_seconds", "a positive finite number of seconds or null (no timeout)",
-                 self.reward_timeout_seconds)
-        for name in ("ar_lr", "value_lr"):
-            v = getattr(self, name)
-            if v is not None and not (v > 0 and math.isfinite(v)):
-                _bad(name, "a positive finite number or null (= lr)", v)
-        if not 0 < self.top_p <= 1:
-            _bad("top_p", "a number in (0, 1]", self.top_p)
-        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
-            _bad("eps_low/eps_high", "0 <= eps_low < 1 and eps_high >= 0", (self.eps_low, self.eps_high))
-        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
-            _bad("dual_clip_c", "a number > 1 or null", self.dual_clip_c)
-        if self.kl_coef < 0:
-            _bad("kl_coef", "a number >= 0", self.kl_coef)
-        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
-            _bad("gamma/lam", "numbers in [0, 1]", (self.gamma, self.lam))
-        if not 0 <= self.overlong_buffer_len < self.max_response_len:
-            _bad("overlong_buffer_len", f"an integer in [0, max_response_len={self.max_response_len})",
-                 self.overlong_buffer_len)
-        if self.max_refill_rounds < 0:
-            _bad("max_refill_rounds", "an integer >= 0", self.max_refill_rounds)
-        if self.warmup_steps < 0 or self.warmup_steps > self.steps:
-            _bad("warmup_steps", f"an integer in [0, steps={self.steps}]", self.warmup_steps)
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            _bad("dtype", "float32 | bfloat16 | float16", self.dtype)
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                _bad(name, f"a {cls.__name__} (a mapping in YAML)", getattr(self, name))
+        _positive_ints("", self, "steps", "eval_every", "eval_max_rows", "log_every")
+        _optional_positive_int("", "stop_after_steps", self.stop_after_steps)
+        if self.dtype not in _DTYPES:
+            _bad("dtype", " | ".join(_DTYPES), self.dtype)
+        ro, opt = self.rollout, self.optimiser
+        est = ADVANTAGE_ESTIMATORS[self.loss.advantage]
+        if est.needs_groups and ro.n_samples_per_prompt < 2:
+            _bad("rollout.n_samples_per_prompt", f">= 2 for the group baseline of loss.advantage {est.name!r}",
+                 ro.n_samples_per_prompt)
+        n = ro.samples_per_step
+        if opt.global_batch_size is not None:
+            if n % opt.global_batch_size:
+                _bad("optimiser.global_batch_size",
+                     f"a positive divisor of rollout_batch_size x n_samples_per_prompt = {n}", opt.global_batch_size)
+            if opt.global_batch_size != n and not opt.allow_multiple_updates:
+                _bad("optimiser.global_batch_size",
+                     f"{n} (= rollout_batch_size x n_samples_per_prompt: one optimiser step per rollout, the "
+                     "on-policy recipe); set optimiser.allow_multiple_updates: true to take several off-policy "
+                     "steps per rollout", opt.global_batch_size)
+        if not self.reward.overlong_buffer_len < ro.max_response_len:
+            _bad("reward.overlong_buffer_len", f"an integer in [0, rollout.max_response_len={ro.max_response_len})",
+                 self.reward.overlong_buffer_len)
+        if opt.warmup_steps > self.steps:
+            _bad("optimiser.warmup_steps", f"an integer in [0, steps={self.steps}]", opt.warmup_steps)
 
     @property
     def samples_per_step(self) -> int:
-        return self.rollout_batch_size * self.n_samples_per_prompt
+        return self.rollout.samples_per_step
 
     @property
     def updates_per_rollout(self) -> int:
-        return self.samples_per_step // (self.global_batch_size or self.samples_per_step)
+        return self.samples_per_step // (self.optimiser.global_batch_size or self.samples_per_step)
 
     @property
     def ar_lr_value(self) -> float:
-        return self.ar_lr if self.ar_lr is not None else self.lr
+        """The AR's learning rate: ``reconstructor.lr``, or ``optimiser.lr`` when null."""
+        return self.reconstructor.lr if self.reconstructor.lr is not None else self.optimiser.lr
 
-    @property
-    def value_lr_value(self) -> float:
-        return self.value_lr if self.value_lr is not None else self.lr
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RLConfig:
+        """Build from nested mappings (the YAML layout) and/or dotted keys (``loss.kl_coef``).
+
+        Unknown keys are refused with the valid ones; a section key given at the top level
+        (the flat layout of older configs) is refused with the section it belongs to.
+        """
+        data = _nest(data)
+        valid = {f.name for f in dataclasses.fields(cls)}
+        for key, value in list(data.items()):
+            if key == "backend" and isinstance(value, str):  # the flat layout's `backend: ray`
+                raise ValueError(f"RLConfig.backend is a section; write `backend: {{name: {value}}}` in YAML, or "
+                                 f"--set backend.name={value} (or --backend {value})")
+            if key in SECTIONS:
+                if value is None:
+                    del data[key]  # an empty section in YAML: its defaults
+                else:
+                    _check_section_keys(key, SECTIONS[key], value)
+            elif key in _FLAT_KEYS and key not in valid:
+                section, sub = _FLAT_KEYS[key].split(".")
+                moved = f"belongs to section {section!r}" if sub == key else f"is now {section}.{sub}"
+                raise ValueError(
+                    f"RLConfig: key {key!r} {moved}; write it as `{section}: {{{sub}: ...}}` in YAML, "
+                    f"or --set {section}.{sub}=..."
+                )
+            elif key == "scale_by_std":
+                raise ValueError("RLConfig: key 'scale_by_std' is gone; GRPO without std scaling is "
+                                 "`loss: {advantage: drgrpo}` (--set loss.advantage=drgrpo)")
+            elif key not in valid:
+                raise ValueError(f"RLConfig: unknown config key {key!r}; valid keys: {sorted(valid)}")
+        # Types first, sections included (YAML 1.1's "1e-4" strings become floats there), so every
+        # __post_init__ compares numbers.
+        data = check_config_types(cls, data)
+        sections = {key: value if isinstance(value, SECTIONS[key]) else SECTIONS[key](**value)
+                    for key, value in data.items() if key in SECTIONS}
+        return cls(**{k: v for k, v in data.items() if k not in SECTIONS}, **sections)
 
     def replace(self, **changes: Any) -> RLConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy with top-level fields replaced; a section given as a mapping updates only the keys it names."""
+        data = self.to_dict()
+        for key, value in changes.items():
+            if key in SECTIONS and isinstance(value, dict):
+                data[key] = {**data[key], **value}
+            else:
+                data[key] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+        return RLConfig.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
+# Keys of the flat layout (before sections) -> their dotted place now. The AV's ``lr`` is the
+# optimiser's (the reconstructor's own ``lr`` was ``ar_lr``), hence the explicit renames.
+_FLAT_KEYS = {
+    **{f.name: f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)},
+    "lr": "optimiser.lr", "ar_lr": "reconstructor.lr", "ar_max_length": "reconstructor.max_length",
+}
+
+
+def _nest(data: dict[str, Any]) -> dict[str, Any]:
+    """``{"loss.kl_coef": 0.1, "loss": {"eps_low": 0.1}}`` -> ``{"loss": {"eps_low": 0.1, "kl_coef": 0.1}}``."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if "." in key:
+            section, sub = key.split(".", 1)
+            if section not in SECTIONS:
+                raise ValueError(f"RLConfig: unknown section {section!r} in {key!r}; sections: {sorted(SECTIONS)}")
+            inner = out.setdefault(section, {})
+            if isinstance(inner, dict):
+                inner = out[section] = dict(inner)  # never write into the caller's mapping
+            else:
+                raise ValueError(f"RLConfig.{section}: expected a mapping, found {inner!r}")
+            inner[sub] = value
+        elif key in SECTIONS and isinstance(value, dict):
+            out[key] = {**value, **out.get(key, {})}
+        else:
+            out[key] = value
+    return out
+
+
+def _check_section_keys(name: str, cls: type, data: Any) -> None:
+    if isinstance(data, cls):
+        return
+    if not isinstance(data, dict):
+        raise ValueError(f"RLConfig.{name}: expected a mapping of {cls.__name__} keys, found {data!r}")
+    valid = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - valid)
+    if unknown:
+        raise ValueError(f"RLConfig.{name}: unknown config key(s) {unknown}; valid keys: {sorted(valid)}")
+
+
 def load_rl_config(path: str | os.PathLike | None = None, overrides: dict | list[str] | None = None) -> RLConfig:
-    """Read a YAML config (optional) and apply ``key=value`` overrides on top."""
-    return load_config(RLConfig, path, overrides)
+    """Read a YAML config (optional) and apply overrides on top (``section.key=value`` for section keys)."""
+    data = _nest(read_config_file(path, "RLConfig config")) if path is not None else {}
+    if isinstance(overrides, list):
+        overrides = parse_overrides(overrides)
+    for key, value in _nest(overrides or {}).items():
+        if key in SECTIONS and isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return RLConfig.from_dict(data)
 
 
 def save_rl_config(cfg: RLConfig, path: str | os.PathLike) -> None:
     save_config(cfg, path)
+
+
+__all__ = [
+    "BACKENDS", "SECTIONS", "BackendConfig", "CheckpointingConfig", "LossConfig", "OptimiserConfig",
+    "RLConfig", "ReconstructorConfig", "RewardConfig", "RolloutConfig", "load_rl_config", "save_rl_config",
+]

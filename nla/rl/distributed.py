@@ -1,4 +1,13 @@
-"""torch.distributed helpers for the Ray backend: rank partitions, FSDP2 sharding, guarded steps.
+"""Data parallelism for the worker roles: which rows a rank takes, cross-rank sums, which rank answers.
+
+The roles of ``nla.rl.workers`` are written once against a ``DataParallel`` object:
+
+- ``DataParallel()`` (the local backend): one rank that owns every row; sums are the local
+  values; optimizer state is the optimizer's own ``state_dict``; the module itself is saved.
+- ``RankGroup(rank, world)`` (the Ray backend, one per actor after ``init_group``): rank ``r``
+  takes its contiguous slice of each batch (``rank_rows``), metric sums are all-gathered,
+  gradients are scaled by W (FSDP averages them over ranks), optimizer state and weights are
+  gathered into full, name-keyed state dicts on rank 0, and rank 0 answers.
 
 Pure helpers (``rank_rows``, ``micro_chunks``) decide which rows a rank owns and how it
 splits them; every rank of a group must run the *same number* of forwards and backwards,
@@ -44,6 +53,76 @@ def micro_chunks(rows: Tensor, n: int, world: int, micro_batch_size: int) -> lis
         raise ValueError(f"micro_chunks: micro_batch_size must be positive, found {micro_batch_size}")
     k = max(1, math.ceil(math.ceil(n / world) / micro_batch_size))
     return list(torch.tensor_split(rows, k))
+
+
+class DataParallel:
+    """One process that owns every row (the local backend). See the module docstring."""
+
+    rank: int = 0
+    world: int = 1
+    optim_format: str = "local"
+
+    @property
+    def answers(self) -> bool:
+        """Whether this rank returns results and writes files (rank 0)."""
+        return self.rank == 0
+
+    @property
+    def grad_scale(self) -> float:
+        """Factor on each backward so the averaged gradient of the group is the sum over its ranks."""
+        return float(self.world)
+
+    def shard(self, model: nn.Module, layers: nn.ModuleList) -> nn.Module:
+        """Shard ``model`` over the group (each block in ``layers``, then the root); local: as it is."""
+        return model
+
+    def my_rows(self, rows: Tensor) -> Tensor:
+        """This rank's contiguous share of ``rows`` (a batch's row indices)."""
+        return rows[rank_rows(len(rows), self.world, self.rank)]
+
+    def micro_chunks(self, mine: Tensor, n: int, micro_batch_size: int) -> list[Tensor]:
+        """``mine`` (from ``my_rows`` of a batch of ``n``) in K chunks, K the same on every rank."""
+        return micro_chunks(mine, n, self.world, micro_batch_size)
+
+    def sum(self, values: dict[str, float]) -> dict[str, float]:
+        """Sum metric dicts over the ranks (keys may differ)."""
+        return dict(values)
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, Tensor] | None:
+        """The module's full weights for saving, on the answering rank; None means "the module's own"."""
+        return None
+
+    def optim_state_dict(self, module: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+        return opt.state_dict()
+
+    def load_optim_state_dict(self, module: nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        opt.load_state_dict(state)
+
+
+class RankGroup(DataParallel):
+    """Rank ``rank`` of a ``world``-rank torch.distributed group whose models are FSDP2-sharded."""
+
+    optim_format = "full_fqn"
+
+    def __init__(self, rank: int, world: int, mesh: Any = None) -> None:
+        if world <= 0 or not 0 <= rank < world:
+            raise ValueError(f"RankGroup: need 0 <= rank < world, found rank={rank}, world={world}")
+        self.rank, self.world, self.mesh = rank, world, mesh
+
+    def shard(self, model: nn.Module, layers: nn.ModuleList) -> nn.Module:
+        return shard_model(model, layers, self.mesh)
+
+    def sum(self, values: dict[str, float]) -> dict[str, float]:
+        return sum_across_ranks(values)
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, Tensor] | None:
+        return full_state_dict(module)  # collective; empty on ranks other than 0
+
+    def optim_state_dict(self, module: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+        return full_optimizer_state(module, opt)
+
+    def load_optim_state_dict(self, module: nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        load_full_optimizer_state(module, opt, state)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -119,14 +198,6 @@ def load_full_into(target: nn.Module, state: dict[str, Tensor]) -> None:
         )
 
 
-def dist_step(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, max_grad_norm: float | None
-              ) -> tuple[bool, float]:
-    """``optimizer_step_guarded`` on sharded gradients (it takes the global DTensor norm)."""
-    from nla.train.common import optimizer_step_guarded
-
-    return optimizer_step_guarded(model, opt, sched, max_grad_norm)
-
-
 def sum_across_ranks(values: dict[str, float]) -> dict[str, float]:
     """Sum metric dicts over the group (keys may differ: a non-finite metric is left out locally)."""
     import torch.distributed as dist
@@ -141,6 +212,6 @@ def sum_across_ranks(values: dict[str, float]) -> dict[str, float]:
 
 
 __all__ = [
-    "dist_step", "free_port", "full_optimizer_state", "full_state_dict", "init_group", "load_full_into",
+    "DataParallel", "RankGroup", "free_port", "full_optimizer_state", "full_state_dict", "init_group", "load_full_into",
     "load_full_optimizer_state", "micro_chunks", "rank_rows", "shard_model", "sum_across_ranks",
 ]

@@ -3,8 +3,10 @@
 Per step, on-policy:
 1. sample ``rollout_batch_size`` prompts and generate ``n_samples_per_prompt`` explanations
    each with the current AV weights;
-2. reward every sample with the *live* AR through the ``RewardBatcher`` (failed extraction
-   or truncation -> ``FAILED_EXTRACTION_REWARD``); optional DAPO overlong punishment;
+2. score every sample with the *live* AR through the ``RewardBatcher`` (the AR returns
+   ``mse_nrm``); ``shape_rewards``, the one place a reward is made, charges failed extraction
+   or truncation ``FAILED_EXTRACTION_MSE``, applies the -log variant and DAPO's optional
+   overlong punishment;
 3. DAPO dynamic sampling (optional): drop groups with zero reward spread and refill;
 4. advantages (GRPO / Dr.GRPO / REINFORCE baseline / GAE over the value model);
 5. policy update with the KL-to-reference loss term; value update (PPO);
@@ -36,7 +38,7 @@ import torch
 from nla.datagen.io import read_parquet, read_vectors
 from nla.health import StuckRunMonitor
 from nla.metrics import MetricsLogger
-from nla.reward import RewardService, failed_extraction_reward
+from nla.reward import FAILED_EXTRACTION_MSE, RewardService, reward_from_mse
 from nla.rl import algorithms as A
 from nla.rl.backend import build_groups
 from nla.rl.config import RLConfig, save_rl_config
@@ -97,42 +99,57 @@ def reward_items(rollout: Rollout) -> list[tuple[str, torch.Tensor]]:
     return [(rollout.explanations[i], rollout.vectors[i]) for i in rollout.ok.nonzero(as_tuple=True)[0].tolist()]
 
 
-def fill_rewards(rollout: Rollout, scored: list[float], log_mse: bool) -> None:
-    """Set ``rollout.rewards`` / ``rollout.mse`` from the AR's rewards of the ok samples (failures get the penalty)."""
-    ok = rollout.ok
-    scored_t = torch.tensor(scored, dtype=torch.float32) if scored else torch.zeros(0)
-    rewards = torch.full((rollout.n,), failed_extraction_reward(log_mse), dtype=torch.float32)
-    rewards[ok] = scored_t
+def shape_rewards(status: torch.Tensor, mse: torch.Tensor, lengths: torch.Tensor, cfg: RLConfig) -> torch.Tensor:
+    """The one place a sample's reward is made. status, mse, lengths: [N] -> rewards [N] (fp32).
+
+    A sample whose explanation was not extracted (``status != COMPLETED``) counts as
+    ``FAILED_EXTRACTION_MSE`` whatever ``mse`` holds for it; the reward is ``-mse`` or, with
+    ``log_mse``, ``-log(mse)`` (``reward_from_mse``); DAPO's soft overlong punishment is added
+    when ``overlong_buffer_len > 0``.
+    """
+    failed = status != COMPLETED
+    charged = torch.where(failed, torch.full_like(mse, FAILED_EXTRACTION_MSE), mse).float()
+    rewards = reward_from_mse(charged, cfg.reward.log_mse)
+    if cfg.reward.overlong_buffer_len > 0:
+        rewards = rewards + A.overlong_penalty(lengths, cfg.rollout.max_response_len,
+                                               cfg.reward.overlong_buffer_len, cfg.reward.overlong_penalty_factor)
+    return rewards
+
+
+def fill_rewards(rollout: Rollout, scored_mse: list[float], cfg: RLConfig) -> None:
+    """Set ``rollout.mse`` (the AR's ``mse_nrm`` of the ok samples, NaN elsewhere) and ``rollout.rewards``."""
     mse = torch.full((rollout.n,), math.nan)
-    mse[ok] = torch.exp(-scored_t) if log_mse else -scored_t
-    rollout.rewards, rollout.mse = rewards, mse
+    mse[rollout.ok] = torch.tensor(scored_mse, dtype=torch.float32) if scored_mse else torch.zeros(0)
+    rollout.mse = mse
+    rollout.rewards = shape_rewards(rollout.status, mse, rollout.lengths, cfg)
 
 
-def score_rollout(rollout: Rollout, rewards: RewardService, log_mse: bool) -> None:
+def score_rollout(rollout: Rollout, service: RewardService, cfg: RLConfig) -> None:
     """Score a whole rollout with the live AR (blocking)."""
-    fill_rewards(rollout, rewards.score(reward_items(rollout)), log_mse)
+    fill_rewards(rollout, service.score(reward_items(rollout)), cfg)
 
 
 def generate_and_score(groups: WorkerGroups, cfg: RLConfig, data: RLData, rows: torch.Tensor,
-                       rewards: RewardService) -> tuple[Rollout, float, float]:
+                       service: RewardService) -> tuple[Rollout, float, float]:
     """Generate for ``rows`` and score; returns (rollout, generation seconds, reward-wait seconds).
 
     With ``generation_chunk_prompts`` set, prompts are generated in chunks and each chunk is
     submitted to the reward service as soon as it is done, so the AR's forwards run while the
     next chunk generates (on separate devices or Ray actors that hides the reward time).
     """
-    G = cfg.n_samples_per_prompt
-    size = cfg.generation_chunk_prompts or len(rows)
+    G = cfg.rollout.n_samples_per_prompt
+    size = cfg.rollout.generation_chunk_prompts or len(rows)
     pending, t_gen = [], 0.0
     for start in range(0, len(rows), size):
         chunk = rows[start : start + size]
         t0 = time.perf_counter()
-        r = groups.rollout.generate(data.vectors[chunk], chunk, G, cfg.max_response_len, cfg.temperature, cfg.top_p)
+        ro = cfg.rollout
+        r = groups.rollout.generate(data.vectors[chunk], chunk, G, ro.max_response_len, ro.temperature, ro.top_p)
         t_gen += time.perf_counter() - t0
-        pending.append((r, rewards.submit(reward_items(r))))
+        pending.append((r, service.submit(reward_items(r))))
     t0 = time.perf_counter()
     for r, fut in pending:
-        fill_rewards(r, fut.result(), cfg.log_mse)
+        fill_rewards(r, fut.result(), cfg)
     t_wait = time.perf_counter() - t0
     out = pending[0][0] if len(pending) == 1 else Rollout.concat([r for r, _ in pending], groups.rollout.pad_id)
     return out, t_gen, t_wait
@@ -154,36 +171,33 @@ def grade_facts(rollout: Rollout, facts: list[list[str]] | None) -> dict[str, fl
 
 
 def collect_rollout(groups: WorkerGroups, cfg: RLConfig, data: RLData, cursor: DataCursor,
-                    rewards: RewardService) -> tuple[Rollout, Rollout, dict[str, float]]:
+                    service: RewardService) -> tuple[Rollout, Rollout, dict[str, float]]:
     """Generate + score, with DAPO dynamic sampling when enabled.
 
     Returns (the rollout to train the policy on, every scored sample of the step for the AR
     update, metrics).
     """
-    G = cfg.n_samples_per_prompt
+    G = cfg.rollout.n_samples_per_prompt
     parts, everything = [], []
     kept_groups, rounds, first_zero_frac = 0, 0, None
     t_gen = t_rew = 0.0
     while True:
-        rows = torch.from_numpy(cursor.next_indices(cfg.rollout_batch_size - kept_groups)).long()
-        r, dt_gen, dt_rew = generate_and_score(groups, cfg, data, rows, rewards)
+        rows = torch.from_numpy(cursor.next_indices(cfg.rollout.rollout_batch_size - kept_groups)).long()
+        r, dt_gen, dt_rew = generate_and_score(groups, cfg, data, rows, service)
         t_gen += dt_gen
         t_rew += dt_rew
-        if cfg.overlong_buffer_len > 0:
-            r.rewards = r.rewards + A.overlong_penalty(r.lengths, cfg.max_response_len, cfg.overlong_buffer_len,
-                                                       cfg.overlong_penalty_factor)
         everything.append(r)
         spread = A.dynamic_sampling_mask(r.rewards, G)  # [b]
         if first_zero_frac is None:
             first_zero_frac = float((~spread).float().mean())
-        if not cfg.dynamic_sampling:
+        if not cfg.rollout.dynamic_sampling:
             parts.append(r)
             break
         keep = spread.repeat_interleave(G)
         if keep.any():
             parts.append(r.select(keep))
             kept_groups += int(spread.sum())
-        if kept_groups >= cfg.rollout_batch_size or rounds >= cfg.max_refill_rounds:
+        if kept_groups >= cfg.rollout.rollout_batch_size or rounds >= cfg.rollout.max_refill_rounds:
             break
         rounds += 1
     pad = groups.rollout.pad_id
@@ -215,8 +229,8 @@ def save_checkpoint(root: Path, step: int, groups: WorkerGroups, cfg: RLConfig, 
                     keep_last: int) -> Path:
     final = root / checkpoint_dir_name(step)
     with atomic_dir(final) as tmp:
-        groups.policy.save_model(tmp / "av", groups.tokenizer, stage="rl", rl_step=step, parent_av=str(cfg.av),
-                                 parent_ar=str(cfg.ar), lr=cfg.lr)
+        groups.policy.save_model(tmp / "av", stage="rl", rl_step=step, parent_av=str(cfg.av),
+                                 parent_ar=str(cfg.ar), lr=cfg.optimiser.lr)
         groups.reconstructor.save_model(tmp / "ar", stage="rl", rl_step=step, parent_ar=str(cfg.ar),
                                         lr=cfg.ar_lr_value)
         state: dict[str, Any] = {
@@ -258,12 +272,12 @@ def step0_guard(groups: WorkerGroups, rollout: Rollout, tol: float) -> float:
 
 
 def evaluate(groups: WorkerGroups, cfg: RLConfig, data: RLData, baseline: float,
-             rewards: RewardService) -> dict[str, float]:
+             service: RewardService) -> dict[str, float]:
     """Greedy decode of up to ``eval_max_rows`` held-out vectors, scored by the live AR."""
     n = min(cfg.eval_max_rows, data.vectors.shape[0])
     rows = torch.arange(n)
-    r = groups.rollout.generate(data.vectors[rows], rows, 1, cfg.max_response_len, greedy=True)
-    score_rollout(r, rewards, cfg.log_mse)
+    r = groups.rollout.generate(data.vectors[rows], rows, 1, cfg.rollout.max_response_len, greedy=True)
+    score_rollout(r, service, cfg)
     m = rollout_metrics(r, baseline)
     m.update(grade_facts(r, data.facts))
     return {f"eval_{k}": v for k, v in m.items() if k in ("fve_nrm", "mse_nrm", "reward_mean", "fact_recall",
@@ -317,16 +331,16 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
     stop = min(cfg.steps, cfg.stop_after_steps or cfg.steps)
     metrics_log = MetricsLogger(out, "rl", tensorboard=cfg.tensorboard)
     # The live AR's bound method: every reward comes from its current weights (no copy).
-    rewards = RewardService(groups.reconstructor.score_batch, cfg.reward_batch_size, cfg.reward_flush_seconds,
-                            cfg.reward_timeout_seconds)
+    service = RewardService(groups.reconstructor.mse_batch, cfg.reward.reward_batch_size,
+                            cfg.reward.reward_flush_seconds, cfg.reward.reward_timeout_seconds)
     last_ckpt, final, stuck = ckpt, {}, StuckRunMonitor("rl")
     bar = tqdm(total=stop, initial=step, desc="rl", disable=not cfg.progress)
     try:
         while step < stop:
             t0 = time.perf_counter()
-            train, everything, m = collect_rollout(groups, cfg, data, cursor, rewards)
+            train, everything, m = collect_rollout(groups, cfg, data, cursor, service)
             if step == 0 and ckpt is None:
-                m["step0_guard_diff"] = step0_guard(groups, everything, cfg.step0_guard_tol)
+                m["step0_guard_diff"] = step0_guard(groups, everything, cfg.reward.step0_guard_tol)
             m.update(rollout_metrics(everything, baseline))
             m.update(grade_facts(everything, data.facts))
             t1 = time.perf_counter()
@@ -335,11 +349,10 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
                 values = returns = None
                 if groups.value is not None:
                     values = groups.value.values(train)
-                est = A.get_advantage_estimator(cfg.advantage)
-                if cfg.advantage == "grpo" and not cfg.scale_by_std:
-                    est = A.get_advantage_estimator("drgrpo")
-                adv, returns = est(train.rewards, train.response_mask.float(), group_size=cfg.n_samples_per_prompt,
-                                   values=values, gamma=cfg.gamma, lam=cfg.lam)
+                est = A.get_advantage_estimator(cfg.loss.advantage)
+                adv, returns = est(train.rewards, train.response_mask.float(),
+                                   group_size=cfg.rollout.n_samples_per_prompt, values=values, gamma=cfg.loss.gamma,
+                                   lam=cfg.loss.lam)
                 m.update(groups.policy.update(train, adv, ref_logp))
                 if groups.value is not None:
                     m.update(groups.value.update(train, values, returns))
@@ -354,18 +367,18 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
             step += 1
             stuck.observe(step, grad_norm=m.get("grad_norm"), failure_rate=m.get("extraction_fail_rate"))
             if eval_data is not None and (step % cfg.eval_every == 0 or step == stop):
-                m.update(evaluate(groups, cfg, eval_data, eval_baseline, rewards))
+                m.update(evaluate(groups, cfg, eval_data, eval_baseline, service))
             m["time_step"] = time.perf_counter() - t0
             if step % cfg.log_every == 0 or step == stop:
                 metrics_log.log(step, **m)
             final.update(m)
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", fve=f"{m.get('fve_nrm', float('nan')):.3f}")
-            if step % cfg.save_every == 0 or step == stop:
-                last_ckpt = save_checkpoint(root, step, groups, cfg, cursor, cfg.keep_last)
+            if step % cfg.checkpointing.save_every == 0 or step == stop:
+                last_ckpt = save_checkpoint(root, step, groups, cfg, cursor, cfg.checkpointing.keep_last)
     finally:
         bar.close()
-        rewards.close()
+        service.close()
         if owns_groups:
             groups.close()
         metrics_log.plot(out / "rl_curves.png", PLOT_KEYS, title="RL")

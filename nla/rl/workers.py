@@ -1,13 +1,17 @@
-"""Worker roles of the RL step, local (in-process) implementations.
+"""Worker roles of the RL step, each written once for every backend.
 
-The controller (``nla.rl.loop``) talks to five roles through these methods only, so a
-distributed backend can replace any of them without touching the loop:
+The controller (``nla.rl.loop``) talks to five roles through these methods only:
 
 - ``RolloutWorker.generate(vectors, n_samples, ...) -> Rollout`` and ``sync_weights(policy)``
 - ``PolicyWorker.update(rollout, advantages, ref_logp) -> metrics`` (the AV, trained)
 - ``ReferenceWorker.logprobs(rollout) -> [N, L]`` (the frozen warm-started AV)
-- ``ReconstructorWorker.score_batch(items) -> rewards`` (live weights) and ``update(...)``
+- ``ReconstructorWorker.mse_batch(items) -> mse_nrm`` (live weights; never a reward) and ``update(...)``
 - ``ValueWorker.values(rollout)`` / ``update(...)`` (PPO only)
+
+Each role's update, scoring and optimiser code is here, once. What data parallelism adds
+(which rows a rank takes, cross-rank sums, which rank answers, gathered state dicts) comes
+from the role's ``DataParallel`` object (``nla.rl.distributed``): the local backend passes
+one rank that owns every row, the Ray backend one ``RankGroup`` per actor.
 
 Notation as in ``nla.rl.types``: N samples, P prompt tokens, L response tokens, d width.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,16 +30,19 @@ from torch import Tensor, nn
 
 from nla import arch
 from nla.injection import InjectionHook
-from nla.reconstructor import Reconstructor, last_token_index
-from nla.reward import extract_explanation, mse_to_reward
+from nla.reconstructor import Reconstructor, reconstruction_loss, tokenize_ar_texts
+from nla.reward import extract_explanation
 from nla.rl import algorithms as A
+from nla.rl.config import RLConfig
+from nla.rl.distributed import DataParallel, load_full_into
 from nla.rl.types import COMPLETED, FAILED_EXTRACTION, TRUNCATED, Rollout
 from nla.sidecar import SIDECAR_NAME, NLAConfig, canonical_av_prompt_ids, write_sidecar
-from nla.train.ar import tokenize_ar_texts
-from nla.train.common import build_optimizer, micro_batches, optimizer_step_guarded, warmup_cosine
+from nla.train.common import build_optimizer, optimizer_step_guarded, warmup_cosine
 from nla.vectors import mse_nrm
 
 logger = logging.getLogger(__name__)
+
+LOCAL = DataParallel()
 
 
 # ----------------------------------------------------------------------------- shared math
@@ -59,6 +67,31 @@ def response_logprobs(
     return logp, ent
 
 
+def rank_micro_batches(dp: DataParallel, mine: Tensor, n: int, micro_batch_size: int
+                       ) -> Iterator[tuple[Tensor, bool]]:
+    """``(rows, real)`` per micro-batch of this rank's rows ``mine`` (of a batch of ``n``).
+
+    Every rank runs the same number of micro-batches (FSDP forwards are collective); where a
+    rank has no rows left its micro-batch is a one-row dummy (``real`` False) that the caller
+    runs with weight 0.
+    """
+    for chunk in dp.micro_chunks(mine, n, micro_batch_size):
+        yield (chunk, True) if len(chunk) else (torch.zeros(1, dtype=torch.long), False)
+
+
+@torch.no_grad()
+def rollout_logprobs(model: nn.Module, hook: InjectionHook, rollout: Rollout, mine: Tensor, n: int,
+                     dp: DataParallel, micro_batch_size: int) -> Tensor:
+    """Log-probs [len(mine), L] of the rows ``mine`` (this rank's share of a batch of ``n``)."""
+    out = []
+    for idx, real in rank_micro_batches(dp, mine, n, micro_batch_size):
+        lp, _ = response_logprobs(model, hook, rollout.prompt_ids, rollout.response_ids[idx],
+                                  rollout.response_mask[idx], rollout.vectors[idx])
+        if real:
+            out.append(lp.cpu())
+    return torch.cat(out) if out else torch.zeros(0, rollout.response_ids.shape[1])
+
+
 def _parse_responses(tokenizer: Any, response_ids: Tensor, eos_id: int) -> tuple[Tensor, list[str], Tensor]:
     """Mask [N, L] up to and including the first EOS, decoded texts, and truncation flags [N]."""
     N, L = response_ids.shape
@@ -76,6 +109,57 @@ def _parse_responses(tokenizer: Any, response_ids: Tensor, eos_id: int) -> tuple
     return mask, texts, ~has_eos
 
 
+# ----------------------------------------------------------------------------- settings
+@dataclass(frozen=True)
+class OptimSettings:
+    """One trained role's optimiser and schedule (AdamW, warmup then constant LR)."""
+
+    lr: float
+    weight_decay: float
+    warmup_steps: int
+    total_steps: int
+    max_grad_norm: float
+
+    @classmethod
+    def _of(cls, cfg: RLConfig, lr: float, total_steps: int) -> OptimSettings:
+        o = cfg.optimiser
+        return cls(lr, o.weight_decay, o.warmup_steps, total_steps, o.max_grad_norm)
+
+    @classmethod
+    def for_policy(cls, cfg: RLConfig) -> OptimSettings:
+        return cls._of(cfg, cfg.optimiser.lr, cfg.steps * cfg.updates_per_rollout)
+
+    @classmethod
+    def for_reconstructor(cls, cfg: RLConfig) -> OptimSettings:
+        return cls._of(cfg, cfg.ar_lr_value, cfg.steps)
+
+    @classmethod
+    def for_value(cls, cfg: RLConfig) -> OptimSettings:
+        return cls._of(cfg, cfg.optimiser.value_lr_value, cfg.steps)
+
+
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    """What the policy loss of every backend reads from the RL config."""
+
+    eps_low: float
+    eps_high: float
+    dual_clip_c: float | None
+    kl_coef: float
+    kl_estimator: str
+    loss_agg: str
+    micro_batch_size: int
+    updates_per_rollout: int
+    norm_len: int  # the generation cap: the constant of seq-mean-token-sum-norm (Dr.GRPO)
+
+    @classmethod
+    def from_config(cls, cfg: RLConfig) -> PolicyLossSettings:
+        lo = cfg.loss
+        return cls(eps_low=lo.eps_low, eps_high=lo.eps_high, dual_clip_c=lo.dual_clip_c, kl_coef=lo.kl_coef,
+                   kl_estimator=lo.kl_estimator, loss_agg=lo.loss_agg, micro_batch_size=cfg.optimiser.micro_batch_size,
+                   updates_per_rollout=cfg.updates_per_rollout, norm_len=cfg.rollout.max_response_len)
+
+
 # ----------------------------------------------------------------------------- roles
 class RolloutWorker:
     """Samples explanations from the current AV weights (the local backend shares the policy module)."""
@@ -90,7 +174,11 @@ class RolloutWorker:
     def sync_weights(self, policy: PolicyWorker) -> None:
         """Make the next rollout use the policy's weights. Local: the module is shared, nothing to copy."""
         if policy.model is not self.model:
-            self.model.load_state_dict(policy.model.state_dict())
+            self.load_weights(policy.model.state_dict())
+
+    def load_weights(self, state: dict[str, Tensor]) -> None:
+        """Copy a full state dict (e.g. gathered from the policy's shards) into this unsharded copy."""
+        load_full_into(self.model, state)
 
     @torch.no_grad()
     def generate(self, vectors: Tensor, prompt_rows: Tensor, n_samples: int, max_new_tokens: int,
@@ -136,42 +224,38 @@ class RolloutWorker:
 
 
 class _Trainable:
-    """Optimiser + schedule + guarded step shared by the trained roles."""
+    """Optimiser + schedule + guarded step + optimiser state, shared by the trained roles."""
 
-    def _setup_optim(self, module: nn.Module, lr: float, weight_decay: float, warmup: int, total: int,
-                     max_grad_norm: float) -> None:
-        self.opt = build_optimizer(module, lr, weight_decay)
-        self.sched = warmup_cosine(self.opt, warmup, total, min_lr_ratio=1.0) if total > 0 else None
-        self.max_grad_norm = max_grad_norm
+    def _setup_optim(self, module: nn.Module, optim: OptimSettings, dp: DataParallel) -> None:
+        self._module, self.dp = module, dp
+        self.opt = build_optimizer(module, optim.lr, optim.weight_decay)
+        total = optim.total_steps
+        self.sched = warmup_cosine(self.opt, optim.warmup_steps, total, min_lr_ratio=1.0) if total > 0 else None
+        self.max_grad_norm = optim.max_grad_norm
         self.skipped_steps = 0
 
-    def _step(self, module: nn.Module) -> dict[str, float]:
+    def _step(self) -> dict[str, float]:
+        """Clip and step (the norm is global on sharded gradients); a non-finite gradient skips the step."""
         lr = self.opt.param_groups[0]["lr"]
-        stepped, grad_norm = optimizer_step_guarded(module, self.opt, self.sched, self.max_grad_norm)
+        stepped, grad_norm = optimizer_step_guarded(self._module, self.opt, self.sched, self.max_grad_norm)
         self.skipped_steps += 0 if stepped else 1
         return {"grad_norm": grad_norm, "lr": lr, "skipped_steps": float(self.skipped_steps)}
 
     def optim_state(self) -> dict[str, Any]:
-        return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict() if self.sched else None,
-                "skipped_steps": self.skipped_steps}
+        return {"format": self.dp.optim_format, "optimizer": self.dp.optim_state_dict(self._module, self.opt),
+                "scheduler": self.sched.state_dict() if self.sched else None, "skipped_steps": self.skipped_steps}
 
     def load_optim_state(self, state: dict[str, Any]) -> None:
-        self.opt.load_state_dict(state["optimizer"])
+        found = state.get("format", "local")  # checkpoints written before the key existed are local
+        if found != self.dp.optim_format:
+            raise ValueError(
+                f"optimizer state: expected the {self.dp.optim_format!r} format of this backend, found {found!r}; "
+                "resume a run with the backend that wrote it"
+            )
+        self.dp.load_optim_state_dict(self._module, self.opt, state["optimizer"])
         if self.sched is not None and state.get("scheduler") is not None:
             self.sched.load_state_dict(state["scheduler"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
-
-
-@dataclass
-class PolicyLossSettings:
-    eps_low: float
-    eps_high: float
-    dual_clip_c: float | None
-    kl_coef: float
-    kl_estimator: str
-    loss_agg: str
-    micro_batch_size: int
-    updates_per_rollout: int
 
 
 def policy_micro_loss(model: nn.Module, hook: InjectionHook, rollout: Rollout, idx: Tensor, advantages: Tensor,
@@ -180,127 +264,118 @@ def policy_micro_loss(model: nn.Module, hook: InjectionHook, rollout: Rollout, i
     """Clipped surrogate + ``kl_coef`` x KL on the rows ``idx``, aggregated by ``s.loss_agg``.
 
     Returns (loss, response mask [n, L], detached metrics). ``old_all`` None means on-policy:
-    ``old_logp`` is this forward's detached log-prob. Shared by every backend, so the loss is
-    written once; the caller weights and accumulates micro-batches.
+    ``old_logp`` is this forward's detached log-prob.
     """
     logp, ent = response_logprobs(model, hook, rollout.prompt_ids, rollout.response_ids[idx],
                                   rollout.response_mask[idx], rollout.vectors[idx], with_entropy=True)
     m = rollout.response_mask[idx].float().to(logp.device)
     old = old_all[idx].to(logp.device) if old_all is not None else logp.detach()
     pg, pm = A.policy_loss(logp, old, advantages[idx].to(logp.device), m, eps_low=s.eps_low,
-                           eps_high=s.eps_high, dual_clip_c=s.dual_clip_c, agg=s.loss_agg)
-    kl_tok = A.kl_penalty(logp, ref_logp[idx].to(logp.device), s.kl_estimator)
-    loss = pg + s.kl_coef * A.aggregate_loss(kl_tok, m, s.loss_agg)
+                           eps_high=s.eps_high, dual_clip_c=s.dual_clip_c, agg=s.loss_agg, norm_len=s.norm_len)
+    kl_tok = A.kl_penalty(logp, ref_logp[idx].to(logp.device), s.kl_estimator, mask=m)
+    loss = pg + s.kl_coef * A.aggregate_loss(kl_tok, m, s.loss_agg, norm_len=s.norm_len)
     pm.update(pg_loss=float(pg.detach()), kl=float(A.masked_mean(kl_tok.detach(), m)),
               entropy=float(A.masked_mean(ent, m)), policy_loss=float(loss.detach()))
     return loss, m, pm
 
 
 class PolicyWorker(_Trainable):
-    """The AV under RL: clipped surrogate + KL-to-reference loss, token-level aggregation."""
+    """The AV under RL: clipped surrogate + KL-to-reference loss, aggregated by ``loss_agg``."""
 
-    def __init__(self, model: nn.Module, sidecar: NLAConfig, lr: float, weight_decay: float, warmup: int,
-                 total_steps: int, max_grad_norm: float, settings: PolicyLossSettings) -> None:
-        self.model, self.sidecar, self.settings = model, sidecar, settings
+    def __init__(self, model: nn.Module, tokenizer: Any, sidecar: NLAConfig, settings: PolicyLossSettings,
+                 optim: OptimSettings, dp: DataParallel = LOCAL) -> None:
+        self.model, self.tokenizer, self.sidecar, self.settings = model, tokenizer, sidecar, settings
         self.hook = InjectionHook.from_config(model, sidecar)
-        self._setup_optim(model, lr, weight_decay, warmup, total_steps * settings.updates_per_rollout, max_grad_norm)
-
-    @torch.no_grad()
-    def logprobs(self, rollout: Rollout) -> Tensor:
-        """[N, L] log-probs under the current weights (the ``old_logp`` of off-policy updates)."""
-        out = []
-        for sl, _ in micro_batches(rollout.n, self.settings.micro_batch_size):
-            lp, _ = response_logprobs(self.model, self.hook, rollout.prompt_ids, rollout.response_ids[sl],
-                                      rollout.response_mask[sl], rollout.vectors[sl])
-            out.append(lp)
-        return torch.cat(out).cpu()
+        self._setup_optim(model, optim, dp)
 
     def update(self, rollout: Rollout, advantages: Tensor, ref_logp: Tensor) -> dict[str, float]:
         """Policy step(s) on one rollout; returns averaged detached metrics.
 
-        With one update per rollout (the on-policy default) ``old_logp`` is the detached
-        log-prob of this very forward, so ``ratio == 1`` in value and the gradient is the
-        exact policy gradient; no extra forward is spent. Several updates per rollout
-        compute ``old_logp`` once up front.
+        advantages, ref_logp: [N, L] for the whole rollout (each rank reads its rows). With one
+        update per rollout (the on-policy default) ``old_logp`` is the detached log-prob of this
+        very forward, so ``ratio == 1`` in value and the gradient is the exact policy gradient;
+        several updates per rollout compute ``old_logp`` once up front. Each micro-batch's loss
+        is weighted by its share of the update's batch (``micro_batch_weight`` of the mode), so
+        the accumulated gradient is that of the whole batch on any split and any number of ranks.
         """
-        s = self.settings
+        s, dp = self.settings, self.dp
+        agg = A.get_loss_agg(s.loss_agg)
         self.model.train()
         mask = rollout.response_mask.float()
-        old_all = self.logprobs(rollout) if s.updates_per_rollout > 1 else None
         per_update = rollout.n // s.updates_per_rollout
+        batches = [torch.arange(u * per_update, (u + 1) * per_update) for u in range(s.updates_per_rollout)]
+        old_all = None
+        if s.updates_per_rollout > 1:
+            old_all = torch.zeros(rollout.n, rollout.response_ids.shape[1])
+            for rows in batches:
+                mine = dp.my_rows(rows)
+                old_all[mine] = rollout_logprobs(self.model, self.hook, rollout, mine, len(rows), dp,
+                                                 s.micro_batch_size)
         sums: dict[str, float] = {}
-        n_updates = 0
-        for u in range(s.updates_per_rollout):
-            rows = torch.arange(u * per_update, (u + 1) * per_update)
-            sub_mask = mask[rows]
-            total_tokens = float(sub_mask.sum().clamp_min(1.0))
-            for sl, w_rows in micro_batches(len(rows), s.micro_batch_size):
-                idx = rows[sl]
+        step_sums: dict[str, float] = {}
+        for rows in batches:
+            for idx, real in rank_micro_batches(dp, dp.my_rows(rows), len(rows), s.micro_batch_size):
                 loss, m, pm = policy_micro_loss(self.model, self.hook, rollout, idx, advantages, ref_logp, old_all, s)
-                # Exact aggregation across micro-batches: token-mean weights by tokens, the
-                # sequence modes by rows (see aggregate_loss).
-                w = float(m.sum()) / total_tokens if s.loss_agg == "token-mean" else w_rows
-                (loss * w).backward()
-                for k, v in pm.items():
-                    if math.isfinite(v):
-                        sums[k] = sums.get(k, 0.0) + v * w
-            for k, v in self._step(self.model).items():
-                sums[k] = sums.get(k, 0.0) + v
-            n_updates += 1
-        return {k: v / n_updates for k, v in sums.items()}
+                w = agg.micro_batch_weight(m.cpu(), mask[rows]) if real else 0.0
+                (loss * (w * dp.grad_scale)).backward()
+                if real:
+                    for k, v in pm.items():
+                        if math.isfinite(v):
+                            sums[k] = sums.get(k, 0.0) + v * w
+            for k, v in self._step().items():
+                step_sums[k] = step_sums.get(k, 0.0) + v
+        total = dp.sum(sums)
+        total.update(step_sums)  # the same on every rank: the gradient norm is global
+        return {k: v / s.updates_per_rollout for k, v in total.items()}
 
+    def full_weights(self) -> dict[str, Tensor] | None:
+        """The full AV weights on the answering rank (collective when sharded); None locally."""
+        return self.dp.full_state_dict(self.model)
 
-    def save_model(self, directory: Path, tokenizer: Any, **provenance: Any) -> None:
-        """HF dir + tokenizer + AV sidecar (role av) with provenance."""
-        self.model.save_pretrained(directory, safe_serialization=True)
-        tokenizer.save_pretrained(directory)
-        write_sidecar(directory / SIDECAR_NAME, self.sidecar.replace(kind="nla_model", role="av"), **provenance)
+    def save_model(self, directory: str | Path, **provenance: Any) -> None:
+        """HF dir + tokenizer + AV sidecar (role av) with provenance, written by the answering rank."""
+        state = self.full_weights()
+        if self.dp.answers:
+            directory = Path(directory)
+            self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+            self.tokenizer.save_pretrained(directory)
+            write_sidecar(directory / SIDECAR_NAME, self.sidecar.replace(kind="nla_model", role="av"), **provenance)
 
 
 class ReferenceWorker:
     """The frozen warm-started AV: log-probs for the KL term."""
 
-    def __init__(self, model: nn.Module, sidecar: NLAConfig, micro_batch_size: int) -> None:
+    def __init__(self, model: nn.Module, sidecar: NLAConfig, micro_batch_size: int, dp: DataParallel = LOCAL
+                 ) -> None:
         self.model = model.eval().requires_grad_(False)
         self.hook = InjectionHook.from_config(model, sidecar)
-        self.micro_batch_size = micro_batch_size
+        self.micro_batch_size, self.dp = micro_batch_size, dp
 
-    @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> Tensor:
-        out = []
-        for sl, _ in micro_batches(rollout.n, self.micro_batch_size):
-            lp, _ = response_logprobs(self.model, self.hook, rollout.prompt_ids, rollout.response_ids[sl],
-                                      rollout.response_mask[sl], rollout.vectors[sl])
-            out.append(lp)
-        return torch.cat(out).cpu()
+        """Reference log-probs [n_r, L] of this rank's rows (every row locally)."""
+        mine = self.dp.my_rows(torch.arange(rollout.n))
+        return rollout_logprobs(self.model, self.hook, rollout, mine, rollout.n, self.dp, self.micro_batch_size)
 
 
 class ReconstructorWorker(_Trainable):
-    """The AR: rewards from its *live* weights, and supervised MSE updates on the same rollouts.
+    """The AR: ``mse_nrm`` from its *live* weights, and supervised MSE updates on the same rollouts.
 
-    ``score_batch`` is handed to a ``RewardBatcher`` as a bound method, so every reward is
-    computed by this very module: no copy, no reload.
+    ``mse_batch`` is handed to a ``RewardBatcher`` as a bound method, so every reward is
+    computed from this very module: no copy, no reload. It returns MSEs; the loop alone turns
+    them into rewards (``nla.rl.loop.shape_rewards``). Sharded, every rank scores the same
+    items (the forward is collective) and the caller reads rank 0's answer.
     """
 
-    def __init__(self, ar: Reconstructor, tokenizer: Any, sidecar: NLAConfig, lr: float, weight_decay: float,
-                 warmup: int, total_steps: int, max_grad_norm: float, max_length: int, micro_batch_size: int,
-                 log_mse: bool, device: torch.device) -> None:
+    def __init__(self, ar: Reconstructor, tokenizer: Any, sidecar: NLAConfig, optim: OptimSettings,
+                 max_length: int, micro_batch_size: int, device: torch.device, dp: DataParallel = LOCAL) -> None:
         self.ar, self.tokenizer, self.sidecar = ar, tokenizer, sidecar
         self.scale = sidecar.mse_scale_value()
-        self.max_length, self.micro_batch_size, self.log_mse, self.device = max_length, micro_batch_size, log_mse, device
-        self._setup_optim(ar, lr, weight_decay, warmup, total_steps, max_grad_norm)
+        self.max_length, self.micro_batch_size, self.device = max_length, micro_batch_size, device
+        self._setup_optim(ar, optim, dp)
 
     def _encode(self, explanations: list[str], padding_side: str = "right") -> dict[str, Tensor]:
         texts = [self.sidecar.ar_text(e) for e in explanations]
-        if padding_side == "right":
-            return tokenize_ar_texts(self.tokenizer, texts, self.max_length)
-        old = self.tokenizer.padding_side, self.tokenizer.truncation_side
-        self.tokenizer.padding_side, self.tokenizer.truncation_side = "left", "left"
-        try:
-            enc = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
-        finally:
-            self.tokenizer.padding_side, self.tokenizer.truncation_side = old
-        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+        return tokenize_ar_texts(self.tokenizer, texts, self.max_length, padding_side)
 
     @torch.no_grad()
     def predict(self, explanations: list[str], padding_side: str = "left") -> Tensor:
@@ -318,11 +393,11 @@ class ReconstructorWorker(_Trainable):
             self.ar.train(was)
         return pred.float().cpu()
 
-    def score_batch(self, items: list[tuple[str, Tensor]]) -> Tensor:
-        """Rewards [n] for (explanation, RAW gold [d]) pairs with the live AR weights."""
+    def mse_batch(self, items: list[tuple[str, Tensor]]) -> Tensor:
+        """``mse_nrm`` [n] for (explanation, RAW gold [d]) pairs with the live AR weights."""
         pred = self.predict([e for e, _ in items])
         gold = torch.stack([g for _, g in items]).float()
-        return mse_to_reward(pred, gold, self.scale, log_mse=self.log_mse)
+        return mse_nrm(pred, gold, self.scale)
 
     def layout_check(self, explanations: list[str], golds: Tensor) -> float:
         """Max relative difference of per-sample MSE between the reward and training layouts."""
@@ -330,25 +405,28 @@ class ReconstructorWorker(_Trainable):
         train_mse = mse_nrm(self.predict(explanations, "right"), golds, self.scale)
         return float(((reward_mse / train_mse.clamp_min(1e-12)) - 1).abs().max())
 
-    def save_model(self, directory: Path, **provenance: Any) -> None:
-        self.ar.save_pretrained(directory, self.sidecar, **provenance)
+    def save_model(self, directory: str | Path, **provenance: Any) -> None:
+        state = self.dp.full_state_dict(self.ar)
+        if self.dp.answers:
+            self.ar.save_pretrained(directory, self.sidecar, state_dict=state, **provenance)
 
     def update(self, explanations: list[str], golds: Tensor) -> dict[str, float]:
-        """One supervised step: mean mse_nrm at the last real token (right-padded layout)."""
-        if not explanations:
+        """One supervised step: mean ``mse_nrm`` over all rows (right-padded layout, this rank's share)."""
+        n = len(explanations)
+        if n == 0:
             return {"ar_loss": float("nan"), "ar_rows": 0.0}
+        dp = self.dp
         self.ar.train()
         total = 0.0
-        for sl, w in micro_batches(len(explanations), self.micro_batch_size):
-            enc = self._encode(explanations[sl], "right")
-            ids, attn = enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
-            values = self.ar(ids, attn)
-            pred = values[torch.arange(ids.shape[0], device=self.device), last_token_index(attn)]
-            loss = mse_nrm(pred, golds[sl].to(self.device), self.scale).mean()
-            (loss * w).backward()
+        for idx, real in rank_micro_batches(dp, dp.my_rows(torch.arange(n)), n, self.micro_batch_size):
+            enc = self._encode([explanations[i] for i in idx.tolist()], "right")
+            loss, _ = reconstruction_loss(self.ar, enc["input_ids"].to(self.device),
+                                          enc["attention_mask"].to(self.device), golds[idx], self.scale)
+            w = len(idx) / n if real else 0.0
+            (loss * (w * dp.grad_scale)).backward()
             total += float(loss.detach()) * w
-        stats = {f"ar_{k}": v for k, v in self._step(self.ar).items()}
-        stats.update(ar_loss=total, ar_rows=float(len(explanations)))
+        stats = {f"ar_{k}": v for k, v in self._step().items()}
+        stats.update(ar_loss=dp.sum({"ar_loss": total})["ar_loss"], ar_rows=float(n))
         return stats
 
 
@@ -371,15 +449,15 @@ class ValueModel(nn.Module):
 
 
 class ValueWorker(_Trainable):
-    """Values [N, L] for the states before each response token (the vector is injected too)."""
+    """Values [N, L] for the states before each response token (the vector is injected too). Local only."""
 
-    def __init__(self, policy_model: nn.Module, sidecar: NLAConfig, lr: float, weight_decay: float, warmup: int,
-                 total_steps: int, max_grad_norm: float, micro_batch_size: int, clip_eps: float | None) -> None:
+    def __init__(self, policy_model: nn.Module, sidecar: NLAConfig, optim: OptimSettings, micro_batch_size: int,
+                 clip_eps: float | None) -> None:
         self.model = ValueModel(policy_model)
         self.hook = InjectionHook(self.model.body, sidecar.injection_token_id, sidecar.injection_left_neighbor_id,
                                   sidecar.injection_right_neighbor_id, sidecar.injection_scale_value())
         self.micro_batch_size, self.clip_eps = micro_batch_size, clip_eps
-        self._setup_optim(self.model, lr, weight_decay, warmup, total_steps, max_grad_norm)
+        self._setup_optim(self.model, optim, LOCAL)
 
     def _values(self, rollout: Rollout, idx: Tensor) -> Tensor:
         P, L = rollout.prompt_ids.shape[0], rollout.response_ids.shape[1]
@@ -401,27 +479,26 @@ class ValueWorker(_Trainable):
     @torch.no_grad()
     def values(self, rollout: Rollout) -> Tensor:
         self.model.eval()
-        out = [self._values(rollout, torch.arange(rollout.n)[sl]).cpu()
-               for sl, _ in micro_batches(rollout.n, self.micro_batch_size)]
-        return torch.cat(out)
+        rows = torch.arange(rollout.n)
+        return torch.cat([self._values(rollout, idx).cpu()
+                          for idx, _ in rank_micro_batches(self.dp, rows, rollout.n, self.micro_batch_size)])
 
     def update(self, rollout: Rollout, old_values: Tensor, returns: Tensor) -> dict[str, float]:
         self.model.train()
         mask = rollout.response_mask.float()
-        total_tokens = float(mask.sum().clamp_min(1.0))
+        agg = A.get_loss_agg("token-mean")
         sums: dict[str, float] = {}
-        for sl, _ in micro_batches(rollout.n, self.micro_batch_size):
-            idx = torch.arange(rollout.n)[sl]
+        for idx, _ in rank_micro_batches(self.dp, torch.arange(rollout.n), rollout.n, self.micro_batch_size):
             v = self._values(rollout, idx)
             m = mask[idx].to(v.device)
             loss, vm = A.value_loss(v, old_values[idx].to(v.device), returns[idx].to(v.device), m,
-                                    clip_eps=self.clip_eps)
-            w = float(m.sum()) / total_tokens
+                                    clip_eps=self.clip_eps, agg=agg.name)
+            w = agg.micro_batch_weight(mask[idx], mask)
             (loss * w).backward()
             sums["value_loss"] = sums.get("value_loss", 0.0) + float(loss.detach()) * w
             for k, val in vm.items():
                 sums[f"value_{k}"] = sums.get(f"value_{k}", 0.0) + float(val) * w
-        sums.update({f"value_{k}": v for k, v in self._step(self.model).items()})
+        sums.update({f"value_{k}": v for k, v in self._step().items()})
         return sums
 
 
@@ -443,6 +520,7 @@ class WorkerGroups:
 
 
 __all__ = [
-    "PolicyLossSettings", "PolicyWorker", "policy_micro_loss", "ReconstructorWorker", "ReferenceWorker", "RolloutWorker",
-    "ValueModel", "ValueWorker", "WorkerGroups", "response_logprobs",
+    "OptimSettings", "PolicyLossSettings", "PolicyWorker", "ReconstructorWorker", "ReferenceWorker",
+    "RolloutWorker", "ValueModel", "ValueWorker", "WorkerGroups", "policy_micro_loss", "rank_micro_batches",
+    "response_logprobs", "rollout_logprobs",
 ]

@@ -23,7 +23,7 @@ import torch
 
 from nla import arch
 from nla.datagen.io import read_parquet, read_vectors
-from nla.reconstructor import Reconstructor
+from nla.reconstructor import Reconstructor, reconstruction_loss, tokenize_ar_texts
 from nla.sidecar import NLAConfig, resolve_sidecar
 from nla.train.common import (
     LoopSpec,
@@ -43,21 +43,6 @@ logger = logging.getLogger(__name__)
 
 class ARTrainError(ValueError):
     """A problem found before AR training starts; the message names the field and the fix."""
-
-
-def tokenize_ar_texts(tokenizer: Any, texts: list[str], max_length: int) -> dict[str, torch.Tensor]:
-    """Tokenise full AR texts, right-padded, truncated on the left so the suffix survives.
-
-    The reward path should tokenise the same way (default special tokens, no EOS appended
-    after the suffix), or its predictions will not match the trained layout.
-    """
-    old_side, old_pad = tokenizer.truncation_side, tokenizer.padding_side
-    tokenizer.truncation_side, tokenizer.padding_side = "left", "right"
-    try:
-        enc = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-    finally:
-        tokenizer.truncation_side, tokenizer.padding_side = old_side, old_pad
-    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
 
 def check_ar_suffix(input_ids: torch.Tensor, attention_mask: torch.Tensor, suffix: tuple[int, ...],
@@ -179,9 +164,8 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
         if not checked["suffix"]:
             check_ar_suffix(enc["input_ids"], enc["attention_mask"], side.critic_suffix_ids, idx)
             checked["suffix"] = True
-        pred = model.predict(enc["input_ids"].to(device), enc["attention_mask"].to(device))
-        gold = gold_all[torch.from_numpy(idx)].to(device)
-        loss = mse_nrm(pred, gold, scale).mean()
+        loss, pred = reconstruction_loss(model, enc["input_ids"].to(device), enc["attention_mask"].to(device),
+                                         gold_all[torch.from_numpy(idx)], scale)
         return loss, {
             "fve_nrm": 1.0 - float(loss.detach()) / baselines.raw_mean,
             "pred_norm": float(pred.detach().float().norm(dim=-1).mean()),

@@ -212,17 +212,24 @@ def config_from_dict(cls: type[C], data: dict[str, Any]) -> C:
     return cls(**check_config_types(cls, data))
 
 
+def read_config_file(path: str | os.PathLike, what: str = "config") -> dict[str, Any]:
+    """The mapping a YAML config file holds (an empty file is an empty mapping).
+
+    Every stage reads its file here: a syntax error names the file, line and column
+    (``nla.validation.load_yaml``).
+    """
+    p = Path(path)
+    loaded = load_yaml(p, what) or {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{p}: expected a mapping of config keys, found {type(loaded).__name__}")
+    return dict(loaded)
+
+
 def load_config(
     cls: type[C], path: str | os.PathLike | None = None, overrides: dict[str, Any] | list[str] | None = None
 ) -> C:
     """Read a YAML config (optional) and apply overrides on top."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        loaded = load_yaml(p, f"{cls.__name__} config") or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{p}: expected a mapping of config keys, found {type(loaded).__name__}")
-        data.update(loaded)
+    data: dict[str, Any] = read_config_file(path, f"{cls.__name__} config") if path is not None else {}
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
     data.update(overrides or {})
@@ -234,4 +241,5 @@ def save_config(cfg: Any, path: str | os.PathLike) -> None:
     Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
 
 
-__all__ = ["ARTrainConfig", "AVTrainConfig", "config_from_dict", "load_config", "parse_overrides", "save_config"]
+__all__ = ["ARTrainConfig", "AVTrainConfig", "config_from_dict", "load_config", "parse_overrides", "read_config_file",
+           "save_config"]

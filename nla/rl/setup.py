@@ -1,0 +1,113 @@
+"""How every RL backend builds its roles: sidecar checks, loading the AV, the role builders.
+
+A layer below the backends: ``nla.rl.backend`` (the dispatcher and the local backend) and
+``nla.rl.ray_backend`` both build their roles here, with their own ``DataParallel`` (one
+rank owning every row, or this actor's ``RankGroup``), and neither imports the other.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nla import arch
+from nla.reconstructor import Reconstructor
+from nla.rl.config import RLConfig
+from nla.rl.distributed import DataParallel
+from nla.rl.workers import (
+    OptimSettings,
+    PolicyLossSettings,
+    PolicyWorker,
+    ReconstructorWorker,
+    ReferenceWorker,
+    RolloutWorker,
+)
+from nla.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar, verify_tokenizer
+from nla.train.common import resolve_dtype
+from nla.validation import check_checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+class RLSetupError(ValueError):
+    """A problem found before RL starts; the message names the input and the fix."""
+
+
+def load_pair_sidecars(av_dir: str | Path, ar_dir: str | Path) -> tuple[NLAConfig, NLAConfig]:
+    """Read and cross-check the AV and AR checkpoint sidecars."""
+    sides = []
+    for role, d in (("av", av_dir), ("ar", ar_dir)):
+        path = Path(d)
+        if not (path / SIDECAR_NAME).is_file():
+            raise RLSetupError(f"{role}: {path} has no {SIDECAR_NAME}; pass a checkpoint written by `nla train {role}`")
+        sides.append(load_sidecar(path))
+    av, ar = sides
+    for field in ("d_model", "layer_index"):
+        # A published AV sidecar may record no layer (DESIGN §3.1): compare only what both record.
+        if None not in (getattr(av, field), getattr(ar, field)) and getattr(av, field) != getattr(ar, field):
+            raise RLSetupError(
+                f"{field}: the AV sidecar says {getattr(av, field)} but the AR sidecar says {getattr(ar, field)}; "
+                "the two checkpoints come from different datasets or subject layers"
+            )
+    if av.injection_scale_value() is None and av.injection_scale is None:
+        logger.info("AV injection_scale is null: vectors are injected raw")
+    return av, ar
+
+
+def load_av(path: str | Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM
+
+    check_checkpoint(path, "av")  # complete safetensors, recorded checksums
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True).to(device)
+    tok = arch.load_tokenizer(path)
+    return model, tok
+
+
+def build_policy_roles(cfg: RLConfig, policy_dir: str | Path, dp: DataParallel, device: torch.device, *,
+                       rollout_copy: bool) -> dict[str, Any]:
+    """The ``policy`` and ``reference`` roles, and ``rollout`` on the answering rank.
+
+    ``policy_dir`` holds the starting weights (the warm-started AV, or a checkpoint on
+    resume); the reference is always the warm-started AV (``cfg.av``). ``rollout_copy``
+    False: the rollout role shares the policy module (local: a weight sync is free); True:
+    it gets its own unsharded copy. Models are sharded by ``dp`` before any role (hooks,
+    optimiser) is built on them.
+    """
+    torch.manual_seed(cfg.seed)  # any module init draws from the RNG: every rank builds the same
+    dtype = resolve_dtype(cfg.dtype)
+    av_side, _ = load_pair_sidecars(cfg.av, cfg.ar)
+    model, tok = load_av(policy_dir, device, dtype)
+    verify_tokenizer(av_side, tok)
+    ref, _ = load_av(cfg.av, device, dtype)
+    ref.eval().requires_grad_(False)
+    dp.shard(model, arch.decoder_layers(model))
+    dp.shard(ref, arch.decoder_layers(ref))
+    roles: dict[str, Any] = {
+        "policy": PolicyWorker(model, tok, av_side, PolicyLossSettings.from_config(cfg), OptimSettings.for_policy(cfg),
+                               dp),
+        "reference": ReferenceWorker(ref, av_side, cfg.optimiser.micro_batch_size, dp),
+    }
+    if dp.answers:
+        rollout_model = load_av(policy_dir, device, dtype)[0] if rollout_copy else model
+        roles["rollout"] = RolloutWorker(rollout_model, tok, av_side, device)
+    return roles
+
+
+def build_reconstructor_role(cfg: RLConfig, ar_dir: str | Path, dp: DataParallel, device: torch.device
+                             ) -> ReconstructorWorker:
+    """The ``reconstructor`` role from ``ar_dir`` (the warm-started AR, or a checkpoint on resume)."""
+    torch.manual_seed(cfg.seed)
+    dtype = resolve_dtype(cfg.dtype)
+    _, ar_side = load_pair_sidecars(cfg.av, cfg.ar)
+    ar = Reconstructor.from_pretrained(ar_dir, dtype=dtype).to(device)
+    tok = ar.tokenizer if ar.tokenizer is not None else arch.load_tokenizer(cfg.av)
+    verify_tokenizer(ar_side, tok)
+    dp.shard(ar, arch.decoder_layers(ar.base))
+    return ReconstructorWorker(ar, tok, ar_side, OptimSettings.for_reconstructor(cfg), cfg.reconstructor.max_length,
+                               cfg.optimiser.micro_batch_size, device, dp)
+
+
+__all__ = ["RLSetupError", "build_policy_roles", "build_reconstructor_role", "load_av", "load_pair_sidecars"]
