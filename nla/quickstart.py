@@ -64,7 +64,9 @@ PRESETS: dict[str, QuickstartPreset] = {
         # 120 steps: measured held-out round-trip FVE 0.466 -> 0.619 (60 steps: -> 0.499).
         rl=dict(steps=120, eval_every=40, eval_max_rows=64,
                 rollout=dict(rollout_batch_size=16, n_samples_per_prompt=8, max_response_len=64),
-                optimiser=dict(lr=1e-4, micro_batch_size=64), reconstructor=dict(lr=3e-4),
+                optimiser=dict(lr=1e-4, micro_batch_size=64),
+                reward=dict(format_penalty=0.5, format_checks="world"),
+                reconstructor=dict(lr=3e-4, replay_fraction=0.25),
                 checkpointing=dict(save_every=60, keep_last=1)),
         eval_max_rows=None,
     ),
@@ -180,8 +182,11 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
                  lambda: _evaluate(av_info["checkpoint"], ar_info["checkpoint"], eval_ds, out / "eval_warmstart",
                                    ev_kw, frozen))
     # 5. RL
+    rl = dict(p.rl)
+    if rl.get("reconstructor", {}).get("replay_fraction", 0) > 0:  # the AR replays its own warm-start data
+        rl["reconstructor"] = {**rl["reconstructor"], "replay_dataset": str(datagen / "ar_sft.parquet")}
     rl_cfg = dict(av=av_info["checkpoint"], ar=ar_info["checkpoint"], dataset=str(rl_train),
-                  eval_dataset=str(eval_ds), out_dir=str(out / "rl"), progress=progress, **p.rl,
+                  eval_dataset=str(eval_ds), out_dir=str(out / "rl"), progress=progress, **rl,
                   backend=dict(name=backend))
     rl_info = stage("rl", rl_cfg, lambda: _rl(run_rl, RLConfig.from_dict(rl_cfg)))
     # 6. eval after RL

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from nla.vectors import mse_nrm
+from nla.world.explain import degeneracy, split_sentences
 
 __all__ = [
     "FAILED_EXTRACTION_MSE",
@@ -51,8 +52,10 @@ __all__ = [
     "BatcherStats",
     "RewardBatcher",
     "RewardService",
+    "FORMAT_CHECKS",
     "extract_explanation",
     "failed_extraction_reward",
+    "format_flags",
     "mse_to_reward",
     "reward_from_mse",
     "score_all",
@@ -148,6 +151,31 @@ def reward_from_mse(mse: Tensor, log_mse: bool = False) -> Tensor:
     if log_mse:
         return -torch.log(mse.clamp_min(LOG_MSE_FLOOR))
     return -mse
+
+
+# ------------------------------------------------------------------ format checks
+def _generic_degenerate(text: str) -> bool:
+    """A repeated sentence or an unbalanced double quote: degenerate in any explanation language."""
+    sentences = [s.lower() for s in split_sentences(text)]
+    return len(set(sentences)) < len(sentences) or text.count('"') % 2 == 1
+
+
+def _world_degenerate(text: str) -> bool:
+    """``nla.world.explain.degeneracy``: also a broken quotation or a sentence outside the world's language."""
+    return degeneracy(text).any
+
+
+# name -> text -> degenerate?  ``reward.format_checks`` picks one.
+FORMAT_CHECKS: dict[str, Callable[[str], bool]] = {"generic": _generic_degenerate, "world": _world_degenerate}
+
+
+def format_flags(explanations: Sequence[str | None], checks: str) -> Tensor:
+    """[N] bool: which explanations are degenerate under ``FORMAT_CHECKS[checks]`` (None: not flagged;
+    a failed extraction is charged on its own)."""
+    if checks not in FORMAT_CHECKS:
+        raise ValueError(f"format_checks: expected one of {sorted(FORMAT_CHECKS)}, found {checks!r}")
+    check = FORMAT_CHECKS[checks]
+    return torch.tensor([bool(e) and check(e) for e in explanations], dtype=torch.bool)
 
 
 # ------------------------------------------------------------------ batcher

@@ -313,3 +313,63 @@ def test_chunked_generation_scores_every_chunk_with_the_live_ar(pair, tmp_path):
     torch.testing.assert_close(r.mse[ok], direct.float(), atol=1e-5, rtol=0)
     torch.testing.assert_close(r.rewards[ok], -direct.float(), atol=1e-5, rtol=0)
     assert torch.all(r.rewards[~ok] == FAILED_EXTRACTION_REWARD)
+
+
+def test_format_penalty_charges_degenerate_explanations_only():
+    from nla.rl.loop import shape_rewards
+    from nla.rl.types import COMPLETED, FAILED_EXTRACTION
+
+    status = torch.tensor([COMPLETED, COMPLETED, FAILED_EXTRACTION])
+    mse = torch.tensor([0.5, 0.25, float("nan")])
+    lengths = torch.tensor([5, 5, 5])
+    degenerate = torch.tensor([False, True, True])
+    cfg = RLConfig.from_dict(dict(av="a", ar="b", dataset="c", reward=dict(format_penalty=0.5)))
+    # -0.5; -0.25 - 0.5 = -0.75; a failure is charged the orthogonal MSE only (no penalty on top)
+    torch.testing.assert_close(shape_rewards(status, mse, lengths, cfg, degenerate), torch.tensor([-0.5, -0.75, -2.0]))
+    off = cfg.replace(reward=dict(format_penalty=0.0))
+    torch.testing.assert_close(shape_rewards(status, mse, lengths, off, degenerate), torch.tensor([-0.5, -0.25, -2.0]))
+    with pytest.raises(ValueError, match="reward.format_penalty"):
+        cfg.replace(reward=dict(format_penalty=-1.0))
+    with pytest.raises(ValueError, match="reward.format_checks: expected one of"):
+        cfg.replace(reward=dict(format_checks="strict"))
+
+
+def test_format_flags_generic_and_world():
+    from nla.reward import format_flags
+
+    texts = [
+        'The current word is "He". The mood is sad.',  # clean in both
+        "The mood is sad. The mood is sad.",  # repeated sentence
+        'The current word is "He. The mood is sad.',  # unbalanced quote
+        "The tone is cooking. The mood is sad.",  # a mood template with an activity word: outside the language
+        None,  # failed extraction: charged elsewhere
+    ]
+    assert format_flags(texts, "generic").tolist() == [False, True, True, False, False]
+    assert format_flags(texts, "world").tolist() == [False, True, True, True, False]
+    with pytest.raises(ValueError, match="format_checks: expected one of"):
+        format_flags(texts, "nope")
+
+
+def test_replay_rows_join_each_ar_update(pair, tmp_path):
+    from nla.rl.loop import ReplayData
+
+    ar_ds = pair["root"] / "ar_sft.parquet"
+    replay = ReplayData.load(ar_ds)
+    assert len(replay.texts) == 64 and replay.vectors.shape == (64, D)
+    # fraction 0.25 of an update with 12 rollout rows: 12 * 0.25 / 0.75 = 4 replay rows; keyed on (seed, step)
+    t1, v1 = replay.sample(12, 0.25, seed=0, step=3)
+    t2, v2 = replay.sample(12, 0.25, seed=0, step=3)
+    assert len(t1) == 4 and t1 == t2 and torch.equal(v1, v2)
+    assert replay.sample(12, 0.25, seed=0, step=4)[0] != t1
+    for t, v in zip(t1, v1, strict=True):  # each text comes with its own vector
+        assert torch.equal(v, replay.vectors[replay.texts.index(t)]) or replay.texts.count(t) > 1
+    cfg = _cfg(pair, tmp_path, steps=2, reconstructor=dict(replay_dataset=str(ar_ds), replay_fraction=0.5))
+    res = run_rl(cfg)
+    rows = read_metrics(tmp_path / "rl.jsonl")
+    for r in rows:  # half of every AR update is replay: as many replay rows as rollout rows
+        assert r["ar_replay_rows"] == r["ar_rows"] / 2
+    assert res.metrics["step"] == 2
+    with pytest.raises(ValueError, match="reconstructor.replay_dataset"):
+        _cfg(pair, tmp_path, reconstructor=dict(replay_fraction=0.5))
+    with pytest.raises(ValueError, match="has no 'explanation' column"):
+        ReplayData.load(pair["dataset"])

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nla.configcheck import check_config_types
+from nla.reward import FORMAT_CHECKS
 from nla.rl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
 from nla.train.config import parse_overrides, read_config_file, save_config
 
@@ -191,6 +192,11 @@ class RewardConfig:
     sample with a clear error instead of hanging the run (null = wait forever).
     step0_guard_tol: refuse to start when the padded reward path and the AR's training layout
     disagree by more than this ratio of MSEs.
+    format_penalty / format_checks: subtract ``format_penalty`` from the reward of an
+    explanation that ``nla.reward.FORMAT_CHECKS[format_checks]`` flags as degenerate
+    ("generic": a repeated sentence or an unbalanced quote; "world": also a sentence outside the
+    world's explanation language). Without it RL learns to repeat and to misuse templates,
+    which the live AR learns to read (a private code). 0 = off.
     """
 
     log_mse: bool = False
@@ -200,8 +206,13 @@ class RewardConfig:
     reward_flush_seconds: float = 0.05
     reward_timeout_seconds: float | None = 600.0
     step0_guard_tol: float = 1e-4
+    format_penalty: float = 0.0
+    format_checks: str = "generic"
 
     def __post_init__(self) -> None:
+        _one_of("reward.format_checks", FORMAT_CHECKS, self.format_checks)
+        if not (self.format_penalty >= 0 and math.isfinite(self.format_penalty)):
+            _bad("reward.format_penalty", "a finite number >= 0 (0 = off)", self.format_penalty)
         _positive_ints("reward.", self, "reward_batch_size")
         _positive_floats("reward.", self, "reward_flush_seconds", "step0_guard_tol")
         if self.reward_timeout_seconds is not None and not (
@@ -216,15 +227,28 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class ReconstructorConfig:
-    """The online AR: its learning rate (null = optimiser.lr: parity) and token cap per text."""
+    """The online AR: its learning rate (null = optimiser.lr: parity) and token cap per text.
+
+    replay_dataset / replay_fraction: each AR update also trains on data explanations (a
+    parquet with ``explanation`` and ``activation_vector``, e.g. the AR warm-start split), so
+    that they are ``replay_fraction`` of its rows. The AR keeps reading honest English instead
+    of drifting toward whatever the AV writes. 0 = off.
+    """
 
     lr: float | None = None
     max_length: int = 256
+    replay_dataset: str | None = None
+    replay_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if self.lr is not None:
             _positive_floats("reconstructor.", self, "lr")
         _positive_ints("reconstructor.", self, "max_length")
+        if not 0.0 <= self.replay_fraction < 1.0:
+            _bad("reconstructor.replay_fraction", "a share in [0, 1) (0 = off)", self.replay_fraction)
+        if self.replay_fraction > 0 and not self.replay_dataset:
+            _bad("reconstructor.replay_dataset",
+                 "a parquet of data explanations (e.g. ar_sft.parquet) when replay_fraction > 0", self.replay_dataset)
 
 
 @dataclass(frozen=True)

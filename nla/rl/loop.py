@@ -38,7 +38,7 @@ import torch
 from nla.datagen.io import read_parquet, read_vectors
 from nla.health import StuckRunMonitor
 from nla.metrics import MetricsLogger
-from nla.reward import FAILED_EXTRACTION_MSE, RewardService, reward_from_mse
+from nla.reward import FAILED_EXTRACTION_MSE, RewardService, format_flags, reward_from_mse
 from nla.rl import algorithms as A
 from nla.rl.backend import build_groups
 from nla.rl.config import RLConfig, save_rl_config
@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 RL_STATE_FILE = "rl_state.pt"
 PLOT_KEYS = ["reward_mean", "fve_nrm", "kl", "response_len", "ar_loss", "fact_recall", "eval_fve_nrm",
-             "extraction_fail_rate"]
+             "extraction_fail_rate", "degenerate_rate", "eval_fact_recall"]
 
 
 class RLGuardError(RuntimeError):
@@ -86,6 +86,35 @@ class RLData:
 
 
 @dataclass
+class ReplayData:
+    """Data explanations the AR keeps training on during RL (``reconstructor.replay_dataset``)."""
+
+    texts: list[str]
+    vectors: torch.Tensor  # [R, d] RAW
+
+    @classmethod
+    def load(cls, path: str | Path) -> ReplayData:
+        table = read_parquet(path)
+        if "explanation" not in table.column_names:
+            raise ValueError(f"reconstructor.replay_dataset: {path} has no 'explanation' column (found "
+                             f"{table.column_names}); use a split with data explanations, e.g. ar_sft.parquet")
+        texts = table.column("explanation").to_pylist()
+        bad = [i for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()]
+        if bad:
+            raise ValueError(f"reconstructor.replay_dataset: {path} rows {bad[:10]} have no explanation text")
+        return cls(texts, torch.from_numpy(read_vectors(table, source=path).copy()))
+
+    def sample(self, n_rollout_rows: int, fraction: float, seed: int, step: int) -> tuple[list[str], torch.Tensor]:
+        """Rows so that they make ``fraction`` of an AR update with ``n_rollout_rows`` rollout rows;
+        drawn from an RNG keyed on ``(seed, step)`` (a resumed run replays the same rows)."""
+        n = int(round(n_rollout_rows * fraction / (1.0 - fraction)))
+        if n == 0:
+            return [], self.vectors[:0]
+        idx = np.random.default_rng([seed, step]).choice(len(self.texts), size=n, replace=n > len(self.texts))
+        return [self.texts[i] for i in idx], self.vectors[torch.from_numpy(idx)]
+
+
+@dataclass
 class RLResult:
     out_dir: Path
     checkpoint_dir: Path
@@ -99,13 +128,15 @@ def reward_items(rollout: Rollout) -> list[tuple[str, torch.Tensor]]:
     return [(rollout.explanations[i], rollout.vectors[i]) for i in rollout.ok.nonzero(as_tuple=True)[0].tolist()]
 
 
-def shape_rewards(status: torch.Tensor, mse: torch.Tensor, lengths: torch.Tensor, cfg: RLConfig) -> torch.Tensor:
-    """The one place a sample's reward is made. status, mse, lengths: [N] -> rewards [N] (fp32).
+def shape_rewards(status: torch.Tensor, mse: torch.Tensor, lengths: torch.Tensor, cfg: RLConfig,
+                  degenerate: torch.Tensor | None = None) -> torch.Tensor:
+    """The one place a sample's reward is made. status, mse, lengths, degenerate: [N] -> rewards [N] (fp32).
 
     A sample whose explanation was not extracted (``status != COMPLETED``) counts as
     ``FAILED_EXTRACTION_MSE`` whatever ``mse`` holds for it; the reward is ``-mse`` or, with
     ``log_mse``, ``-log(mse)`` (``reward_from_mse``); DAPO's soft overlong punishment is added
-    when ``overlong_buffer_len > 0``.
+    when ``overlong_buffer_len > 0``; a completed explanation flagged ``degenerate`` loses
+    ``format_penalty``.
     """
     failed = status != COMPLETED
     charged = torch.where(failed, torch.full_like(mse, FAILED_EXTRACTION_MSE), mse).float()
@@ -113,15 +144,19 @@ def shape_rewards(status: torch.Tensor, mse: torch.Tensor, lengths: torch.Tensor
     if cfg.reward.overlong_buffer_len > 0:
         rewards = rewards + A.overlong_penalty(lengths, cfg.rollout.max_response_len,
                                                cfg.reward.overlong_buffer_len, cfg.reward.overlong_penalty_factor)
+    if degenerate is not None and cfg.reward.format_penalty > 0:
+        rewards = rewards - cfg.reward.format_penalty * (degenerate & ~failed).float()
     return rewards
 
 
 def fill_rewards(rollout: Rollout, scored_mse: list[float], cfg: RLConfig) -> None:
-    """Set ``rollout.mse`` (the AR's ``mse_nrm`` of the ok samples, NaN elsewhere) and ``rollout.rewards``."""
+    """Set ``rollout.mse`` (the AR's ``mse_nrm`` of the ok samples, NaN elsewhere), ``rollout.degenerate``
+    and ``rollout.rewards``."""
     mse = torch.full((rollout.n,), math.nan)
     mse[rollout.ok] = torch.tensor(scored_mse, dtype=torch.float32) if scored_mse else torch.zeros(0)
     rollout.mse = mse
-    rollout.rewards = shape_rewards(rollout.status, mse, rollout.lengths, cfg)
+    rollout.degenerate = format_flags(rollout.explanations, cfg.reward.format_checks)
+    rollout.rewards = shape_rewards(rollout.status, mse, rollout.lengths, cfg, rollout.degenerate)
 
 
 def score_rollout(rollout: Rollout, service: RewardService, cfg: RLConfig) -> None:
@@ -218,6 +253,8 @@ def rollout_metrics(r: Rollout, baseline: float) -> dict[str, float]:
         "truncation_rate": float((r.status == TRUNCATED).float().mean()),
         "extraction_fail_rate": float((r.status != COMPLETED).float().mean()),
     }
+    if r.degenerate is not None:
+        m["degenerate_rate"] = float(r.degenerate.float().mean())
     if mse.numel():
         m["mse_nrm"] = float(mse.mean())
         m["fve_nrm"] = 1.0 - float(mse.mean()) / baseline
@@ -281,7 +318,8 @@ def evaluate(groups: WorkerGroups, cfg: RLConfig, data: RLData, baseline: float,
     m = rollout_metrics(r, baseline)
     m.update(grade_facts(r, data.facts))
     return {f"eval_{k}": v for k, v in m.items() if k in ("fve_nrm", "mse_nrm", "reward_mean", "fact_recall",
-                                                           "fact_precision", "extraction_fail_rate")}
+                                                           "fact_precision", "extraction_fail_rate",
+                                                           "degenerate_rate")}
 
 
 def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None = None) -> RLResult:
@@ -313,6 +351,12 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
     baseline = float(predict_mean_baselines(data.vectors, scale).raw_mean)
     eval_baseline = float(predict_mean_baselines(eval_data.vectors, scale).raw_mean) if eval_data else baseline
     cursor = DataCursor(n=data.vectors.shape[0], seed=cfg.seed)
+    replay = None
+    if cfg.reconstructor.replay_fraction > 0:
+        replay = ReplayData.load(cfg.reconstructor.replay_dataset)
+        if replay.vectors.shape[1] != data.vectors.shape[1]:
+            raise ValueError(f"reconstructor.replay_dataset: {cfg.reconstructor.replay_dataset} holds "
+                             f"{replay.vectors.shape[1]}-d vectors, the RL data {data.vectors.shape[1]}-d")
     step = 0
     if ckpt is not None:
         state = torch.load(ckpt / RL_STATE_FILE, weights_only=True)
@@ -361,7 +405,12 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
             t2 = time.perf_counter()
             ok = everything.ok
             exps = [e for e, k in zip(everything.explanations, ok.tolist(), strict=True) if k]
-            m.update(groups.reconstructor.update(exps, everything.vectors[ok]))
+            golds = everything.vectors[ok]
+            if replay is not None:
+                r_texts, r_golds = replay.sample(len(exps), cfg.reconstructor.replay_fraction, cfg.seed, step)
+                exps, golds = exps + r_texts, torch.cat([golds, r_golds.to(golds.dtype)])
+                m["ar_replay_rows"] = float(len(r_texts))
+            m.update(groups.reconstructor.update(exps, golds))
             m["time_ar"] = time.perf_counter() - t2
             groups.rollout.sync_weights(groups.policy)
             step += 1

@@ -42,6 +42,7 @@ class Rollout:
     rewards: Tensor | None = None  # [N] after scoring
     mse: Tensor | None = None  # [N] mse_nrm of scored samples (nan where extraction failed)
     predictions: Tensor | None = None  # [N, d] AR predictions (nan rows where extraction failed)
+    degenerate: Tensor | None = None  # [N] bool: flagged by reward.format_checks (after scoring)
 
     @property
     def n(self) -> int:
@@ -68,6 +69,7 @@ class Rollout:
             rewards=None if self.rewards is None else self.rewards[idx],
             mse=None if self.mse is None else self.mse[idx],
             predictions=None if self.predictions is None else self.predictions[idx],
+            degenerate=None if self.degenerate is None else self.degenerate[idx],
         )
 
     @staticmethod
@@ -95,5 +97,5 @@ class Rollout:
             response_mask=torch.cat([pad(p.response_mask, 0) for p in parts]),
             texts=[t for p in parts for t in p.texts], explanations=[e for p in parts for e in p.explanations],
             status=torch.cat([p.status for p in parts]), rewards=cat_opt("rewards"), mse=cat_opt("mse"),
-            predictions=cat_opt("predictions"),
+            predictions=cat_opt("predictions"), degenerate=cat_opt("degenerate"),
         )
