@@ -77,15 +77,21 @@ def render_fact(fact: Fact, rng: random.Random) -> str:
     return rng.choice(FACT_TEMPLATES[fact.kind]).format(w=w)
 
 
-def render_facts(facts: Iterable[Fact], rng: random.Random) -> str:
-    """English sentences naming each fact once, in random order with random phrasing.
+_KIND_ORDER = {k: i for i, k in enumerate(KINDS)}  # person, place, activity, object, mood, time
 
+
+def render_facts(facts: Iterable[Fact], rng: random.Random) -> str:
+    """English sentences naming each fact once, with random phrasing, in a fixed order of kinds
+    (who, where, doing what, holding what, feeling how, when).
+
+    The fixed order is what a careful describer would use, and it lets a verbalizer decoding
+    greedily go through the kinds one by one instead of stopping after the likeliest few
+    (measured: with shuffled order the warm-start AV named no activity or object at all).
     An empty set renders a generic sentence that parses to no facts.
     """
-    ordered = sorted(facts)  # sort first: set order depends on PYTHONHASHSEED
+    ordered = sorted(facts, key=lambda f: (_KIND_ORDER[f.kind], f.value))
     if not ordered:
         return rng.choice(GENERIC_EXPLANATIONS)
-    rng.shuffle(ordered)
     return " ".join(render_fact(f, rng) for f in ordered)
 
 
