@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,15 +63,19 @@ PRESETS: dict[str, QuickstartPreset] = {
         ar=dict(max_steps=400, eval_every=100, save_every=400, **_AR_COMMON),
         av=dict(max_steps=500, eval_every=100, save_every=500, smoke_num=3, smoke_max_new_tokens=48, **_AV_COMMON),
         # 120 steps: measured held-out round-trip FVE 0.466 -> 0.619 (60 steps: -> 0.499).
-        rl=dict(steps=120, eval_every=40, eval_max_rows=64,
+        rl=dict(steps=100, eval_every=25, eval_max_rows=64,
                 rollout=dict(rollout_batch_size=16, n_samples_per_prompt=8, max_response_len=64),
-                optimiser=dict(lr=1e-4, micro_batch_size=64),
-                reward=dict(format_penalty=0.5, format_checks="world"),
+                optimiser=dict(lr=2e-4, micro_batch_size=64),
+                reward=dict(format_penalty=1.0, format_checks="world"),
                 reconstructor=dict(lr=3e-4, replay_fraction=0.25),
                 checkpointing=dict(save_every=60, keep_last=1)),
         eval_max_rows=None,
     ),
 }
+
+
+# Stages that own a directory ``out/<stage>`` (datagen is resumable stage by stage on its own).
+STAGE_DIRS = ("ar", "av", "rl", "eval_warmstart", "eval_rl")
 
 
 @dataclass
@@ -143,9 +148,16 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
         configs[name] = config
         cached = _cached_stage(out, name, config)
         if cached is not None:
-            logger.info("[%s] cached: %s", name, {k: v for k, v in cached.items() if k not in ("config",)})
+            logger.info("[%s] cached (it took %.1f s); %s", name, float(cached.get("seconds", 0.0)),
+                        out / f"{name}.stage_done.json")
             stages.append(StageRecord(name, float(cached.get("seconds", 0.0)), True, cached))
             return cached
+        stale = out / name
+        if name in STAGE_DIRS and stale.exists():
+            # A stage that reruns (new config, or a crash before it finished) starts from an empty
+            # directory: old checkpoints and logs never mix with the new run's.
+            logger.info("[%s] clearing the previous run's %s", name, stale)
+            shutil.rmtree(stale)
         logger.info("[%s] running", name)
         t0 = time.perf_counter()
         info = fn()
@@ -177,8 +189,11 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     ev_kw = dict(max_rows=p.eval_max_rows, max_new_tokens=p.max_new_tokens)
     # The warm-start AR is the frozen reader of both evaluations (the same AR as the live one here).
     frozen = ar_info["checkpoint"]
+    # Each eval's config names the hashes of the stages that made its checkpoints: a retrained
+    # pair at the same path is evaluated again.
     warm = stage("eval_warmstart", {"av": av_info["checkpoint"], "ar": ar_info["checkpoint"], "frozen_ar": frozen,
-                                    "dataset": str(eval_ds), **ev_kw},
+                                    "dataset": str(eval_ds), "made_by": [_hash(configs["ar"]), _hash(configs["av"])],
+                                    **ev_kw},
                  lambda: _evaluate(av_info["checkpoint"], ar_info["checkpoint"], eval_ds, out / "eval_warmstart",
                                    ev_kw, frozen))
     # 5. RL
@@ -191,7 +206,7 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     rl_info = stage("rl", rl_cfg, lambda: _rl(run_rl, RLConfig.from_dict(rl_cfg)))
     # 6. eval after RL
     after = stage("eval_rl", {"av": rl_info["av"], "ar": rl_info["ar"], "frozen_ar": frozen, "dataset": str(eval_ds),
-                              **ev_kw},
+                              "made_by": [_hash(configs["ar"]), _hash(configs["av"]), _hash(configs["rl"])], **ev_kw},
                   lambda: _evaluate(rl_info["av"], rl_info["ar"], eval_ds, out / "eval_rl", ev_kw, frozen))
     # 7. report
     from nla.report import write_report

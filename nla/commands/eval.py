@@ -1,4 +1,4 @@
-"""`nla eval --av DIR --ar DIR --dataset PARQUET [--max-rows N] [--out DIR]`: held-out evaluation of a pair."""
+"""`nla eval --av DIR --ar DIR --dataset PARQUET [--frozen-ar DIR] [--max-rows N] [--out DIR]`: held-out evaluation."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="evaluate an AV/AR pair on a held-out parquet (FVE, faithfulness, baselines)")
     p.add_argument("--av", help="verbalizer checkpoint dir (omit to evaluate the AR alone)")
     p.add_argument("--ar", required=True, help="reconstructor checkpoint dir")
+    p.add_argument("--frozen-ar", help="a second AR (the warm-start one) that also reads the AV's explanations: "
+                                       "a private code between an RL'd pair shows as a gap to it")
     p.add_argument("--dataset", required=True, help="held-out parquet with activation_vector (+ sidecar)")
     p.add_argument("--max-rows", type=positive_int, help="evaluate a seeded random subset of this many rows")
     p.add_argument("--seed", type=int, default=0)
@@ -47,9 +49,10 @@ def run(args: argparse.Namespace) -> int:
         check_output_path(args.out, "--out")
     read_vectors(args.dataset)  # NaN / Inf / zero rows are named with the file before any model loads
     client = NLAClient(args.av, args.ar, device=args.device, dtype=args.dtype, sidecar=args.sidecar)
+    frozen = NLAClient(None, args.frozen_ar, device=args.device, dtype=args.dtype) if args.frozen_ar else None
     report = evaluate_pair(client, args.dataset, max_rows=args.max_rows, seed=args.seed,
                            text_explainer_baseline=not args.no_text_explainer, n_show=args.samples,
-                           max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+                           max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, frozen_ar=frozen)
     md = report.to_markdown()
     if args.out:
         out = Path(args.out)
