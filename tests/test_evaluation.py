@@ -171,8 +171,12 @@ def test_cli_eval_verbalize_score(nla_pair, tmp_path, capsys):  # noqa: F811
     av, ar = str(nla_pair.av_dir), str(nla_pair.ar_dir)
     out = tmp_path / "eval"
     assert main(["eval", "--av", av, "--ar", ar, "--dataset", str(path), "--max-rows", "4", "--out", str(out),
-                 "--max-new-tokens", "14", "--device", "cpu"]) == 0
-    assert "| AV → AR round trip |" in capsys.readouterr().out
+                 "--max-new-tokens", "14", "--device", "cpu", "--frozen-ar", ar]) == 0
+    printed = capsys.readouterr().out
+    assert "| AV → AR round trip |" in printed and "| AV → frozen warm-start AR |" in printed
+    rows = {r["name"]: r for r in json.loads((out / "eval.json").read_text())["rows"]}
+    # the same AR as the live one: the frozen reader's numbers are the round trip's
+    assert rows["AV → frozen warm-start AR"]["fve"] == pytest.approx(rows["AV → AR round trip"]["fve"], abs=1e-6)
     assert json.loads((out / "eval.json").read_text())["n_rows"] == 4 and (out / "eval.md").is_file()
 
     np.save(tmp_path / "v.npy", gold.numpy())

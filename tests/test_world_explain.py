@@ -148,3 +148,27 @@ def test_word_rate_zero_never_names_the_word():
     assert all("current word" not in ex.explain(facts, k, "calm") for k in range(50))
     with pytest.raises(ValueError, match="word_rate"):
         TextExplainer(word_rate=1.5)
+
+
+def test_degeneracy_on_hand_made_explanations():
+    from nla.world.explain import degeneracy, in_language, split_sentences
+
+    clean = 'The current word is "kite". Leo is one of the characters. The tone is calm.'
+    assert not degeneracy(clean).any and all(in_language(s) for s in split_sentences(clean))
+    # a repeated sentence (case-insensitive)
+    d = degeneracy("The mood is sad. the mood is sad.")
+    assert (d.repeated_sentence, d.broken_quote, d.outside_language) == (True, False, False)
+    # a broken quotation: the quote runs past the word
+    d = degeneracy('The current word is " umbrella in the morning.".')
+    assert d.broken_quote and d.outside_language and not d.repeated_sentence
+    # an unmatched quote
+    assert degeneracy('The current word is "kite. The mood is sad.').broken_quote
+    # a template with a word of another kind ("tone" is a mood template, "cooking" an activity)
+    d = degeneracy("The tone is cooking.")
+    assert d.outside_language and not d.broken_quote and not d.repeated_sentence
+    # free text is outside the language; None / empty is not degenerate (failures are counted apart)
+    assert degeneracy("Alice is in the garden").outside_language
+    assert not degeneracy(None).any and not degeneracy("  ").any
+    # a period inside a quotation does not end the sentence
+    assert split_sentences('The current word is "a.b". The mood is sad.') == ['The current word is "a.b".',
+                                                                               "The mood is sad."]

@@ -22,7 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     pr.add_argument("--out", type=Path, default=None, help="world base directory (default: $NLA_CACHE/world)")
     pr.add_argument("--layers", default=None, help="comma-separated block indices (default: every block but the last)")
     pr.add_argument("--train-docs", type=int, default=1500, help="training stories the probes fit on (default 1500)")
-    pr.add_argument("--test-docs", type=int, default=300, help="held-out stories they are scored on (default 300)")
+    pr.add_argument("--test-docs", type=int, default=None,
+                    help="held-out stories they are scored on (default: 300, or all the world holds out if fewer)")
     pr.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     pr.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     pr.set_defaults(func=run_probe)
@@ -85,14 +86,15 @@ def run_probe(args: argparse.Namespace) -> int:
     from nla.world.probe import best_layer, probe_table_markdown, probe_world, write_probe_json
 
     for name in ("train_docs", "test_docs"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, found {getattr(args, name)}")
     art = build_world(_target(args), out=args.out, progress=not args.no_progress)
+    n_test = args.test_docs if args.test_docs is not None else min(300, art.config.n_heldout_docs)
     results = probe_world(art, layers=_parse_layers(args.layers), n_train_docs=args.train_docs,
-                          n_test_docs=args.test_docs, progress=not args.no_progress)
+                          n_test_docs=n_test, progress=not args.no_progress)
     best = best_layer(results)
     print(f"world '{art.config.name}' at {art.root}: top-1 accuracy of a linear probe per fact kind, "
-          f"on {args.test_docs} held-out stories")
+          f"on {n_test} held-out stories")
     print(probe_table_markdown(results, chosen=art.config.default_layer))
     print(f"best layer {best}; the world's default extraction layer is {art.config.default_layer}")
     if args.json is not None:
