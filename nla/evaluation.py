@@ -19,7 +19,11 @@ Conventions (where this departs from a bare metric):
 5. ``frozen_ar``: the AV's explanations are also read by an AR that never saw them (the
    warm-start AR). A private code between an RL'd AV and its live AR shows up as a gap
    between "AV → AR round trip" and "AV → frozen warm-start AR".
-6. The text-explainer row uses the dataset's ``explanation`` column when present (that is
+6. The oracle row (world data with ``current_word``): every true fact and the current word,
+   nothing else (``nla.world.explain.oracle_explanation``), read by the live AR: the ceiling of
+   the round trip for explanations that say only true things. A round trip above it comes
+   from something other than the facts (a private code, or luck on the phrasing).
+7. The text-explainer row uses the dataset's ``explanation`` column when present (that is
    the explainer's output); otherwise (the ``rl`` split) it regenerates the world's
    ``TextExplainer`` output from the row's facts with the datagen settings recorded in the
    dataset sidecar's provenance (defaults when they cannot be found).
@@ -364,6 +368,17 @@ def evaluate_pair(
         report.rows.append(row_stats("text explainer → AR", mse, cos, base.raw_mean, 0.0,
                                      faithfulness(te, facts) if facts is not None else None,
                                      degeneracy_rates(te) if facts is not None else None))
+    if facts is not None and "current_word" in cols:
+        from nla.world import Fact
+        from nla.world.explain import oracle_explanation
+
+        words = table.column("current_word").to_pylist()
+        oracle = [oracle_explanation([Fact.parse(f) for f in (fs or [])], w, int(r))
+                  for fs, w, r in zip(facts, words, dataset_rows, strict=True)]
+        res = client.score(oracle, gold, batch_size=batch_size)
+        mse, cos = _filled(res, gold, scale)
+        report.rows.append(row_stats("oracle: every true fact → AR", mse, cos, base.raw_mean, res.failure_rate,
+                                     faithfulness(oracle, facts), degeneracy_rates(oracle)))
     g = normalize_activation(gold, scale)
     mu = g.mean(0, keepdim=True).expand_as(g)
     report.rows.append(row_stats("predict the mean (raw)", ((g - mu) ** 2).mean(-1), cosine(mu, g), base.raw_mean))

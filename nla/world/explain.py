@@ -174,6 +174,17 @@ def degeneracy(text: str | None) -> Degeneracy:
     return Degeneracy(repeated, broken, outside)
 
 
+def oracle_explanation(facts: Iterable[Fact], current_word: str | None, key: int) -> str:
+    """Every true fact and the current word, nothing else: the most faithful explanation the
+    language can say (phrasing drawn from an RNG keyed on ``key``). Read by an AR it gives the
+    ceiling of the round trip for explanations that only say true things."""
+    rng = random.Random(f"nla-oracle:{key}")
+    text = render_facts(facts, rng)
+    if current_word and current_word.strip():
+        text = render_current_word(current_word.strip()) + " " + text
+    return text
+
+
 @dataclass(frozen=True)
 class Grade:
     """Fact-level faithfulness of one explanation (conventions in the module docstring).
