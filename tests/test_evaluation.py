@@ -136,7 +136,7 @@ def test_oracle_row_reads_every_true_fact(nla_pair, client, tmp_path):  # noqa: 
     pq.write_table(t.append_column("current_word", pa.array(words)), path)
     report = evaluate_pair(client, path, max_new_tokens=14, n_show=0)
     row = report.row("oracle: every true fact → AR")
-    texts = [oracle_explanation([Fact.parse(f) for f in fs], w, i) for i, (fs, w) in enumerate(zip(FACTS, words))]
+    texts = [oracle_explanation([Fact.parse(f) for f in fs], w, i) for i, (fs, w) in enumerate(zip(FACTS, words, strict=True))]
     assert texts[0].startswith('The current word is "garden". ') and texts[4] in (
         "This is the start of a story.", "The text has only just begun.", "Nothing specific has been said yet.",
         "A new story is beginning.")  # no facts, no word: a generic remark
