@@ -127,7 +127,12 @@ def write_report(out: Path, *, preset: str, stages: list, configs: dict[str, Any
         at = [r for r in probe["layers"] if r["layer"] == probe.get("default_layer")]
         headline["probe_mean_top1"] = at[0]["mean_top1"] if at else None
         headline["probe_mean_chance"] = at[0]["mean_chance"] if at else None
+    # A stage whose gradient vanished or whose samples all failed for many steps says so at the top.
+    stuck = [f"- **{name}**: {w}" for name, info in (("AR warm-start", ar_info), ("AV warm-start", av_info),
+                                                    ("RL", rl_info))
+             for w in (info.get("metrics", {}).get("stuck_warnings") or [])]
     md = [f"# NLA quickstart report (preset `{preset}`)", "",
+          *(["> **Warning: a stage looked stuck.**", "", *stuck, ""] if stuck else []),
           f"Round-trip FVE on held-out vectors: **{_f(fve_warm)}** after warm-start → **{_f(fve_rl)}** after RL "
           f"({'improved' if fve_rl > fve_warm else 'did not improve'}). "
           f"This run took {headline['total_seconds']:.0f} s (cached stages not counted).", "",

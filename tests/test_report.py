@@ -1,0 +1,40 @@
+"""nla.report: the quickstart page from hand-made stage results."""
+
+from __future__ import annotations
+
+import json
+
+from nla.quickstart import StageRecord
+from nla.report import faithfulness_summary, write_report
+
+
+def _eval(fve: float, frozen: float, recall: float, degenerate: float) -> dict:
+    faith = {"recall": recall, "precision": 0.9, "by_kind": {}, "n": 4}
+    row = {"fve": fve, "cosine": 0.8, "failure_rate": 0.0, "faithfulness": faith, "degenerate": {"any": degenerate}}
+    return {"n_rows": 4, "d_model": 8, "baseline_raw_mean_mse": 0.8, "samples": [],
+            "rows": [{"name": "AV → AR round trip", **row},
+                     {"name": "AV → frozen warm-start AR", **row, "fve": frozen},
+                     {"name": "AV on shuffled vectors → AR", **row, "fve": -0.9,
+                      "faithfulness": {**faith, "recall": 0.1}}]}
+
+
+def test_report_headline_probe_and_stuck_warning(tmp_path):
+    warm, rl = _eval(0.5, 0.5, 0.8, 0.0), _eval(0.6, 0.45, 0.7, 0.25)
+    probe = {"default_layer": 1, "layers": [
+        {"layer": 0, "mean_top1": 0.2, "mean_chance": 0.1, "kinds": [{"kind": "place", "top1": 0.2}]},
+        {"layer": 1, "mean_top1": 0.9, "mean_chance": 0.1, "kinds": [{"kind": "place", "top1": 0.9}]}]}
+    rl_info = {"metrics": {"stuck_warnings": ["RL: gradient norm 0 for 10 steps (3..12)"]}}
+    path = write_report(tmp_path, preset="x", stages=[StageRecord("rl", 1.0, False)], configs={}, world={},
+                        warm_eval=warm, rl_eval=rl, ar_info={}, av_info={}, rl_info=rl_info, probe=probe)
+    md = path.read_text()
+    assert "> **Warning: a stage looked stuck.**" in md and "- **RL**: RL: gradient norm 0 for 10 steps" in md
+    assert "| 1 (extraction layer) | 0.90 | **0.900** | 0.100 |" in md
+    # recall fell and the frozen reader fell while the live one rose: the headline shows both
+    assert "recall **0.800 → 0.700**" in md and "frozen warm-start AR: FVE 0.500 → 0.450" in md
+    head = json.loads((tmp_path / "report.json").read_text())["headline"]
+    assert head["probe_mean_top1"] == 0.9 and head["degenerate_rl"] == 0.25 and head["shuffled_recall_rl"] == 0.1
+    assert faithfulness_summary(warm, rl)["frozen_ar_fve_rl"] == 0.45
+    # no warning when nothing was stuck
+    clean = write_report(tmp_path, preset="x", stages=[], configs={}, world={}, warm_eval=warm, rl_eval=rl,
+                         ar_info={}, av_info={}, rl_info={}, probe=None).read_text()
+    assert "looked stuck" not in clean and "What is in the vector" not in clean
