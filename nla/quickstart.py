@@ -72,10 +72,11 @@ PRESETS: dict[str, QuickstartPreset] = {
         datagen=dict(n_docs=4000, max_len=128, **_DATAGEN_COMMON),
         # The AR bounds what any explanation can reach (all true facts + the current word, read by the
         # 400-step AR: FVE 0.759); the AV was under-trained at 500 steps (round trip 0.521 -> 0.709 at 1000).
-        ar=dict(max_steps=800, eval_every=200, save_every=800, **_AR_COMMON),
-        av=dict(max_steps=1000, eval_every=250, save_every=1000, smoke_num=3, smoke_max_new_tokens=48, **_AV_COMMON),
+        ar=dict(max_steps=800, eval_every=400, save_every=800, **_AR_COMMON),
+        av=dict(max_steps=1000, eval_every=500, save_every=1000, smoke_num=3, smoke_max_new_tokens=48, **_AV_COMMON),
         # RL settings and what each did: BENCHMARKS.md ("RL that keeps explanations true").
-        rl=_rl_preset(steps=100, prompts=16, lr=3e-4, ar_lr=3e-4, eval_every=25, eval_max_rows=64, save_every=60),
+        # 75 steps keep the whole job under 10 minutes on 2 cores; 100 added +0.011 FVE (BENCHMARKS.md).
+        rl=_rl_preset(steps=75, prompts=16, lr=3e-4, ar_lr=3e-4, eval_every=25, eval_max_rows=64, save_every=75),
         eval_max_rows=None,
     ),
 }
