@@ -86,6 +86,14 @@ PRESETS: dict[str, QuickstartPreset] = {
 STAGE_DIRS = ("ar", "av", "rl", "eval_warmstart", "eval_rl")
 
 
+def rl_settings(preset: QuickstartPreset, datagen: Path) -> dict[str, Any]:
+    """The preset's RL settings with the AR replay pointed at the run's own AR warm-start data."""
+    rl = dict(preset.rl)
+    if rl.get("reconstructor", {}).get("replay_fraction", 0) > 0:
+        rl["reconstructor"] = {**rl["reconstructor"], "replay_dataset": str(datagen / "ar_sft.parquet")}
+    return rl
+
+
 @dataclass
 class StageRecord:
     name: str
@@ -205,9 +213,7 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
                  lambda: _evaluate(av_info["checkpoint"], ar_info["checkpoint"], eval_ds, out / "eval_warmstart",
                                    ev_kw, frozen))
     # 5. RL
-    rl = dict(p.rl)
-    if rl.get("reconstructor", {}).get("replay_fraction", 0) > 0:  # the AR replays its own warm-start data
-        rl["reconstructor"] = {**rl["reconstructor"], "replay_dataset": str(datagen / "ar_sft.parquet")}
+    rl = rl_settings(p, datagen)
     rl_cfg = dict(av=av_info["checkpoint"], ar=ar_info["checkpoint"], dataset=str(rl_train),
                   eval_dataset=str(eval_ds), out_dir=str(out / "rl"), progress=progress, **rl,
                   backend=dict(name=backend))

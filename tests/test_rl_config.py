@@ -113,8 +113,12 @@ def test_every_config_file_loads():
 
 
 def test_quickstart_presets_build_valid_rl_configs():
-    from nla.quickstart import PRESETS
+    from pathlib import Path
+
+    from nla.quickstart import PRESETS, rl_settings
 
     for name, preset in PRESETS.items():
-        cfg = RLConfig.from_dict({**PATHS, **preset.rl, "backend": {"name": "ray"}})
+        cfg = RLConfig.from_dict({**PATHS, **rl_settings(preset, Path("run/datagen")), "backend": {"name": "ray"}})
         assert cfg.updates_per_rollout == 1 and cfg.backend.name == "ray", name
+        # every preset replays its own AR warm-start split
+        assert cfg.reconstructor.replay_dataset == str(Path("run/datagen") / "ar_sft.parquet"), name
