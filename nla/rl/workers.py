@@ -35,6 +35,7 @@ from nla.reward import extract_explanation
 from nla.rl import algorithms as A
 from nla.rl.config import RLConfig
 from nla.rl.distributed import DataParallel, load_full_into
+from nla.rl.sampling import sample_responses
 from nla.rl.types import COMPLETED, FAILED_EXTRACTION, TRUNCATED, Rollout
 from nla.sidecar import SIDECAR_NAME, NLAConfig, canonical_av_prompt_ids, write_sidecar
 from nla.train.common import build_optimizer, optimizer_step_guarded, warmup_cosine
@@ -187,24 +188,20 @@ class RolloutWorker:
         B = vectors.shape[0]
         vec = vectors.repeat_interleave(n_samples, 0)
         rows = prompt_rows.repeat_interleave(n_samples, 0)
-        N, P = vec.shape[0], self.prompt_ids.shape[0]
-        ids = self.prompt_ids.to(self.device).expand(N, P)
+        N = vec.shape[0]
         was_training = self.model.training
         self.model.eval()
-        gen_kwargs: dict[str, Any] = {"do_sample": False} if greedy else {
-            "do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
         try:
-            with self.hook.vectors(vec.to(self.device)):
-                out = self.model.generate(
-                    input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                    eos_token_id=self.eos_id, pad_token_id=self.pad_id,
-                    # The AV must never write the marker: a second site in prompt+response would
-                    # shift the injection in the log-prob forward (and it is the failure smell).
-                    suppress_tokens=[self.sidecar.injection_token_id], **gen_kwargs,
-                )
+            # Finished rows leave the batch; greedy gives HF generate's tokens (nla.rl.sampling).
+            resp = sample_responses(
+                self.model, self.hook, self.prompt_ids, vectors, n_samples, max_new_tokens, self.eos_id,
+                self.pad_id, temperature=temperature, top_p=top_p, greedy=greedy,
+                # The AV must never write the marker: a second site in prompt+response would
+                # shift the injection in the log-prob forward (and it is the failure smell).
+                suppress_ids=[self.sidecar.injection_token_id],
+            ).cpu()
         finally:
             self.model.train(was_training)
-        resp = out[:, P:].cpu()
         mask, texts, truncated = _parse_responses(self.tokenizer, resp, self.eos_id)
         resp = torch.where(mask.bool(), resp, torch.full_like(resp, self.pad_id))
         explanations: list[str | None] = []
