@@ -82,7 +82,7 @@ def sample_responses(model: nn.Module, hook: InjectionHook, prompt_ids: Tensor, 
     ids = prompt_ids.to(device).expand(B, P)
     with hook.vectors(vectors.to(device)):
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
+    cache = out.cache
     if G > 1:
         cache.batch_repeat_interleave(G)
     logits = out.logits[:, -1].float().repeat_interleave(G, 0)  # [N, V]

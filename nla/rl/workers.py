@@ -49,22 +49,54 @@ LOCAL = DataParallel()
 # ----------------------------------------------------------------------------- shared math
 def response_logprobs(
     model: nn.Module, hook: InjectionHook, prompt_ids: Tensor, response_ids: Tensor, response_mask: Tensor,
-    vectors: Tensor, *, with_entropy: bool = False,
+    vectors: Tensor, *, with_entropy: bool = False, share_prefix: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs [n, L] of the sampled response tokens (and entropies [n, L], detached).
 
-    The input is ``prompt + response`` (right-padded after EOS), so positions need no
-    adjustment; logits at ``P-1 .. P+L-2`` predict the response tokens.
+    The input is ``prompt + response`` (right-padded after EOS); logits at ``P-1 .. P+L-2``
+    predict the response tokens. Two savings, both exact (tests hold them to the plain path,
+    ``share_prefix=False``, losses and gradients):
+
+    - columns after the last real response token of every row are not computed (causal
+      attention: they cannot change earlier positions); their log-probs are 0;
+    - ``share_prefix``: consecutive rows with the same vector (the samples of one group) have
+      the same prompt prefix, so it runs once per run of rows (k rows), its KV cache and its
+      last logits are repeated to the rows, and the responses run on top of that cache.
+      Gradients reach the prefix through the repeated cache and logits (a sum over the
+      group's rows, as in the per-row forward).
     """
     n, L = response_ids.shape
     P = prompt_ids.shape[0]
     device = next(model.parameters()).device
-    ids = torch.cat([prompt_ids.to(device).expand(n, P), response_ids.to(device)], 1)
-    attn = torch.cat([torch.ones(n, P, dtype=torch.long, device=device), response_mask.to(device).long()], 1)
-    with hook.vectors(vectors.to(device)):
-        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, P - 1 : P + L - 1].float()
-    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, P:, None]).squeeze(-1)
+    Lc = max(int(response_mask.sum(1).max()), 1) if n else L  # columns holding any real token
+    resp, rmask = response_ids[:, :Lc].to(device), response_mask[:, :Lc].to(device).long()
+    vectors = vectors.to(device)
+    if share_prefix:
+        starts = torch.ones(n, dtype=torch.bool, device=device)
+        starts[1:] = (vectors[1:] != vectors[:-1]).any(1)
+        owner = starts.long().cumsum(0) - 1  # [n] index of each row's run
+        with hook.vectors(vectors[starts]):
+            pre = model(input_ids=prompt_ids.to(device).expand(int(starts.sum()), P), use_cache=True,
+                        logits_to_keep=1)
+        cache = pre.cache
+        cache.batch_select_indices(owner)
+        first = pre.logits[:, -1:][owner]  # [n, 1, V] predicts response token 0
+        if Lc > 1:
+            attn = torch.cat([torch.ones(n, P, dtype=torch.long, device=device), rmask[:, :-1]], 1)
+            rest = model(input_ids=resp[:, :-1], attention_mask=attn, cache=cache, use_cache=True).logits
+            logits = torch.cat([first, rest], 1).float()
+        else:
+            logits = first.float()
+    else:
+        ids = torch.cat([prompt_ids.to(device).expand(n, P), resp], 1)
+        attn = torch.cat([torch.ones(n, P, dtype=torch.long, device=device), rmask], 1)
+        with hook.vectors(vectors):
+            logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, P - 1 : P + Lc - 1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, resp[:, :, None]).squeeze(-1)
     ent = A.entropy_from_logits(logits.detach()) if with_entropy else None
+    if Lc < L:
+        logp = torch.nn.functional.pad(logp, (0, L - Lc))
+        ent = torch.nn.functional.pad(ent, (0, L - Lc)) if ent is not None else None
     return logp, ent
 
 

@@ -1,0 +1,100 @@
+"""The policy/reference forward: the shared-prefix, trimmed path against the plain per-row path.
+
+``response_logprobs(..., share_prefix=False)`` is the plain reference (every row runs
+prompt + whole padded response); the fast path runs the prompt once per run of rows with the
+same vector and skips the all-padding columns. Log-probs, entropies, losses and gradients
+must agree to float tolerance, on a real tiny Llama in training mode.
+"""
+
+import pytest
+import torch
+from train_helpers import dataset_sidecar
+from transformers import AutoModelForCausalLM
+
+import nla.rl.workers as W
+from nla.injection import InjectionHook
+from nla.rl import algorithms as A
+from nla.rl.types import COMPLETED, Rollout
+from nla.rl.workers import OptimSettings, PolicyLossSettings, PolicyWorker, response_logprobs
+from nla.sidecar import canonical_av_prompt_ids
+
+D, B, G, L = 32, 3, 4, 12
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(single_thread):
+    """Every test here runs single-threaded (see conftest.single_thread)."""
+
+
+@pytest.fixture()
+def setup(tiny_model_dir, tiny_tokenizer):
+    base = tiny_model_dir("llama")
+    model = AutoModelForCausalLM.from_pretrained(base).train()
+    side = dataset_sidecar(tiny_tokenizer, base, d_model=D, layer_index=1, injection_scale=30.0)
+    prompt = torch.tensor(canonical_av_prompt_ids(tiny_tokenizer, side.av_messages()), dtype=torch.long)
+    gen = torch.Generator().manual_seed(0)
+    vectors = torch.randn(B, D, generator=gen).repeat_interleave(G, 0)  # groups of G rows share a vector
+    # response lengths 1..L-2, none reaching the last columns (those are all padding: trimmed);
+    # tokens from the ordinary vocabulary (never the marker)
+    lengths = torch.tensor([1, 5, 9, 10, 2, 3, 7, 10, 4, 8, 6, 1])
+    mask = (torch.arange(L)[None] < lengths[:, None]).long()
+    ids = torch.randint(3, model.config.vocab_size, (B * G, L), generator=gen)
+    ids[ids == side.injection_token_id] = 3
+    ids = torch.where(mask.bool(), ids, torch.full_like(ids, tiny_tokenizer.pad_token_id))
+    return model, side, InjectionHook.from_config(model, side), prompt, vectors, ids, mask
+
+
+def _loss_and_grads(model, hook, prompt, ids, mask, vectors, share):
+    model.zero_grad(set_to_none=True)
+    logp, ent = response_logprobs(model, hook, prompt, ids, mask, vectors, with_entropy=True, share_prefix=share)
+    w = torch.linspace(-1, 1, logp.numel()).view_as(logp)  # a loss that weights every token differently
+    (logp * w * mask).sum().backward()
+    return logp.detach(), ent, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("rows", [slice(0, 12), slice(2, 9), slice(3, 4)], ids=["whole", "split-groups", "one-row"])
+def test_shared_prefix_equals_plain_forward(setup, rows):
+    model, side, hook, prompt, vectors, ids, mask = setup
+    plain = _loss_and_grads(model, hook, prompt, ids[rows], mask[rows], vectors[rows], share=False)
+    fast = _loss_and_grads(model, hook, prompt, ids[rows], mask[rows], vectors[rows], share=True)
+    m = mask[rows].bool()
+    torch.testing.assert_close(fast[0][m], plain[0][m], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast[1][m], plain[1][m], rtol=1e-5, atol=1e-5)
+    Lc = int(m.sum(1).max())
+    assert Lc < L and (fast[0][:, Lc:] == 0).all()  # trimmed columns: 0, and masked out by every loss
+    assert plain[2].keys() == fast[2].keys()
+    assert "model.embed_tokens.weight" in fast[2]  # the prefix (and the injection site) got its gradient
+    for k in plain[2]:
+        torch.testing.assert_close(fast[2][k], plain[2][k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_policy_step_equals_plain_forward(setup, tiny_tokenizer, monkeypatch):
+    """One policy update (clip + k3 KL, token-mean, two micro-batches that split a group): the same
+    metrics and weights with the fast forward as with the plain one."""
+    model, side, hook, prompt, vectors, ids, mask = setup
+    n = B * G
+    rollout = Rollout(prompt_rows=torch.arange(B).repeat_interleave(G), group=torch.arange(B).repeat_interleave(G),
+                      vectors=vectors, prompt_ids=prompt, response_ids=ids, response_mask=mask, texts=[""] * n,
+                      explanations=[None] * n, status=torch.full((n,), COMPLETED))
+    adv = A.broadcast_to_tokens(A.grpo_advantages(torch.linspace(-1, 1, n), G), mask.float())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    settings = PolicyLossSettings(eps_low=0.2, eps_high=0.2, dual_clip_c=None, kl_coef=0.1, kl_estimator="k3",
+                                  loss_agg="token-mean", micro_batch_size=7, updates_per_rollout=1, norm_len=L)
+    results = []
+    for share in (False, True):
+        model.load_state_dict(state)
+
+        def logprobs(*a, _share=share, **kw):
+            return response_logprobs(*a, **{**kw, "share_prefix": _share})
+
+        monkeypatch.setattr(W, "response_logprobs", logprobs)
+        ref = logprobs(model, hook, prompt, ids, mask, vectors)[0].detach() - 0.05
+        worker = PolicyWorker(model, tiny_tokenizer, side, settings, OptimSettings(1e-3, 0.0, 0, 1, 1e9))
+        m = worker.update(rollout, adv, ref)
+        results.append((m, {k: v.detach().clone() for k, v in model.named_parameters()}))
+        worker.hook.remove()
+    (m_a, w_a), (m_b, w_b) = results
+    for key in ("policy_loss", "pg_loss", "kl", "entropy", "grad_norm"):
+        assert m_b[key] == pytest.approx(m_a[key], rel=1e-5, abs=1e-7), key
+    for k in w_a:
+        torch.testing.assert_close(w_b[k], w_a[k], rtol=1e-5, atol=5e-6, msg=k)
