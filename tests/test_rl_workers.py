@@ -14,8 +14,16 @@ from transformers import AutoModelForCausalLM
 import nla.rl.workers as W
 from nla.injection import InjectionHook
 from nla.rl import algorithms as A
+from nla.rl.distributed import DataParallel
 from nla.rl.types import COMPLETED, Rollout
-from nla.rl.workers import OptimSettings, PolicyLossSettings, PolicyWorker, response_logprobs
+from nla.rl.workers import (
+    OptimSettings,
+    PolicyLossSettings,
+    PolicyWorker,
+    by_group_length,
+    response_logprobs,
+    rollout_logprobs,
+)
 from nla.sidecar import canonical_av_prompt_ids
 
 D, B, G, L = 32, 3, 4, 12
@@ -42,6 +50,41 @@ def setup(tiny_model_dir, tiny_tokenizer):
     ids[ids == side.injection_token_id] = 3
     ids = torch.where(mask.bool(), ids, torch.full_like(ids, tiny_tokenizer.pad_token_id))
     return model, side, InjectionHook.from_config(model, side), prompt, vectors, ids, mask
+
+
+def _rollout(prompt, vectors, ids, mask):
+    n = ids.shape[0]
+    return Rollout(prompt_rows=torch.arange(n) // G, group=torch.arange(n) // G, vectors=vectors, prompt_ids=prompt,
+                   response_ids=ids, response_mask=mask, texts=[""] * n, explanations=[None] * n,
+                   status=torch.full((n,), COMPLETED))
+
+
+def test_by_group_length_by_hand():
+    # rows 0-3 one vector (lengths 1,5,9,10: longest 10), rows 4-7 another (2,3,7,10: 10), rows 8-11 a
+    # third (4,8,6,1: 8). Groups by longest first, ties in order: [0-3], [4-7], [8-11] -> identity.
+    vec = torch.arange(3.0).repeat_interleave(4)[:, None].expand(12, 2)
+    lengths = torch.tensor([1, 5, 9, 10, 2, 3, 7, 10, 4, 8, 6, 1])
+    mask = (torch.arange(12)[None] < lengths[:, None]).long()
+    r = _rollout(torch.zeros(3, dtype=torch.long), vec, torch.zeros(12, 12, dtype=torch.long), mask)
+    assert by_group_length(r, torch.arange(12)).tolist() == list(range(12))
+    # rows 6..11: the tail of group 1 (7, 10) and group 2 (4, 8, 6, 1): group 1 first (10 > 8)
+    assert by_group_length(r, torch.arange(6, 12)).tolist() == [0, 1, 2, 3, 4, 5]
+    # rows 8..11 then 0..1: group 2 (longest 8) before group 0's head (1, 5: longest 5)
+    rows = torch.tensor([0, 1, 8, 9, 10, 11])
+    assert by_group_length(r, rows).tolist() == [2, 3, 4, 5, 0, 1]
+    assert by_group_length(r, torch.arange(0)).tolist() == []
+
+
+def test_reference_logprobs_come_back_in_row_order(setup):
+    model, side, hook, prompt, vectors, ids, mask = setup
+    # shuffle the groups' lengths so that the length order is not the row order
+    ids, mask = ids.flip(0), mask.flip(0)
+    r = _rollout(prompt, vectors, ids, mask)
+    model.eval()
+    plain, _ = response_logprobs(model, hook, prompt, ids, mask, vectors, share_prefix=False)
+    for mbs in (12, 5, 1):
+        got = rollout_logprobs(model, hook, r, torch.arange(12), 12, DataParallel(), mbs)
+        torch.testing.assert_close(got * mask, plain * mask, rtol=1e-5, atol=1e-5)
 
 
 def _loss_and_grads(model, hook, prompt, ids, mask, vectors, share):
@@ -73,9 +116,7 @@ def test_policy_step_equals_plain_forward(setup, tiny_tokenizer, monkeypatch):
     metrics and weights with the fast forward as with the plain one."""
     model, side, hook, prompt, vectors, ids, mask = setup
     n = B * G
-    rollout = Rollout(prompt_rows=torch.arange(B).repeat_interleave(G), group=torch.arange(B).repeat_interleave(G),
-                      vectors=vectors, prompt_ids=prompt, response_ids=ids, response_mask=mask, texts=[""] * n,
-                      explanations=[None] * n, status=torch.full((n,), COMPLETED))
+    rollout = _rollout(prompt, vectors, ids, mask)
     adv = A.broadcast_to_tokens(A.grpo_advantages(torch.linspace(-1, 1, n), G), mask.float())
     state = {k: v.clone() for k, v in model.state_dict().items()}
     settings = PolicyLossSettings(eps_low=0.2, eps_high=0.2, dual_clip_c=None, kl_coef=0.1, kl_estimator="k3",

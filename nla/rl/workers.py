@@ -112,17 +112,47 @@ def rank_micro_batches(dp: DataParallel, mine: Tensor, n: int, micro_batch_size:
         yield (chunk, True) if len(chunk) else (torch.zeros(1, dtype=torch.long), False)
 
 
+def by_group_length(rollout: Rollout, rows: Tensor) -> Tensor:
+    """A permutation ``perm`` of ``range(len(rows))``: ``rows[perm]`` puts the longest groups first.
+
+    A group here is a run of consecutive rows of ``rows`` with the same vector (they share the
+    prompt prefix, so they stay together); groups are ordered by their longest response,
+    longest first, ties in their original order. Micro-batches cut from that order hold
+    responses of similar length, so ``response_logprobs`` trims more padding columns.
+    """
+    if len(rows) == 0:
+        return torch.arange(0)
+    vec = rollout.vectors[rows]
+    starts = torch.ones(len(rows), dtype=torch.bool)
+    starts[1:] = (vec[1:] != vec[:-1]).any(1)
+    run = starts.long().cumsum(0) - 1  # [n] run index of each row
+    longest = torch.zeros(int(run[-1]) + 1, dtype=torch.long).scatter_reduce(
+        0, run, rollout.lengths[rows].long(), "amax")
+    run_order = torch.sort(-longest, stable=True).indices  # runs, longest first
+    rank_of_run = torch.empty_like(run_order)
+    rank_of_run[run_order] = torch.arange(len(run_order))
+    return torch.sort(rank_of_run[run], stable=True).indices
+
+
 @torch.no_grad()
 def rollout_logprobs(model: nn.Module, hook: InjectionHook, rollout: Rollout, mine: Tensor, n: int,
                      dp: DataParallel, micro_batch_size: int) -> Tensor:
-    """Log-probs [len(mine), L] of the rows ``mine`` (this rank's share of a batch of ``n``)."""
+    """Log-probs [len(mine), L] of the rows ``mine`` (this rank's share of a batch of ``n``), in that order.
+
+    Micro-batches are cut from ``mine`` ordered by ``by_group_length``; the result is put back
+    in the order of ``mine``.
+    """
+    perm = by_group_length(rollout, mine)
     out = []
-    for idx, real in rank_micro_batches(dp, mine, n, micro_batch_size):
+    for idx, real in rank_micro_batches(dp, mine[perm], n, micro_batch_size):
         lp, _ = response_logprobs(model, hook, rollout.prompt_ids, rollout.response_ids[idx],
                                   rollout.response_mask[idx], rollout.vectors[idx])
         if real:
             out.append(lp.cpu())
-    return torch.cat(out) if out else torch.zeros(0, rollout.response_ids.shape[1])
+    result = torch.zeros(len(mine), rollout.response_ids.shape[1])
+    if out:
+        result[perm] = torch.cat(out)
+    return result
 
 
 def _parse_responses(tokenizer: Any, response_ids: Tensor, eos_id: int) -> tuple[Tensor, list[str], Tensor]:
@@ -343,7 +373,9 @@ class PolicyWorker(_Trainable):
         sums: dict[str, float] = {}
         step_sums: dict[str, float] = {}
         for rows in batches:
-            for idx, real in rank_micro_batches(dp, dp.my_rows(rows), len(rows), s.micro_batch_size):
+            mine = dp.my_rows(rows)
+            mine = mine[by_group_length(rollout, mine)]  # similar lengths per micro-batch: less padding
+            for idx, real in rank_micro_batches(dp, mine, len(rows), s.micro_batch_size):
                 loss, m, pm = policy_micro_loss(self.model, self.hook, rollout, idx, advantages, ref_logp, old_all, s)
                 w = agg.micro_batch_weight(m.cpu(), mask[rows]) if real else 0.0
                 (loss * (w * dp.grad_scale)).backward()
@@ -549,7 +581,7 @@ class WorkerGroups:
 
 
 __all__ = [
-    "OptimSettings", "PolicyLossSettings", "PolicyWorker", "ReconstructorWorker", "ReferenceWorker",
+    "OptimSettings", "by_group_length", "PolicyLossSettings", "PolicyWorker", "ReconstructorWorker", "ReferenceWorker",
     "RolloutWorker", "ValueModel", "ValueWorker", "WorkerGroups", "policy_micro_loss", "rank_micro_batches",
     "response_logprobs", "rollout_logprobs",
 ]
