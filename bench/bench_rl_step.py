@@ -13,8 +13,13 @@ Three measurements on the same AV/AR pair, prompts, batch, lengths and sampling 
    with the vector injected into the embeddings by hand, same batch and sampling settings
    (target >= 1.5x); greedy outputs of the two are compared as a sanity check.
 
-Also printed: the policy update's useful rate (6 x non-embedding params x real tokens per
-second) as a share of the fp32 matmul rate measured in this process (target >= 60%).
+4. **passes**: the reference and policy passes on one rollout, fast (shared prompt prefix,
+   trimmed padding, length-ordered micro-batches) against plain (every row's prompt and
+   padded response), the same code otherwise.
+
+Also printed: the policy update's rate (6 x non-embedding params x (prompt + real response
+tokens of every row) per second, i.e. the work a plain per-row pass does) as a share of the
+fp32 matmul rate measured in this process (target >= 60%).
 The first step of each loop is a warm-up and is not counted.
 
     python bench/bench_rl_step.py [--prompts 16 --samples 8 --max-len 64 --steps 3]
@@ -163,7 +168,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3, help="counted steps per loop (after one warm-up)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: nla.threads)")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: nla,stock,rollout")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: nla,stock,rollout,passes")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     threads = apply_threads(args.threads)
@@ -204,8 +209,9 @@ def main() -> None:
         n_params = sum(p.numel() for p in body)
         tok = statistics.mean(f["real_tokens"] for f in facts)
         rate = 6 * n_params * tok / statistics.median(times["policy"]) / 1e9
-        print(f"  policy update useful rate: {rate:.1f} GFLOP/s = {100 * rate / gflops:.0f}% of the matmul rate "
-              f"(6 x {n_params / 1e6:.2f}M non-embedding params x {tok:.0f} real tokens)")
+        print(f"  policy update rate: {rate:.1f} GFLOP/s = {100 * rate / gflops:.0f}% of the matmul rate "
+              f"(6 x {n_params / 1e6:.2f}M non-embedding params x {tok:.0f} tokens: every row's prompt + real "
+              "response, the work of a plain per-row pass)")
 
     if "stock" not in skip:
         from nla.arch import load_tokenizer
@@ -228,6 +234,36 @@ def main() -> None:
             print(f"  {k:<10} {statistics.median(v):7.2f} s")
         if "nla" in results:
             print(f"  nla / stock samples/s: {results['nla'] / results['stock']:.2f}x (target >= 1.5x)")
+
+    if "passes" not in skip:
+        # The same rollout through the reference and policy passes, fast (shared prefix, trimmed
+        # padding, length-ordered micro-batches) and plain (every row's prompt + padded response).
+        import nla.rl.workers as W
+
+        ro = cfg.rollout
+        torch.manual_seed(0)
+        r = groups.rollout.generate(data.vectors[:B], torch.arange(B), G, ro.max_response_len)
+        adv = A.broadcast_to_tokens(A.grpo_advantages(torch.randn(r.n), G), r.response_mask.float())
+        fast_fn, plain_order = W.response_logprobs, W.by_group_length
+        times = defaultdict(list)
+        for rep in range(args.steps + 1):
+            for mode in ("plain", "fast"):
+                if mode == "plain":
+                    W.response_logprobs = lambda *a, **kw: fast_fn(*a, **{**kw, "share_prefix": False})
+                    W.by_group_length = lambda rollout, rows: torch.arange(len(rows))
+                try:
+                    ref, dr = _timed(groups.reference.logprobs, r)
+                    _, dp = _timed(groups.policy.update, r, adv, ref)
+                finally:
+                    W.response_logprobs, W.by_group_length = fast_fn, plain_order
+                if rep:
+                    times[mode, "reference"].append(dr)
+                    times[mode, "policy"].append(dp)
+        print(f"\n== reference + policy passes on one rollout (mean response {float(r.lengths.float().mean()):.1f} "
+              f"of {r.response_ids.shape[1]} columns, prompt {r.prompt_ids.shape[0]} tokens)")
+        for part in ("reference", "policy"):
+            a, b = statistics.median(times["plain", part]), statistics.median(times["fast", part])
+            print(f"  {part:<10} plain {a:.3f} s, fast {b:.3f} s: {a / b:.2f}x")
 
     if "rollout" not in skip:
         ro, w = cfg.rollout, groups.rollout
