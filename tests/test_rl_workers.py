@@ -139,3 +139,35 @@ def test_policy_step_equals_plain_forward(setup, tiny_tokenizer, monkeypatch):
         assert m_b[key] == pytest.approx(m_a[key], rel=1e-5, abs=1e-7), key
     for k in w_a:
         torch.testing.assert_close(w_b[k], w_a[k], rtol=1e-5, atol=5e-6, msg=k)
+
+
+def test_reconstructor_update_on_length_ordered_micro_batches_equals_one_batch(tiny_model_dir, tiny_tokenizer):
+    """The AR update cuts micro-batches from rows ordered by text length: loss and weights after
+    the step equal those of one micro-batch holding every row in the given order."""
+    from nla.reconstructor import Reconstructor, reconstruction_loss, tokenize_ar_texts
+    from nla.rl.workers import ReconstructorWorker
+
+    base = tiny_model_dir("llama")
+    side = dataset_sidecar(tiny_tokenizer, base, d_model=D, layer_index=1)
+    texts = ["a cat", "the dog runs to the river in the morning with Bob", "Alice", "birds sing near the old market",
+             "x", "Carol and Dave walk to the school"]
+    golds = torch.randn(len(texts), D, generator=torch.Generator().manual_seed(2))
+    results = []
+    for mbs in (len(texts), 2):
+        torch.manual_seed(0)
+        ar = Reconstructor.from_base(base, 1)
+        worker = ReconstructorWorker(ar, tiny_tokenizer, side, OptimSettings(1e-3, 0.0, 0, 1, 1e9), max_length=64,
+                                     micro_batch_size=mbs, device=torch.device("cpu"))
+        m = worker.update(texts, golds)
+        results.append((m["ar_loss"], {k: v.detach().clone() for k, v in ar.named_parameters()}))
+    (loss_a, w_a), (loss_b, w_b) = results
+    # the plain reference: every row, in the given order, in one right-padded batch (texts paired with their golds)
+    torch.manual_seed(0)
+    ar = Reconstructor.from_base(base, 1)
+    enc = tokenize_ar_texts(tiny_tokenizer, [side.ar_text(t) for t in texts], 64, "right")
+    with torch.no_grad():
+        plain, _ = reconstruction_loss(ar, enc["input_ids"], enc["attention_mask"], golds, side.mse_scale_value())
+    assert loss_a == pytest.approx(float(plain), rel=1e-5)
+    assert loss_b == pytest.approx(loss_a, rel=1e-5)
+    for k in w_a:
+        torch.testing.assert_close(w_b[k], w_a[k], rtol=1e-5, atol=5e-6, msg=k)

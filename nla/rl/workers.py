@@ -479,7 +479,11 @@ class ReconstructorWorker(_Trainable):
         dp = self.dp
         self.ar.train()
         total = 0.0
-        for idx, real in rank_micro_batches(dp, dp.my_rows(torch.arange(n)), n, self.micro_batch_size):
+        mine = dp.my_rows(torch.arange(n))
+        # Micro-batches of texts of similar length pad less; the loss is a mean over rows, so
+        # each micro-batch's weight (its share of rows) keeps the step the same on any order.
+        mine = mine[torch.sort(torch.tensor([-len(explanations[i]) for i in mine.tolist()]), stable=True).indices]
+        for idx, real in rank_micro_batches(dp, mine, n, self.micro_batch_size):
             enc = self._encode([explanations[i] for i in idx.tolist()], "right")
             loss, _ = reconstruction_loss(self.ar, enc["input_ids"].to(self.device),
                                           enc["attention_mask"].to(self.device), golds[idx], self.scale)
