@@ -1,6 +1,6 @@
 """The rollout's sampling loop against HF ``generate`` (the implementation it replaced).
 
-A real tiny Llama (random weights, the conftest tokenizer), vectors injected at the marker.
+Real tiny models of every supported architecture (random weights, the conftest tokenizer), vectors injected at the marker.
 To get rows that end at different steps (and some that never end), the end-of-sequence id is
 chosen from the greedy trajectories themselves: a token that some rows emit early.
 """
@@ -17,7 +17,7 @@ from nla.rl.types import COMPLETED, FAILED_EXTRACTION, TRUNCATED
 from nla.rl.workers import RolloutWorker, _parse_responses
 from nla.sidecar import canonical_av_prompt_ids
 
-D, B, G, L = 32, 6, 3, 20
+B, G, L = 6, 3, 20
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -25,14 +25,15 @@ def _one_thread(single_thread):
     """Every test here runs single-threaded (see conftest.single_thread)."""
 
 
-@pytest.fixture(scope="module")
-def av(tiny_model_dir, tiny_tokenizer):
-    base = tiny_model_dir("llama")
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma3", "gpt2"])
+def av(request, tiny_model_dir, tiny_tokenizer):
+    base = tiny_model_dir(request.param)
     model = AutoModelForCausalLM.from_pretrained(base).eval()
-    side = dataset_sidecar(tiny_tokenizer, base, d_model=D, layer_index=1, injection_scale=30.0)
+    d = model.config.hidden_size
+    side = dataset_sidecar(tiny_tokenizer, base, d_model=d, layer_index=1, injection_scale=30.0)
     hook = InjectionHook.from_config(model, side)
     prompt = torch.tensor(canonical_av_prompt_ids(tiny_tokenizer, side.av_messages()), dtype=torch.long)
-    vectors = torch.randn(B, D, generator=torch.Generator().manual_seed(0))
+    vectors = torch.randn(B, d, generator=torch.Generator().manual_seed(0))
     return model, side, hook, prompt, vectors
 
 

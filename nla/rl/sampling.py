@@ -38,6 +38,32 @@ from nla.injection import InjectionHook
 
 COMPACT_DIVISOR = 8
 
+# Model types whose KV cache the fast paths (this loop, and the shared prefix of
+# ``nla.rl.workers.response_logprobs``) are tested against the plain paths. Others (Gemma 3's
+# sliding-window layers, GPT-2) gave different numbers in those tests and take the plain
+# paths: HF ``generate`` here, the per-row forward there.
+CACHE_REUSE_MODEL_TYPES = frozenset({"llama", "qwen2"})
+
+
+def supports_cache_reuse(model: nn.Module) -> bool:
+    """Whether the fast paths may reuse this model's KV cache (``CACHE_REUSE_MODEL_TYPES``)."""
+    return getattr(getattr(model, "config", None), "model_type", None) in CACHE_REUSE_MODEL_TYPES
+
+
+def hf_generate(model: nn.Module, hook: InjectionHook, prompt_ids: Tensor, vectors: Tensor, n_samples: int,
+                max_new_tokens: int, eos_id: int, pad_id: int, *, suppress_ids: list[int] = (),
+                temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False) -> Tensor:
+    """The plain path: HF ``generate`` on the repeated prompt, the hook injecting at prefill. [N, L]"""
+    device = next(model.parameters()).device
+    vec = vectors.repeat_interleave(n_samples, 0).to(device)
+    ids = prompt_ids.to(device).expand(vec.shape[0], prompt_ids.shape[0])
+    kw: dict = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_p": top_p,
+                                                    "top_k": 0}
+    with hook.vectors(vec):
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             eos_token_id=eos_id, pad_token_id=pad_id, suppress_tokens=list(suppress_ids), **kw)
+    return out[:, prompt_ids.shape[0]:]
+
 
 def logits_processors(suppress_ids: list[int], temperature: float, top_p: float, greedy: bool,
                       device: torch.device) -> LogitsProcessorList:
@@ -74,8 +100,12 @@ def sample_responses(model: nn.Module, hook: InjectionHook, prompt_ids: Tensor, 
 
     prompt_ids: [P] the prompt holding one injection site; vectors: [B, d] RAW (the hook
     rescales them). L is the number of decode steps run: ``max_new_tokens``, or fewer when
-    every row has emitted EOS (as HF ``generate`` does). The caller sets eval mode.
+    every row has emitted EOS (as HF ``generate`` does). The caller sets eval mode. A model
+    outside ``CACHE_REUSE_MODEL_TYPES`` is sampled by ``hf_generate``.
     """
+    if not supports_cache_reuse(model):
+        return hf_generate(model, hook, prompt_ids, vectors, n_samples, max_new_tokens, eos_id, pad_id,
+                           suppress_ids=suppress_ids, temperature=temperature, top_p=top_p, greedy=greedy)
     device = next(model.parameters()).device
     B, P, G = vectors.shape[0], prompt_ids.shape[0], n_samples
     N = B * G
@@ -109,4 +139,4 @@ def sample_responses(model: nn.Module, hook: InjectionHook, prompt_ids: Tensor, 
     return tokens[:, :steps]
 
 
-__all__ = ["COMPACT_DIVISOR", "logits_processors", "sample_categorical", "sample_responses"]
+__all__ = ["CACHE_REUSE_MODEL_TYPES", "COMPACT_DIVISOR", "hf_generate", "supports_cache_reuse", "logits_processors", "sample_categorical", "sample_responses"]

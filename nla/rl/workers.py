@@ -35,7 +35,7 @@ from nla.reward import extract_explanation
 from nla.rl import algorithms as A
 from nla.rl.config import RLConfig
 from nla.rl.distributed import DataParallel, load_full_into
-from nla.rl.sampling import sample_responses
+from nla.rl.sampling import sample_responses, supports_cache_reuse
 from nla.rl.types import COMPLETED, FAILED_EXTRACTION, TRUNCATED, Rollout
 from nla.sidecar import SIDECAR_NAME, NLAConfig, canonical_av_prompt_ids, write_sidecar
 from nla.train.common import build_optimizer, optimizer_step_guarded, warmup_cosine
@@ -63,7 +63,8 @@ def response_logprobs(
       the same prompt prefix, so it runs once per run of rows (k rows), its KV cache and its
       last logits are repeated to the rows, and the responses run on top of that cache.
       Gradients reach the prefix through the repeated cache and logits (a sum over the
-      group's rows, as in the per-row forward).
+      group's rows, as in the per-row forward). Only for ``CACHE_REUSE_MODEL_TYPES``; other
+      models take the per-row forward.
     """
     n, L = response_ids.shape
     P = prompt_ids.shape[0]
@@ -71,7 +72,7 @@ def response_logprobs(
     Lc = max(int(response_mask.sum(1).max()), 1) if n else L  # columns holding any real token
     resp, rmask = response_ids[:, :Lc].to(device), response_mask[:, :Lc].to(device).long()
     vectors = vectors.to(device)
-    if share_prefix:
+    if share_prefix and supports_cache_reuse(model):
         starts = torch.ones(n, dtype=torch.bool, device=device)
         starts[1:] = (vectors[1:] != vectors[:-1]).any(1)
         owner = starts.long().cumsum(0) - 1  # [n] index of each row's run
