@@ -103,6 +103,8 @@ class StageRecord:
 
 
 def _hash(obj: Any) -> str:
+    if isinstance(obj, dict) and "threads" in obj:  # how many cores compute a stage is not what it computes
+        obj = {k: v for k, v in obj.items() if k != "threads"}
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -141,12 +143,18 @@ def split_rl_for_eval(rl_path: Path, out_dir: Path, eval_fraction: float, seed: 
 
 
 def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart", *, backend: str = "local",
-                   progress: bool = True) -> Path:
-    """Run every stage; returns the path of ``report.md``."""
+                   progress: bool = True, threads: int | None = None) -> Path:
+    """Run every stage; returns the path of ``report.md``.
+
+    threads: torch CPU threads of every stage (None: ``nla.threads.resolve_threads``'s
+    default); passed to each stage's config, and left out of the stage hashes (it does not
+    change what a stage computes beyond float summation order).
+    """
     from nla.datagen.config import DatagenConfig
     from nla.datagen.pipeline import run as run_datagen
     from nla.rl.config import RLConfig
     from nla.rl.loop import run_rl
+    from nla.threads import apply_threads
     from nla.train.ar import train_ar
     from nla.train.av import train_av
     from nla.train.config import ARTrainConfig, AVTrainConfig
@@ -155,6 +163,8 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     if preset not in PRESETS:
         raise ValueError(f"preset: expected one of {sorted(PRESETS)}, found {preset!r}")
     p = PRESETS[preset]
+    apply_threads(threads)  # world build, probe and eval run here; the trained stages set it again
+    thr = {} if threads is None else {"threads": threads}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     stages: list[StageRecord] = []
@@ -192,14 +202,14 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     probe_info = stage("probe", probe_cfg, lambda: _probe(p.world, out, p.probe, progress))
     # 2. datagen
     dg_cfg = dict(out_dir=str(out / "datagen"), source="world", world_preset=p.world, explainer="world",
-                  shuffled_baseline=True, seed=0, **p.datagen)
+                  shuffled_baseline=True, seed=0, **p.datagen, **thr)
     stage("datagen", dg_cfg, lambda: {"summary": run_datagen(DatagenConfig.from_dict(dg_cfg))})
     datagen = out / "datagen"
     rl_train, eval_ds = split_rl_for_eval(datagen / "rl.parquet", datagen, p.eval_fraction, seed=0)
     # 3. AR and AV warm-start
-    ar_cfg = dict(dataset=str(datagen / "ar_sft.parquet"), out_dir=str(out / "ar"), progress=progress, **p.ar)
+    ar_cfg = dict(dataset=str(datagen / "ar_sft.parquet"), out_dir=str(out / "ar"), progress=progress, **p.ar, **thr)
     ar_info = stage("ar", ar_cfg, lambda: _train(train_ar, ARTrainConfig(**ar_cfg)))
-    av_cfg = dict(dataset=str(datagen / "av_sft.parquet"), out_dir=str(out / "av"), progress=progress, **p.av)
+    av_cfg = dict(dataset=str(datagen / "av_sft.parquet"), out_dir=str(out / "av"), progress=progress, **p.av, **thr)
     av_info = stage("av", av_cfg, lambda: _train(train_av, AVTrainConfig(**av_cfg)))
     # 4. eval of the warm-started pair
     ev_kw = dict(max_rows=p.eval_max_rows, max_new_tokens=p.max_new_tokens)
@@ -216,7 +226,7 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     rl = rl_settings(p, datagen)
     rl_cfg = dict(av=av_info["checkpoint"], ar=ar_info["checkpoint"], dataset=str(rl_train),
                   eval_dataset=str(eval_ds), out_dir=str(out / "rl"), progress=progress, **rl,
-                  backend=dict(name=backend))
+                  backend=dict(name=backend), **thr)
     rl_info = stage("rl", rl_cfg, lambda: _rl(run_rl, RLConfig.from_dict(rl_cfg)))
     # 6. eval after RL
     after = stage("eval_rl", {"av": rl_info["av"], "ar": rl_info["ar"], "frozen_ar": frozen, "dataset": str(eval_ds),

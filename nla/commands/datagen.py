@@ -6,6 +6,8 @@ import argparse
 import json
 import logging
 
+from nla.validation import positive_int
+
 log = logging.getLogger("nla.datagen")
 
 STEPS = ("extract", "split", "explain", "build", "run")
@@ -28,6 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             "--set", action="append", default=[], metavar="KEY=VALUE",
             help="override a config field, e.g. --set n_docs=200 --set provider.model=gpt-4o-mini",
         )  # fmt: skip
+        sp.add_argument("--threads", type=positive_int,
+                        help="torch CPU threads (overrides threads; default $OMP_NUM_THREADS, else half the cores)")
         sp.add_argument("--force", action="store_true", help="redo the stage(s) even if done")
         sp.set_defaults(func=run)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
@@ -41,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     overrides = dict(parse_override(s) for s in args.set)
     if args.out:
         overrides["out_dir"] = args.out
+    if args.threads is not None:
+        overrides["threads"] = args.threads
     cfg = DatagenConfig.from_yaml(args.config, overrides)
     from nla.validation import check_device, check_model_source, check_output_path
 

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from nla.validation import positive_int
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quickstart", help="build the world, generate data, train AR/AV, run RL, evaluate, report")
@@ -14,6 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="run directory (default runs/quickstart-<preset>)")
     p.add_argument("--backend", default="local", choices=["local", "ray"], help="RL worker backend")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch CPU threads of every stage (default: $OMP_NUM_THREADS, else half the cores)")
     p.set_defaults(func=run)
 
 
@@ -22,7 +26,8 @@ def run(args: argparse.Namespace) -> int:
     from nla.validation import check_output_path
 
     out = str(check_output_path(args.out or f"runs/quickstart-{args.preset}", "--out"))
-    report = run_quickstart(args.preset, out, backend=args.backend, progress=not args.no_progress)
+    report = run_quickstart(args.preset, out, backend=args.backend, progress=not args.no_progress,
+                            threads=args.threads)
     head = json.loads((report.parent / "report.json").read_text())["headline"]
     print("\n== nla quickstart: done ==", file=sys.stderr)
     print(f"round-trip FVE (held-out): warm-start {head['round_trip_fve_warmstart']:.3f} -> "

@@ -24,6 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     # no argparse choices: the config validates the name against nla.rl.config.BACKENDS
     p.add_argument("--backend", help="worker backend: local | ray (overrides backend.name)")
     p.add_argument("--ray-address", help="existing Ray cluster address (overrides backend.ray_address)")
+    p.add_argument("--threads", type=positive_int,
+                   help="torch CPU threads per process (overrides threads; default $OMP_NUM_THREADS, else half the cores)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the last checkpoint in out_dir (the config must match the run's)")
     p.add_argument("--overwrite", action="store_true", help="delete a previous run in out_dir and start over")
@@ -43,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from nla.validation import check_checkpoint, check_device, check_output_path
 
     overrides = parse_overrides(args.set)
-    for flag, key in (("av", "av"), ("ar", "ar"), ("dataset", "dataset"), ("out", "out_dir"), ("steps", "steps"),
+    for flag, key in (("av", "av"), ("ar", "ar"), ("dataset", "dataset"), ("out", "out_dir"), ("steps", "steps"), ("threads", "threads"),
                       ("backend", "backend.name"), ("ray_address", "backend.ray_address")):
         value = getattr(args, flag)
         if value is not None:

@@ -24,6 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         sp.add_argument("--out", help="run directory (overrides out_dir)")
         sp.add_argument("--base-model", help="HF model directory to start from (overrides base_model)")
         sp.add_argument("--max-steps", type=positive_int, help="optimiser steps (overrides max_steps)")
+        sp.add_argument("--threads", type=positive_int,
+                        help="torch CPU threads (overrides threads; default $OMP_NUM_THREADS, else half the cores)")
         sp.add_argument("--resume", action="store_true",
                         help="continue from the last checkpoint in out_dir (the config must match the run's)")
         sp.add_argument("--overwrite", action="store_true", help="delete a previous run in out_dir and start over")
@@ -39,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = parse_overrides(args.set)
     for flag, key in (("dataset", "dataset"), ("out", "out_dir"), ("base_model", "base_model"),
-                      ("max_steps", "max_steps")):
+                      ("max_steps", "max_steps"), ("threads", "threads")):
         value = getattr(args, flag)
         if value is not None:
             overrides[key] = value

@@ -117,6 +117,7 @@ class DatagenConfig:
     max_len: int = 256
     batches_per_shard: int = 16  # one parquet shard per this many batches (resume unit)
     device: str = "cpu"  # cpu | cuda | auto
+    threads: int | None = None  # torch CPU threads; None: $OMP_NUM_THREADS, else half the cores (nla.threads)
     bad_vectors: str = "error"  # error | drop (NaN/inf/zero-norm activations)
     # split
     split_fractions: tuple[float, float, float] = (0.4, 0.4, 0.2)  # av_sft, ar_sft, rl
@@ -163,6 +164,9 @@ class DatagenConfig:
             raise _err(c, "skip_first", f"less than max_len ({self.max_len})", self.skip_first)
         if self.bad_vectors not in BAD_VECTOR_POLICIES:
             raise _err(c, "bad_vectors", f"one of {BAD_VECTOR_POLICIES}", self.bad_vectors)
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise _err(c, "threads", "an integer >= 1 or null (automatic)", self.threads)
         if self.device not in ("cpu", "cuda", "auto"):
             raise _err(c, "device", "cpu, cuda or auto", self.device)
         fr = self.split_fractions

@@ -31,6 +31,7 @@ import yaml
 from nla.datagen.config import SPLITS, DatagenConfig
 from nla.datagen.io import DatagenError, read_parquet, write_json_atomic
 from nla.fsutil import write_text_atomic
+from nla.threads import apply_threads
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +185,7 @@ def run(cfg: DatagenConfig, stages: Sequence[str] | None = None, force: bool = F
     bad = [s for s in stages if s not in STAGES]
     if bad:
         raise DatagenError(f"unknown stage(s) {bad}; valid stages: {list(STAGES)}")
+    apply_threads(cfg.threads)
     res = resolve(cfg)
     out = Path(res.cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)

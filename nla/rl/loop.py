@@ -44,6 +44,7 @@ from nla.rl.backend import build_groups
 from nla.rl.config import RLConfig, save_rl_config
 from nla.rl.types import COMPLETED, TRUNCATED, Rollout
 from nla.rl.workers import WorkerGroups
+from nla.threads import apply_threads
 from nla.train.common import (
     DataCursor,
     atomic_dir,
@@ -331,6 +332,7 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
     out.mkdir(parents=True, exist_ok=True)
     root = out / "checkpoints"
     seed_everything(cfg.seed)
+    apply_threads(cfg.threads)
     data = RLData.load(cfg.dataset)
     eval_data = RLData.load(cfg.eval_dataset) if cfg.eval_dataset else None
     ckpt = latest_rl_checkpoint(out) if resume else None

@@ -60,6 +60,7 @@ from nla.rl.config import RLConfig
 from nla.rl.setup import RLSetupError, build_policy_roles, build_reconstructor_role, load_pair_sidecars
 from nla.rl.types import Rollout
 from nla.rl.workers import WorkerGroups
+from nla.threads import resolve_threads
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +82,10 @@ class RoleHost:
     the host only forwards calls to them by role name.
     """
 
-    def __init__(self, group: str, rank: int, world: int, use_cuda: bool) -> None:
+    def __init__(self, group: str, rank: int, world: int, use_cuda: bool, threads: int) -> None:
         self.group, self.rank, self.world, self.use_cuda = group, rank, world, use_cuda
-        if not use_cuda:
-            torch.set_num_threads(1)  # several actors share the cores
+        # Resolved by the controller (``actor_threads``): Ray sets OMP_NUM_THREADS in its workers.
+        torch.set_num_threads(threads)
         self.device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
         self.roles: dict[str, Any] = {}
 
@@ -321,7 +322,15 @@ def _gpu_fraction(cfg: RLConfig) -> float:
     return 0.5
 
 
-def _make_group(role: str, world: int, use_cuda: bool, gpu_fraction: float = 1.0) -> _ActorGroup:
+def actor_threads(cfg: RLConfig) -> int:
+    """Torch threads of each actor: ``cfg.threads``, else ``$OMP_NUM_THREADS`` of the controller, else
+    half the cores divided among all the actors of both groups (they share the machine)."""
+    return resolve_threads(cfg.threads, processes=cfg.backend.num_policy_workers
+                           + cfg.backend.num_reconstructor_workers)
+
+
+def _make_group(role: str, world: int, use_cuda: bool, gpu_fraction: float = 1.0, threads: int = 1
+                ) -> _ActorGroup:
     bundle = {"GPU": gpu_fraction, "CPU": 1} if use_cuda else {"CPU": CPU_ACTOR_CPUS}
     pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK", name=f"nla-{role}")
     ray.get(pg.ready(), timeout=600)
@@ -330,7 +339,7 @@ def _make_group(role: str, world: int, use_cuda: bool, gpu_fraction: float = 1.0
         remote_cls.options(
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=r),
-        ).remote(role, r, world, use_cuda)
+        ).remote(role, r, world, use_cuda, threads)
         for r in range(world)
     ]
     group = _ActorGroup(role, actors, pg)
@@ -354,9 +363,10 @@ def build_ray_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_dir
     groups: list[_ActorGroup] = []
     try:
         frac = _gpu_fraction(cfg) if use_cuda else 0.0
-        policy = _make_group("policy", cfg.backend.num_policy_workers, use_cuda, frac)
+        threads = actor_threads(cfg)
+        policy = _make_group("policy", cfg.backend.num_policy_workers, use_cuda, frac, threads)
         groups.append(policy)
-        recon = _make_group("reconstructor", cfg.backend.num_reconstructor_workers, use_cuda, frac)
+        recon = _make_group("reconstructor", cfg.backend.num_reconstructor_workers, use_cuda, frac, threads)
         groups.append(recon)
         # Both groups load their models at once (each setup blocks on its own collectives only).
         refs = [a.setup.remote(_policy_roles, cfg, str(policy_dir or cfg.av)) for a in policy.actors]

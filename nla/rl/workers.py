@@ -35,6 +35,7 @@ from nla.reward import extract_explanation
 from nla.rl import algorithms as A
 from nla.rl.config import RLConfig
 from nla.rl.distributed import DataParallel, load_full_into
+from nla.rl.sampling import sample_responses, supports_cache_reuse
 from nla.rl.types import COMPLETED, FAILED_EXTRACTION, TRUNCATED, Rollout
 from nla.sidecar import SIDECAR_NAME, NLAConfig, canonical_av_prompt_ids, write_sidecar
 from nla.train.common import build_optimizer, optimizer_step_guarded, warmup_cosine
@@ -48,22 +49,55 @@ LOCAL = DataParallel()
 # ----------------------------------------------------------------------------- shared math
 def response_logprobs(
     model: nn.Module, hook: InjectionHook, prompt_ids: Tensor, response_ids: Tensor, response_mask: Tensor,
-    vectors: Tensor, *, with_entropy: bool = False,
+    vectors: Tensor, *, with_entropy: bool = False, share_prefix: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs [n, L] of the sampled response tokens (and entropies [n, L], detached).
 
-    The input is ``prompt + response`` (right-padded after EOS), so positions need no
-    adjustment; logits at ``P-1 .. P+L-2`` predict the response tokens.
+    The input is ``prompt + response`` (right-padded after EOS); logits at ``P-1 .. P+L-2``
+    predict the response tokens. Two savings, both exact (tests hold them to the plain path,
+    ``share_prefix=False``, losses and gradients):
+
+    - columns after the last real response token of every row are not computed (causal
+      attention: they cannot change earlier positions); their log-probs are 0;
+    - ``share_prefix``: consecutive rows with the same vector (the samples of one group) have
+      the same prompt prefix, so it runs once per run of rows (k rows), its KV cache and its
+      last logits are repeated to the rows, and the responses run on top of that cache.
+      Gradients reach the prefix through the repeated cache and logits (a sum over the
+      group's rows, as in the per-row forward). Only for ``CACHE_REUSE_MODEL_TYPES``; other
+      models take the per-row forward.
     """
     n, L = response_ids.shape
     P = prompt_ids.shape[0]
     device = next(model.parameters()).device
-    ids = torch.cat([prompt_ids.to(device).expand(n, P), response_ids.to(device)], 1)
-    attn = torch.cat([torch.ones(n, P, dtype=torch.long, device=device), response_mask.to(device).long()], 1)
-    with hook.vectors(vectors.to(device)):
-        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, P - 1 : P + L - 1].float()
-    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, P:, None]).squeeze(-1)
+    Lc = max(int(response_mask.sum(1).max()), 1) if n else L  # columns holding any real token
+    resp, rmask = response_ids[:, :Lc].to(device), response_mask[:, :Lc].to(device).long()
+    vectors = vectors.to(device)
+    if share_prefix and supports_cache_reuse(model):
+        starts = torch.ones(n, dtype=torch.bool, device=device)
+        starts[1:] = (vectors[1:] != vectors[:-1]).any(1)
+        owner = starts.long().cumsum(0) - 1  # [n] index of each row's run
+        with hook.vectors(vectors[starts]):
+            pre = model(input_ids=prompt_ids.to(device).expand(int(starts.sum()), P), use_cache=True,
+                        logits_to_keep=1)
+        cache = pre.cache
+        cache.batch_select_indices(owner)
+        first = pre.logits[:, -1:][owner]  # [n, 1, V] predicts response token 0
+        if Lc > 1:
+            attn = torch.cat([torch.ones(n, P, dtype=torch.long, device=device), rmask[:, :-1]], 1)
+            rest = model(input_ids=resp[:, :-1], attention_mask=attn, cache=cache, use_cache=True).logits
+            logits = torch.cat([first, rest], 1).float()
+        else:
+            logits = first.float()
+    else:
+        ids = torch.cat([prompt_ids.to(device).expand(n, P), resp], 1)
+        attn = torch.cat([torch.ones(n, P, dtype=torch.long, device=device), rmask], 1)
+        with hook.vectors(vectors):
+            logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, P - 1 : P + Lc - 1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, resp[:, :, None]).squeeze(-1)
     ent = A.entropy_from_logits(logits.detach()) if with_entropy else None
+    if Lc < L:
+        logp = torch.nn.functional.pad(logp, (0, L - Lc))
+        ent = torch.nn.functional.pad(ent, (0, L - Lc)) if ent is not None else None
     return logp, ent
 
 
@@ -79,17 +113,47 @@ def rank_micro_batches(dp: DataParallel, mine: Tensor, n: int, micro_batch_size:
         yield (chunk, True) if len(chunk) else (torch.zeros(1, dtype=torch.long), False)
 
 
+def by_group_length(rollout: Rollout, rows: Tensor) -> Tensor:
+    """A permutation ``perm`` of ``range(len(rows))``: ``rows[perm]`` puts the longest groups first.
+
+    A group here is a run of consecutive rows of ``rows`` with the same vector (they share the
+    prompt prefix, so they stay together); groups are ordered by their longest response,
+    longest first, ties in their original order. Micro-batches cut from that order hold
+    responses of similar length, so ``response_logprobs`` trims more padding columns.
+    """
+    if len(rows) == 0:
+        return torch.arange(0)
+    vec = rollout.vectors[rows]
+    starts = torch.ones(len(rows), dtype=torch.bool)
+    starts[1:] = (vec[1:] != vec[:-1]).any(1)
+    run = starts.long().cumsum(0) - 1  # [n] run index of each row
+    longest = torch.zeros(int(run[-1]) + 1, dtype=torch.long).scatter_reduce(
+        0, run, rollout.lengths[rows].long(), "amax")
+    run_order = torch.sort(-longest, stable=True).indices  # runs, longest first
+    rank_of_run = torch.empty_like(run_order)
+    rank_of_run[run_order] = torch.arange(len(run_order))
+    return torch.sort(rank_of_run[run], stable=True).indices
+
+
 @torch.no_grad()
 def rollout_logprobs(model: nn.Module, hook: InjectionHook, rollout: Rollout, mine: Tensor, n: int,
                      dp: DataParallel, micro_batch_size: int) -> Tensor:
-    """Log-probs [len(mine), L] of the rows ``mine`` (this rank's share of a batch of ``n``)."""
+    """Log-probs [len(mine), L] of the rows ``mine`` (this rank's share of a batch of ``n``), in that order.
+
+    Micro-batches are cut from ``mine`` ordered by ``by_group_length``; the result is put back
+    in the order of ``mine``.
+    """
+    perm = by_group_length(rollout, mine)
     out = []
-    for idx, real in rank_micro_batches(dp, mine, n, micro_batch_size):
+    for idx, real in rank_micro_batches(dp, mine[perm], n, micro_batch_size):
         lp, _ = response_logprobs(model, hook, rollout.prompt_ids, rollout.response_ids[idx],
                                   rollout.response_mask[idx], rollout.vectors[idx])
         if real:
             out.append(lp.cpu())
-    return torch.cat(out) if out else torch.zeros(0, rollout.response_ids.shape[1])
+    result = torch.zeros(len(mine), rollout.response_ids.shape[1])
+    if out:
+        result[perm] = torch.cat(out)
+    return result
 
 
 def _parse_responses(tokenizer: Any, response_ids: Tensor, eos_id: int) -> tuple[Tensor, list[str], Tensor]:
@@ -187,24 +251,20 @@ class RolloutWorker:
         B = vectors.shape[0]
         vec = vectors.repeat_interleave(n_samples, 0)
         rows = prompt_rows.repeat_interleave(n_samples, 0)
-        N, P = vec.shape[0], self.prompt_ids.shape[0]
-        ids = self.prompt_ids.to(self.device).expand(N, P)
+        N = vec.shape[0]
         was_training = self.model.training
         self.model.eval()
-        gen_kwargs: dict[str, Any] = {"do_sample": False} if greedy else {
-            "do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
         try:
-            with self.hook.vectors(vec.to(self.device)):
-                out = self.model.generate(
-                    input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                    eos_token_id=self.eos_id, pad_token_id=self.pad_id,
-                    # The AV must never write the marker: a second site in prompt+response would
-                    # shift the injection in the log-prob forward (and it is the failure smell).
-                    suppress_tokens=[self.sidecar.injection_token_id], **gen_kwargs,
-                )
+            # Finished rows leave the batch; greedy gives HF generate's tokens (nla.rl.sampling).
+            resp = sample_responses(
+                self.model, self.hook, self.prompt_ids, vectors, n_samples, max_new_tokens, self.eos_id,
+                self.pad_id, temperature=temperature, top_p=top_p, greedy=greedy,
+                # The AV must never write the marker: a second site in prompt+response would
+                # shift the injection in the log-prob forward (and it is the failure smell).
+                suppress_ids=[self.sidecar.injection_token_id],
+            ).cpu()
         finally:
             self.model.train(was_training)
-        resp = out[:, P:].cpu()
         mask, texts, truncated = _parse_responses(self.tokenizer, resp, self.eos_id)
         resp = torch.where(mask.bool(), resp, torch.full_like(resp, self.pad_id))
         explanations: list[str | None] = []
@@ -314,7 +374,9 @@ class PolicyWorker(_Trainable):
         sums: dict[str, float] = {}
         step_sums: dict[str, float] = {}
         for rows in batches:
-            for idx, real in rank_micro_batches(dp, dp.my_rows(rows), len(rows), s.micro_batch_size):
+            mine = dp.my_rows(rows)
+            mine = mine[by_group_length(rollout, mine)]  # similar lengths per micro-batch: less padding
+            for idx, real in rank_micro_batches(dp, mine, len(rows), s.micro_batch_size):
                 loss, m, pm = policy_micro_loss(self.model, self.hook, rollout, idx, advantages, ref_logp, old_all, s)
                 w = agg.micro_batch_weight(m.cpu(), mask[rows]) if real else 0.0
                 (loss * (w * dp.grad_scale)).backward()
@@ -418,7 +480,11 @@ class ReconstructorWorker(_Trainable):
         dp = self.dp
         self.ar.train()
         total = 0.0
-        for idx, real in rank_micro_batches(dp, dp.my_rows(torch.arange(n)), n, self.micro_batch_size):
+        mine = dp.my_rows(torch.arange(n))
+        # Micro-batches of texts of similar length pad less; the loss is a mean over rows, so
+        # each micro-batch's weight (its share of rows) keeps the step the same on any order.
+        mine = mine[torch.sort(torch.tensor([-len(explanations[i]) for i in mine.tolist()]), stable=True).indices]
+        for idx, real in rank_micro_batches(dp, mine, n, self.micro_batch_size):
             enc = self._encode([explanations[i] for i in idx.tolist()], "right")
             loss, _ = reconstruction_loss(self.ar, enc["input_ids"].to(self.device),
                                           enc["attention_mask"].to(self.device), golds[idx], self.scale)
@@ -520,7 +586,7 @@ class WorkerGroups:
 
 
 __all__ = [
-    "OptimSettings", "PolicyLossSettings", "PolicyWorker", "ReconstructorWorker", "ReferenceWorker",
+    "OptimSettings", "by_group_length", "PolicyLossSettings", "PolicyWorker", "ReconstructorWorker", "ReferenceWorker",
     "RolloutWorker", "ValueModel", "ValueWorker", "WorkerGroups", "policy_micro_loss", "rank_micro_batches",
     "response_logprobs", "rollout_logprobs",
 ]

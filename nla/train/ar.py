@@ -25,6 +25,7 @@ from nla import arch
 from nla.datagen.io import read_parquet, read_vectors
 from nla.reconstructor import Reconstructor, reconstruction_loss, tokenize_ar_texts
 from nla.sidecar import NLAConfig, resolve_sidecar
+from nla.threads import apply_threads
 from nla.train.common import (
     LoopSpec,
     TrainResult,
@@ -140,6 +141,7 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
     train_tab, train_vec, eval_tab, eval_vec = load_split(cfg, "prompt")
     scale = side.mse_scale_value()
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
+    apply_threads(cfg.threads)
     resume_from = find_resume_checkpoint(cfg.out_dir) if resume else None
     if resume_from is not None:
         model = Reconstructor.from_pretrained(resume_from)

@@ -33,6 +33,7 @@ from nla import arch
 from nla.injection import InjectionHook
 from nla.sidecar import NLAConfig, canonical_av_prompt_ids, verify_tokenizer, write_sidecar
 from nla.templates import AV_PLACEHOLDER
+from nla.threads import apply_threads
 from nla.train.ar import _resolve_sidecar_and_base, load_split
 from nla.train.common import (
     LoopSpec,
@@ -168,6 +169,7 @@ def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
         if col not in train_tab.column_names:
             raise AVTrainError(f"dataset {cfg.dataset}: column {col!r} missing; found {train_tab.column_names}")
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
+    apply_threads(cfg.threads)
     resume_from = find_resume_checkpoint(cfg.out_dir) if resume else None
     src = str(resume_from) if resume_from is not None else base
     if resume_from is not None:

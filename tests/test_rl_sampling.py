@@ -1,0 +1,167 @@
+"""The rollout's sampling loop against HF ``generate`` (the implementation it replaced).
+
+Real tiny models of every supported architecture (random weights, the conftest tokenizer), vectors injected at the marker.
+To get rows that end at different steps (and some that never end), the end-of-sequence id is
+chosen from the greedy trajectories themselves: a token that some rows emit early.
+"""
+
+import pytest
+import torch
+from train_helpers import dataset_sidecar
+from transformers import AutoModelForCausalLM
+
+import nla.rl.sampling as S
+from nla.injection import InjectionHook
+from nla.reward import extract_explanation
+from nla.rl.types import COMPLETED, FAILED_EXTRACTION, TRUNCATED
+from nla.rl.workers import RolloutWorker, _parse_responses
+from nla.sidecar import canonical_av_prompt_ids
+
+B, G, L = 6, 3, 20
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(single_thread):
+    """Every test here runs single-threaded (see conftest.single_thread)."""
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma3", "gpt2"])
+def av(request, tiny_model_dir, tiny_tokenizer):
+    base = tiny_model_dir(request.param)
+    model = AutoModelForCausalLM.from_pretrained(base).eval()
+    d = model.config.hidden_size
+    side = dataset_sidecar(tiny_tokenizer, base, d_model=d, layer_index=1, injection_scale=30.0)
+    hook = InjectionHook.from_config(model, side)
+    prompt = torch.tensor(canonical_av_prompt_ids(tiny_tokenizer, side.av_messages()), dtype=torch.long)
+    vectors = torch.randn(B, d, generator=torch.Generator().manual_seed(0))
+    return model, side, hook, prompt, vectors
+
+
+def hf_generate(model, hook, prompt, vectors, n, max_new, eos, pad, suppress, greedy=True, **kw):
+    """The rollout as it was: HF generate on the repeated prompt, the hook injecting at prefill."""
+    vec = vectors.repeat_interleave(n, 0)
+    ids = prompt.expand(vec.shape[0], prompt.shape[0])
+    gen = {"do_sample": False} if greedy else {"do_sample": True, "top_k": 0, **kw}
+    with torch.no_grad(), hook.vectors(vec):
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                             eos_token_id=eos, pad_token_id=pad, suppress_tokens=suppress, **gen)
+    return out[:, prompt.shape[0]:]
+
+
+def varied_eos(av, tok):
+    """A token that the greedy trajectories emit early in some rows but not in all."""
+    model, side, hook, prompt, vectors = av
+    first = hf_generate(model, hook, prompt, vectors, 1, L, tok.eos_token_id, tok.pad_token_id,
+                        [side.injection_token_id])
+    for t in range(1, 8):
+        for cand in first[:, t].tolist():
+            hits = (first == cand).any(1)
+            if 0 < int(hits.sum()) < B:
+                return cand
+    pytest.skip("no token separates the rows of this random model")
+
+
+@pytest.mark.parametrize("divisor", [0, 1, S.COMPACT_DIVISOR, 10**6])  # 0: never drop rows; 10**6: at every end
+def test_greedy_is_hf_generate(av, tiny_tokenizer, monkeypatch, divisor):
+    model, side, hook, prompt, vectors = av
+    eos, pad = varied_eos(av, tiny_tokenizer), tiny_tokenizer.pad_token_id
+    monkeypatch.setattr(S, "COMPACT_DIVISOR", divisor)
+    ref = hf_generate(model, hook, prompt, vectors, G, L, eos, pad, [side.injection_token_id])
+    got = S.sample_responses(model, hook, prompt, vectors, G, L, eos, pad, suppress_ids=[side.injection_token_id],
+                             greedy=True)
+    assert got.shape == ref.shape
+    assert torch.equal(got, ref)
+    ended = (ref == eos).any(1)
+    assert 0 < int(ended.sum()) < ref.shape[0]  # the case that matters: some rows end, others run on
+
+
+def test_a_row_ending_at_the_first_step_is_dropped_exactly(av, tiny_tokenizer):
+    model, side, hook, prompt, vectors = av
+    first = hf_generate(model, hook, prompt, vectors, 1, L, tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id,
+                        [side.injection_token_id])
+    eos = int(first[0, 0])  # row 0's first token: row 0 ends at step 1, the rest whenever they emit it
+    ref = hf_generate(model, hook, prompt, vectors, 1, L, eos, tiny_tokenizer.pad_token_id, [side.injection_token_id])
+    got = S.sample_responses(model, hook, prompt, vectors, 1, L, eos, tiny_tokenizer.pad_token_id,
+                             suppress_ids=[side.injection_token_id], greedy=True)
+    assert torch.equal(got, ref)
+
+
+def test_marker_is_never_written_and_suppression_is_exact(av, tiny_tokenizer):
+    model, side, hook, prompt, vectors = av
+    # Suppressing the greedy first token of row 0 must give HF's second choice, as HF does.
+    first = hf_generate(model, hook, prompt, vectors, 1, L, tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id,
+                        [side.injection_token_id])
+    banned = [side.injection_token_id, int(first[0, 0])]
+    ref = hf_generate(model, hook, prompt, vectors, 1, L, tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id,
+                      banned)
+    got = S.sample_responses(model, hook, prompt, vectors, 1, L, tiny_tokenizer.eos_token_id,
+                             tiny_tokenizer.pad_token_id, suppress_ids=banned, greedy=True)
+    assert torch.equal(got, ref)
+    torch.manual_seed(0)
+    sampled = S.sample_responses(model, hook, prompt, vectors, 4, L, tiny_tokenizer.eos_token_id,
+                                 tiny_tokenizer.pad_token_id, suppress_ids=banned, temperature=2.0)
+    assert not torch.isin(sampled, torch.tensor(banned)).any()
+
+
+def test_sampling_with_a_vanishing_top_p_is_greedy(av, tiny_tokenizer):
+    # top-p keeps the smallest set of tokens whose mass reaches p (at least one): p -> 0 keeps
+    # the argmax alone, at any temperature, so the sample is the greedy token.
+    model, side, hook, prompt, vectors = av
+    eos, pad = varied_eos(av, tiny_tokenizer), tiny_tokenizer.pad_token_id
+    greedy = S.sample_responses(model, hook, prompt, vectors, G, L, eos, pad,
+                                suppress_ids=[side.injection_token_id], greedy=True)
+    torch.manual_seed(1)
+    sampled = S.sample_responses(model, hook, prompt, vectors, G, L, eos, pad, suppress_ids=[side.injection_token_id],
+                                 temperature=1.7, top_p=1e-9)
+    assert torch.equal(sampled, greedy)
+
+
+def test_sampling_is_seeded_and_groups_share_the_prompt(av, tiny_tokenizer):
+    model, side, hook, prompt, vectors = av
+    eos, pad = varied_eos(av, tiny_tokenizer), tiny_tokenizer.pad_token_id
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        runs.append(S.sample_responses(model, hook, prompt, vectors, G, L, eos, pad,
+                                       suppress_ids=[side.injection_token_id]))
+    assert torch.equal(runs[0], runs[1])
+    # the per-group prefill is the per-row prefill: G copies of row b's first-token distribution
+    with torch.no_grad(), hook.vectors(vectors.repeat_interleave(G, 0)):
+        full = model(input_ids=prompt.expand(B * G, -1)).logits[:, -1]
+    with torch.no_grad(), hook.vectors(vectors):
+        once = model(input_ids=prompt.expand(B, -1)).logits[:, -1]
+    torch.testing.assert_close(once.repeat_interleave(G, 0), full, rtol=1e-5, atol=1e-5)
+
+
+def test_rollout_worker_matches_the_hf_rollout(av, tiny_tokenizer):
+    """Responses, masks, texts, statuses and truncation of ``RolloutWorker.generate`` (greedy) equal
+    those made from HF generate's tokens by the same parsing (the implementation it replaced)."""
+    model, side, hook, prompt, vectors = av
+    eos = varied_eos(av, tiny_tokenizer)
+    worker = RolloutWorker(model, tiny_tokenizer, side, torch.device("cpu"))
+    worker.eos_id = eos
+    r = worker.generate(vectors, torch.arange(B), G, L, greedy=True)
+    ref = hf_generate(model, worker.hook, prompt, vectors, G, L, eos, worker.pad_id, [side.injection_token_id])
+    mask, texts, truncated = _parse_responses(tiny_tokenizer, ref, eos)
+    assert torch.equal(r.response_mask, mask)
+    assert torch.equal(r.response_ids, torch.where(mask.bool(), ref, torch.full_like(ref, worker.pad_id)))
+    assert r.texts == texts
+    status = [TRUNCATED if truncated[i] else (COMPLETED if extract_explanation(texts[i]) is not None
+                                              else FAILED_EXTRACTION) for i in range(B * G)]
+    assert r.status.tolist() == status
+    assert 0 < int(truncated.sum()) < B * G
+
+
+def test_sample_categorical_frequencies_and_zero_mass():
+    # probabilities [0.5, 0, 0.3, 0.2] (scores are their logs; -inf for the suppressed token):
+    # 40,000 draws; the standard error of a frequency is <= sqrt(0.25 / 40000) = 0.0025, so 0.01 is 4 s.e.
+    torch.manual_seed(0)
+    p = torch.tensor([0.5, 0.0, 0.3, 0.2])
+    draws = S.sample_categorical(p.log().expand(40_000, 4))
+    freq = torch.bincount(draws, minlength=4).float() / 40_000
+    assert freq[1] == 0
+    torch.testing.assert_close(freq, p, atol=0.01, rtol=0)
+    # a row with all mass on the last token, and one with all mass on the first
+    one_hot = torch.full((2, 5), float("-inf"))
+    one_hot[0, 4] = one_hot[1, 0] = 0.0
+    assert S.sample_categorical(one_hot.repeat(500, 1)).view(500, 2).tolist() == [[4, 0]] * 500
