@@ -53,12 +53,18 @@ def varied_eos(av, tok):
     model, side, hook, prompt, vectors = av
     first = hf_generate(model, hook, prompt, vectors, 1, L, tok.eos_token_id, tok.pad_token_id,
                         [side.injection_token_id])
-    for t in range(1, 8):
+    # Scan every step: rows with different injected vectors diverge somewhere, so some token is
+    # emitted by some rows and not by others.
+    for t in range(1, first.shape[1]):
         for cand in first[:, t].tolist():
             hits = (first == cand).any(1)
             if 0 < int(hits.sum()) < B:
                 return cand
-    pytest.skip("no token separates the rows of this random model")
+    if not S.supports_cache_reuse(model):
+        # Not on the fast path (sample_responses hands it to HF generate), and its random tiny model
+        # writes the same tokens whatever the vector: nothing to compare here.
+        pytest.skip(f"{model.config.model_type}: takes the plain HF path; this random model ignores the vector")
+    raise AssertionError(f"every row emits the same tokens {first[0].tolist()}: the injected vectors are ignored")
 
 
 @pytest.mark.parametrize("divisor", [0, 1, S.COMPACT_DIVISOR, 10**6])  # 0: never drop rows; 10**6: at every end
