@@ -327,6 +327,19 @@ def evaluate_pair(
     report = EvalReport(dataset=str(path), n_rows=n, d_model=client.d_model, mse_scale=scale,
                         baseline_raw_mean_mse=base.raw_mean, baseline_normalized_mean_mse=base.normalized_mean)
 
+    def graded(texts: list[str | None]) -> tuple[Faithfulness | None, dict[str, float] | None]:
+        """Faithfulness and degeneracy of ``texts`` (world data only)."""
+        return (faithfulness(texts, facts), degeneracy_rates(texts)) if facts is not None else (None, None)
+
+    def read(name: str, texts: list[str | None], reader: NLAClient = client, failure_rate: float | None = None,
+             grades: tuple[Faithfulness | None, dict[str, float] | None] | None = None) -> None:
+        """One row: ``reader``'s AR reconstructs ``texts``; failures charged per convention 1."""
+        res = reader.score(texts, gold, batch_size=batch_size)
+        mse, cos = _filled(res, gold, reader.ar_sidecar.mse_scale_value())
+        faith, degen = grades if grades is not None else graded(texts)
+        report.rows.append(row_stats(name, mse, cos, base.raw_mean,
+                                     res.failure_rate if failure_rate is None else failure_rate, faith, degen))
+
     verbs = None
     rt = None
     if client.av_model is not None:
@@ -334,51 +347,30 @@ def evaluate_pair(
         verbs, rt = client.round_trip(gold, max_new_tokens=max_new_tokens, batch_size=batch_size)
         texts = [v.explanation for v in verbs]
         mse, cos = _filled(rt, gold, scale)
-        faith = faithfulness(texts, facts) if facts is not None else None
-        degen = degeneracy_rates(texts) if facts is not None else None
-        report.rows.append(row_stats("AV → AR round trip", mse, cos, base.raw_mean, rt.failure_rate, faith, degen))
+        grades = graded(texts)
+        report.rows.append(row_stats("AV → AR round trip", mse, cos, base.raw_mean, rt.failure_rate, *grades))
         if frozen_ar is not None:
-            f_side = frozen_ar._need_ar("evaluate_pair(frozen_ar=...)")
+            frozen_ar._need_ar("evaluate_pair(frozen_ar=...)")
             if frozen_ar.d_model != client.d_model:
                 raise NLAClientError(f"frozen_ar: d_model {frozen_ar.d_model} differs from the pair's {client.d_model}")
-            f_res = frozen_ar.score(texts, gold, batch_size=batch_size)
-            mse, cos = _filled(f_res, gold, f_side.mse_scale_value())
-            report.rows.append(row_stats("AV → frozen warm-start AR", mse, cos, base.raw_mean, f_res.failure_rate,
-                                         faith, degen))
+            read("AV → frozen warm-start AR", texts, reader=frozen_ar, grades=grades)  # same texts, same grades
         perm = torch.from_numpy(rng.permutation(n))
         logger.info("eval: verbalizing %d shuffled vectors", n)
         sverbs = client.verbalize(gold[perm], max_new_tokens=max_new_tokens, batch_size=batch_size)
-        s_res = client.score([v.explanation for v in sverbs], gold, batch_size=batch_size)
-        mse, cos = _filled(s_res, gold, scale)
-        stexts = [v.explanation for v in sverbs]
-        report.rows.append(row_stats("AV on shuffled vectors → AR", mse, cos, base.raw_mean, s_res.failure_rate,
-                                     faithfulness(stexts, facts) if facts is not None else None,
-                                     degeneracy_rates(stexts) if facts is not None else None))
+        read("AV on shuffled vectors → AR", [v.explanation for v in sverbs])
     reference = table.column("explanation").to_pylist() if "explanation" in cols else None
     if reference is not None:
-        res = client.score(reference, gold, batch_size=batch_size)
-        mse, cos = _filled(res, gold, scale)
-        report.rows.append(row_stats("AR on reference explanations", mse, cos, base.raw_mean, res.failure_rate,
-                                     faithfulness(reference, facts) if facts is not None else None,
-                                     degeneracy_rates(reference) if facts is not None else None))
+        read("AR on reference explanations", reference)
     te = _text_explainer_outputs(table, path) if text_explainer_baseline else None
     if te is not None:
-        res = client.score(te, gold, batch_size=batch_size)
-        mse, cos = _filled(res, gold, scale)
-        report.rows.append(row_stats("text explainer → AR", mse, cos, base.raw_mean, 0.0,
-                                     faithfulness(te, facts) if facts is not None else None,
-                                     degeneracy_rates(te) if facts is not None else None))
+        read("text explainer → AR", te, failure_rate=0.0)
     if facts is not None and "current_word" in cols:
         from nla.world import Fact
         from nla.world.explain import oracle_explanation
 
         words = table.column("current_word").to_pylist()
-        oracle = [oracle_explanation([Fact.parse(f) for f in (fs or [])], w, int(r))
-                  for fs, w, r in zip(facts, words, dataset_rows, strict=True)]
-        res = client.score(oracle, gold, batch_size=batch_size)
-        mse, cos = _filled(res, gold, scale)
-        report.rows.append(row_stats("oracle: every true fact → AR", mse, cos, base.raw_mean, res.failure_rate,
-                                     faithfulness(oracle, facts), degeneracy_rates(oracle)))
+        read("oracle: every true fact → AR", [oracle_explanation([Fact.parse(f) for f in (fs or [])], w, int(r))
+                                               for fs, w, r in zip(facts, words, dataset_rows, strict=True)])
     g = normalize_activation(gold, scale)
     mu = g.mean(0, keepdim=True).expand_as(g)
     report.rows.append(row_stats("predict the mean (raw)", ((g - mu) ** 2).mean(-1), cosine(mu, g), base.raw_mean))

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from nla.vectors import mse_nrm
-from nla.world.explain import degeneracy, split_sentences
+from nla.world.explain import degeneracy, has_repeated_sentence, split_sentences
 
 __all__ = [
     "FAILED_EXTRACTION_MSE",
@@ -156,8 +156,7 @@ def reward_from_mse(mse: Tensor, log_mse: bool = False) -> Tensor:
 # ------------------------------------------------------------------ format checks
 def _generic_degenerate(text: str) -> bool:
     """A repeated sentence or an unbalanced double quote: degenerate in any explanation language."""
-    sentences = [s.lower() for s in split_sentences(text)]
-    return len(set(sentences)) < len(sentences) or text.count('"') % 2 == 1
+    return has_repeated_sentence(split_sentences(text)) or text.count('"') % 2 == 1
 
 
 def _world_degenerate(text: str) -> bool:

@@ -210,19 +210,17 @@ class NLAConfig:
 
     def need_av(self, purpose: str) -> NLAConfig:
         """``self`` if it carries the AV fields (injection marker, AV template); else a :class:`SidecarError`."""
-        if not self.has_av_fields:
-            raise SidecarError(
-                f"{purpose} needs the AV fields of a sidecar ({', '.join(_KEY_OF[n] for n in AV_FIELDS)}), but this "
-                f"sidecar (kind {self.kind!r}, role {self.role!r}) has none; use the verbalizer's own sidecar"
-            )
-        return self
+        return self._need_fields(purpose, "AV", AV_FIELDS, "verbalizer")
 
     def need_ar(self, purpose: str) -> NLAConfig:
         """``self`` if it carries the AR fields (AR template and its tail ids); else a :class:`SidecarError`."""
-        if not self.has_ar_fields:
+        return self._need_fields(purpose, "AR", AR_FIELDS, "reconstructor")
+
+    def _need_fields(self, purpose: str, group: str, fields: tuple[str, ...], owner: str) -> NLAConfig:
+        if not any(getattr(self, n) is not None for n in fields):
             raise SidecarError(
-                f"{purpose} needs the AR fields of a sidecar ({', '.join(_KEY_OF[n] for n in AR_FIELDS)}), but this "
-                f"sidecar (kind {self.kind!r}, role {self.role!r}) has none; use the reconstructor's own sidecar"
+                f"{purpose} needs the {group} fields of a sidecar ({', '.join(_KEY_OF[n] for n in fields)}), but this "
+                f"sidecar (kind {self.kind!r}, role {self.role!r}) has none; use the {owner}'s own sidecar"
             )
         return self
 

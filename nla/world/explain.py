@@ -167,11 +167,15 @@ def degeneracy(text: str | None) -> Degeneracy:
     if not text or not text.strip():
         return Degeneracy(False, False, False)
     sentences = split_sentences(text)
-    lowered = [s.lower() for s in sentences]
-    repeated = len(set(lowered)) < len(lowered)
     broken = text.count('"') % 2 == 1 or any('"' in s and not _CURRENT_WORD_RE.match(s) for s in sentences)
     outside = any(not in_language(s) for s in sentences)
-    return Degeneracy(repeated, broken, outside)
+    return Degeneracy(has_repeated_sentence(sentences), broken, outside)
+
+
+def has_repeated_sentence(sentences: list[str]) -> bool:
+    """The same sentence twice (case-insensitive), in any language."""
+    lowered = [s.lower() for s in sentences]
+    return len(set(lowered)) < len(lowered)
 
 
 def oracle_explanation(facts: Iterable[Fact], current_word: str | None, key: int) -> str:

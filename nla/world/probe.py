@@ -109,11 +109,12 @@ def probe_kinds(
             f"probe_kinds: {x_tr.shape[0]} training vectors for {len(facts_train)} fact rows and "
             f"{x_te.shape[0]} held-out vectors for {len(facts_test)}; they must match one to one"
         )
+    sets_tr, sets_te = [set(fs) for fs in facts_train], [set(fs) for fs in facts_test]
     out = []
     for kind in kinds:
         facts = [str(Fact(kind, v)) for v in sorted(VOCAB[kind])]
-        y_tr = torch.tensor([[f in set(fs) for f in facts] for fs in facts_train], dtype=torch.float32)
-        y_te = torch.tensor([[f in set(fs) for f in facts] for fs in facts_test], dtype=torch.float32)
+        y_tr = torch.tensor([[f in fs for f in facts] for fs in sets_tr], dtype=torch.float32)
+        y_te = torch.tensor([[f in fs for f in facts] for fs in sets_te], dtype=torch.float32)
         has = y_te.sum(1) > 0
         if y_tr.sum() == 0 or not bool(has.any()):
             continue
