@@ -36,6 +36,7 @@ from nla import arch
 from nla.reconstructor import VALUE_HEAD_FILE, Reconstructor, tokenize_ar_texts
 from nla.reward import failed_mse
 from nla.sidecar import SIDECAR_NAME, NLAConfig, SidecarError, load_sidecar, verify_tokenizer
+from nla.threads import adapt_threads
 from nla.validation import check_checkpoint, check_vectors
 from nla.vectors import cosine, mse_nrm
 
@@ -326,6 +327,7 @@ class NLAClient:
             if seed is not None:
                 torch.manual_seed(seed)
             for start in range(0, vec.shape[0], batch_size):
+                adapt_threads()
                 chunk = vec[start : start + batch_size]
                 rows = torch.arange(start, start + chunk.shape[0])
                 ro = self._rollout.generate(chunk, rows, n_samples, max_new_tokens, temperature=temperature,
@@ -358,6 +360,7 @@ class NLAClient:
         preds = []
         try:
             for s in range(0, len(texts), batch_size):
+                adapt_threads()
                 enc = tokenize_ar_texts(self.ar_tokenizer, [side.ar_text(t) for t in texts[s : s + batch_size]],
                                         self.max_length)
                 preds.append(self.ar.predict(enc["input_ids"].to(device), enc["attention_mask"].to(device))

@@ -122,3 +122,124 @@ def test_cli_flags_reach_the_configs():
         assert parser.parse_args(argv).threads == 2
     with pytest.raises(SystemExit):
         parser.parse_args(["rl", "--threads", "0"])
+
+
+class FakeMachine:
+    """A clock and a /proc/stat reader the test drives: ``run(seconds, others, ours)`` advances
+    time by ``seconds`` while other processes keep ``others`` cores busy and we use ``ours``."""
+
+    def __init__(self):
+        self.t, self.busy, self.own = 100.0, 5000.0, 10.0
+
+    def run(self, seconds, others, ours):
+        self.t += seconds
+        self.busy += seconds * (others + ours)
+        self.own += seconds * ours
+
+    def clock(self):
+        return self.t
+
+    def reader(self):
+        return self.busy, self.own
+
+
+@pytest.mark.parametrize("others, cores, expected", [
+    (0.0, 2, 2), (0.2, 2, 2),  # noise: keep every core
+    (0.5, 2, 1), (1.0, 2, 1), (1.9, 2, 1), (3.0, 2, 1),  # never below 1
+    (0.0, 16, 16), (4.0, 16, 12), (4.6, 16, 11), (4.7, 16, 11), (4.75, 16, 11),
+])
+def test_threads_for_idle_cores(others, cores, expected):
+    # int(cores - others + 0.3): a core at least 70 % idle counts as free
+    from nla.threads import threads_for_idle_cores
+
+    assert threads_for_idle_cores(others, cores) == expected
+
+
+def test_governor_follows_the_idle_cores(restore_threads):
+    from nla.threads import ThreadGovernor
+
+    m = FakeMachine()
+    g = ThreadGovernor(cores=2, interval=2.0, reader=m.reader, clock=m.clock)
+    assert g.threads == 1  # starts at half the cores
+    m.run(1.0, others=0.0, ours=1.0)
+    assert g.tick() == 1 and g.decisions == []  # interval not over: no re-read
+    m.run(1.5, others=0.0, ours=1.0)  # 2.5 s since start, idle machine
+    assert g.tick() == 2 and torch.get_num_threads() == 2
+    assert g.decisions == [(pytest.approx(0.0), 2)]
+    m.run(2.0, others=1.0, ours=1.0)  # another job takes a core; our 2 threads get 1 core between them
+    assert g.tick() == 1 and torch.get_num_threads() == 1
+    assert g.decisions[-1] == (pytest.approx(1.0), 1)
+    m.run(2.0, others=0.9, ours=1.0)
+    assert g.tick() == 1
+    m.run(2.0, others=0.0, ours=1.0)  # the other job ended
+    assert g.tick() == 2 and torch.get_num_threads() == 2
+
+
+def test_governor_without_proc_stat_keeps_half_the_cores(restore_threads):
+    from nla.threads import ThreadGovernor
+
+    t = [0.0]
+    g = ThreadGovernor(cores=8, interval=1.0, reader=lambda: None, clock=lambda: t[0])
+    t[0] = 5.0
+    assert g.tick() == 4 and g.decisions == []
+
+
+def test_governor_adjusts_only_from_its_own_thread(restore_threads):
+    import threading
+
+    from nla.threads import ThreadGovernor
+
+    m = FakeMachine()
+    g = ThreadGovernor(cores=2, interval=1.0, reader=m.reader, clock=m.clock)
+    m.run(3.0, others=0.0, ours=1.0)
+    out = []
+    th = threading.Thread(target=lambda: out.append(g.tick()))
+    th.start()
+    th.join()
+    assert out == [1] and g.decisions == []  # a helper thread reads, never re-decides
+    assert g.tick() == 2
+
+
+def test_apply_threads_automatic_only_without_setting_or_environment(restore_threads, monkeypatch):
+    from nla import threads as T
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.setattr(T, "_governor", None)
+    n = T.apply_threads(None)
+    assert T._governor is not None and n == T._governor.threads == max(1, T.available_cores() // 2)
+    gov = T._governor
+    T.apply_threads(None)
+    assert T._governor is gov  # kept across stages
+    assert T.apply_threads(3) == 3 and T._governor is None  # an explicit setting is fixed
+    assert T.adapt_threads() == 3 and torch.get_num_threads() == 3  # and adapt_threads leaves it
+    monkeypatch.setenv(ENV_VAR, "2")
+    assert T.apply_threads(None) == 2 and T._governor is None
+    monkeypatch.delenv(ENV_VAR)
+    assert T.apply_threads(None, processes=2) == resolve_threads(None, processes=2, env={})
+    assert T._governor is None  # several workers of one job: a fixed share
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/stat"), reason="needs Linux /proc/stat")
+def test_governor_sees_a_real_busy_process(restore_threads):
+    """A real competing process that spins on one core: the governor leaves that core to it."""
+    import subprocess
+    import sys
+    import time
+
+    from nla.threads import ThreadGovernor, available_cores, read_cpu_seconds
+
+    busy0, own0 = read_cpu_seconds()
+    assert busy0 > 0 and own0 > 0
+    cores = available_cores()
+    g = ThreadGovernor(interval=1.0)
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(1.2)
+        n = g.tick()
+    finally:
+        spin.kill()
+        spin.wait()
+    assert len(g.decisions) == 1
+    others, decided = g.decisions[0]
+    assert others >= 0.7  # the spinning process alone keeps about one core busy
+    assert n == decided <= max(1, cores - 1)

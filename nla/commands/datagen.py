@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             help="override a config field, e.g. --set n_docs=200 --set provider.model=gpt-4o-mini",
         )  # fmt: skip
         sp.add_argument("--threads", type=positive_int,
-                        help="torch CPU threads (overrides threads; default $OMP_NUM_THREADS, else half the cores)")
+                        help="torch CPU threads (overrides threads; default $OMP_NUM_THREADS, else the idle cores, re-read as it runs)")
         sp.add_argument("--force", action="store_true", help="redo the stage(s) even if done")
         sp.set_defaults(func=run)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])

@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default="local", choices=["local", "ray"], help="RL worker backend")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch CPU threads of every stage (default: $OMP_NUM_THREADS, else half the cores)")
+                   help="torch CPU threads of every stage (default: $OMP_NUM_THREADS, else the cores other jobs leave idle, re-read as it runs)")
     p.set_defaults(func=run)
 
 

@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", help="worker backend: local | ray (overrides backend.name)")
     p.add_argument("--ray-address", help="existing Ray cluster address (overrides backend.ray_address)")
     p.add_argument("--threads", type=positive_int,
-                   help="torch CPU threads per process (overrides threads; default $OMP_NUM_THREADS, else half the cores)")
+                   help="torch CPU threads per process (overrides threads; default $OMP_NUM_THREADS, else the idle cores, re-read as it runs)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the last checkpoint in out_dir (the config must match the run's)")
     p.add_argument("--overwrite", action="store_true", help="delete a previous run in out_dir and start over")

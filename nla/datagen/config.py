@@ -117,7 +117,7 @@ class DatagenConfig:
     max_len: int = 256
     batches_per_shard: int = 16  # one parquet shard per this many batches (resume unit)
     device: str = "cpu"  # cpu | cuda | auto
-    threads: int | None = None  # torch CPU threads; None: $OMP_NUM_THREADS, else half the cores (nla.threads)
+    threads: int | None = None  # torch CPU threads; None: $OMP_NUM_THREADS, else the idle cores, re-read as it runs (nla.threads)
     bad_vectors: str = "error"  # error | drop (NaN/inf/zero-norm activations)
     # split
     split_fractions: tuple[float, float, float] = (0.4, 0.4, 0.2)  # av_sft, ar_sft, rl

@@ -38,6 +38,7 @@ from nla.datagen.io import (
     write_json_atomic,
     write_parquet_atomic,
 )
+from nla.threads import adapt_threads
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +203,7 @@ def _chunk_rows(
     dropped: Counter = Counter()
     n_tokens = 0
     for b0 in range(0, len(docs), batch_size):
+        adapt_threads()
         batch = docs[b0 : b0 + batch_size]
         encoded = [tokenize_text(tokenizer, d.text, max_len) for d in batch]
         lengths = [len(ids) for ids, _ in encoded]

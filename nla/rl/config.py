@@ -297,7 +297,8 @@ class RLConfig:
       earlier, keeping the schedule (resumable chunks). seed, device (auto | cpu | cuda),
       dtype (float32 | bfloat16 | float16), log_every, tensorboard, progress.
     threads: torch CPU threads of this process and of each Ray actor (null = automatic:
-      ``$OMP_NUM_THREADS``, else half the cores, shared among the actors; ``nla.threads``).
+      ``$OMP_NUM_THREADS``, else the idle cores re-read as it runs (local), half the cores shared among
+      the actors (Ray); ``nla.threads``).
     """
 
     av: str = ""

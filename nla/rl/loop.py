@@ -44,7 +44,7 @@ from nla.rl.backend import build_groups
 from nla.rl.config import RLConfig, save_rl_config
 from nla.rl.types import COMPLETED, TRUNCATED, Rollout
 from nla.rl.workers import WorkerGroups
-from nla.threads import apply_threads
+from nla.threads import adapt_threads, apply_threads
 from nla.train.common import (
     DataCursor,
     atomic_dir,
@@ -383,6 +383,7 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
     bar = tqdm(total=stop, initial=step, desc="rl", disable=not cfg.progress)
     try:
         while step < stop:
+            adapt_threads()
             t0 = time.perf_counter()
             train, everything, m = collect_rollout(groups, cfg, data, cursor, service)
             if step == 0 and ckpt is None:

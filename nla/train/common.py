@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from nla.health import StuckRunMonitor
+from nla.threads import adapt_threads
 from nla.validation import write_checksums
 
 logger = logging.getLogger(__name__)
@@ -515,6 +516,7 @@ def run_training_loop(cfg: Any, spec: LoopSpec) -> TrainResult:
     bar = tqdm(total=stop, initial=step, desc=f"train {spec.name}", disable=not cfg.progress)
     try:
         while step < stop:
+            adapt_threads()
             idx = cursor.next_indices(cfg.batch_size)
             sums: dict[str, float] = {}
             total_loss = 0.0

@@ -111,7 +111,7 @@ class _TrainBase:
             _bad("seed", "an integer", self.seed)
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
                                          or self.threads <= 0):
-            _bad("threads", "a positive integer or null (automatic: $OMP_NUM_THREADS, else half the cores)",
+            _bad("threads", "a positive integer or null (automatic: $OMP_NUM_THREADS, else the idle cores)",
                  self.threads)
 
     @property

@@ -31,6 +31,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from nla.threads import adapt_threads
+
 logger = logging.getLogger(__name__)
 
 
@@ -200,6 +202,7 @@ def pretrain(
     t0 = time.perf_counter()
     bar = tqdm(range(settings.steps), desc="pretrain", disable=not progress, leave=False)
     for _ in bar:
+        adapt_threads()
         idx = torch.randint(0, blocks.shape[0], (settings.batch_size,), generator=gen)
         batch = blocks[idx]  # [B, T]
         loss = model(input_ids=batch, labels=batch).loss
