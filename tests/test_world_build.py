@@ -102,6 +102,24 @@ def test_force_rebuilds_in_place(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [first.root.name]
 
 
+def test_concurrent_build_of_the_same_config_uses_the_finished_one(tmp_path, monkeypatch):
+    """Two processes build the same world at once: the one that finishes second keeps the first
+    one's build (same config, same result) instead of failing on the rename."""
+    real = build_mod._build_into
+    first: list = []
+
+    def racing(config, tmp, progress):
+        real(config, tmp, progress)
+        if not first:  # while we built, "another process" finished the same world
+            first.append(build_world(MICRO, out=tmp_path, progress=False))
+
+    monkeypatch.setattr(build_mod, "_build_into", racing)
+    ours = build_world(MICRO, out=tmp_path, progress=False)
+    assert ours.from_cache and ours.root == first[0].root
+    assert ours.summary["train_losses"] == first[0].summary["train_losses"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ours.root.name]  # our temp dir is gone
+
+
 def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk full")

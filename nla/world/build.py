@@ -212,6 +212,10 @@ def build_world(
     tmp = root.parent / f".tmp-{root.name}-{uuid.uuid4().hex[:8]}"
     try:
         _build_into(config, tmp, progress)
+        if root.exists() and (root / "summary.json").exists() and not force:
+            # Another process built the same config meanwhile (same seed, same result): use it.
+            logger.info("world %s: another process finished %s first; using it", config.name, root)
+            return load_world(root)
         if root.exists():  # force: swap the old build out only once the new one is complete
             trash = root.parent / f".old-{root.name}-{uuid.uuid4().hex[:8]}"
             root.rename(trash)
