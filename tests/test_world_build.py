@@ -107,15 +107,17 @@ def test_concurrent_build_of_the_same_config_uses_the_finished_one(tmp_path, mon
     one's build (same config, same result) instead of failing on the rename."""
     real = build_mod._build_into
     first: list = []
+    calls = []
 
     def racing(config, tmp, progress):
+        calls.append(tmp)
         real(config, tmp, progress)
-        if not first:  # while we built, "another process" finished the same world
+        if len(calls) == 1:  # while we built, "another process" finished the same world
             first.append(build_world(MICRO, out=tmp_path, progress=False))
 
     monkeypatch.setattr(build_mod, "_build_into", racing)
     ours = build_world(MICRO, out=tmp_path, progress=False)
-    assert ours.from_cache and ours.root == first[0].root
+    assert len(calls) == 2 and ours.from_cache and ours.root == first[0].root
     assert ours.summary["train_losses"] == first[0].summary["train_losses"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [ours.root.name]  # our temp dir is gone
 
