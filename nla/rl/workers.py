@@ -101,6 +101,20 @@ def response_logprobs(
     return logp, ent
 
 
+DROPOUT_CONFIG_KEYS = ("attention_dropout", "hidden_dropout", "activation_dropout", "dropout", "attn_pdrop",
+                       "resid_pdrop", "embd_pdrop")
+
+
+def has_dropout(module: nn.Module) -> bool:
+    """Whether training mode may compute something else than eval mode: a dropout module or a
+    dropout config value (``DROPOUT_CONFIG_KEYS``) above 0 (HF passes attention dropout to the
+    attention kernel as a number)."""
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules()):
+        return True
+    cfg = getattr(module, "config", None)
+    return any(isinstance(v := getattr(cfg, k, 0), (int, float)) and v > 0 for k in DROPOUT_CONFIG_KEYS)
+
+
 def rank_micro_batches(dp: DataParallel, mine: Tensor, n: int, micro_batch_size: int
                        ) -> Iterator[tuple[Tensor, bool]]:
     """``(rows, real)`` per micro-batch of this rank's rows ``mine`` (of a batch of ``n``).
@@ -434,6 +448,12 @@ class ReconstructorWorker(_Trainable):
         self.scale = sidecar.mse_scale_value()
         self.max_length, self.micro_batch_size, self.device = max_length, micro_batch_size, device
         self._setup_optim(ar, optim, dp)
+        # The reward forward doubles as the AR update's forward (``begin_rollout``): exact only
+        # when training mode computes what eval mode does (no dropout) and one rank holds the
+        # AR (sharded ranks each score every item, so their backward would repeat it).
+        self.fuse_reward = dp.world == 1 and not has_dropout(ar)
+        self._window: list[tuple[str, Tensor]] | None = None
+        self._window_mse_sum = 0.0
 
     def _encode(self, explanations: list[str], padding_side: str = "right") -> dict[str, Tensor]:
         texts = [self.sidecar.ar_text(e) for e in explanations]
@@ -455,11 +475,46 @@ class ReconstructorWorker(_Trainable):
             self.ar.train(was)
         return pred.float().cpu()
 
+    def begin_rollout(self) -> None:
+        """Open the reward window of one RL step: the rollout's rewards become its AR gradients.
+
+        The reward of a sample is the live AR's prediction on its explanation, made with the
+        very weights the step's AR update starts from (nothing changes the AR in between), and
+        the update trains on exactly those samples. So, with ``fuse_reward``, every
+        ``mse_batch`` call until the next ``update`` runs its forward with autograd on and
+        backpropagates the sum of its rows' ``mse_nrm`` at once (no graph is kept); the update
+        then computes only the rows it has not seen (replay rows), scales the sum to the mean
+        and steps. The reward values are those of the plain path (the same forward, read the
+        same way); the gradient is the plain update's to float tolerance (the reward layout
+        is left-padded, the training layout right-padded: the step-0 guard holds them equal).
+        Calls outside a window (evaluation, tests, the Ray backend's sharded AR) take the
+        plain no-grad path.
+        """
+        self._window = [] if self.fuse_reward else None
+        self._window_mse_sum = 0.0
+        if self._window is not None:
+            self.opt.zero_grad(set_to_none=True)
+
     def mse_batch(self, items: list[tuple[str, Tensor]]) -> Tensor:
         """``mse_nrm`` [n] for (explanation, RAW gold [d]) pairs with the live AR weights."""
-        pred = self.predict([e for e, _ in items])
         gold = torch.stack([g for _, g in items]).float()
-        return mse_nrm(pred, gold, self.scale)
+        if self._window is None:
+            return mse_nrm(self.predict([e for e, _ in items]), gold, self.scale)
+        # In the window: the same forward (reward layout), with autograd on, in training mode
+        # (which computes what eval mode does: ``fuse_reward`` requires no dropout).
+        was = self.ar.training
+        self.ar.train()
+        try:
+            enc = self._encode([e for e, _ in items], "left")
+            with torch.enable_grad():
+                pred = self.ar.predict(enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device))
+                per_row = mse_nrm(pred, gold.to(pred.device), self.scale)  # reconstruction_loss's terms
+                per_row.sum().backward()
+        finally:
+            self.ar.train(was)
+        self._window.extend(items)
+        self._window_mse_sum += float(per_row.detach().sum())
+        return mse_nrm(pred.detach().float().cpu(), gold, self.scale)  # exactly the plain path's value
 
     def layout_check(self, explanations: list[str], golds: Tensor) -> float:
         """Max relative difference of per-sample MSE between the reward and training layouts."""
@@ -472,19 +527,48 @@ class ReconstructorWorker(_Trainable):
         if self.dp.answers:
             self.ar.save_pretrained(directory, self.sidecar, state_dict=state, **provenance)
 
+    def _window_rows(self, explanations: list[str], golds: Tensor) -> int:
+        """How many leading rows of the update the closing reward window already backpropagated
+        (0 when there was no window, or when its items are not the update's first rows)."""
+        window, self._window = self._window, None
+        if not window:
+            return 0
+        k = len(window)
+        same = k <= len(explanations) and all(
+            e == explanations[i] and torch.equal(g.float(), golds[i].float()) for i, (e, g) in enumerate(window))
+        if not same:
+            logger.warning("AR update: the %d samples scored since begin_rollout are not the update's first rows; "
+                           "their gradients are dropped and every row is recomputed", k)
+            self.opt.zero_grad(set_to_none=True)
+            return 0
+        return k
+
     def update(self, explanations: list[str], golds: Tensor) -> dict[str, float]:
-        """One supervised step: mean ``mse_nrm`` over all rows (right-padded layout, this rank's share)."""
+        """One supervised step: mean ``mse_nrm`` over all rows (right-padded layout, this rank's share).
+
+        Rows whose gradients the reward window already holds (``begin_rollout``) are not run
+        again: their summed gradient is scaled to their share of the mean, and only the other
+        rows (replay rows) run here.
+        """
         n = len(explanations)
+        done = self._window_rows(explanations, golds)
         if n == 0:
             return {"ar_loss": float("nan"), "ar_rows": 0.0}
         dp = self.dp
         self.ar.train()
         total = 0.0
-        mine = dp.my_rows(torch.arange(n))
+        if done:
+            for p in self.ar.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(1.0 / n)
+            total = self._window_mse_sum / n
+        mine = dp.my_rows(torch.arange(done, n))
         # Micro-batches of texts of similar length pad less; the loss is a mean over rows, so
         # each micro-batch's weight (its share of rows) keeps the step the same on any order.
         mine = mine[torch.sort(torch.tensor([-len(explanations[i]) for i in mine.tolist()]), stable=True).indices]
-        for idx, real in rank_micro_batches(dp, mine, n, self.micro_batch_size):
+        # (A window covering every row leaves nothing to run: it exists on one rank only.)
+        chunks = rank_micro_batches(dp, mine, n - done, self.micro_batch_size) if done < n else ()
+        for idx, real in chunks:
             enc = self._encode([explanations[i] for i in idx.tolist()], "right")
             loss, _ = reconstruction_loss(self.ar, enc["input_ids"].to(self.device),
                                           enc["attention_mask"].to(self.device), golds[idx], self.scale)
@@ -586,7 +670,7 @@ class WorkerGroups:
 
 
 __all__ = [
-    "OptimSettings", "by_group_length", "PolicyLossSettings", "PolicyWorker", "ReconstructorWorker", "ReferenceWorker",
+    "OptimSettings", "by_group_length", "has_dropout", "PolicyLossSettings", "PolicyWorker", "ReconstructorWorker", "ReferenceWorker",
     "RolloutWorker", "ValueModel", "ValueWorker", "WorkerGroups", "policy_micro_loss", "rank_micro_batches",
     "response_logprobs", "rollout_logprobs",
 ]
