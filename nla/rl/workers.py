@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,9 @@ def response_logprobs(
 
     - columns after the last real response token of every row are not computed (causal
       attention: they cannot change earlier positions); their log-probs are 0;
+    - (shared-prefix path) the LM head, the log-softmax and the entropy run only at real
+      response positions (``lm_head_on``); padding positions inside the kept columns get
+      log-prob and entropy 0, which every loss masks out;
     - ``share_prefix``: consecutive rows with the same vector (the samples of one group) have
       the same prompt prefix, so it runs once per run of rows (k rows), its KV cache and its
       last logits are repeated to the rows, and the responses run on top of that cache.
@@ -81,20 +85,27 @@ def response_logprobs(
                         logits_to_keep=1)
         cache = pre.cache
         cache.batch_select_indices(owner)
-        first = pre.logits[:, -1:][owner]  # [n, 1, V] predicts response token 0
+        # response token 0: the run's last prompt logits, normalised once per run
+        first = torch.log_softmax(pre.logits[:, -1].float(), -1)[owner]  # [n, V]
+        logp = first.gather(-1, resp[:, :1])  # [n, 1]
+        ent = _entropy(first.detach())[:, None] if with_entropy else None
         if Lc > 1:
             attn = torch.cat([torch.ones(n, P, dtype=torch.long, device=device), rmask[:, :-1]], 1)
-            rest = model(input_ids=resp[:, :-1], attention_mask=attn, cache=cache, use_cache=True).logits
-            logits = torch.cat([first, rest], 1).float()
-        else:
-            logits = first.float()
+            real = rmask[:, 1:].bool()  # [n, Lc-1]: position j predicts response token j+1
+            with lm_head_on(model, real):
+                rest = model(input_ids=resp[:, :-1], attention_mask=attn, cache=cache, use_cache=True).logits
+            rest = torch.log_softmax(rest.float(), -1)  # [T, V]: the real positions only
+            zeros = torch.zeros(n, Lc - 1, dtype=rest.dtype, device=device)
+            logp = torch.cat([logp, zeros.masked_scatter(real, rest.gather(-1, resp[:, 1:][real][:, None]).squeeze(-1))], 1)
+            if with_entropy:
+                ent = torch.cat([ent, zeros.detach().masked_scatter(real, _entropy(rest.detach()))], 1)
     else:
         ids = torch.cat([prompt_ids.to(device).expand(n, P), resp], 1)
         attn = torch.cat([torch.ones(n, P, dtype=torch.long, device=device), rmask], 1)
         with hook.vectors(vectors):
             logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, P - 1 : P + Lc - 1].float()
-    logp = torch.log_softmax(logits, -1).gather(-1, resp[:, :, None]).squeeze(-1)
-    ent = A.entropy_from_logits(logits.detach()) if with_entropy else None
+        logp = torch.log_softmax(logits, -1).gather(-1, resp[:, :, None]).squeeze(-1)
+        ent = A.entropy_from_logits(logits.detach()) if with_entropy else None
     if Lc < L:
         logp = torch.nn.functional.pad(logp, (0, L - Lc))
         ent = torch.nn.functional.pad(ent, (0, L - Lc)) if ent is not None else None
@@ -113,6 +124,32 @@ def has_dropout(module: nn.Module) -> bool:
         return True
     cfg = getattr(module, "config", None)
     return any(isinstance(v := getattr(cfg, k, 0), (int, float)) and v > 0 for k in DROPOUT_CONFIG_KEYS)
+
+
+def _entropy(logp: Tensor) -> Tensor:
+    """Entropy [...] of the distributions whose log-probs are ``logp`` [..., V]."""
+    return -(logp.exp() * logp).sum(-1)
+
+
+@contextmanager
+def lm_head_on(model: nn.Module, rows: Tensor) -> Iterator[None]:
+    """Within the block, ``model``'s LM head reads only the positions where ``rows`` [n, l] is true:
+    the forward's ``logits`` come back as [T, V], T = ``rows.sum()``, in row-major order.
+
+    Logits at padding positions are never read (their log-probs are masked out of every loss),
+    so this only skips work. A pre-hook on the head module, so that the head still runs inside
+    the model's own forward (a sharded model gathers its root weights there).
+    """
+    head = model.get_output_embeddings()
+
+    def select(_module: nn.Module, args: tuple) -> tuple:
+        return (args[0][rows], *args[1:])
+
+    handle = head.register_forward_pre_hook(select)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def rank_micro_batches(dp: DataParallel, mine: Tensor, n: int, micro_batch_size: int
