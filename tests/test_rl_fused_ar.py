@@ -161,3 +161,18 @@ def test_dropout_turns_fusing_off(tiny_model_dir):
     w.mse_batch([("cat", torch.zeros(ar.config.hidden_size))])
     assert all(p.grad is None for p in ar.parameters())
     assert not has_dropout(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0)))
+
+
+def test_reward_sub_batches_equal_one_padded_batch(tiny_model_dir, monkeypatch):
+    """mse_batch runs the rows longest first in sub-batches; each row's MSE is the one of a single
+    left-padded batch in the given order (float tolerance), returned in the given order."""
+    import nla.rl.workers as W
+    from nla.vectors import mse_nrm
+
+    w = _worker(tiny_model_dir, "llama", 4)
+    texts, golds = _data(w.ar.config.hidden_size, 11, 0)
+    whole = mse_nrm(w.predict(texts), golds, w.scale)
+    for sub in (1, 3, 64):
+        monkeypatch.setattr(W, "REWARD_SUB_BATCH", sub)
+        got = w.mse_batch(list(zip(texts, golds, strict=True)))
+        torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-6)

@@ -45,6 +45,10 @@ from nla.vectors import mse_nrm
 logger = logging.getLogger(__name__)
 
 LOCAL = DataParallel()
+# Rows per padded AR forward of a reward call (rows ordered longest first). On the default
+# world (2 cores, fp32) 64 rows in one batch: 0.252 s forward+backward, sorted sub-batches of
+# 32: 0.212 s, 16: 0.210 s, 8: 0.223 s.
+REWARD_SUB_BATCH = 32
 
 
 # ----------------------------------------------------------------------------- shared math
@@ -533,23 +537,39 @@ class ReconstructorWorker(_Trainable):
             self.opt.zero_grad(set_to_none=True)
 
     def mse_batch(self, items: list[tuple[str, Tensor]]) -> Tensor:
-        """``mse_nrm`` [n] for (explanation, RAW gold [d]) pairs with the live AR weights."""
+        """``mse_nrm`` [n] for (explanation, RAW gold [d]) pairs with the live AR weights.
+
+        The rows run longest first in sub-batches of ``REWARD_SUB_BATCH`` (left-padded): a
+        batch in rollout order was ~25% padding on the default world, sorted sub-batches ~10%.
+        Each row's prediction does not depend on its neighbours (float rounding aside).
+        """
+        exps = [e for e, _ in items]
         gold = torch.stack([g for _, g in items]).float()
+        order = sorted(range(len(exps)), key=lambda i: -len(exps[i]))
+        out = torch.empty(len(exps))
+        for start in range(0, len(order), REWARD_SUB_BATCH):
+            rows = order[start : start + REWARD_SUB_BATCH]
+            out[rows] = self._mse_rows([exps[i] for i in rows], gold[rows])
+        if self._window is not None:
+            self._window.extend(items)
+        return out
+
+    def _mse_rows(self, explanations: list[str], gold: Tensor) -> Tensor:
+        """``mse_nrm`` [n] of one padded batch; inside a reward window also its gradient (summed)."""
         if self._window is None:
-            return mse_nrm(self.predict([e for e, _ in items]), gold, self.scale)
+            return mse_nrm(self.predict(explanations), gold, self.scale)
         # In the window: the same forward (reward layout), with autograd on, in training mode
         # (which computes what eval mode does: ``fuse_reward`` requires no dropout).
         was = self.ar.training
         self.ar.train()
         try:
-            enc = self._encode([e for e, _ in items], "left")
+            enc = self._encode(explanations, "left")
             with torch.enable_grad():
                 pred = self.ar.predict(enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device))
                 per_row = mse_nrm(pred, gold.to(pred.device), self.scale)  # reconstruction_loss's terms
                 per_row.sum().backward()
         finally:
             self.ar.train(was)
-        self._window.extend(items)
         self._window_mse_sum += float(per_row.detach().sum())
         return mse_nrm(pred.detach().float().cpu(), gold, self.scale)  # exactly the plain path's value
 
