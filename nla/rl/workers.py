@@ -100,7 +100,8 @@ def response_logprobs(
                 rest = model(input_ids=resp[:, :-1], attention_mask=attn, cache=cache, use_cache=True).logits
             rest = torch.log_softmax(rest.float(), -1)  # [T, V]: the real positions only
             zeros = torch.zeros(n, Lc - 1, dtype=rest.dtype, device=device)
-            logp = torch.cat([logp, zeros.masked_scatter(real, rest.gather(-1, resp[:, 1:][real][:, None]).squeeze(-1))], 1)
+            picked = rest.gather(-1, resp[:, 1:][real][:, None]).squeeze(-1)  # [T]
+            logp = torch.cat([logp, zeros.masked_scatter(real, picked)], 1)
             if with_entropy:
                 ent = torch.cat([ent, zeros.detach().masked_scatter(real, _entropy(rest.detach()))], 1)
     else:
@@ -727,7 +728,7 @@ class WorkerGroups:
 
 
 __all__ = [
-    "OptimSettings", "by_group_length", "has_dropout", "PolicyLossSettings", "PolicyWorker", "ReconstructorWorker", "ReferenceWorker",
-    "RolloutWorker", "ValueModel", "ValueWorker", "WorkerGroups", "policy_micro_loss", "rank_micro_batches",
-    "response_logprobs", "rollout_logprobs",
+    "OptimSettings", "by_group_length", "has_dropout", "lm_head_on", "PolicyLossSettings", "PolicyWorker",
+    "REWARD_SUB_BATCH", "ReconstructorWorker", "ReferenceWorker", "RolloutWorker", "ValueModel", "ValueWorker",
+    "WorkerGroups", "policy_micro_loss", "rank_micro_batches", "response_logprobs", "rollout_logprobs",
 ]
