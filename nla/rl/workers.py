@@ -49,6 +49,9 @@ LOCAL = DataParallel()
 # world (2 cores, fp32) 64 rows in one batch: 0.252 s forward+backward, sorted sub-batches of
 # 32: 0.212 s, 16: 0.210 s, 8: 0.223 s.
 REWARD_SUB_BATCH = 32
+# Length buckets per shared-prefix log-prob forward (``length_buckets``), and their least size.
+LENGTH_BUCKETS = 3
+MIN_BUCKET_ROWS = 16
 
 
 # ----------------------------------------------------------------------------- shared math
@@ -67,6 +70,8 @@ def response_logprobs(
     - (shared-prefix path) the LM head, the log-softmax and the entropy run only at real
       response positions (``lm_head_on``); padding positions inside the kept columns get
       log-prob and entropy 0, which every loss masks out;
+    - (shared-prefix path) the responses run in up to ``LENGTH_BUCKETS`` buckets of similar
+      length (``length_buckets``), each to its own longest row, on the prefix run once;
     - ``share_prefix``: consecutive rows with the same vector (the samples of one group) have
       the same prompt prefix, so it runs once per run of rows (k rows), its KV cache and its
       last logits are repeated to the rows, and the responses run on top of that cache.
@@ -87,23 +92,34 @@ def response_logprobs(
         with hook.vectors(vectors[starts]):
             pre = model(input_ids=prompt_ids.to(device).expand(int(starts.sum()), P), use_cache=True,
                         logits_to_keep=1)
-        cache = pre.cache
-        cache.batch_select_indices(owner)
         # response token 0: the run's last prompt logits, normalised once per run
         first = torch.log_softmax(pre.logits[:, -1].float(), -1)[owner]  # [n, V]
         logp = first.gather(-1, resp[:, :1])  # [n, 1]
         ent = _entropy(first.detach())[:, None] if with_entropy else None
         if Lc > 1:
-            attn = torch.cat([torch.ones(n, P, dtype=torch.long, device=device), rmask[:, :-1]], 1)
-            real = rmask[:, 1:].bool()  # [n, Lc-1]: position j predicts response token j+1
-            with lm_head_on(model, real):
-                rest = model(input_ids=resp[:, :-1], attention_mask=attn, cache=cache, use_cache=True).logits
-            rest = torch.log_softmax(rest.float(), -1)  # [T, V]: the real positions only
-            zeros = torch.zeros(n, Lc - 1, dtype=rest.dtype, device=device)
-            picked = rest.gather(-1, resp[:, 1:][real][:, None]).squeeze(-1)  # [T]
-            logp = torch.cat([logp, zeros.masked_scatter(real, picked)], 1)
+            lengths = rmask.sum(1)
+            rows_at, cols_at, picked, ents = [], [], [], []
+            for idx in length_buckets(lengths, LENGTH_BUCKETS):
+                Lb = int(lengths[idx].max())  # this bucket's columns (its longest row)
+                if Lb < 2:  # nothing after response token 0
+                    continue
+                cache = _cache_rows(pre.cache, owner[idx])
+                attn = torch.cat([torch.ones(len(idx), P, dtype=torch.long, device=device), rmask[idx, : Lb - 1]], 1)
+                real = rmask[idx, 1:Lb].bool()  # [nb, Lb-1]: position j predicts response token j+1
+                with lm_head_on(model, real):
+                    rest = model(input_ids=resp[idx, : Lb - 1], attention_mask=attn, cache=cache, use_cache=True).logits
+                rest = torch.log_softmax(rest.float(), -1)  # [T_b, V]: the real positions only
+                picked.append(rest.gather(-1, resp[idx, 1:Lb][real][:, None]).squeeze(-1))
+                if with_entropy:
+                    ents.append(_entropy(rest.detach()))
+                at = real.nonzero(as_tuple=True)  # row-major, the order of ``h[real]``
+                rows_at.append(idx[at[0]])
+                cols_at.append(at[1])
+            at = (torch.cat(rows_at), torch.cat(cols_at)) if picked else None
+            zeros = torch.zeros(n, Lc - 1, dtype=first.dtype, device=device)
+            logp = torch.cat([logp, zeros.index_put(at, torch.cat(picked)) if at else zeros], 1)
             if with_entropy:
-                ent = torch.cat([ent, zeros.detach().masked_scatter(real, _entropy(rest.detach()))], 1)
+                ent = torch.cat([ent, zeros.index_put(at, torch.cat(ents)) if at else zeros], 1)
     else:
         ids = torch.cat([prompt_ids.to(device).expand(n, P), resp], 1)
         attn = torch.cat([torch.ones(n, P, dtype=torch.long, device=device), rmask], 1)
@@ -129,6 +145,30 @@ def has_dropout(module: nn.Module) -> bool:
         return True
     cfg = getattr(module, "config", None)
     return any(isinstance(v := getattr(cfg, k, 0), (int, float)) and v > 0 for k in DROPOUT_CONFIG_KEYS)
+
+
+def length_buckets(lengths: Tensor, k: int) -> list[Tensor]:
+    """Row indices in at most ``k`` buckets of consecutive lengths, longest first (``lengths`` [n]).
+
+    ``response_logprobs`` runs each bucket to its own longest row, so a micro-batch of mixed
+    lengths computes fewer padding columns: on the default world a 64-row micro-batch was 20%
+    padding as one batch, 12% in 2 buckets, 7% in 3. Buckets hold at least
+    ``MIN_BUCKET_ROWS`` rows (smaller matmuls cost more per row than the padding they save).
+    """
+    n = len(lengths)
+    k = max(1, min(k, n // MIN_BUCKET_ROWS))
+    order = torch.sort(lengths, descending=True, stable=True).indices
+    return [b for b in torch.tensor_split(order, k) if len(b)]
+
+
+def _cache_rows(cache: Any, rows: Tensor) -> Any:
+    """A copy of a KV cache holding the batch rows ``rows`` (the original is left as it is)."""
+    import copy
+
+    sub = copy.copy(cache)
+    sub.layers = [copy.copy(layer) for layer in cache.layers]
+    sub.batch_select_indices(rows)  # assigns new tensors to the copied layers
+    return sub
 
 
 def _entropy(logp: Tensor) -> Tensor:
