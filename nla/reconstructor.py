@@ -217,7 +217,8 @@ class Reconstructor(nn.Module):
         the last block's keys and values are computed at every position, and its query,
         attention output, MLP and the value head at one position per row. The same math as
         ``forward`` (tests hold values and gradients to it), about a (1 - 1/n_blocks) share of
-        the last block's matmuls fewer. Llama/Qwen2 blocks (pre-norm, RoPE, GQA).
+        the last block's matmuls fewer. Llama/Qwen2 blocks (pre-norm, RoPE, GQA). The last
+        block is swapped for a stand-in during the base forward: one call at a time per AR.
         """
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 

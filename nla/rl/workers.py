@@ -531,9 +531,11 @@ class ReconstructorWorker(_Trainable):
         self.max_length, self.micro_batch_size, self.device = max_length, micro_batch_size, device
         self._setup_optim(ar, optim, dp)
         # The reward forward doubles as the AR update's forward (``begin_rollout``): exact only
-        # when training mode computes what eval mode does (no dropout) and one rank holds the
-        # AR (sharded ranks each score every item, so their backward would repeat it).
-        self.fuse_reward = dp.world == 1 and not has_dropout(ar)
+        # when training mode computes what eval mode does (no dropout) and one unsharded AR
+        # answers (sharded ranks each score every item, so their backward would repeat it;
+        # a one-rank FSDP group is left on the plain path too: untested there).
+        sharded = any(type(m).__name__.startswith("FSDP") for m in ar.modules())
+        self.fuse_reward = dp.world == 1 and not sharded and not has_dropout(ar)
         self._window: list[tuple[str, Tensor]] | None = None
         self._window_mse_sum = 0.0
 
