@@ -19,8 +19,10 @@ Three measurements on the same AV/AR pair, prompts, batch, lengths and sampling 
    (target >= 1.5x); greedy outputs of the two are compared as a sanity check.
 
 4. **passes**: the reference and policy passes on one rollout, fast (shared prompt prefix,
-   trimmed padding, length-ordered micro-batches) against plain (every row's prompt and
-   padded response), the same code otherwise.
+   trimmed padding, length-ordered micro-batches, length buckets, LM head at real positions
+   only) against plain (every row's prompt and padded response), the same code otherwise.
+5. **ar**: the AR's work on one rollout (reward, then AR update) with the reward window off
+   and on (``ReconstructorWorker.fuse_reward``).
 
 Also printed: the policy update's rate (6 x non-embedding params x (prompt + real response
 tokens of every row) per second, i.e. the work a plain per-row pass does) as a share of the
