@@ -4,7 +4,12 @@ Three measurements on the same AV/AR pair, prompts, batch, lengths and sampling 
 
 1. **nla step**: the local backend's roles driven as ``nla.rl.loop.run_rl`` drives them
    (generate -> reward with the live AR -> reference log-probs -> policy update -> AR
-   update), timed per phase; samples/s over the whole step.
+   update), timed per phase; samples/s over the whole step. The reward phase opens the AR's
+   reward window first (``ReconstructorWorker.begin_rollout``), as the loop does, so it
+   includes the AR backward of the rollout rows and the AR update only steps; the AR work is
+   also timed with the window off (``fuse_reward=False``, the plain reward + update) in the
+   same run. The duplicate share is the share of rows whose (prompt, response tokens)
+   repeat an earlier row of their rollout.
 2. **stock GRPO**: a plain HF/torch loop with no AR work: ``model.generate(input_ids)`` on
    the same prompt (no injection), a trivial reward, GRPO advantages, reference forward and
    a padded policy forward/backward per micro-batch with the same loss (clip + k3 KL), AdamW.
@@ -14,8 +19,10 @@ Three measurements on the same AV/AR pair, prompts, batch, lengths and sampling 
    (target >= 1.5x); greedy outputs of the two are compared as a sanity check.
 
 4. **passes**: the reference and policy passes on one rollout, fast (shared prompt prefix,
-   trimmed padding, length-ordered micro-batches) against plain (every row's prompt and
-   padded response), the same code otherwise.
+   trimmed padding, length-ordered micro-batches, length buckets, LM head at real positions
+   only) against plain (every row's prompt and padded response), the same code otherwise.
+5. **ar**: the AR's work on one rollout (reward, then AR update) with the reward window off
+   and on (``ReconstructorWorker.fuse_reward``).
 
 Also printed: the policy update's rate (6 x non-embedding params x (prompt + real response
 tokens of every row) per second, i.e. the work a plain per-row pass does) as a share of the
@@ -41,7 +48,7 @@ from nla.rl.config import RLConfig
 from nla.rl.loop import RLData, reward_items, shape_rewards
 from nla.threads import apply_threads
 
-QS = "/tmp/exp/qs3"
+QS = "/tmp/exp/qs_final"  # a complete `nla quickstart --preset default` run
 
 
 def _timed(fn, *args, **kw):
@@ -56,6 +63,7 @@ def nla_step(groups, cfg: RLConfig, vectors: torch.Tensor, rows: torch.Tensor) -
     r, t["generate"] = _timed(groups.rollout.generate, vectors, rows, ro.n_samples_per_prompt, ro.max_response_len,
                               ro.temperature, ro.top_p)
     t0 = time.perf_counter()
+    groups.reconstructor.begin_rollout()  # as run_rl: the reward forwards are the AR update's forwards
     items = reward_items(r)
     mse = torch.full((r.n,), float("nan"))
     if items:
@@ -71,8 +79,13 @@ def nla_step(groups, cfg: RLConfig, vectors: torch.Tensor, rows: torch.Tensor) -
     exps = [e for e, k in zip(r.explanations, ok.tolist(), strict=True) if k]
     _, t["ar_update"] = _timed(groups.reconstructor.update, exps, r.vectors[ok])
     groups.rollout.sync_weights(groups.policy)
+    seen, dups = set(), 0
+    for i in range(r.n):
+        key = (int(r.prompt_rows[i]), tuple(r.response_ids[i, : int(r.lengths[i])].tolist()))
+        dups += key in seen
+        seen.add(key)
     return t, {"n": r.n, "real_tokens": int(r.response_mask.sum()) + r.n * r.prompt_ids.shape[0],
-               "mean_len": float(r.lengths.float().mean()), "L": r.response_ids.shape[1]}
+               "mean_len": float(r.lengths.float().mean()), "L": r.response_ids.shape[1], "dups": dups}
 
 
 class StockGRPO:
@@ -159,8 +172,8 @@ def matmul_gflops(n: int = 512, seconds: float = 2.0) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--av", default=f"{QS}/av/checkpoints/step_00000500")
-    ap.add_argument("--ar", default=f"{QS}/ar/checkpoints/step_00000400")
+    ap.add_argument("--av", default=f"{QS}/av/checkpoints/step_00001000")
+    ap.add_argument("--ar", default=f"{QS}/ar/checkpoints/step_00000800")
     ap.add_argument("--dataset", default=f"{QS}/datagen/rl_train.parquet")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--samples", type=int, default=8)
@@ -168,7 +181,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3, help="counted steps per loop (after one warm-up)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: nla.threads)")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: nla,stock,rollout,passes")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: nla,ar,stock,rollout,passes")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     threads = apply_threads(args.threads)
@@ -201,7 +214,8 @@ def main() -> None:
         step_s = statistics.median(tot)
         results["nla"] = B * G / step_s
         print(f"\n== nla rl step (median of {args.steps}): {step_s:.2f} s, {results['nla']:.1f} samples/s, "
-              f"mean response {statistics.mean(f['mean_len'] for f in facts):.1f} tokens")
+              f"mean response {statistics.mean(f['mean_len'] for f in facts):.1f} tokens; duplicate rows "
+              f"{sum(f['dups'] for f in facts)}/{sum(f['n'] for f in facts)}")
         for k, v in times.items():
             med = statistics.median(v)
             print(f"  {k:<10} {med:7.2f} s  {100 * med / step_s:5.1f}%")
@@ -212,6 +226,34 @@ def main() -> None:
         print(f"  policy update rate: {rate:.1f} GFLOP/s = {100 * rate / gflops:.0f}% of the matmul rate "
               f"(6 x {n_params / 1e6:.2f}M non-embedding params x {tok:.0f} tokens: every row's prompt + real "
               "response, the work of a plain per-row pass)")
+
+    if "ar" not in skip:
+        # The AR's work on one rollout (reward on the rollout rows, then the AR update), with the
+        # reward window on (the reward forwards backpropagate; the update only steps) and off.
+        ro, w = cfg.rollout, groups.reconstructor
+        torch.manual_seed(0)
+        r = groups.rollout.generate(data.vectors[:B], torch.arange(B), G, ro.max_response_len)
+        items = reward_items(r)
+        exps, golds = [e for e, _ in items], torch.stack([g for _, g in items]) if items else None
+        fused_default, times = w.fuse_reward, defaultdict(list)
+        try:
+            for rep in range(args.steps + 1):
+                for fused in (False, True):
+                    w.fuse_reward = fused
+                    w.begin_rollout()
+                    _, dr = _timed(w.mse_batch, items)
+                    _, du = _timed(w.update, exps, golds)
+                    if rep:
+                        times[fused].append((dr, du))
+        finally:
+            w.fuse_reward = fused_default
+        print(f"\n== AR work on one rollout ({len(items)} rows): reward + AR update, medians of {args.steps}")
+        tot = {}
+        for fused, label in ((False, "window off (plain)"), (True, "window on (fused)")):
+            dr, du = (statistics.median(x[i] for x in times[fused]) for i in (0, 1))
+            tot[fused] = statistics.median(a + b for a, b in times[fused])
+            print(f"  {label:<19} reward {dr:.3f} s + update {du:.3f} s = {tot[fused]:.3f} s")
+        print(f"  plain / fused: {tot[False] / tot[True]:.2f}x")
 
     if "stock" not in skip:
         from nla.arch import load_tokenizer

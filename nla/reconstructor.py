@@ -79,6 +79,23 @@ def reconstruction_loss(ar: nn.Module, input_ids: Tensor, attention_mask: Tensor
     return mse_nrm(pred, gold.to(pred.device), scale).mean(), pred
 
 
+# Decoder blocks ``Reconstructor._predict_last_block`` knows (pre-norm, RoPE, q/k/v/o projections).
+LAST_BLOCK_MODEL_TYPES = frozenset({"llama", "qwen2"})
+
+
+class _CaptureInput(nn.Module):
+    """Stands in for the last block during ``_predict_last_block``: passes its input through and
+    keeps the keyword arguments (the rotary embeddings) the model gave it."""
+
+    def __init__(self, captured: dict) -> None:
+        super().__init__()
+        self.captured = captured
+
+    def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        self.captured.update(kwargs)
+        return hidden_states
+
+
 class _SkippedNorm(nn.Module):
     """Identity that keeps the replaced norm's parameters under the same names.
 
@@ -167,12 +184,74 @@ class Reconstructor(nn.Module):
         return self.value_head(hidden.to(self.value_head.weight.dtype))
 
     def predict(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """Prediction [B, d] at each row's last real token."""
+        """Prediction [B, d] at each row's last real token.
+
+        For ``LAST_BLOCK_MODEL_TYPES`` the last block runs its query, attention output and MLP
+        at that token only (``_predict_last_block``); other models run ``forward`` and read it.
+        """
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
+        if self.last_block_fast:
+            return self._predict_last_block(input_ids, attention_mask)
         values = self(input_ids, attention_mask)
         idx = last_token_index(attention_mask)
         return values[torch.arange(values.shape[0], device=values.device), idx]
+
+    @property
+    def last_block_fast(self) -> bool:
+        """Whether ``predict`` may run the last block at the read token only (see ``_predict_last_block``)."""
+        if getattr(self.config, "model_type", None) not in LAST_BLOCK_MODEL_TYPES:
+            return False
+        last = arch.decoder_layers(self.base)[-1]
+        attn = getattr(last, "self_attn", None)
+        sharded = any(type(m).__name__.startswith("FSDP") for m in (self.base, last))
+        dropout = self.training and float(getattr(self.config, "attention_dropout", 0.0) or 0.0) > 0
+        return (attn is not None and getattr(attn, "sliding_window", None) is None and not sharded
+                and not dropout and getattr(self.config, "_attn_implementation", "sdpa") in ("sdpa", "eager"))
+
+    def _predict_last_block(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """``predict`` with the last block computed at each row's last real token only.
+
+        Only that token's output is read, and a block mixes positions only through attention,
+        whose keys and values come from the block's *input*: so blocks 0..K-1 run as usual,
+        the last block's keys and values are computed at every position, and its query,
+        attention output, MLP and the value head at one position per row. The same math as
+        ``forward`` (tests hold values and gradients to it), about a (1 - 1/n_blocks) share of
+        the last block's matmuls fewer. Llama/Qwen2 blocks (pre-norm, RoPE, GQA). The last
+        block is swapped for a stand-in during the base forward: one call at a time per AR.
+        """
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        layers = arch.decoder_layers(self.base)
+        last, captured = layers[-1], {}
+        position_ids = (attention_mask.long().cumsum(1) - 1).clamp_min(0)
+        layers[-1] = _CaptureInput(captured)
+        try:
+            x = self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state  # block K's input (the final norm is skipped)
+        finally:
+            layers[-1] = last
+        cos, sin = captured["position_embeddings"]  # [B or 1, T, head_dim]
+        B, T, _ = x.shape
+        rows = torch.arange(B, device=x.device)
+        idx = last_token_index(attention_mask)
+        attn = last.self_attn
+        hd = attn.head_dim
+        h = last.input_layernorm(x)
+        q = attn.q_proj(h[rows, idx][:, None]).view(B, 1, -1, hd).transpose(1, 2)  # [B, heads, 1, hd]
+        k = attn.k_proj(h).view(B, T, -1, hd).transpose(1, 2)  # [B, kv_heads, T, hd]
+        v = attn.v_proj(h).view(B, T, -1, hd).transpose(1, 2)
+        cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
+        q, _ = apply_rotary_pos_emb(q, q, cos[rows, idx][:, None], sin[rows, idx][:, None])
+        k, _ = apply_rotary_pos_emb(k, k, cos, sin)
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        # the read token is each row's last real one: it sees every real position (left or right padding)
+        keep = attention_mask.bool()[:, None, None, :]
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=attn.scaling)
+        r = x[rows, idx][:, None] + attn.o_proj(a.transpose(1, 2).reshape(B, 1, -1))
+        r = r + last.mlp(last.post_attention_layernorm(r))
+        return self.value_head(r[:, 0].to(self.value_head.weight.dtype))
 
     def save_pretrained(self, directory: str | os.PathLike, sidecar: NLAConfig | None = None, *,
                         state_dict: dict[str, Tensor] | None = None, **provenance: Any) -> Path:

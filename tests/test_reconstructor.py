@@ -127,3 +127,47 @@ def test_tokenize_ar_texts_pads_either_side_and_keeps_the_suffix(tiny_tokenizer)
         tiny_tokenizer.padding_side, tiny_tokenizer.truncation_side = before
     with pytest.raises(ValueError, match="padding_side: expected 'left' or 'right', found 'middle'"):
         tokenize_ar_texts(tiny_tokenizer, texts, 64, padding_side="middle")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "gpt2"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_predict_runs_the_last_block_at_the_read_token_only(tiny_model_dir, tiny_tokenizer, arch, side):
+    """``predict``'s last-block path (Llama/Qwen2) equals reading ``forward`` at the last real token:
+    values and gradients, left or right padding, GQA (the tiny models have 2 kv heads for 4)."""
+    from nla.arch import decoder_layers
+    from nla.reconstructor import LAST_BLOCK_MODEL_TYPES, tokenize_ar_texts
+
+    torch.manual_seed(0)
+    ar = Reconstructor.from_base(tiny_model_dir(arch), 2).train()
+    for mod in ar.modules():  # GPT-2's dropout would draw different masks in the two passes
+        if isinstance(mod, torch.nn.Dropout):
+            mod.p = 0.0
+    assert ar.last_block_fast == (arch in LAST_BLOCK_MODEL_TYPES)
+    texts = ["Explanation : cat walks", "Explanation : the dog runs to the river in the morning with Bob", "x"]
+    enc = tokenize_ar_texts(tiny_tokenizer, texts, 64, side)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    gold = torch.randn(3, ar.config.hidden_size)
+    last = decoder_layers(ar.base)[-1]
+    results = []
+    for read in ("predict", "forward"):
+        ar.zero_grad(set_to_none=True)
+        if read == "predict":
+            pred = ar.predict(ids, mask)
+        else:
+            pred = ar(ids, mask)[torch.arange(3), last_token_index(mask)]
+        ((pred - gold) ** 2).sum().backward()
+        results.append((pred.detach(), {k: p.grad.clone() for k, p in ar.named_parameters() if p.grad is not None}))
+    (p_fast, g_fast), (p_plain, g_plain) = results
+    torch.testing.assert_close(p_fast, p_plain, rtol=1e-5, atol=1e-5)
+    assert g_fast.keys() == g_plain.keys()
+    for k in g_plain:
+        torch.testing.assert_close(g_fast[k], g_plain[k], rtol=1e-4, atol=1e-5, msg=k)
+    assert decoder_layers(ar.base)[-1] is last  # the block is back in place
+    assert "_CaptureInput" not in repr(ar)
+
+
+def test_last_block_path_is_off_under_attention_dropout_in_training(tiny_model_dir):
+    ar = Reconstructor.from_base(tiny_model_dir("llama"), 1).train()
+    ar.config.attention_dropout = 0.1
+    assert not ar.last_block_fast
+    assert ar.eval().last_block_fast  # eval mode drops nothing

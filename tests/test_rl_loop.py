@@ -7,6 +7,7 @@ checkpoints, resume, PPO and DAPO paths) are checked on the same fixture.
 """
 
 import json
+import logging
 
 import numpy as np
 import pyarrow as pa
@@ -373,3 +374,31 @@ def test_replay_rows_join_each_ar_update(pair, tmp_path):
         _cfg(pair, tmp_path, reconstructor=dict(replay_fraction=0.5))
     with pytest.raises(ValueError, match="has no 'explanation' column"):
         ReplayData.load(pair["dataset"])
+
+
+@pytest.mark.parametrize("variant", [
+    {},
+    {"rollout": {"dynamic_sampling": True, "generation_chunk_prompts": 2}},
+])
+def test_fused_ar_reward_runs_the_plain_loop(pair, tmp_path, variant, caplog):
+    """The reward forwards doubling as the AR update's forward (ReconstructorWorker.begin_rollout)
+    give the run of the plain path: the same rewards, AR losses and gradient norms every step,
+    with replay rows in every AR update (and, in the variant, refill rounds and chunked scoring)."""
+    ar_ds = pair["root"] / "ar_sft.parquet"
+    recs = {}
+    for fused in (True, False):
+        out = tmp_path / f"fused_{fused}"
+        cfg = _cfg(pair, out, steps=3, checkpointing=dict(save_every=100),
+                   reconstructor=dict(replay_dataset=str(ar_ds), replay_fraction=0.25), **variant)
+        groups = build_groups(cfg)
+        assert groups.reconstructor.fuse_reward
+        groups.reconstructor.fuse_reward = fused
+        with caplog.at_level(logging.WARNING, logger="nla.rl.workers"):
+            run_rl(cfg, groups=groups)
+        assert "not the update's first rows" not in caplog.text  # every window was used
+        recs[fused] = [r for r in read_metrics(out / "rl.jsonl") if "reward_mean" in r]
+    assert len(recs[True]) == len(recs[False]) == 3
+    for a, b in zip(recs[True], recs[False], strict=True):
+        assert a["ar_replay_rows"] == b["ar_replay_rows"] > 0 and a["ar_rows"] == b["ar_rows"]
+        for k in ("reward_mean", "mse_nrm", "ar_loss", "ar_grad_norm", "kl", "policy_loss"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-7), (a["step"], k)

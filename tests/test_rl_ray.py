@@ -89,7 +89,9 @@ def test_ray_matches_local_rewards_and_losses(pair, tmp_path):  # noqa: F811
         for key in ("reward_mean", "policy_loss", "pg_loss", "kl", "ar_loss", "response_len"):
             assert ra[key] == pytest.approx(rb[key], abs=1e-4), (ra["step"], key)
         assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-3)
-    assert a[0]["reward_mean"] == b[0]["reward_mean"]  # step 1: same weights, same AR forward
+    # step 1: same weights, same AR math; the local AR runs its last block at the read token
+    # only (Reconstructor._predict_last_block), the sharded one the whole block: float rounding
+    assert a[0]["reward_mean"] == pytest.approx(b[0]["reward_mean"], rel=1e-6)
     from safetensors.torch import load_file
 
     wa = load_file(str(local / "checkpoints" / res.checkpoint_dir.name / "av" / "model.safetensors"))

@@ -79,7 +79,7 @@ def test_by_group_length_by_hand():
     assert by_group_length(r, torch.arange(0)).tolist() == []
 
 
-def test_reference_logprobs_come_back_in_row_order(setup):
+def test_reference_logprobs_come_back_in_row_order(setup, buckets):
     model, side, hook, prompt, vectors, ids, mask = setup
     # shuffle the groups' lengths so that the length order is not the row order
     ids, mask = ids.flip(0), mask.flip(0)
@@ -99,8 +99,28 @@ def _loss_and_grads(model, hook, prompt, ids, mask, vectors, share):
     return logp.detach(), ent, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.fixture(params=[1, 3, 6], ids=["1-bucket", "3-buckets", "6-buckets"])
+def buckets(request, monkeypatch):
+    """Length buckets of the shared-prefix path (``length_buckets``), at any micro-batch size;
+    6 buckets of the 12 rows leave a bucket of rows of length 1 (nothing after token 0)."""
+    monkeypatch.setattr(W, "LENGTH_BUCKETS", request.param)
+    monkeypatch.setattr(W, "MIN_BUCKET_ROWS", 1)
+    return request.param
+
+
+def test_length_buckets_by_hand(monkeypatch):
+    lengths = torch.tensor([3, 9, 1, 9, 5, 2])
+    assert [b.tolist() for b in W.length_buckets(lengths, 3)] == [[1, 3, 4, 0, 5, 2]]  # < 2 x MIN_BUCKET_ROWS
+    monkeypatch.setattr(W, "MIN_BUCKET_ROWS", 2)
+    assert [b.tolist() for b in W.length_buckets(lengths, 3)] == [[1, 3], [4, 0], [5, 2]]
+    assert [b.tolist() for b in W.length_buckets(lengths, 10)] == [[1, 3], [4, 0], [5, 2]]  # 2 rows each at least
+    monkeypatch.setattr(W, "MIN_BUCKET_ROWS", 1)
+    assert [b.tolist() for b in W.length_buckets(lengths, 10)] == [[1], [3], [4], [0], [5], [2]]
+    assert W.length_buckets(torch.zeros(0, dtype=torch.long), 3) == []
+
+
 @pytest.mark.parametrize("rows", [slice(0, 12), slice(2, 9), slice(3, 4)], ids=["whole", "split-groups", "one-row"])
-def test_shared_prefix_equals_plain_forward(setup, rows):
+def test_shared_prefix_equals_plain_forward(setup, rows, buckets):
     model, side, hook, prompt, vectors, ids, mask = setup
     plain = _loss_and_grads(model, hook, prompt, ids[rows], mask[rows], vectors[rows], share=False)
     fast = _loss_and_grads(model, hook, prompt, ids[rows], mask[rows], vectors[rows], share=True)
@@ -109,6 +129,8 @@ def test_shared_prefix_equals_plain_forward(setup, rows):
     torch.testing.assert_close(fast[1][m], plain[1][m], rtol=1e-5, atol=1e-5)
     Lc = int(m.sum(1).max())
     assert Lc < L and (fast[0][:, Lc:] == 0).all()  # trimmed columns: 0, and masked out by every loss
+    if W.supports_cache_reuse(model):  # the head ran on real positions only: padding reads 0
+        assert (fast[0][~m] == 0).all() and (fast[1][~m] == 0).all()
     assert plain[2].keys() == fast[2].keys()
     emb = next(k for k in fast[2] if k.endswith(("embed_tokens.weight", "wte.weight")))
     assert fast[2][emb].abs().sum() > 0  # the prefix (and the injection site) got its gradient
@@ -116,7 +138,7 @@ def test_shared_prefix_equals_plain_forward(setup, rows):
         torch.testing.assert_close(fast[2][k], plain[2][k], rtol=1e-4, atol=1e-6, msg=k)
 
 
-def test_policy_step_equals_plain_forward(setup, tiny_tokenizer, monkeypatch):
+def test_policy_step_equals_plain_forward(setup, tiny_tokenizer, monkeypatch, buckets):
     """One policy update (clip + k3 KL, token-mean, two micro-batches that split a group): the same
     metrics and weights with the fast forward as with the plain one."""
     model, side, hook, prompt, vectors, ids, mask = setup

@@ -10,7 +10,9 @@ Per step, on-policy:
 3. DAPO dynamic sampling (optional): drop groups with zero reward spread and refill;
 4. advantages (GRPO / Dr.GRPO / REINFORCE baseline / GAE over the value model);
 5. policy update with the KL-to-reference loss term; value update (PPO);
-6. AR update on the same rollouts (failed samples skipped);
+6. AR update on the same rollouts (failed samples skipped); the reward forwards of step 2
+   already backpropagated the rollout rows (``ReconstructorWorker.begin_rollout``), so the
+   update runs only the replay rows, then steps;
 7. log, evaluate, checkpoint, sync weights to the rollout role.
 
 Departures from the published system:
@@ -385,6 +387,8 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
         while step < stop:
             adapt_threads()
             t0 = time.perf_counter()
+            # This step's rewards are the AR update's forward (ReconstructorWorker.begin_rollout).
+            groups.reconstructor.begin_rollout()
             train, everything, m = collect_rollout(groups, cfg, data, cursor, service)
             if step == 0 and ckpt is None:
                 m["step0_guard_diff"] = step0_guard(groups, everything, cfg.reward.step0_guard_tol)

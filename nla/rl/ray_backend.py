@@ -244,6 +244,9 @@ class RayReconstructor(_TrainedRoleProxy):
     def actors(self) -> list[Any]:
         return self._g.actors
 
+    def begin_rollout(self) -> None:
+        self._each("begin_rollout")
+
     def mse_batch(self, items: list[tuple[str, Tensor]]) -> Tensor:
         return self._answer("mse_batch", items)
 
