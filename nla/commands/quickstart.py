@@ -1,4 +1,4 @@
-"""`nla quickstart [--preset tiny|default|terse] [--out DIR] [--backend local|ray]`: the whole pipeline, one command."""
+"""`nla quickstart [--preset tiny|default|full] [--out DIR] [--backend local|ray]`: the whole pipeline, one command."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from nla.validation import positive_int
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quickstart", help="build the world, generate data, train AR/AV, run RL, evaluate, report")
-    p.add_argument("--preset", default="default", choices=["tiny", "default", "terse"],
+    p.add_argument("--preset", default="default", choices=["tiny", "default", "full"],
                    help="tiny: about 2 minutes, for CI; default: the full CPU run (about 10 min on 2 cores); "
-                        "terse: the default with a data explainer that names 1-3 facts, so RL has facts to add")
+                        "full: the default with a data explainer that names 3-6 facts instead of 1-3")
     p.add_argument("--out", default=None, help="run directory (default runs/quickstart-<preset>)")
     p.add_argument("--backend", default="local", choices=["local", "ray"], help="RL worker backend")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
