@@ -122,3 +122,26 @@ def test_quickstart_presets_build_valid_rl_configs():
         assert cfg.updates_per_rollout == 1 and cfg.backend.name == "ray", name
         # every preset replays its own AR warm-start split
         assert cfg.reconstructor.replay_dataset == str(Path("run/datagen") / "ar_sft.parquet"), name
+        assert cfg.loss.kl_coef == 0.05 and cfg.reward.format_penalty == 1.0, name
+
+
+def test_quickstart_presets_default_and_full_differ_only_in_the_data_explainer():
+    import dataclasses
+
+    from nla.cli import build_parser
+    from nla.datagen.config import DatagenConfig
+    from nla.quickstart import PRESETS
+
+    default, full = PRESETS["default"], PRESETS["full"]
+    assert dataclasses.replace(full, datagen=default.datagen) == default
+    explainers = {}
+    for name in ("default", "full"):
+        dg = DatagenConfig.from_dict(dict(out_dir="x", source="world", world_preset="default", explainer="world",
+                                          **PRESETS[name].datagen))
+        explainers[name] = (dg.world_explainer.min_facts, dg.world_explainer.max_facts, dg.world_explainer.wrong_rate)
+    assert explainers == {"default": (1, 3, 0.1), "full": (3, 6, 0.1)}
+    assert default.rl["steps"] == 100
+    parser = build_parser()
+    assert parser.parse_args(["quickstart", "--preset", "full"]).preset == "full"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["quickstart", "--preset", "terse"])
