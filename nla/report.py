@@ -15,6 +15,7 @@ logger = logging.getLogger(__name__)
 
 ROUND_TRIP = "AV → AR round trip"
 FROZEN = "AV → frozen warm-start AR"
+ORACLE = "oracle: every true fact → AR"  # nla.evaluation's row: the reader's ceiling for true explanations
 SHUFFLED = "AV on shuffled vectors → AR"
 
 
@@ -91,7 +92,20 @@ def faithfulness_summary(warm: dict[str, Any], after: dict[str, Any]) -> dict[st
         "frozen_ar_fve_warmstart": (fr_w or {}).get("fve"), "frozen_ar_fve_rl": (fr_a or {}).get("fve"),
         "degenerate_warmstart": ((rt_w or {}).get("degenerate") or {}).get("any"),
         "degenerate_rl": ((rt_a or {}).get("degenerate") or {}).get("any"),
+        "oracle_fve_warmstart": (w.get(ORACLE) or {}).get("fve"), "oracle_fve_rl": (a.get(ORACLE) or {}).get("fve"),
     }
+
+
+def ceiling_line(headline: dict[str, Any]) -> list[str]:
+    """How close the RL'd round trip is to the most a faithful explanation gets from the same reader
+    (the oracle row, read by the AR after RL); nothing when the eval had no oracle row (no world truth)."""
+    oracle, fve = headline.get("oracle_fve_rl"), headline.get("round_trip_fve_rl")
+    if oracle is None or fve is None:
+        return []
+    share = f" ({fve / oracle:.0%} of it)" if oracle > 0 else ""
+    return [f"Ceiling: an explanation naming every true fact and the current word, read by the same AR, scores "
+            f"FVE {_f(oracle)} after RL ({_f(headline.get('oracle_fve_warmstart'))} with the warm-start AR); the "
+            f"RL'd verbalizer reaches {_f(fve)}{share}.", ""]
 
 
 def write_report(out: Path, *, preset: str, stages: list, configs: dict[str, Any], world: dict[str, Any],
@@ -142,6 +156,7 @@ def write_report(out: Path, *, preset: str, stages: list, configs: dict[str, Any
           f"the frozen warm-start AR: FVE {_f(headline['frozen_ar_fve_warmstart'])} → "
           f"{_f(headline['frozen_ar_fve_rl'])}; degenerate explanations {_f(headline['degenerate_warmstart'], 2)} → "
           f"{_f(headline['degenerate_rl'], 2)}.", "",
+          *ceiling_line(headline),
           "## Evaluation (held-out documents)", "",
           f"{warm_eval['n_rows']} rows, d_model {warm_eval['d_model']}; FVE = 1 − MSE / MSE of predicting the raw mean "
           f"of normalised golds ({warm_eval['baseline_raw_mean_mse']:.4f}). Fact recall/precision grade the "

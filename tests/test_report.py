@@ -38,3 +38,17 @@ def test_report_headline_probe_and_stuck_warning(tmp_path):
     clean = write_report(tmp_path, preset="x", stages=[], configs={}, world={}, warm_eval=warm, rl_eval=rl,
                          ar_info={}, av_info={}, rl_info={}, probe=None).read_text()
     assert "looked stuck" not in clean and "What is in the vector" not in clean
+    assert "Ceiling:" not in clean and head["oracle_fve_rl"] is None  # no oracle row, no ceiling line
+
+
+def test_report_ceiling_line_from_the_oracle_rows(tmp_path):
+    warm, rl = _eval(0.378, 0.378, 0.589, 0.0), _eval(0.56, 0.523, 0.759, 0.0)
+    for ev, oracle in ((warm, 0.751), (rl, 0.7)):
+        ev["rows"].append({"name": "oracle: every true fact → AR", "fve": oracle, "cosine": 0.9, "failure_rate": 0.0})
+    md = write_report(tmp_path, preset="x", stages=[], configs={}, world={}, warm_eval=warm, rl_eval=rl,
+                      ar_info={}, av_info={}, rl_info={}).read_text()
+    # 0.56 / 0.7 = 80 %
+    assert ("scores FVE 0.700 after RL (0.751 with the warm-start AR); the RL'd verbalizer reaches 0.560 "
+            "(80% of it).") in md
+    head = json.loads((tmp_path / "report.json").read_text())["headline"]
+    assert head["oracle_fve_warmstart"] == 0.751 and head["oracle_fve_rl"] == 0.7
