@@ -35,7 +35,7 @@ import json
 import logging
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,13 @@ class Faithfulness:
     precision: float
     by_kind: dict[str, tuple[float, float]]
     n: int
+
+
+# Row names the report and other readers look rows up by.
+ROW_ROUND_TRIP = "AV → AR round trip"
+ROW_FROZEN = "AV → frozen warm-start AR"
+ROW_SHUFFLED = "AV on shuffled vectors → AR"
+ROW_ORACLE = "oracle: every true fact → AR"
 
 
 @dataclass(frozen=True)
@@ -285,7 +292,8 @@ def evaluate_pair(
     """Evaluate ``client`` (AR required; AV optional) on a held-out parquet. See module docstring.
 
     ``frozen_ar``: a client holding a second AR (the warm-start one) that also reads the AV's
-    explanations (convention 5).
+    explanations (convention 5); ``client`` itself when the pair's AR is the warm-start one,
+    and the round-trip row is that reading (no second pass).
 
     ``max_rows`` takes a seeded random subset (kept in dataset order); ``seed`` also draws the
     shuffled-vector permutation.
@@ -348,16 +356,18 @@ def evaluate_pair(
         texts = [v.explanation for v in verbs]
         mse, cos = _filled(rt, gold, scale)
         grades = graded(texts)
-        report.rows.append(row_stats("AV → AR round trip", mse, cos, base.raw_mean, rt.failure_rate, *grades))
-        if frozen_ar is not None:
+        report.rows.append(row_stats(ROW_ROUND_TRIP, mse, cos, base.raw_mean, rt.failure_rate, *grades))
+        if frozen_ar is client:  # the pair's AR is the warm-start one (before RL): the same reading
+            report.rows.append(replace(report.rows[-1], name=ROW_FROZEN))
+        elif frozen_ar is not None:
             frozen_ar._need_ar("evaluate_pair(frozen_ar=...)")
             if frozen_ar.d_model != client.d_model:
                 raise NLAClientError(f"frozen_ar: d_model {frozen_ar.d_model} differs from the pair's {client.d_model}")
-            read("AV → frozen warm-start AR", texts, reader=frozen_ar, grades=grades)  # same texts, same grades
+            read(ROW_FROZEN, texts, reader=frozen_ar, grades=grades)  # same texts, same grades
         perm = torch.from_numpy(rng.permutation(n))
         logger.info("eval: verbalizing %d shuffled vectors", n)
         sverbs = client.verbalize(gold[perm], max_new_tokens=max_new_tokens, batch_size=batch_size)
-        read("AV on shuffled vectors → AR", [v.explanation for v in sverbs])
+        read(ROW_SHUFFLED, [v.explanation for v in sverbs])
     reference = table.column("explanation").to_pylist() if "explanation" in cols else None
     if reference is not None:
         read("AR on reference explanations", reference)
@@ -369,8 +379,8 @@ def evaluate_pair(
         from nla.world.explain import oracle_explanation
 
         words = table.column("current_word").to_pylist()
-        read("oracle: every true fact → AR", [oracle_explanation([Fact.parse(f) for f in (fs or [])], w, int(r))
-                                               for fs, w, r in zip(facts, words, dataset_rows, strict=True)])
+        read(ROW_ORACLE, [oracle_explanation([Fact.parse(f) for f in (fs or [])], w, int(r))
+                          for fs, w, r in zip(facts, words, dataset_rows, strict=True)])
     g = normalize_activation(gold, scale)
     mu = g.mean(0, keepdim=True).expand_as(g)
     report.rows.append(row_stats("predict the mean (raw)", ((g - mu) ** 2).mean(-1), cosine(mu, g), base.raw_mean))

@@ -293,8 +293,10 @@ def _evaluate(av: str, ar: str, dataset: Path, out_dir: Path, kw: dict[str, Any]
     from nla.client import NLAClient
     from nla.evaluation import evaluate_pair
 
-    frozen = NLAClient(None, frozen_ar) if frozen_ar is not None else None
-    report = evaluate_pair(NLAClient(av, ar), dataset, frozen_ar=frozen, **kw)
+    client = NLAClient(av, ar)
+    # Before RL the frozen reader is the pair's own AR: evaluate_pair reuses its reading.
+    frozen = None if frozen_ar is None else client if frozen_ar == ar else NLAClient(None, frozen_ar)
+    report = evaluate_pair(client, dataset, frozen_ar=frozen, **kw)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "eval.json").write_text(report.to_json())
     (out_dir / "eval.md").write_text(report.to_markdown())

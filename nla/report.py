@@ -11,12 +11,14 @@ from typing import Any
 
 import yaml
 
+# nla.evaluation's row names (the oracle row is the reader's ceiling for true explanations).
+from nla.evaluation import ROW_FROZEN as FROZEN
+from nla.evaluation import ROW_ORACLE as ORACLE
+from nla.evaluation import ROW_ROUND_TRIP as ROUND_TRIP
+from nla.evaluation import ROW_SHUFFLED as SHUFFLED
+
 logger = logging.getLogger(__name__)
 
-ROUND_TRIP = "AV → AR round trip"
-FROZEN = "AV → frozen warm-start AR"
-ORACLE = "oracle: every true fact → AR"  # nla.evaluation's row: the reader's ceiling for true explanations
-SHUFFLED = "AV on shuffled vectors → AR"
 
 
 def _f(x: Any, nd: int = 3) -> str:

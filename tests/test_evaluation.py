@@ -127,6 +127,22 @@ def test_frozen_ar_row_and_degeneracy(nla_pair, client, tmp_path):  # noqa: F811
     assert report.row("AR on reference explanations").degenerate["outside_language"] == 1.0
 
 
+def test_frozen_ar_that_is_the_pair_s_own_reuses_its_reading(nla_pair, client, tmp_path):  # noqa: F811
+    """Before RL the frozen reader is the pair's AR: passing the client itself gives the row a second,
+    separately loaded copy of that AR would give, without reading the texts again."""
+    import copy
+
+    path, _ = _dataset(tmp_path / "sft.parquet", nla_pair, with_explanation=True)
+    same = evaluate_pair(client, path, max_new_tokens=14, n_show=0, frozen_ar=client)
+    copy_reader = NLAClient.from_models(ar=copy.deepcopy(nla_pair.ar))
+    reread = evaluate_pair(client, path, max_new_tokens=14, n_show=0, frozen_ar=copy_reader)
+    a, b = same.row("AV → frozen warm-start AR"), reread.row("AV → frozen warm-start AR")
+    assert a.fve == pytest.approx(b.fve, abs=1e-6) and a.mse_mean == pytest.approx(b.mse_mean, abs=1e-6)
+    assert a.faithfulness == b.faithfulness and a.degenerate == b.degenerate
+    assert a.fve == same.row("AV → AR round trip").fve
+    assert [r.name for r in same.rows] == [r.name for r in reread.rows]
+
+
 def test_oracle_row_reads_every_true_fact(nla_pair, client, tmp_path):  # noqa: F811
     from nla.world.explain import oracle_explanation
 
