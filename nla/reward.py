@@ -31,7 +31,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -439,15 +439,29 @@ class RewardService:
     already done (the batcher merges submissions that arrive within ``flush_seconds``).
     ``score(items)`` is the blocking form. A failing forward reaches every waiting future.
     ``close()`` flushes and stops the thread.
+
+    ``inline=True`` runs no thread: ``submit`` scores its items on the calling thread, in
+    batches of ``batch_size``, and returns a finished future (the same values, the same
+    checks, a failure in the future). This is for a reconstructor in this process on the
+    CPU: torch ops on a second thread start a second OpenMP team, and libgomp, once it
+    manages more threads than there are cores, stops spinning idle workers, so every op
+    of every thread pays a sleep/wake-up. On 2 cores at 2 torch threads an RL step of
+    the default world took 1.11 s with the thread and 0.65 s inline
+    (``bench/bench_rl_step.py``). There is no timeout inline: the caller is the one waiting.
     """
 
     def __init__(self, score_batch: ScoreBatch, batch_size: int, flush_seconds: float,
-                 timeout_seconds: float | None = None) -> None:
+                 timeout_seconds: float | None = None, *, inline: bool = False) -> None:
         import threading
 
         # The batcher first: bad arguments raise before a loop thread exists.
         self.batcher: RewardBatcher = RewardBatcher(score_batch, batch_size, flush_seconds, timeout_seconds)
+        self.inline = inline
         self._loop = asyncio.new_event_loop()
+        if inline:
+            self._thread = None
+            self.batcher._executor.shutdown(wait=False)  # never used inline
+            return
         self._thread = threading.Thread(target=self._loop.run_forever, name="nla-reward-loop", daemon=True)
         self._thread.start()
 
@@ -458,7 +472,29 @@ class RewardService:
     def submit(self, items: Sequence[Item]):  # -> concurrent.futures.Future[list[float]]
         if self._loop.is_closed():
             raise RuntimeError("RewardService is closed; create a new one to score more items.")
+        if self.inline:
+            return self._score_inline(list(items))
         return asyncio.run_coroutine_threadsafe(self.batcher.score_group(list(items)), self._loop)
+
+    def _score_inline(self, items: list) -> Future:
+        """Score ``items`` now, on this thread, in batches of ``batch_size``: a finished future."""
+        b, fut, out = self.batcher, Future(), []
+        try:
+            for start in range(0, len(items), b.batch_size):
+                batch = items[start : start + b.batch_size]
+                b._stats = BatcherStats(b._stats.n_batches + 1, b._stats.n_items + len(batch),
+                                        b._stats.n_failed_batches)
+                try:
+                    out.extend(_to_float_list(b.score_batch(batch), len(batch)))
+                except Exception:
+                    b._stats = BatcherStats(b._stats.n_batches, b._stats.n_items, b._stats.n_failed_batches + 1)
+                    raise
+        except Exception as exc:  # delivered through the future, as from the thread
+            logger.warning("reward batch failed: %r", exc)
+            fut.set_exception(exc)
+        else:
+            fut.set_result(out)
+        return fut
 
     def score(self, items: Sequence[Item]) -> list[float]:
         return self.submit(items).result() if items else []
@@ -466,6 +502,10 @@ class RewardService:
     def close(self) -> None:
         """Flush what is queued, stop the loop thread. Idempotent."""
         if self._loop.is_closed():
+            return
+        if self._thread is None:  # inline: nothing queued, no thread
+            self.batcher._closed = True
+            self._loop.close()
             return
         try:
             asyncio.run_coroutine_threadsafe(self.batcher.aclose(), self._loop).result()

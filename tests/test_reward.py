@@ -313,6 +313,51 @@ def test_reward_service_merges_submissions_and_delivers_failures():
         service.submit([1])
 
 
+def test_inline_reward_service_scores_on_the_calling_thread_in_batches():
+    """inline=True: the same values and checks as the thread, each submission cut into batches of
+    batch_size and scored at once on the caller's thread; failures come back in the future."""
+    import threading
+
+    from nla.reward import NonFiniteRewardError, RewardService
+
+    calls, threads = [], []
+
+    def score(items):
+        calls.append(list(items))
+        threads.append(threading.get_ident())
+        return [float(x) * 10 for x in items]
+
+    with RewardService(score, batch_size=2, flush_seconds=1.0, inline=True) as service:
+        f1 = service.submit([1, 2, 3])
+        assert f1.done() and f1.result() == [10.0, 20.0, 30.0]  # done before submit returned
+        assert service.submit([4]).result() == [40.0]  # no merging across submissions inline
+        assert service.score([]) == []
+        assert calls == [[1, 2], [3], [4]]
+        assert threads == [threading.get_ident()] * 3
+        assert (service.stats.n_batches, service.stats.n_items, service.stats.n_failed_batches) == (3, 4, 0)
+        assert not any(t.name == "nla-reward-loop" for t in threading.enumerate())
+
+    def boom(items):
+        if items == [3]:
+            raise RuntimeError("AR forward failed")
+        return [0.0] * len(items)
+
+    with RewardService(boom, batch_size=2, flush_seconds=0.01, inline=True) as service:
+        fut = service.submit([1, 2, 3])  # the second batch fails: the whole submission fails
+        with pytest.raises(RuntimeError, match="AR forward failed"):
+            fut.result()
+        assert (service.stats.n_batches, service.stats.n_failed_batches) == (2, 1)
+    with pytest.raises(RuntimeError, match="closed"):
+        service.submit([1])
+
+    with RewardService(lambda items: [0.5, float("nan")][: len(items)], batch_size=2, flush_seconds=0.01,
+                       inline=True) as service:
+        with pytest.raises(NonFiniteRewardError, match=r"non-finite values for items \[1\]"):
+            service.score([0, 1])
+        with pytest.raises(ValueError, match="returned 2 rewards for a batch of 1 items"):
+            RewardService(lambda items: [0.0, 0.0], 4, 0.01, inline=True).score([0])
+
+
 def test_failed_mse_is_orthogonal_whatever_the_gold():
     import math
 

@@ -376,6 +376,31 @@ def test_replay_rows_join_each_ar_update(pair, tmp_path):
         ReplayData.load(pair["dataset"])
 
 
+def test_local_cpu_rewards_run_on_the_loop_thread(pair, tmp_path):
+    """A local CPU AR scores on the loop's own thread (RewardService inline): a second thread of
+    torch ops would make libgomp put every worker to sleep between ops. Chunked generation
+    still scores every chunk; the reward time is the scoring, not zero."""
+    import threading
+
+    from nla.rl.loop import scores_inline
+
+    cfg = _cfg(pair, tmp_path, steps=2, rollout=dict(generation_chunk_prompts=2))
+    groups = build_groups(cfg)
+    assert scores_inline(groups)
+    seen, live = [], groups.reconstructor.mse_batch
+
+    def recording(items):
+        seen.append((threading.get_ident(), len(items)))
+        return live(items)
+
+    groups.reconstructor.mse_batch = recording
+    run_rl(cfg, groups=groups)
+    assert {t for t, _ in seen} == {threading.get_ident()}
+    assert len(seen) >= 4  # two chunks per step, two steps (fewer only if a chunk had no explanation)
+    recs = [r for r in read_metrics(tmp_path / "rl.jsonl") if "reward_mean" in r]
+    assert len(recs) == 2 and all(r["time_reward"] > 0 for r in recs)
+
+
 @pytest.mark.parametrize("variant", [
     {},
     {"rollout": {"dynamic_sampling": True, "generation_chunk_prompts": 2}},

@@ -45,7 +45,7 @@ from nla.rl import algorithms as A
 from nla.rl.backend import build_groups
 from nla.rl.config import RLConfig, save_rl_config
 from nla.rl.types import COMPLETED, TRUNCATED, Rollout
-from nla.rl.workers import WorkerGroups
+from nla.rl.workers import ReconstructorWorker, WorkerGroups
 from nla.threads import adapt_threads, apply_threads
 from nla.train.common import (
     DataCursor,
@@ -169,7 +169,8 @@ def score_rollout(rollout: Rollout, service: RewardService, cfg: RLConfig) -> No
 
 def generate_and_score(groups: WorkerGroups, cfg: RLConfig, data: RLData, rows: torch.Tensor,
                        service: RewardService) -> tuple[Rollout, float, float]:
-    """Generate for ``rows`` and score; returns (rollout, generation seconds, reward-wait seconds).
+    """Generate for ``rows`` and score; returns (rollout, generation seconds, reward seconds: submitting,
+    which scores there with an inline service, plus waiting).
 
     With ``generation_chunk_prompts`` set, prompts are generated in chunks and each chunk is
     submitted to the reward service as soon as it is done, so the AR's forwards run while the
@@ -177,18 +178,20 @@ def generate_and_score(groups: WorkerGroups, cfg: RLConfig, data: RLData, rows: 
     """
     G = cfg.rollout.n_samples_per_prompt
     size = cfg.rollout.generation_chunk_prompts or len(rows)
-    pending, t_gen = [], 0.0
+    pending, t_gen, t_wait = [], 0.0, 0.0
     for start in range(0, len(rows), size):
         chunk = rows[start : start + size]
         t0 = time.perf_counter()
         ro = cfg.rollout
         r = groups.rollout.generate(data.vectors[chunk], chunk, G, ro.max_response_len, ro.temperature, ro.top_p)
-        t_gen += time.perf_counter() - t0
-        pending.append((r, service.submit(reward_items(r))))
+        t1 = time.perf_counter()
+        t_gen += t1 - t0
+        pending.append((r, service.submit(reward_items(r))))  # an inline service scores here
+        t_wait += time.perf_counter() - t1
     t0 = time.perf_counter()
     for r, fut in pending:
         fill_rewards(r, fut.result(), cfg)
-    t_wait = time.perf_counter() - t0
+    t_wait += time.perf_counter() - t0
     out = pending[0][0] if len(pending) == 1 else Rollout.concat([r for r, _ in pending], groups.rollout.pad_id)
     return out, t_gen, t_wait
 
@@ -325,6 +328,13 @@ def evaluate(groups: WorkerGroups, cfg: RLConfig, data: RLData, baseline: float,
                                                            "degenerate_rate")}
 
 
+def scores_inline(groups: WorkerGroups) -> bool:
+    """Whether the reward service should score on the loop's own thread: an AR in this process
+    on the CPU (a second thread of torch ops there slows every op; ``RewardService``)."""
+    ar = groups.reconstructor
+    return isinstance(ar, ReconstructorWorker) and torch.device(ar.device).type == "cpu"
+
+
 def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None = None) -> RLResult:
     """Run (or resume) RL; returns the last checkpoint and final metrics."""
     from tqdm.auto import tqdm
@@ -380,7 +390,8 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
     metrics_log = MetricsLogger(out, "rl", tensorboard=cfg.tensorboard)
     # The live AR's bound method: every reward comes from its current weights (no copy).
     service = RewardService(groups.reconstructor.mse_batch, cfg.reward.reward_batch_size,
-                            cfg.reward.reward_flush_seconds, cfg.reward.reward_timeout_seconds)
+                            cfg.reward.reward_flush_seconds, cfg.reward.reward_timeout_seconds,
+                            inline=scores_inline(groups))
     last_ckpt, final, stuck = ckpt, {}, StuckRunMonitor("rl")
     bar = tqdm(total=stop, initial=step, desc="rl", disable=not cfg.progress)
     try:
