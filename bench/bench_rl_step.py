@@ -1,54 +1,69 @@
-"""One `nla rl` step, broken down, against a stock GRPO loop and HF generate, in one run.
+"""One `nla rl` step, broken down, against a stock GRPO loop, TRL's GRPOTrainer and HF generate, in one run.
 
-Three measurements on the same AV/AR pair, prompts, batch, lengths and sampling settings:
+Every measurement uses the same AV/AR pair, prompts, batch, response cap, micro-batch, KL and
+learning rate: those of a quickstart run's RL stage (``--run``, default
+``runs/quickstart-default``, read from its ``rl/rl_config.yaml``), so the numbers are those of
+the configuration users run. Parts (``--skip`` any of them):
 
-1. **nla step**: the local backend's roles driven as ``nla.rl.loop.run_rl`` drives them
-   (generate -> reward with the live AR -> reference log-probs -> policy update -> AR
-   update), timed per phase; samples/s over the whole step. The reward phase opens the AR's
-   reward window first (``ReconstructorWorker.begin_rollout``), as the loop does, so it
-   includes the AR backward of the rollout rows and the AR update only steps; the AR work is
-   also timed with the window off (``fuse_reward=False``, the plain reward + update) in the
-   same run. The duplicate share is the share of rows whose (prompt, response tokens)
-   repeat an earlier row of their rollout.
-2. **stock GRPO**: a plain HF/torch loop with no AR work: ``model.generate(input_ids)`` on
-   the same prompt (no injection), a trivial reward, GRPO advantages, reference forward and
-   a padded policy forward/backward per micro-batch with the same loss (clip + k3 KL), AdamW.
-   The nla/stock ratio is the issue's headline (target >= 1.5x).
-3. **rollout vs HF**: ``RolloutWorker.generate`` against ``model.generate(inputs_embeds=...)``
+1. **loop**: ``nla.rl.loop.run_rl`` itself for ``--steps`` + 1 steps on that config (eval off,
+   its own checkpoint write excluded): the loop's ``time_step`` per step, i.e. rollout, reward
+   service, format checks, metrics, reference, policy update, AR update with replay rows, and
+   weight sync. samples/s over the step is the issue's headline.
+2. **nla**: the same roles driven by hand (generate -> reward with the AR reward window ->
+   reference -> policy -> AR step), timed per phase; the breakdown behind the loop's figure
+   (no replay rows, no metrics). The duplicate share is the share of rows whose (prompt,
+   response tokens) repeat an earlier row of their rollout.
+3. **stock**: a plain HF/torch GRPO loop with no AR work: ``model.generate(input_ids)`` on the
+   same prompt (no injection), a trivial reward that ignores the text (seeded noise: a reward
+   that favoured short answers shrank its responses from 45 to 38 tokens within the counted
+   steps and flattered it), GRPO advantages, reference forward and a padded policy
+   forward/backward per micro-batch with the same loss (clip + k3 KL), AdamW.
+4. **trl**: TRL's ``GRPOTrainer`` (the off-the-shelf GRPO trainer; ``pip install -e '.[bench]'``)
+   on the same AV, chat prompt, G, batch (micro-batch x accumulation), cap, KL (k3), learning
+   rate, token-level loss (``dapo``) and the same seeded-noise reward; the wall time of each
+   optimiser step from a trainer callback (generation, reference and policy all happen inside).
+5. **rollout vs HF**: ``RolloutWorker.generate`` against ``model.generate(inputs_embeds=...)``
    with the vector injected into the embeddings by hand, same batch and sampling settings
    (target >= 1.5x); greedy outputs of the two are compared as a sanity check.
-
-4. **passes**: the reference and policy passes on one rollout, fast (shared prompt prefix,
+6. **passes**: the reference and policy passes on one rollout, fast (shared prompt prefix,
    trimmed padding, length-ordered micro-batches, length buckets, LM head at real positions
    only) against plain (every row's prompt and padded response), the same code otherwise.
-5. **ar**: the AR's work on one rollout (reward, then AR update) with the reward window off
+7. **ar**: the AR's work on one rollout (reward, then AR update) with the reward window off
    and on (``ReconstructorWorker.fuse_reward``).
 
+The loop, stock and TRL trainers generate their own responses (the AV writes differently
+without its vector), so the summary gives response tokens/s ratios beside samples/s.
 Also printed: the policy update's rate (6 x non-embedding params x (prompt + real response
 tokens of every row) per second, i.e. the work a plain per-row pass does) as a share of the
 fp32 matmul rate measured in this process (target >= 60%).
 The first step of each loop is a warm-up and is not counted.
 
-    python bench/bench_rl_step.py [--prompts 16 --samples 8 --max-len 64 --steps 3]
+    python bench/bench_rl_step.py [--run runs/quickstart-default] [--steps 3] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import logging
 import statistics
+import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
+from nla.arch import load_tokenizer
 from nla.rl import algorithms as A
 from nla.rl.backend import build_groups
-from nla.rl.config import RLConfig
-from nla.rl.loop import RLData, reward_items, shape_rewards
+from nla.rl.config import RLConfig, load_rl_config
+from nla.rl.loop import RLData, reward_items, run_rl, shape_rewards
+from nla.rl.setup import load_av
+from nla.sidecar import SIDECAR_NAME, canonical_av_prompt_ids, load_sidecar
 from nla.threads import apply_threads
-
-QS = "/tmp/exp/qs_final"  # a complete `nla quickstart --preset default` run
+from nla.train.config import parse_overrides
 
 
 def _timed(fn, *args, **kw):
@@ -95,6 +110,7 @@ class StockGRPO:
         self.policy, self.ref = model, copy.deepcopy(model).eval().requires_grad_(False)
         self.tok, self.prompt_ids, self.cfg = tokenizer, prompt_ids, cfg
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optimiser.lr, weight_decay=0.0)
+        self.noise = torch.Generator().manual_seed(0)  # the trivial reward's own stream
 
     def _logp(self, model, ids, attn, P):
         logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, P - 1 : -1].float()
@@ -116,7 +132,8 @@ class StockGRPO:
         is_eos = resp == eos
         first = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full((resp.shape[0],), resp.shape[1]))
         mask = (torch.arange(resp.shape[1])[None] <= first[:, None]).float()
-        rewards = -mask.sum(1) / resp.shape[1]  # trivial reward: shorter is better
+        # Trivial reward that ignores the text: it leaves the response length where the model puts it.
+        rewards = torch.randn(resp.shape[0], generator=self.noise)
         adv = A.grpo_advantages(rewards, G)[:, None].expand_as(mask)
         t["reward"] = time.perf_counter() - t0
         self.mean_len = float(mask.sum(1).mean())
@@ -141,6 +158,57 @@ class StockGRPO:
         self.opt.zero_grad(set_to_none=True)
         t["policy"] = time.perf_counter() - t0
         return t
+
+
+def trl_grpo_steps(cfg: RLConfig, steps: int, threads: int) -> tuple[float, float, int]:
+    """TRL ``GRPOTrainer`` on the AV's chat prompt with ``cfg``'s batch, G, cap, micro-batch, KL,
+    lr and clip range, a seeded-noise reward and token-level loss: (median seconds per optimiser
+    step after one warm-up step, mean completion length, prompt tokens). Raises ImportError
+    without TRL."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    for name in ("trl", "transformers", "accelerate", "datasets"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    ro, op, lo = cfg.rollout, cfg.optimiser, cfg.loss
+    B, G, N = ro.rollout_batch_size, ro.n_samples_per_prompt, ro.rollout_batch_size * ro.n_samples_per_prompt
+    if N % op.micro_batch_size:
+        raise SystemExit(f"trl: the rollout ({N} samples) must be a multiple of the micro-batch ({op.micro_batch_size})")
+    tok = load_tokenizer(cfg.av)
+    messages = load_sidecar(Path(cfg.av) / SIDECAR_NAME).av_messages()
+    noise = torch.Generator().manual_seed(0)
+
+    def reward(prompts, completions, **_kw):  # ignores the text, like the stock loop's
+        return torch.randn(len(completions), generator=noise).tolist()
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.t0, self.times = 0.0, []
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self.t0)
+
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="bench_trl_"), max_steps=steps + 1, use_cpu=True, bf16=False,
+        per_device_train_batch_size=op.micro_batch_size, gradient_accumulation_steps=N // op.micro_batch_size,
+        num_generations=G, max_completion_length=ro.max_response_len, temperature=ro.temperature, top_p=ro.top_p,
+        top_k=0, beta=lo.kl_coef, epsilon=lo.eps_low, epsilon_high=lo.eps_high, loss_type="dapo",
+        learning_rate=op.lr, lr_scheduler_type="constant", weight_decay=op.weight_decay,
+        max_grad_norm=op.max_grad_norm, report_to=[], logging_steps=1, save_strategy="no", shuffle_dataset=False,
+        disable_tqdm=True, dataloader_num_workers=0, seed=cfg.seed)
+    model = AutoModelForCausalLM.from_pretrained(cfg.av, dtype=torch.float32)
+    timer = StepTimer()
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tok, callbacks=[timer],
+                          train_dataset=Dataset.from_list([{"prompt": messages}] * (B * (steps + 1))))
+    torch.set_num_threads(threads)
+    trainer.train()
+    lens = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    P = len(canonical_av_prompt_ids(tok, messages))
+    return statistics.median(timer.times[1:]), statistics.mean(lens[1:]), P
 
 
 def hf_generate_embeds(worker, vectors: torch.Tensor, G: int, max_new: int, ro, greedy: bool) -> torch.Tensor:
@@ -170,35 +238,61 @@ def matmul_gflops(n: int = 512, seconds: float = 2.0) -> float:
     return 2 * n**3 * k / (time.perf_counter() - t0) / 1e9
 
 
+def bench_config(args: argparse.Namespace, out_dir: str) -> RLConfig:
+    """The quickstart run's RL config (``--run``), with ``--av/--ar/--dataset`` and ``--set`` on
+    top; eval off, fixed threads, metrics every step, one checkpoint at the end."""
+    saved = Path(args.run) / "rl" / "rl_config.yaml"
+    if not saved.exists():
+        raise SystemExit(f"{saved} not found: run `make quickstart` first (it writes runs/quickstart-default), "
+                         "or pass --run DIR of a finished quickstart run")
+    over: dict = {k: v for k in ("av", "ar", "dataset") if (v := getattr(args, k))}
+    over.update(out_dir=out_dir, steps=args.steps + 1, eval_dataset=None, tensorboard=False, progress=False,
+                threads=args.threads, device="cpu", log_every=1, **{"checkpointing.save_every": args.steps + 1})
+    over.update(parse_overrides(args.set))
+    return load_rl_config(saved, overrides=over)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--av", default=f"{QS}/av/checkpoints/step_00001000")
-    ap.add_argument("--ar", default=f"{QS}/ar/checkpoints/step_00000800")
-    ap.add_argument("--dataset", default=f"{QS}/datagen/rl_train.parquet")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--max-len", type=int, default=64)
-    ap.add_argument("--micro", type=int, default=64)
+    ap.add_argument("--run", default="runs/quickstart-default",
+                    help="a quickstart run dir: its RL config, warm-start pair and RL data (default %(default)s)")
+    ap.add_argument("--av", help="AV dir (default: the run's)")
+    ap.add_argument("--ar", help="AR dir (default: the run's)")
+    ap.add_argument("--dataset", help="RL parquet (default: the run's)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="RL config override, e.g. --set optimiser.micro_batch_size=32 (repeatable)")
     ap.add_argument("--steps", type=int, default=3, help="counted steps per loop (after one warm-up)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: nla.threads)")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: nla,ar,stock,rollout,passes")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for every part (default %(default)s)")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: loop,nla,ar,stock,trl,rollout,passes")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    tmp = tempfile.mkdtemp(prefix="bench_rl_step_")
+    cfg = bench_config(args, tmp)
     threads = apply_threads(args.threads)
-    cfg = RLConfig.from_dict(dict(
-        av=args.av, ar=args.ar, dataset=args.dataset, out_dir="/tmp/bench_rl_step", device="cpu", seed=0,
-        steps=args.steps + 1, tensorboard=False, progress=False,
-        rollout=dict(rollout_batch_size=args.prompts, n_samples_per_prompt=args.samples,
-                     max_response_len=args.max_len),
-        optimiser=dict(micro_batch_size=args.micro, lr=2e-4), reconstructor=dict(lr=3e-4)))
     data = RLData.load(cfg.dataset)
-    groups = build_groups(cfg)
-    B, G = args.prompts, args.samples
-    print(f"threads {threads}; {B} prompts x {G} samples, cap {args.max_len}, micro-batch {args.micro}, "
-          f"{args.steps} counted steps (+1 warm-up); load {open('/proc/loadavg').read().split()[0]}")
+    ro, op = cfg.rollout, cfg.optimiser
+    B, G = ro.rollout_batch_size, ro.n_samples_per_prompt
+    print(f"threads {threads}; {B} prompts x {G} samples, cap {ro.max_response_len}, micro-batch "
+          f"{op.micro_batch_size}, KL {cfg.loss.kl_estimator} {cfg.loss.kl_coef}, lr {op.lr}; {args.steps} counted "
+          f"steps (+1 warm-up); load {open('/proc/loadavg').read().split()[0]}\nAV {cfg.av}\nAR {cfg.ar}")
     gflops = matmul_gflops()
     print(f"fp32 matmul rate (512^3, this process): {gflops:.1f} GFLOP/s")
-    results = {}
+    results, tokens = {}, {}  # samples/s and response tokens/s per trainer
+
+    if "loop" not in skip:
+        res = run_rl(cfg)
+        rows = [json.loads(line) for line in (res.out_dir / "rl.jsonl").read_text().splitlines()][1:]
+        step_s = statistics.median(r["time_step"] for r in rows)
+        mean_len = statistics.mean(r["response_len"] for r in rows)
+        results["loop"], tokens["loop"] = B * G / step_s, B * G * mean_len / step_s
+        print(f"\n== nla rl loop (run_rl, median of {len(rows)} steps): {step_s:.2f} s, {results['loop']:.1f} "
+              f"samples/s, mean response {mean_len:.1f} tokens")
+        for k in ("time_generate", "time_reward", "time_policy", "time_ar"):
+            med = statistics.median(r[k] for r in rows)
+            print(f"  {k[5:]:<10} {med:7.2f} s  {100 * med / step_s:5.1f}%")
+        apply_threads(args.threads)
+
+    groups = None if {"nla", "ar", "passes", "rollout"} <= skip else build_groups(cfg)
 
     if "nla" not in skip:
         times, facts = defaultdict(list), []
@@ -212,9 +306,8 @@ def main() -> None:
                 facts.append(f)
         tot = [sum(vals) for vals in zip(*times.values(), strict=True)]
         step_s = statistics.median(tot)
-        results["nla"] = B * G / step_s
-        print(f"\n== nla rl step (median of {args.steps}): {step_s:.2f} s, {results['nla']:.1f} samples/s, "
-              f"mean response {statistics.mean(f['mean_len'] for f in facts):.1f} tokens; duplicate rows "
+        print(f"\n== nla step by hand, by phase (median of {args.steps}): {step_s:.2f} s, {B * G / step_s:.1f} "
+              f"samples/s, mean response {statistics.mean(f['mean_len'] for f in facts):.1f} tokens; duplicate rows "
               f"{sum(f['dups'] for f in facts)}/{sum(f['n'] for f in facts)}")
         for k, v in times.items():
             med = statistics.median(v)
@@ -255,27 +348,39 @@ def main() -> None:
             print(f"  {label:<19} reward {dr:.3f} s + update {du:.3f} s = {tot[fused]:.3f} s")
         print(f"  plain / fused: {tot[False] / tot[True]:.2f}x")
 
-    if "stock" not in skip:
-        from nla.arch import load_tokenizer
-        from nla.rl.setup import load_av
+    prompt_ids = torch.tensor(canonical_av_prompt_ids(load_tokenizer(cfg.av), load_sidecar(
+        Path(cfg.av) / SIDECAR_NAME).av_messages()))
 
+    if "stock" not in skip:
         model, _ = load_av(cfg.av, torch.device("cpu"), torch.float32)
-        stock = StockGRPO(model, load_tokenizer(cfg.av), groups.rollout.prompt_ids, cfg)
-        times = defaultdict(list)
+        stock = StockGRPO(model, load_tokenizer(cfg.av), prompt_ids, cfg)
+        times, lens = defaultdict(list), []
         for s in range(args.steps + 1):
             torch.manual_seed(s)
             t = stock.step(B)
             if s:
                 for k, v in t.items():
                     times[k].append(v)
+                lens.append(stock.mean_len)
         step_s = statistics.median([sum(v) for v in zip(*times.values(), strict=True)])
-        results["stock"] = B * G / step_s
-        print(f"\n== stock GRPO step (no AR): {step_s:.2f} s, {results['stock']:.1f} samples/s, "
-              f"last mean response {stock.mean_len:.1f} tokens")
+        results["stock"], tokens["stock"] = B * G / step_s, B * G * statistics.mean(lens) / step_s
+        print(f"\n== stock GRPO loop (no AR, median of {args.steps}): {step_s:.2f} s, {results['stock']:.1f} "
+              f"samples/s, mean response {statistics.mean(lens):.1f} tokens")
         for k, v in times.items():
             print(f"  {k:<10} {statistics.median(v):7.2f} s")
-        if "nla" in results:
-            print(f"  nla / stock samples/s: {results['nla'] / results['stock']:.2f}x (target >= 1.5x)")
+        del stock, model
+
+    if "trl" not in skip:
+        try:
+            trl_step = trl_grpo_steps(cfg, args.steps, args.threads)
+        except ImportError as err:
+            print(f"\n== TRL GRPOTrainer: skipped ({err}; pip install -e '.[bench]')")
+        else:
+            step_s, mean_len, P_trl = trl_step
+            results["trl"], tokens["trl"] = B * G / step_s, B * G * mean_len / step_s
+            print(f"\n== TRL GRPOTrainer (no AR, median of {args.steps}): {step_s:.2f} s, {results['trl']:.1f} "
+                  f"samples/s, mean response {mean_len:.1f} tokens (prompt {P_trl} tokens, nla's {len(prompt_ids)})")
+        apply_threads(args.threads)
 
     if "passes" not in skip:
         # The same rollout through the reference and policy passes, fast (shared prefix, trimmed
@@ -327,6 +432,13 @@ def main() -> None:
         h = hf_generate_embeds(w, vec, 1, ro.max_response_len, ro, True)
         same = sum(int(torch.equal(g.response_ids[i, : g.lengths[i]], h[i, : g.lengths[i]])) for i in range(B))
         print(f"  greedy outputs identical to HF generate(inputs_embeds): {same}/{B}")
+
+    if "loop" in results:
+        print("\n== summary: nla rl loop (AR reward + AR update included) against trainers without AR work")
+        for other, label in (("stock", "stock GRPO loop"), ("trl", "TRL GRPOTrainer")):
+            if other in results:
+                print(f"  vs {label:<16} samples/s {results['loop'] / results[other]:.2f}x, response tokens/s "
+                      f"{tokens['loop'] / tokens[other]:.2f}x (target >= 1.5x)")
 
 
 if __name__ == "__main__":
