@@ -174,7 +174,8 @@ def generate_and_score(groups: WorkerGroups, cfg: RLConfig, data: RLData, rows: 
 
     With ``generation_chunk_prompts`` set, prompts are generated in chunks and each chunk is
     submitted to the reward service as soon as it is done, so the AR's forwards run while the
-    next chunk generates (on separate devices or Ray actors that hides the reward time).
+    next chunk generates (on separate devices or Ray actors that hides the reward time). A
+    local CPU AR scores inline (``scores_inline``): each chunk is scored when it is submitted.
     """
     G = cfg.rollout.n_samples_per_prompt
     size = cfg.rollout.generation_chunk_prompts or len(rows)
