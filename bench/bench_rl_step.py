@@ -30,6 +30,8 @@ the configuration users run. Parts (``--skip`` any of them):
    only) against plain (every row's prompt and padded response), the same code otherwise.
 7. **ar**: the AR's work on one rollout (reward, then AR update) with the reward window off
    and on (``ReconstructorWorker.fuse_reward``).
+8. **loopthread** (last): the loop again with the reward service scoring on its own thread,
+   as it did before a local CPU AR scored inline (``nla.rl.loop.scores_inline``).
 
 The loop, stock and TRL trainers generate their own responses (the AV writes differently
 without its vector), so the summary gives response tokens/s ratios beside samples/s.
@@ -252,6 +254,22 @@ def bench_config(args: argparse.Namespace, out_dir: str) -> RLConfig:
     return load_rl_config(saved, overrides=over)
 
 
+def loop_steps(cfg: RLConfig, label: str) -> tuple[float, float]:
+    """``run_rl(cfg)``; prints its phases; returns (median step seconds, mean response length)
+    over the steps after the first."""
+    res = run_rl(cfg)
+    rows = [json.loads(line) for line in (res.out_dir / "rl.jsonl").read_text().splitlines()][1:]
+    step_s = statistics.median(r["time_step"] for r in rows)
+    mean_len = statistics.mean(r["response_len"] for r in rows)
+    print(f"\n== {label}, median of {len(rows)} steps): {step_s:.2f} s, "
+          f"{cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt / step_s:.1f} samples/s, "
+          f"mean response {mean_len:.1f} tokens")
+    for k in ("time_generate", "time_reward", "time_policy", "time_ar"):
+        med = statistics.median(r[k] for r in rows)
+        print(f"  {k[5:]:<10} {med:7.2f} s  {100 * med / step_s:5.1f}%")
+    return step_s, mean_len
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", default="runs/quickstart-default",
@@ -263,7 +281,8 @@ def main() -> None:
                     help="RL config override, e.g. --set optimiser.micro_batch_size=32 (repeatable)")
     ap.add_argument("--steps", type=int, default=3, help="counted steps per loop (after one warm-up)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for every part (default %(default)s)")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: loop,nla,ar,stock,trl,rollout,passes")
+    ap.add_argument("--json", metavar="FILE", help="also write the figures (samples/s, tokens/s, ratios) as JSON")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: loop,nla,ar,stock,trl,rollout,passes,loopthread")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     tmp = tempfile.mkdtemp(prefix="bench_rl_step_")
@@ -278,18 +297,11 @@ def main() -> None:
     gflops = matmul_gflops()
     print(f"fp32 matmul rate (512^3, this process): {gflops:.1f} GFLOP/s")
     results, tokens = {}, {}  # samples/s and response tokens/s per trainer
+    extra: dict[str, float] = {"matmul_gflops": gflops}
 
     if "loop" not in skip:
-        res = run_rl(cfg)
-        rows = [json.loads(line) for line in (res.out_dir / "rl.jsonl").read_text().splitlines()][1:]
-        step_s = statistics.median(r["time_step"] for r in rows)
-        mean_len = statistics.mean(r["response_len"] for r in rows)
+        step_s, mean_len = loop_steps(cfg, "nla rl loop (run_rl")
         results["loop"], tokens["loop"] = B * G / step_s, B * G * mean_len / step_s
-        print(f"\n== nla rl loop (run_rl, median of {len(rows)} steps): {step_s:.2f} s, {results['loop']:.1f} "
-              f"samples/s, mean response {mean_len:.1f} tokens")
-        for k in ("time_generate", "time_reward", "time_policy", "time_ar"):
-            med = statistics.median(r[k] for r in rows)
-            print(f"  {k[5:]:<10} {med:7.2f} s  {100 * med / step_s:5.1f}%")
         apply_threads(args.threads)
 
     groups = None if {"nla", "ar", "passes", "rollout"} <= skip else build_groups(cfg)
@@ -316,6 +328,7 @@ def main() -> None:
         n_params = sum(p.numel() for p in body)
         tok = statistics.mean(f["real_tokens"] for f in facts)
         rate = 6 * n_params * tok / statistics.median(times["policy"]) / 1e9
+        extra["policy_rate_share"] = rate / gflops
         print(f"  policy update rate: {rate:.1f} GFLOP/s = {100 * rate / gflops:.0f}% of the matmul rate "
               f"(6 x {n_params / 1e6:.2f}M non-embedding params x {tok:.0f} tokens: every row's prompt + real "
               "response, the work of a plain per-row pass)")
@@ -426,6 +439,7 @@ def main() -> None:
                 t_nla.append(dt)
                 t_hf.append(dh)
         a, b = statistics.median(t_nla), statistics.median(t_hf)
+        extra["rollout_vs_hf"] = b / a
         print(f"\n== rollout, {B * G} samples: RolloutWorker.generate {a:.2f} s, HF generate(inputs_embeds) "
               f"{b:.2f} s: {b / a:.2f}x (target >= 1.5x)")
         g = w.generate(vec, rows, 1, ro.max_response_len, greedy=True)
@@ -433,12 +447,34 @@ def main() -> None:
         same = sum(int(torch.equal(g.response_ids[i, : g.lengths[i]], h[i, : g.lengths[i]])) for i in range(B))
         print(f"  greedy outputs identical to HF generate(inputs_embeds): {same}/{B}")
 
+    if "loopthread" not in skip:
+        # Last: once a second thread has run torch ops its OpenMP team may outlive it.
+        import nla.rl.loop as loop_module
+
+        inline = loop_module.scores_inline
+        loop_module.scores_inline = lambda groups: False
+        try:
+            cfg_thread = cfg.replace(out_dir=tempfile.mkdtemp(prefix="bench_rl_step_thread_"))
+            step_t, _ = loop_steps(cfg_thread, "nla rl loop with the reward service on its own thread (as before")
+        finally:
+            loop_module.scores_inline = inline
+        if "loop" in results:
+            extra["inline_vs_thread"] = step_t / (B * G / results["loop"])
+            print(f"  inline (the default for a local CPU AR) / own thread, step time: "
+                  f"{step_t / (B * G / results['loop']):.2f}x faster")
+
     if "loop" in results:
         print("\n== summary: nla rl loop (AR reward + AR update included) against trainers without AR work")
         for other, label in (("stock", "stock GRPO loop"), ("trl", "TRL GRPOTrainer")):
             if other in results:
                 print(f"  vs {label:<16} samples/s {results['loop'] / results[other]:.2f}x, response tokens/s "
                       f"{tokens['loop'] / tokens[other]:.2f}x (target >= 1.5x)")
+    if args.json:
+        ratios = {f"loop_vs_{o}_{kind}": src["loop"] / src[o] for o in ("stock", "trl") if o in results
+                  and "loop" in results for kind, src in (("samples", results), ("tokens", tokens))}
+        Path(args.json).write_text(json.dumps(dict(
+            threads=threads, load=float(open("/proc/loadavg").read().split()[0]), config=cfg.to_dict(),
+            samples_per_s=results, response_tokens_per_s=tokens, ratios=ratios, **extra), indent=2))
 
 
 if __name__ == "__main__":
