@@ -91,3 +91,37 @@ def test_eval_numbers_match_a_direct_computation(run_dir):
         pred = client.reconstruct([v.explanation for v in allv])
         assert fve(pred, gold, scale) == pytest.approx(rt["fve"], abs=1e-4)
     assert np.isfinite(rep["eval_rl"]["baseline_raw_mean_mse"])
+
+
+def test_rl_step_bench_runs_on_a_quickstart_run(run_dir, tmp_path):
+    """bench/bench_rl_step.py reads the run's own RL config and reports consistent figures:
+    each ratio is the quotient of the two rates it names, and tokens/s = samples/s x mean length."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_rl_step.py"
+    spec = importlib.util.spec_from_file_location("bench_rl_step", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    argv = sys.argv
+    sys.argv = ["bench_rl_step.py", "--run", str(run_dir), "--steps", "1", "--threads", "1", "--json", str(out),
+                "--skip", "trl,ar,passes,rollout"]
+    try:
+        bench.main()
+    finally:
+        sys.argv = argv
+    res = json.loads(out.read_text())
+    from nla.rl.config import load_rl_config
+
+    cfg = load_rl_config(run_dir / "rl" / "rl_config.yaml")  # the warm-started pair the RL stage started from
+    assert (res["config"]["av"], res["config"]["ar"]) == (cfg.av, cfg.ar)
+    assert res["config"]["steps"] == 2 and res["threads"] == 1
+    rates, toks, ratios = res["samples_per_s"], res["response_tokens_per_s"], res["ratios"]
+    assert set(rates) == set(toks) == {"loop", "stock"} and all(v > 0 for v in rates.values())
+    assert ratios["loop_vs_stock_samples"] == pytest.approx(rates["loop"] / rates["stock"])
+    assert ratios["loop_vs_stock_tokens"] == pytest.approx(toks["loop"] / toks["stock"])
+    lens = {k: toks[k] / rates[k] for k in rates}  # mean response length of each trainer
+    assert all(1 <= n <= res["config"]["rollout"]["max_response_len"] for n in lens.values())
+    assert res["inline_vs_thread"] > 0 and 0 < res["policy_rate_share"]
