@@ -293,7 +293,27 @@ class RewardBatcher(Generic[Item]):
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
 
+    def score_now(self, items: Sequence[Item]) -> list[float]:
+        """Rewards for ``items`` scored on the calling thread, in batches of ``batch_size``, with the
+        checks and counters of the threaded path; the first failure is raised (no loop, no timeout)."""
+        items, out = list(items), []
+        for start in range(0, len(items), self.batch_size):
+            batch = items[start : start + self.batch_size]
+            self._count(n_items=len(batch))
+            try:
+                out.extend(_to_float_list(self.score_batch(batch), len(batch)))
+            except Exception:
+                self._count(failed=True)
+                raise
+        return out
+
     # -- internals
+
+    def _count(self, n_items: int = 0, failed: bool = False) -> None:
+        """One batch sent (``n_items``) or, with ``failed``, the last one failed."""
+        st = self._stats
+        self._stats = (BatcherStats(st.n_batches, st.n_items, st.n_failed_batches + 1) if failed
+                       else BatcherStats(st.n_batches + 1, st.n_items + n_items, st.n_failed_batches))
 
     def _bind_loop(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
@@ -343,9 +363,7 @@ class RewardBatcher(Generic[Item]):
         items = [item for item, _ in batch]
         futures = [fut for _, fut in batch]
         loop = asyncio.get_running_loop()
-        self._stats = BatcherStats(
-            self._stats.n_batches + 1, self._stats.n_items + len(items), self._stats.n_failed_batches
-        )
+        self._count(n_items=len(items))
         try:
             call = loop.run_in_executor(self._executor, self.score_batch, items)
             try:
@@ -364,9 +382,7 @@ class RewardBatcher(Generic[Item]):
                 fut.cancel()
             raise
         except BaseException as exc:  # delivered to every waiting caller
-            self._stats = BatcherStats(
-                self._stats.n_batches, self._stats.n_items, self._stats.n_failed_batches + 1
-            )
+            self._count(failed=True)
             logger.warning("reward batch of %d items failed: %r", len(items), exc)
             for fut in futures:
                 if not fut.done():
@@ -457,11 +473,10 @@ class RewardService:
         # The batcher first: bad arguments raise before a loop thread exists.
         self.batcher: RewardBatcher = RewardBatcher(score_batch, batch_size, flush_seconds, timeout_seconds)
         self.inline = inline
-        self._loop = asyncio.new_event_loop()
+        self._loop = self._thread = None
         if inline:
-            self._thread = None
-            self.batcher._executor.shutdown(wait=False)  # never used inline
             return
+        self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="nla-reward-loop", daemon=True)
         self._thread.start()
 
@@ -470,42 +485,28 @@ class RewardService:
         return self.batcher.stats
 
     def submit(self, items: Sequence[Item]):  # -> concurrent.futures.Future[list[float]]
-        if self._loop.is_closed():
+        if self.batcher._closed:  # set by close() in both modes
             raise RuntimeError("RewardService is closed; create a new one to score more items.")
         if self.inline:
-            return self._score_inline(list(items))
+            fut: Future = Future()
+            try:
+                fut.set_result(self.batcher.score_now(items))
+            except Exception as exc:  # delivered through the future, as from the thread
+                logger.warning("reward batch failed: %r", exc)
+                fut.set_exception(exc)
+            return fut
         return asyncio.run_coroutine_threadsafe(self.batcher.score_group(list(items)), self._loop)
-
-    def _score_inline(self, items: list) -> Future:
-        """Score ``items`` now, on this thread, in batches of ``batch_size``: a finished future."""
-        b, fut, out = self.batcher, Future(), []
-        try:
-            for start in range(0, len(items), b.batch_size):
-                batch = items[start : start + b.batch_size]
-                b._stats = BatcherStats(b._stats.n_batches + 1, b._stats.n_items + len(batch),
-                                        b._stats.n_failed_batches)
-                try:
-                    out.extend(_to_float_list(b.score_batch(batch), len(batch)))
-                except Exception:
-                    b._stats = BatcherStats(b._stats.n_batches, b._stats.n_items, b._stats.n_failed_batches + 1)
-                    raise
-        except Exception as exc:  # delivered through the future, as from the thread
-            logger.warning("reward batch failed: %r", exc)
-            fut.set_exception(exc)
-        else:
-            fut.set_result(out)
-        return fut
 
     def score(self, items: Sequence[Item]) -> list[float]:
         return self.submit(items).result() if items else []
 
     def close(self) -> None:
         """Flush what is queued, stop the loop thread. Idempotent."""
-        if self._loop.is_closed():
-            return
         if self._thread is None:  # inline: nothing queued, no thread
             self.batcher._closed = True
-            self._loop.close()
+            self.batcher._executor.shutdown(wait=False)  # never started a thread
+            return
+        if self._loop.is_closed():
             return
         try:
             asyncio.run_coroutine_threadsafe(self.batcher.aclose(), self._loop).result()
