@@ -103,11 +103,17 @@ def test_fused_rewards_and_update_equal_the_plain_path(tiny_model_dir, arch, mic
     assert all(p.grad is None for p in fused.ar.parameters())
 
 
-def test_a_window_covering_every_row_runs_no_forward_in_the_update(tiny_model_dir):
+def _window_over(tiny_model_dir, n: int):
+    """A llama AR worker whose open reward window has scored ``n`` rows: (worker, texts, golds)."""
     w = _worker(tiny_model_dir, "llama", 4)
-    texts, golds = _data(w.ar.config.hidden_size, 6, 0)
+    texts, golds = _data(w.ar.config.hidden_size, n, 0)
     w.begin_rollout()
     w.mse_batch(list(zip(texts, golds, strict=True)))
+    return w, texts, golds
+
+
+def test_a_window_covering_every_row_runs_no_forward_in_the_update(tiny_model_dir):
+    w, texts, golds = _window_over(tiny_model_dir, 6)
     calls = {"n": 0}
     real = w.ar.predict
 
@@ -141,10 +147,7 @@ def test_a_window_that_does_not_match_the_update_is_dropped(tiny_model_dir, capl
 
 
 def test_more_window_rows_than_update_rows_is_a_mismatch(tiny_model_dir):
-    w = _worker(tiny_model_dir, "llama", 4)
-    texts, golds = _data(w.ar.config.hidden_size, 4, 0)
-    w.begin_rollout()
-    w.mse_batch(list(zip(texts, golds, strict=True)))
+    w, texts, golds = _window_over(tiny_model_dir, 4)
     assert w._window_rows(texts[:2], golds[:2]) == 0
 
 
