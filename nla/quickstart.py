@@ -117,8 +117,8 @@ class StageRecord:
 
 
 def _hash(obj: Any) -> str:
-    if isinstance(obj, dict) and "threads" in obj:  # how many cores compute a stage is not what it computes
-        obj = {k: v for k, v in obj.items() if k != "threads"}
+    # "threads" stays in: torch's CPU results change with the thread count (nla.threads), so a
+    # stage computed with another count is not this run's stage.
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -157,18 +157,20 @@ def split_rl_for_eval(rl_path: Path, out_dir: Path, eval_fraction: float, seed: 
 
 
 def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart", *, backend: str = "local",
-                   progress: bool = True, threads: int | None = None) -> Path:
+                   progress: bool = True, threads: int | None = None, seed: int = 0) -> Path:
     """Run every stage; returns the path of ``report.md``.
 
-    threads: torch CPU threads of every stage (None: ``nla.threads.resolve_threads``'s
-    default); passed to each stage's config, and left out of the stage hashes (it does not
-    change what a stage computes beyond float summation order).
+    threads: torch CPU threads of every stage (None: ``nla.threads.resolve_threads``'s fixed
+    default; ``"auto"``: follows the machine's load, not reproducible); resolved once, passed to
+    each stage's config and part of its cache key (torch's results depend on it).
+    seed: one seed for every stage: the world's stories and subject, datagen's positions, split
+    and explanations, both warm-starts, RL and the held-out split. 0 is the preset as published.
     """
     from nla.datagen.config import DatagenConfig
     from nla.datagen.pipeline import run as run_datagen
     from nla.rl.config import RLConfig
     from nla.rl.loop import run_rl
-    from nla.threads import apply_threads
+    from nla.threads import AUTO, apply_threads, resolve_threads
     from nla.train.ar import train_ar
     from nla.train.av import train_av
     from nla.train.config import ARTrainConfig, AVTrainConfig
@@ -176,9 +178,14 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
 
     if preset not in PRESETS:
         raise ValueError(f"preset: expected one of {sorted(PRESETS)}, found {preset!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed: expected an integer >= 0, found {seed!r}")
     p = PRESETS[preset]
+    # One count for every stage, fixed for the run (unless "auto" was asked for): the same seed gives
+    # the same numbers whatever else the machine runs.
+    threads = threads if threads == AUTO else resolve_threads(threads)
     apply_threads(threads)  # world build, probe and eval run here; the trained stages set it again
-    thr = {} if threads is None else {"threads": threads}
+    thr = {"threads": threads}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     stages: list[StageRecord] = []
@@ -211,19 +218,23 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
         return info
 
     # 1. world, and what its vectors hold at every layer (the probe bounds faithful recall)
-    world_info = stage("world", {"preset": p.world}, lambda: _world(build_world, p.world, progress))
-    probe_cfg = {"preset": p.world, "world": world_info["subject_dir"], **p.probe}
-    probe_info = stage("probe", probe_cfg, lambda: _probe(p.world, out, p.probe, progress))
+    from nla.world.build import seeded_config
+
+    world_cfg = seeded_config(p.world, seed)
+    sd = {"seed": seed} if seed else {}  # seed 0's stage hashes are the ones runs before seeds had
+    world_info = stage("world", {"preset": p.world, **sd, **thr}, lambda: _world(build_world, world_cfg, progress))
+    probe_cfg = {"preset": p.world, "world": world_info["subject_dir"], **p.probe, **thr}
+    probe_info = stage("probe", probe_cfg, lambda: _probe(world_cfg, out, p.probe, progress))
     # 2. datagen
     dg_cfg = dict(out_dir=str(out / "datagen"), source="world", world_preset=p.world, explainer="world",
-                  shuffled_baseline=True, seed=0, **p.datagen, **thr)
+                  shuffled_baseline=True, seed=seed, **({"world_seed": seed} if seed else {}), **p.datagen, **thr)
     stage("datagen", dg_cfg, lambda: {"summary": run_datagen(DatagenConfig.from_dict(dg_cfg))})
     datagen = out / "datagen"
-    rl_train, eval_ds = split_rl_for_eval(datagen / "rl.parquet", datagen, p.eval_fraction, seed=0)
+    rl_train, eval_ds = split_rl_for_eval(datagen / "rl.parquet", datagen, p.eval_fraction, seed=seed)
     # 3. AR and AV warm-start
-    ar_cfg = dict(dataset=str(datagen / "ar_sft.parquet"), out_dir=str(out / "ar"), progress=progress, **p.ar, **thr)
+    ar_cfg = dict(dataset=str(datagen / "ar_sft.parquet"), out_dir=str(out / "ar"), progress=progress, **p.ar, **sd, **thr)
     ar_info = stage("ar", ar_cfg, lambda: _train(train_ar, ARTrainConfig(**ar_cfg)))
-    av_cfg = dict(dataset=str(datagen / "av_sft.parquet"), out_dir=str(out / "av"), progress=progress, **p.av, **thr)
+    av_cfg = dict(dataset=str(datagen / "av_sft.parquet"), out_dir=str(out / "av"), progress=progress, **p.av, **sd, **thr)
     av_info = stage("av", av_cfg, lambda: _train(train_av, AVTrainConfig(**av_cfg)))
     # 4. eval of the warm-started pair
     ev_kw = dict(max_rows=p.eval_max_rows, max_new_tokens=p.max_new_tokens)
@@ -233,28 +244,29 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     # pair at the same path is evaluated again.
     warm = stage("eval_warmstart", {"av": av_info["checkpoint"], "ar": ar_info["checkpoint"], "frozen_ar": frozen,
                                     "dataset": str(eval_ds), "made_by": [_hash(configs["ar"]), _hash(configs["av"])],
-                                    **ev_kw},
+                                    **ev_kw, **thr},
                  lambda: _evaluate(av_info["checkpoint"], ar_info["checkpoint"], eval_ds, out / "eval_warmstart",
                                    ev_kw, frozen))
     # 5. RL
     rl = rl_settings(p, datagen)
     rl_cfg = dict(av=av_info["checkpoint"], ar=ar_info["checkpoint"], dataset=str(rl_train),
                   eval_dataset=str(eval_ds), out_dir=str(out / "rl"), progress=progress, **rl,
-                  backend=dict(name=backend), **thr)
+                  backend=dict(name=backend), **sd, **thr)
     rl_info = stage("rl", rl_cfg, lambda: _rl(run_rl, RLConfig.from_dict(rl_cfg)))
     # 6. eval after RL
     after = stage("eval_rl", {"av": rl_info["av"], "ar": rl_info["ar"], "frozen_ar": frozen, "dataset": str(eval_ds),
-                              "made_by": [_hash(configs["ar"]), _hash(configs["av"]), _hash(configs["rl"])], **ev_kw},
+                              "made_by": [_hash(configs["ar"]), _hash(configs["av"]), _hash(configs["rl"])], **ev_kw,
+                              **thr},
                   lambda: _evaluate(rl_info["av"], rl_info["ar"], eval_ds, out / "eval_rl", ev_kw, frozen))
     # 7. report
     from nla.report import write_report
 
-    return write_report(out, preset=preset, stages=stages, configs=configs, world=world_info, probe=probe_info,
+    return write_report(out, preset=preset, seed=seed, threads=threads, stages=stages, configs=configs, world=world_info, probe=probe_info,
                         warm_eval=warm["report"], rl_eval=after["report"], ar_info=ar_info, av_info=av_info,
                         rl_info=rl_info)
 
 
-def _world(build_world, preset: str, progress: bool) -> dict[str, Any]:
+def _world(build_world, preset, progress: bool) -> dict[str, Any]:
     art = build_world(preset, progress=progress)
     return {"subject_dir": str(art.subject_dir), "heldout_loss": art.heldout_loss, "from_cache": art.from_cache,
             "build_seconds": float(art.summary.get("build_seconds", art.train_seconds)),
@@ -262,7 +274,7 @@ def _world(build_world, preset: str, progress: bool) -> dict[str, Any]:
             "train_seconds": art.train_seconds}
 
 
-def _probe(preset: str, out: Path, kw: dict[str, Any], progress: bool) -> dict[str, Any]:
+def _probe(preset, out: Path, kw: dict[str, Any], progress: bool) -> dict[str, Any]:
     from nla.world import build_world
     from nla.world.probe import best_layer, probe_world, write_probe_json
 

@@ -83,6 +83,32 @@ def _faith(row: dict[str, Any] | None, key: str) -> float | None:
     return ((row or {}).get("faithfulness") or {}).get(key)
 
 
+def kind_table(warm: dict[str, Any], after: dict[str, Any], probe: dict[str, Any] | None = None) -> list[str]:
+    """Round-trip recall / precision per fact kind, warm-start and after RL, beside what the probe
+    reads of that kind at the extraction layer (what a faithful verbalizer could name)."""
+    rt_w = (_rows(warm).get(ROUND_TRIP) or {}).get("faithfulness") or {}
+    rt_a = (_rows(after).get(ROUND_TRIP) or {}).get("faithfulness") or {}
+    bw, ba = rt_w.get("by_kind") or {}, rt_a.get("by_kind") or {}
+    if not bw and not ba:
+        return []
+    at = [r for r in (probe or {}).get("layers") or [] if r["layer"] == (probe or {}).get("default_layer")]
+    top1 = {k["kind"]: k["top1"] for k in at[0]["kinds"]} if at else {}
+    order = list(top1) if top1 else []  # the probe's order (the dataset's own), then any other kind
+    kinds = [k for k in order if k in bw or k in ba] + sorted((set(bw) | set(ba)) - set(order))
+    lines = ["| kind | probe top-1 | recall warm | precision warm | recall RL | precision RL |",
+             "|---|---|---|---|---|---|"]
+    for k in kinds:
+        w, a = bw.get(k) or (None, None), ba.get(k) or (None, None)
+        lines.append(f"| {k} | {_f(top1.get(k), 2)} | {_f(w[0], 2)} | {_f(w[1], 2)} | {_f(a[0], 2)} | {_f(a[1], 2)} |")
+    return lines
+
+
+def kind_summary(after: dict[str, Any]) -> dict[str, list[float]]:
+    """``{kind: [recall, precision]}`` of the RL pair's round trip (the report.json headline)."""
+    rt = (_rows(after).get(ROUND_TRIP) or {}).get("faithfulness") or {}
+    return {k: list(v) for k, v in (rt.get("by_kind") or {}).items()}
+
+
 def faithfulness_summary(warm: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """The numbers that say whether RL made the explanations more true, not just the pair closer."""
     w, a = _rows(warm), _rows(after)
@@ -110,7 +136,7 @@ def ceiling_line(headline: dict[str, Any]) -> list[str]:
             f"RL'd verbalizer reaches {_f(fve)}{share}.", ""]
 
 
-def write_report(out: Path, *, preset: str, stages: list, configs: dict[str, Any], world: dict[str, Any],
+def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | None = None, stages: list, configs: dict[str, Any], world: dict[str, Any],
                  warm_eval: dict[str, Any], rl_eval: dict[str, Any], ar_info: dict[str, Any],
                  av_info: dict[str, Any], rl_info: dict[str, Any], probe: dict[str, Any] | None = None) -> Path:
     """Write ``report.md`` and ``report.json`` (+ copy curve PNGs beside them); returns report.md."""
@@ -127,6 +153,8 @@ def write_report(out: Path, *, preset: str, stages: list, configs: dict[str, Any
     arm, avm, rlm = ar_info.get("metrics", {}), av_info.get("metrics", {}), rl_info.get("metrics", {})
     headline = {
         "preset": preset,
+        "seed": seed,
+        "threads": threads,
         "round_trip_fve_warmstart": fve_warm,
         "round_trip_fve_rl": fve_rl,
         "rl_improved_fve": fve_rl > fve_warm,
@@ -137,6 +165,7 @@ def write_report(out: Path, *, preset: str, stages: list, configs: dict[str, Any
         "subject_unigram_entropy": world.get("unigram_entropy"),
         "total_seconds": sum(s.seconds for s in stages if not s.cached),  # this run's work
         **faithfulness_summary(warm_eval, rl_eval),
+        "by_kind_rl": kind_summary(rl_eval),
     }
     probe = probe or {}
     if probe.get("layers"):
@@ -147,7 +176,7 @@ def write_report(out: Path, *, preset: str, stages: list, configs: dict[str, Any
     stuck = [f"- **{name}**: {w}" for name, info in (("AR warm-start", ar_info), ("AV warm-start", av_info),
                                                     ("RL", rl_info))
              for w in (info.get("metrics", {}).get("stuck_warnings") or [])]
-    md = [f"# NLA quickstart report (preset `{preset}`)", "",
+    md = [f"# NLA quickstart report (preset `{preset}`, seed {seed}, {threads} torch threads)", "",
           *(["> **Warning: a stage looked stuck.**", "", *stuck, ""] if stuck else []),
           f"Round-trip FVE on held-out vectors: **{_f(fve_warm)}** after warm-start → **{_f(fve_rl)}** after RL "
           f"({'improved' if fve_rl > fve_warm else 'did not improve'}). "
@@ -164,6 +193,10 @@ def write_report(out: Path, *, preset: str, stages: list, configs: dict[str, Any
           f"of normalised golds ({warm_eval['baseline_raw_mean_mse']:.4f}). Fact recall/precision grade the "
           "explanations against the world's ground truth. See docs/report.md for every number.", "",
           *comparison_table(warm_eval, rl_eval), "",
+          *(["### Per fact kind (AV → AR round trip)", "",
+              "Recall and precision of the facts of each kind, against what a linear probe reads of that kind "
+              "from the same layer's vectors (the most a faithful verbalizer could name).", "",
+              *kind_table(warm_eval, rl_eval, probe), ""] if kind_table(warm_eval, rl_eval) else []),
           *(["## What is in the vector", "",
               "Top-1 accuracy of a linear probe per fact kind on held-out stories (`nla world probe`): how much of "
               "the ground truth any verbalizer could read from the vectors at each layer, against chance.", "",

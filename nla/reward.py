@@ -259,11 +259,19 @@ class RewardBatcher(Generic[Item]):
         (fut,) = self._enqueue([item])
         return await fut
 
-    async def score_group(self, items: Sequence[Item]) -> list[float]:
-        """Rewards for ``items``, in order. Raises the first failure among its batches."""
+    async def score_group(self, items: Sequence[Item], *, flush: bool = False) -> list[float]:
+        """Rewards for ``items``, in order. Raises the first failure among its batches.
+
+        ``flush``: send the tail at once instead of waiting ``flush_seconds`` for more items. When
+        every caller flushes, each call's items are batched alone, in ``batch_size`` slices in
+        order: the batches (and so the padded shapes the AR computes with) depend on the items,
+        never on when they arrived.
+        """
         if not items:
             return []
         futures = self._enqueue(list(items))
+        if flush:
+            self._flush_pending()
         # return_exceptions so every future is retrieved (no "never retrieved" warnings).
         results = await asyncio.gather(*futures, return_exceptions=True)
         for r in results:
@@ -452,7 +460,10 @@ class RewardService:
 
     ``submit(items)`` queues items and returns at once with a ``concurrent.futures.Future``
     of their rewards, so the caller can keep generating while the AR scores what is
-    already done (the batcher merges submissions that arrive within ``flush_seconds``).
+    already done. Each submission is scored in ``batch_size`` slices of its own items, in
+    order, never merged with another submission by arrival time: the AR sees the same
+    batches, and gives the same bits, however fast the caller submits (DESIGN §4,
+    "Determinism").
     ``score(items)`` is the blocking form. A failing forward reaches every waiting future.
     ``close()`` flushes and stops the thread.
 
@@ -495,7 +506,7 @@ class RewardService:
                 logger.warning("reward batch failed: %r", exc)
                 fut.set_exception(exc)
             return fut
-        return asyncio.run_coroutine_threadsafe(self.batcher.score_group(list(items)), self._loop)
+        return asyncio.run_coroutine_threadsafe(self.batcher.score_group(list(items), flush=True), self._loop)
 
     def score(self, items: Sequence[Item]) -> list[float]:
         return self.submit(items).result() if items else []

@@ -2,33 +2,44 @@
 
 Precedence (``resolve_threads``):
 
-1. an explicit setting (a config's ``threads`` field or ``--threads``) wins;
+1. an explicit setting (a config's ``threads`` field or ``--threads``) wins: a positive integer,
+   or ``"auto"`` (below);
 2. else ``OMP_NUM_THREADS`` when set to a positive integer (the usual way a scheduler or a
    user caps a job; an unparsable value is an error naming the variable);
-3. else automatic. One process (every local stage): ``ThreadGovernor`` starts at half the
-   cores and, every couple of seconds of work (``adapt_threads``, called once per training
-   step or batch), sets the count to the cores that other processes leave idle, read from
-   ``/proc/stat`` less this process's own CPU time. On an idle machine a stage uses every core;
-   when another job starts it drops to what is left within one interval, so it never holds
-   more threads than free cores. Several workers of one job (Ray actors, ``processes > 1``):
-   a fixed ``max(1, cores // 2 // processes)``. Where ``/proc/stat`` cannot be read (macOS,
-   Windows) the automatic count stays at half the cores.
+3. else a fixed count from the machine alone: every core this process may run on for one
+   process (every local stage), ``max(1, cores // 2 // processes)`` for several workers of one
+   job (Ray actors, ``processes > 1``).
 
-Why not torch's default (one thread per core): its OpenMP workers spin at barriers, so on a
-machine where another job is busy, every parallel region waits for a thread that has no
-core. Measured on the 2-core development machine with ``bench/bench_threads.py`` (default
-world AV, d=128, 4 blocks, fp32, forward + backward of a 32 x 60 batch, the lead's two
-training jobs running; BENCHMARKS.md, "Threads"): 1 thread 5.83 it/s, 2 threads 0.54 it/s
-(11x slower); with one more busy process, 2.96 vs 0.19 it/s (16x slower). Issue 14 measured
-6x (policy update) and 10x (one rollout) with one competing job. Half the cores does not
-collapse that way under one competing job of the same kind, but on an idle machine it gives
-up the other half (the default quickstart: 11 min 14 s at 1 thread, 9 min 28 s at 2 on the
-idle 2-core machine); the governor takes the idle half back and gives it up when another job
-needs it (``bench/bench_threads.py --governor``, BENCHMARKS.md "Threads").
+**The count is fixed for a run, never decided from the machine's load or the clock.** Torch's CPU
+kernels give different bits at different thread counts (measured with torch 2.13 on this x86
+machine: a sum over more than 32,768 elements, attention with one query per row (every decode
+step), and the fused and the math attention backward at some sequence lengths), and RL
+amplifies a last-bit difference into a different run (issue 25: an 800-step run diverged at
+step 13). So the same config and seed give the same numbers on the same machine, whatever
+else runs there (``tests/test_determinism.py``).
+
+The price: on a machine where another job is busy, a fixed count of threads waits at OpenMP
+barriers for a thread that has no core. Measured on the 2-core development machine (d=128
+Llama, forward + backward of a 32 x 96 batch; BENCHMARKS.md, "Threads"): 2 threads 4.50 it/s
+idle and 1.50 it/s beside one busy process, where 1 thread gives 2.67 (1.8x slower), and 4.6x
+slower for small decode-sized forwards. On a shared machine set ``--threads 1`` (or
+``OMP_NUM_THREADS=1``): still reproducible, and it never waits for a core.
+
+``"auto"`` (opt-in, gives up reproducibility): ``ThreadGovernor`` starts at half the cores
+and, every couple of seconds of work (``adapt_threads``, called once per training step or
+batch), sets the count to the cores that other processes leave idle, read from
+``/proc/stat`` less this process's own CPU time: fastest on a machine whose load changes, but
+the numbers then follow the load. Where ``/proc/stat`` cannot be read (macOS, Windows) it
+stays at half the cores.
+
+Why not torch's default (one thread per core, also fixed): the same as ours for one process;
+ours also divides the cores among a job's workers and reads ``OMP_NUM_THREADS`` the same way
+everywhere.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -36,7 +47,10 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 ENV_VAR = "OMP_NUM_THREADS"
+AUTO = "auto"  # the opt-in adaptive count (ThreadGovernor): follows the load, gives up reproducibility
 
 
 def available_cores() -> int:
@@ -47,16 +61,23 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def resolve_threads(requested: int | None = None, *, processes: int = 1,
+def resolve_threads(requested: int | str | None = None, *, processes: int = 1,
                     env: Mapping[str, str] | None = None, cores: int | None = None) -> int:
-    """Torch CPU threads for one process: ``requested`` > ``$OMP_NUM_THREADS`` > ``cores // 2 // processes``.
+    """Torch CPU threads for one process: ``requested`` > ``$OMP_NUM_THREADS`` > a count fixed by the
+    machine (``cores`` for one process, ``cores // 2 // processes`` for several).
 
     processes: workers of this job sharing the machine (the default is divided among them;
     an explicit setting or the environment variable is per process and is not divided).
+    ``requested="auto"`` returns the governor's starting count (half the cores); ``apply_threads``
+    then lets it follow the load.
     """
+    cores = available_cores() if cores is None else cores
+    if requested == AUTO:
+        return max(1, cores // 2 // max(1, processes))
     if requested is not None:
         if isinstance(requested, bool) or not isinstance(requested, int) or requested <= 0:
-            raise ValueError(f"threads: expected a positive integer or null (automatic), found {requested!r}")
+            raise ValueError(f"threads: expected a positive integer, 'auto' or null (fixed by the machine), "
+                             f"found {requested!r}")
         return requested
     env = os.environ if env is None else env
     raw = env.get(ENV_VAR, "").strip()
@@ -69,8 +90,7 @@ def resolve_threads(requested: int | None = None, *, processes: int = 1,
             raise ValueError(f"{ENV_VAR}: expected a positive integer, found {raw!r}; "
                              f"unset it or set e.g. {ENV_VAR}=1")
         return value
-    cores = available_cores() if cores is None else cores
-    return max(1, cores // 2 // max(1, processes))
+    return cores if processes <= 1 else max(1, cores // 2 // processes)
 
 
 def read_cpu_seconds() -> tuple[float, float] | None:
@@ -140,17 +160,20 @@ class ThreadGovernor:
 _governor: ThreadGovernor | None = None
 
 
-def apply_threads(requested: int | None = None, *, processes: int = 1) -> int:
+def apply_threads(requested: int | str | None = None, *, processes: int = 1) -> int:
     """Resolve and ``torch.set_num_threads``; returns the number set now.
 
-    With no explicit setting and no ``$OMP_NUM_THREADS`` in a single process, the count is
-    automatic: a ``ThreadGovernor`` (kept across stages) adjusts it from ``adapt_threads()``.
+    Only ``requested="auto"`` in a single process is adaptive: a ``ThreadGovernor`` (kept across
+    stages) adjusts the count from ``adapt_threads()``, and a warning says the numbers will follow
+    the machine's load. Every other setting is fixed for the run.
     """
     global _governor
-    automatic = requested is None and not os.environ.get(ENV_VAR, "").strip() and processes == 1
+    automatic = requested == AUTO and processes == 1
     n = resolve_threads(requested, processes=processes)
     if automatic:
         if _governor is None:
+            logger.warning("threads=auto: the thread count follows the machine's load, and torch's CPU results "
+                           "change with it; this run is not reproducible (set threads to a number for that)")
             _governor = ThreadGovernor()
         n = _governor.threads
     else:
@@ -160,7 +183,7 @@ def apply_threads(requested: int | None = None, *, processes: int = 1) -> int:
 
 
 def adapt_threads() -> int:
-    """Call once per step or batch of a long loop: with automatic threads, follow the idle
+    """Call once per step or batch of a long loop: with ``threads="auto"``, follow the idle
     cores (``ThreadGovernor.tick``); otherwise a no-op. Returns torch's thread count."""
     if _governor is not None:
         return _governor.tick()
@@ -168,11 +191,28 @@ def adapt_threads() -> int:
 
 
 def check_threads(name: str, value: object) -> None:
-    """Config validation: ``value`` is a positive integer or None; the error names the field."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-        raise ValueError(f"{name}: expected a positive integer or null (automatic: $OMP_NUM_THREADS, else half "
-                         f"the cores), found {value!r}")
+    """Config validation: ``value`` is a positive integer, ``"auto"`` or None; the error names the field."""
+    if value is None or value == AUTO:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: expected a positive integer, 'auto' (follows the load, not reproducible) or null "
+                         f"($OMP_NUM_THREADS, else every core), found {value!r}")
 
 
-__all__ = ["ENV_VAR", "ThreadGovernor", "adapt_threads", "apply_threads", "available_cores", "check_threads",
-           "read_cpu_seconds", "resolve_threads", "threads_for_idle_cores"]
+def threads_flag(text: str) -> int | str:
+    """argparse type of ``--threads``: a positive integer or ``auto``."""
+    import argparse
+
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', found {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', found {value}")
+    return value
+
+
+__all__ = ["AUTO", "ENV_VAR", "ThreadGovernor", "adapt_threads", "apply_threads", "available_cores", "check_threads",
+           "read_cpu_seconds", "resolve_threads", "threads_flag", "threads_for_idle_cores"]

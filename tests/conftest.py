@@ -120,3 +120,13 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def tiny_quickstart_run(tmp_path_factory):
+    """One `nla quickstart --preset tiny` run dir, shared by the end-to-end tests that read it."""
+    from nla.cli import main
+
+    out = tmp_path_factory.mktemp("qs") / "run"
+    assert main(["quickstart", "--preset", "tiny", "--out", str(out), "--no-progress"]) == 0
+    return out

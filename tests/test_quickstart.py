@@ -7,16 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from nla.cli import main
-
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("qs") / "run"
-    assert main(["quickstart", "--preset", "tiny", "--out", str(out), "--no-progress"]) == 0
-    return out
+def run_dir(tiny_quickstart_run):
+    return tiny_quickstart_run
 
 
 def test_report_has_every_section_with_finite_numbers(run_dir):

@@ -285,7 +285,7 @@ def test_constructor_validation():
         RewardBatcher(None, 4, 0.1)
 
 
-def test_reward_service_merges_submissions_and_delivers_failures():
+def test_reward_service_batches_each_submission_alone_and_delivers_failures():
     from nla.reward import RewardService
 
     calls = []
@@ -294,11 +294,12 @@ def test_reward_service_merges_submissions_and_delivers_failures():
         calls.append(list(items))
         return [float(x) * 10 for x in items]
 
-    with RewardService(score, batch_size=8, flush_seconds=1.0) as service:
-        f1 = service.submit([1, 2])
-        f2 = service.submit([3])  # arrives within the flush window: same forward
-        assert f1.result() == [10.0, 20.0] and f2.result() == [30.0]
-        assert calls == [[1, 2, 3]]
+    with RewardService(score, batch_size=2, flush_seconds=60.0) as service:
+        f1 = service.submit([1, 2, 3])
+        f2 = service.submit([4])  # within the flush window, but never merged with [3]: batches follow the items
+        # nothing waits for the 60 s window: each submission's tail is sent at once
+        assert f1.result(timeout=5) == [10.0, 20.0, 30.0] and f2.result(timeout=5) == [40.0]
+        assert calls == [[1, 2], [3], [4]]
         assert service.score([]) == []
 
     def boom(items):

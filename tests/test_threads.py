@@ -23,22 +23,36 @@ def test_environment_wins_over_the_default():
     assert resolve_threads(None, env={ENV_VAR: "5"}, cores=16) == 5
     assert resolve_threads(None, env={ENV_VAR: " 2 "}, cores=16) == 2
     # an empty variable is unset
-    assert resolve_threads(None, env={ENV_VAR: ""}, cores=16) == 8
+    assert resolve_threads(None, env={ENV_VAR: ""}, cores=16) == 16
 
 
-def test_default_is_half_the_cores_shared_among_processes():
-    # cores // 2 // processes, never below 1
-    assert resolve_threads(None, env={}, cores=2) == 1
+def test_default_is_fixed_by_the_machine_every_core_for_one_process():
+    # one process: every core; several workers of one job: cores // 2 // processes, never below 1
+    assert resolve_threads(None, env={}, cores=2) == 2
     assert resolve_threads(None, env={}, cores=1) == 1
-    assert resolve_threads(None, env={}, cores=16) == 8
+    assert resolve_threads(None, env={}, cores=16) == 16
     assert resolve_threads(None, env={}, cores=16, processes=3) == 2  # 8 // 3
     assert resolve_threads(None, env={}, cores=16, processes=20) == 1
     # processes divide only the default: an explicit or environment value is per process
     assert resolve_threads(4, env={}, cores=16, processes=4) == 4
     assert resolve_threads(None, env={ENV_VAR: "4"}, cores=16, processes=4) == 4
+    # "auto" starts the governor at half the cores (it wins over the environment, being explicit)
+    assert resolve_threads("auto", env={ENV_VAR: "4"}, cores=16) == 8
+    assert resolve_threads("auto", env={}, cores=2) == 1
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_threads_flag_parses_integers_and_auto():
+    import argparse
+
+    from nla.threads import threads_flag
+
+    assert threads_flag("3") == 3 and threads_flag("auto") == "auto" and threads_flag(" AUTO ") == "auto"
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected a positive integer or 'auto'"):
+            threads_flag(bad)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2", "Auto"])
 def test_bad_explicit_setting_is_named(bad):
     with pytest.raises(ValueError, match="threads: expected a positive integer"):
         resolve_threads(bad, env={})
@@ -56,7 +70,17 @@ def test_apply_sets_torch(restore_threads, monkeypatch):
     assert apply_threads(2) == 2 and torch.get_num_threads() == 2
 
 
-@pytest.mark.parametrize("bad", [0, -3, True])
+def test_configs_accept_auto():
+    from nla.datagen.config import DatagenConfig
+    from nla.rl.config import RLConfig
+    from nla.train.config import ARTrainConfig
+
+    assert ARTrainConfig(dataset="x.parquet", out_dir="o", threads="auto").threads == "auto"
+    assert RLConfig(av="a", ar="b", dataset="d", out_dir="o", threads="auto").threads == "auto"
+    assert DatagenConfig(threads="auto").threads == "auto"
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, "two"])
 def test_configs_refuse_bad_threads(bad):
     from nla.datagen.config import DatagenConfig
     from nla.rl.config import RLConfig
@@ -200,23 +224,28 @@ def test_governor_adjusts_only_from_its_own_thread(restore_threads):
     assert g.tick() == 2
 
 
-def test_apply_threads_automatic_only_without_setting_or_environment(restore_threads, monkeypatch):
+def test_apply_threads_adapts_only_when_auto_is_asked_for(restore_threads, monkeypatch, caplog):
     from nla import threads as T
 
     monkeypatch.delenv(ENV_VAR, raising=False)
     monkeypatch.setattr(T, "_governor", None)
-    n = T.apply_threads(None)
+    # the default: every core, fixed for the run (no governor, adapt_threads changes nothing)
+    assert T.apply_threads(None) == T.available_cores() and T._governor is None
+    assert T.adapt_threads() == T.available_cores()
+    with caplog.at_level("WARNING", logger="nla.threads"):
+        n = T.apply_threads("auto")
     assert T._governor is not None and n == T._governor.threads == max(1, T.available_cores() // 2)
+    assert "not reproducible" in caplog.text
     gov = T._governor
-    T.apply_threads(None)
+    T.apply_threads("auto")
     assert T._governor is gov  # kept across stages
     assert T.apply_threads(3) == 3 and T._governor is None  # an explicit setting is fixed
     assert T.adapt_threads() == 3 and torch.get_num_threads() == 3  # and adapt_threads leaves it
     monkeypatch.setenv(ENV_VAR, "2")
     assert T.apply_threads(None) == 2 and T._governor is None
     monkeypatch.delenv(ENV_VAR)
-    assert T.apply_threads(None, processes=2) == resolve_threads(None, processes=2, env={})
-    assert T._governor is None  # several workers of one job: a fixed share
+    assert T.apply_threads("auto", processes=2) == resolve_threads("auto", processes=2, env={})
+    assert T._governor is None  # several workers of one job: a fixed share, even when auto
 
 
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/stat"), reason="needs Linux /proc/stat")

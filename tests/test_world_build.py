@@ -6,6 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import nla.world.build as build_mod
@@ -212,8 +213,15 @@ def test_state_objective_trains_a_plain_llama(tmp_path):
     assert not any(m._forward_hooks for m in model.modules())
     off = build_world(WorldConfig(**{**MICRO.to_dict(), "state_weight": 0.0}), out=tmp_path, progress=False)
     assert off.summary["final_state_loss"] is None
-    # Same seed and data: the state objective changes the LM's training trajectory.
-    assert off.summary["train_losses"][1:] != art.summary["train_losses"][1:]
+    # Same seed and data: the state objective reaches the blocks up to the state layer. The head
+    # starts at zero weight (only its bias carries the base rates), so the first update's body
+    # gradients are the LM's alone, and the later ones differ by about lr x the head's weights:
+    # far below what a loss printed to float precision shows on every CPU (it did not show on one
+    # machine with 3 steps), but never zero in the weights of block 0.
+    on_w = load_file(str(art.subject_dir / "model.safetensors"))
+    off_w = load_file(str(off.subject_dir / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert (on_w[name] - off_w[name]).abs().max() > 0
 
 
 def test_cli_probe_prints_every_layer_and_writes_json(tiny_world, capsys, tmp_path):

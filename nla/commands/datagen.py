@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 
-from nla.validation import positive_int
+from nla.threads import threads_flag
 
 log = logging.getLogger("nla.datagen")
 
@@ -30,8 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             "--set", action="append", default=[], metavar="KEY=VALUE",
             help="override a config field, e.g. --set n_docs=200 --set provider.model=gpt-4o-mini",
         )  # fmt: skip
-        sp.add_argument("--threads", type=positive_int,
-                        help="torch CPU threads (overrides threads; default $OMP_NUM_THREADS, else the idle cores, re-read as it runs)")
+        sp.add_argument("--threads", type=threads_flag,
+                        help="torch CPU threads (a positive integer, or auto (follows the load; not reproducible); default $OMP_NUM_THREADS, else every core, fixed for the run)")
         sp.add_argument("--force", action="store_true", help="redo the stage(s) even if done")
         sp.set_defaults(func=run)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])

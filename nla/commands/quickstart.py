@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from nla.validation import positive_int
+from nla.threads import threads_flag
+from nla.validation import non_negative_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,8 +18,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="run directory (default runs/quickstart-<preset>)")
     p.add_argument("--backend", default="local", choices=["local", "ray"], help="RL worker backend")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch CPU threads of every stage (default: $OMP_NUM_THREADS, else the cores other jobs leave idle, re-read as it runs)")
+    p.add_argument("--seed", type=non_negative_int, default=0,
+                   help="one seed for every stage: the world (stories, subject), datagen, both warm-starts, RL and "
+                        "the held-out split (default 0; BENCHMARKS.md reports seeds 0-2)")
+    p.add_argument("--threads", type=threads_flag, default=None,
+                   help="torch CPU threads of every stage (a positive integer, or auto (follows the load; not reproducible); default $OMP_NUM_THREADS, else every core, fixed for the run)")
     p.set_defaults(func=run)
 
 
@@ -26,9 +30,10 @@ def run(args: argparse.Namespace) -> int:
     from nla.quickstart import run_quickstart
     from nla.validation import check_output_path
 
-    out = str(check_output_path(args.out or f"runs/quickstart-{args.preset}", "--out"))
+    default_out = f"runs/quickstart-{args.preset}" + (f"-seed{args.seed}" if args.seed else "")
+    out = str(check_output_path(args.out or default_out, "--out"))
     report = run_quickstart(args.preset, out, backend=args.backend, progress=not args.no_progress,
-                            threads=args.threads)
+                            threads=args.threads, seed=args.seed)
     head = json.loads((report.parent / "report.json").read_text())["headline"]
     print("\n== nla quickstart: done ==", file=sys.stderr)
     print(f"round-trip FVE (held-out): warm-start {head['round_trip_fve_warmstart']:.3f} -> "

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 
+from nla.threads import threads_flag
 from nla.validation import positive_int
 
 log = logging.getLogger("nla.rl")
@@ -24,8 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     # no argparse choices: the config validates the name against nla.rl.config.BACKENDS
     p.add_argument("--backend", help="worker backend: local | ray (overrides backend.name)")
     p.add_argument("--ray-address", help="existing Ray cluster address (overrides backend.ray_address)")
-    p.add_argument("--threads", type=positive_int,
-                   help="torch CPU threads per process (overrides threads; default $OMP_NUM_THREADS, else the idle cores, re-read as it runs)")
+    p.add_argument("--threads", type=threads_flag,
+                   help="torch CPU threads per process (a positive integer, or auto (follows the load; not reproducible); default $OMP_NUM_THREADS, else every core, fixed for the run)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the last checkpoint in out_dir (the config must match the run's)")
     p.add_argument("--overwrite", action="store_true", help="delete a previous run in out_dir and start over")

@@ -102,6 +102,7 @@ class DatagenConfig:
     # corpus
     source: str = "world"  # world | file
     world_preset: str = "tiny"  # source=world: nla.world.build_world(preset)
+    world_seed: int | None = None  # source=world: the world's seed (stories and subject); None: the preset's
     world_out: str | None = None  # where world builds live (None: $NLA_CACHE/world)
     n_docs: int | None = None  # world: documents to generate (None: the world config's n_docs)
     doc_start_id: int = 0  # world: first doc id
@@ -117,7 +118,7 @@ class DatagenConfig:
     max_len: int = 256
     batches_per_shard: int = 16  # one parquet shard per this many batches (resume unit)
     device: str = "cpu"  # cpu | cuda | auto
-    threads: int | None = None  # torch CPU threads; None: $OMP_NUM_THREADS, else the idle cores, re-read as it runs (nla.threads)
+    threads: int | str | None = None  # torch CPU threads; None: $OMP_NUM_THREADS, else every core; "auto": follows the load (nla.threads)
     bad_vectors: str = "error"  # error | drop (NaN/inf/zero-norm activations)
     # split
     split_fractions: tuple[float, float, float] = (0.4, 0.4, 0.2)  # av_sft, ar_sft, rl
@@ -156,6 +157,9 @@ class DatagenConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise _err(c, name, "an integer >= 0", v)
+        if self.world_seed is not None and (isinstance(self.world_seed, bool) or not isinstance(self.world_seed, int)
+                                            or self.world_seed < 0):
+            raise _err(c, "world_seed", "an integer >= 0 or null (the world preset's own seed)", self.world_seed)
         if self.n_docs is not None and (not isinstance(self.n_docs, int) or self.n_docs < 1):
             raise _err(c, "n_docs", "an integer >= 1 or null", self.n_docs)
         if self.layer_index is not None and (not isinstance(self.layer_index, int) or self.layer_index < 0):
@@ -164,9 +168,10 @@ class DatagenConfig:
             raise _err(c, "skip_first", f"less than max_len ({self.max_len})", self.skip_first)
         if self.bad_vectors not in BAD_VECTOR_POLICIES:
             raise _err(c, "bad_vectors", f"one of {BAD_VECTOR_POLICIES}", self.bad_vectors)
-        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
-                                         or self.threads < 1):
-            raise _err(c, "threads", "an integer >= 1 or null (automatic)", self.threads)
+        if self.threads is not None and self.threads != "auto" and (
+                isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1):
+            raise _err(c, "threads", "an integer >= 1, 'auto' (follows the load, not reproducible) or null "
+                                     "($OMP_NUM_THREADS, else every core)", self.threads)
         if self.device not in ("cpu", "cuda", "auto"):
             raise _err(c, "device", "cpu, cuda or auto", self.device)
         fr = self.split_fractions

@@ -41,7 +41,7 @@ SUMMARY_FILE = "datagen_summary.json"
 
 # Settings each stage adds to the ones of the stages before it.
 _STAGE_FIELDS = {
-    "extract": ("source", "world_preset", "n_docs", "doc_start_id", "corpus_path", "text_column", "model_dir",
+    "extract": ("source", "world_preset", "world_seed", "n_docs", "doc_start_id", "corpus_path", "text_column", "model_dir",
                 "layer_index", "positions_per_doc", "skip_first", "seed", "batch_size", "max_len",
                 "batches_per_shard", "bad_vectors"),
     "split": ("split_fractions",),
@@ -86,8 +86,9 @@ def resolve(cfg: DatagenConfig) -> Resolved:
     if cfg.source != "world":
         return Resolved(cfg)
     from nla.world import build_world
+    from nla.world.build import seeded_config
 
-    arts = build_world(cfg.world_preset, out=cfg.world_out)
+    arts = build_world(seeded_config(cfg.world_preset, cfg.world_seed), out=cfg.world_out)
     return Resolved(
         cfg.replace(
             model_dir=cfg.model_dir or str(arts.subject_dir),

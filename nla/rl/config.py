@@ -296,9 +296,10 @@ class RLConfig:
     steps: RL steps (the LR schedule spans them); stop_after_steps: end this invocation
       earlier, keeping the schedule (resumable chunks). seed, device (auto | cpu | cuda),
       dtype (float32 | bfloat16 | float16), log_every, tensorboard, progress.
-    threads: torch CPU threads of this process and of each Ray actor (null = automatic:
-      ``$OMP_NUM_THREADS``, else the idle cores re-read as it runs (local), half the cores shared among
-      the actors (Ray); ``nla.threads``).
+    threads: torch CPU threads of this process and of each Ray actor (null: ``$OMP_NUM_THREADS``,
+      else every core (local), half the cores shared among the actors (Ray), fixed for the run;
+      ``"auto"``: the local count follows the machine's load and gives up reproducibility;
+      ``nla.threads``).
     """
 
     av: str = ""
@@ -314,7 +315,7 @@ class RLConfig:
     seed: int = 0
     device: str = "auto"
     dtype: str = "float32"
-    threads: int | None = None
+    threads: int | str | None = None
     tensorboard: bool = True
     progress: bool = True
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -334,7 +335,8 @@ class RLConfig:
                 _bad(name, f"a {cls.__name__} (a mapping in YAML)", getattr(self, name))
         _positive_ints("", self, "steps", "eval_every", "eval_max_rows", "log_every")
         _optional_positive_int("", "stop_after_steps", self.stop_after_steps)
-        _optional_positive_int("", "threads", self.threads)
+        if self.threads != "auto":
+            _optional_positive_int("", "threads", self.threads)
         if self.dtype not in _DTYPES:
             _bad("dtype", " | ".join(_DTYPES), self.dtype)
         ro, opt = self.rollout, self.optimiser

@@ -42,8 +42,8 @@ class _TrainBase:
         evaluates and saves. keep_last: checkpoints kept (0 = all).
     max_length: token cap per row (AR truncates on the left so the suffix survives).
     eval_max_rows: cap on held-out rows scored at each evaluation.
-    threads: torch CPU threads (null = automatic: ``$OMP_NUM_THREADS``, else half the
-        cores; ``nla.threads``).
+    threads: torch CPU threads (null: ``$OMP_NUM_THREADS``, else every core, fixed for the run;
+        ``"auto"``: follows the machine's load and gives up reproducibility; ``nla.threads``).
     """
 
     dataset: str = ""
@@ -71,7 +71,7 @@ class _TrainBase:
     seed: int = 0
     device: str = "auto"
     dtype: str = "float32"
-    threads: int | None = None
+    threads: int | str | None = None
     tensorboard: bool = True
     progress: bool = True
 
@@ -109,10 +109,10 @@ class _TrainBase:
             _bad("dtype", f"one of {list(_DEVICES_DTYPES)}", self.dtype)
         if not isinstance(self.seed, int):
             _bad("seed", "an integer", self.seed)
-        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
-                                         or self.threads <= 0):
-            _bad("threads", "a positive integer or null (automatic: $OMP_NUM_THREADS, else the idle cores)",
-                 self.threads)
+        if self.threads is not None and self.threads != "auto" and (
+                isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads <= 0):
+            _bad("threads", "a positive integer, 'auto' (follows the load, not reproducible) or null "
+                            "($OMP_NUM_THREADS, else every core)", self.threads)
 
     @property
     def micro(self) -> int:

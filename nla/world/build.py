@@ -166,6 +166,12 @@ def resolve_config(preset_or_config: str | WorldConfig) -> WorldConfig:
     return WORLD_PRESETS[preset_or_config]
 
 
+def seeded_config(preset_or_config: str | WorldConfig, seed: int | None = None) -> WorldConfig:
+    """The preset's config, with its stories' and subject's seed replaced when ``seed`` is given."""
+    config = resolve_config(preset_or_config)
+    return config if seed is None or seed == config.seed else dataclasses.replace(config, seed=seed)
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("NLA_CACHE", "~/.cache/nla")).expanduser() / "world"
 
