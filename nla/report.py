@@ -172,6 +172,7 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
         at = [r for r in probe["layers"] if r["layer"] == probe.get("default_layer")]
         headline["probe_mean_top1"] = at[0]["mean_top1"] if at else None
         headline["probe_mean_chance"] = at[0]["mean_chance"] if at else None
+        headline["probe_by_kind"] = {k["kind"]: k["top1"] for k in at[0]["kinds"]} if at else {}
     # A stage whose gradient vanished or whose samples all failed for many steps says so at the top.
     stuck = [f"- **{name}**: {w}" for name, info in (("AR warm-start", ar_info), ("AV warm-start", av_info),
                                                     ("RL", rl_info))

@@ -138,8 +138,10 @@ def test_quickstart_presets_default_and_full_differ_only_in_the_data_explainer()
     for name in ("default", "full"):
         dg = DatagenConfig.from_dict(dict(out_dir="x", source="world", world_preset="default", explainer="world",
                                           **PRESETS[name].datagen))
-        explainers[name] = (dg.world_explainer.min_facts, dg.world_explainer.max_facts, dg.world_explainer.wrong_rate)
-    assert explainers == {"default": (1, 3, 0.1), "full": (3, 6, 0.1)}
+        w = dg.world_explainer
+        explainers[name] = (w.fact_rate, w.min_facts, w.max_facts, w.wrong_rate)
+    # default: each true fact named with probability 0.6 (the count fields unused); full: 3-6 facts
+    assert explainers == {"default": (0.6, 3, 6, 0.1), "full": (None, 3, 6, 0.1)}
     assert default.rl["steps"] == 100
     parser = build_parser()
     assert parser.parse_args(["quickstart", "--preset", "full"]).preset == "full"

@@ -172,3 +172,24 @@ def test_degeneracy_on_hand_made_explanations():
     # a period inside a quotation does not end the sentence
     assert split_sentences('The current word is "a.b". The mood is sad.') == ['The current word is "a.b".',
                                                                                "The mood is sad."]
+
+
+def test_text_explainer_fact_rate_names_each_fact_on_its_own_draw():
+    facts = frozenset({Fact("person", "alice"), Fact("place", "park"), Fact("mood", "calm"), Fact("time", "noon"),
+                       Fact("object", "map")})
+    # rate 1: every true fact; a tiny rate: exactly one (the row is never fact-free)
+    for k in range(20):
+        assert parse_facts(TextExplainer(wrong_rate=0.0, fact_rate=1.0).explain(facts, k)) == facts
+        assert len(parse_facts(TextExplainer(wrong_rate=0.0, fact_rate=1e-9).explain(facts, k))) == 1
+    # rate 0.6 over 2,000 rows: each kind is named at the same rate, ~0.6 (binomial sd ~0.011)
+    ex = TextExplainer(seed=1, wrong_rate=0.0, fact_rate=0.6)
+    named = {f.kind: 0 for f in facts}
+    for k in range(2000):
+        for f in parse_facts(ex.explain(facts, k)):
+            named[f.kind] += 1
+    assert all(0.55 <= n / 2000 <= 0.65 for n in named.values()), named
+    # the same key always gives the same text
+    assert ex.explain(facts, 7) == TextExplainer(seed=1, wrong_rate=0.0, fact_rate=0.6).explain(facts, 7)
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="fact_rate"):
+            TextExplainer(fact_rate=bad)

@@ -81,9 +81,16 @@ class WorldExplainerConfig:
     max_facts: int = 6
     wrong_rate: float = 0.1
     word_rate: float = 1.0  # how often the explanation also names the current word
+    # Each true fact named on its own with this probability (at least one), instead of a count drawn
+    # from min_facts..max_facts; None: the count rule.
+    fact_rate: float | None = None
 
     def __post_init__(self) -> None:
         c = "world_explainer"
+        if self.fact_rate is not None and (isinstance(self.fact_rate, bool) or not isinstance(self.fact_rate, (int, float))
+                                           or not 0 < self.fact_rate <= 1):
+            raise _err(c, "fact_rate", "a probability in (0, 1] or null (name min_facts..max_facts facts)",
+                       self.fact_rate)
         if not isinstance(self.word_rate, (int, float)) or not 0 <= self.word_rate <= 1:
             raise _err(c, "word_rate", "a number in [0, 1]", self.word_rate)
         if not isinstance(self.min_facts, int) or self.min_facts < 1:

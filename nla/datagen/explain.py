@@ -45,12 +45,13 @@ class WorldExplainer(Explainer):
 
     name = "world"
 
-    def __init__(self, seed: int, min_facts: int, max_facts: int, wrong_rate: float, word_rate: float = 1.0) -> None:
+    def __init__(self, seed: int, min_facts: int, max_facts: int, wrong_rate: float, word_rate: float = 1.0,
+                 fact_rate: float | None = None) -> None:
         super().__init__()
         from nla.world import TextExplainer
 
         self._text = TextExplainer(seed=seed, min_facts=min_facts, max_facts=max_facts, wrong_rate=wrong_rate,
-                                   word_rate=word_rate)
+                                   word_rate=word_rate, fact_rate=fact_rate)
 
     def explain_batch(self, rows: list[dict[str, Any]]) -> list[str | None]:
         from nla.world import Fact
@@ -75,7 +76,7 @@ class WorldExplainer(Explainer):
 @register_explainer("world")
 def _world(cfg: DatagenConfig) -> Explainer:
     w = cfg.world_explainer
-    return WorldExplainer(cfg.seed, w.min_facts, w.max_facts, w.wrong_rate, w.word_rate)
+    return WorldExplainer(cfg.seed, w.min_facts, w.max_facts, w.wrong_rate, w.word_rate, w.fact_rate)
 
 
 _WORD_RE = re.compile(r"[A-Za-z][A-Za-z'-]*")

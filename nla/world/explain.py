@@ -238,7 +238,8 @@ class TextExplainer:
     """Mimics an API model reading the context: names a few revealed facts, imperfectly.
 
     ``explain(facts, key, current_word)`` names ``min_facts..max_facts`` of the revealed
-    facts (fewer if fewer are known), and with probability ``wrong_rate`` adds one fact that
+    facts (fewer if fewer are known), or, with ``fact_rate`` set, each revealed fact on its own
+    with that probability (at least one), and with probability ``wrong_rate`` adds one fact that
     is *not* revealed (a plausible mistake), so RL has room to improve on the SFT data.
     Like an API model describing the token it reads, it also names the current word (with
     probability ``word_rate``, when one is given): in a small subject model the residual
@@ -248,7 +249,7 @@ class TextExplainer:
     """
 
     def __init__(self, seed: int = 0, min_facts: int = 3, max_facts: int = 6, wrong_rate: float = 0.1,
-                 word_rate: float = 1.0):
+                 word_rate: float = 1.0, fact_rate: float | None = None):
         if not 1 <= min_facts <= max_facts:
             raise ValueError(
                 f"TextExplainer: need 1 <= min_facts <= max_facts, found min_facts={min_facts}, max_facts={max_facts}"
@@ -262,6 +263,9 @@ class TextExplainer:
             raise ValueError(f"TextExplainer.word_rate: expected a probability in [0, 1], found {word_rate}")
         self.wrong_rate = wrong_rate
         self.word_rate = word_rate
+        if fact_rate is not None and not 0.0 < fact_rate <= 1.0:
+            raise ValueError(f"TextExplainer.fact_rate: expected a probability in (0, 1] or None, found {fact_rate}")
+        self.fact_rate = fact_rate
         self._all = all_facts()
 
     def choose(self, facts: frozenset[Fact], key: int) -> tuple[list[Fact], random.Random]:
@@ -269,7 +273,14 @@ class TextExplainer:
         rng = random.Random(f"nla-explainer:{self.seed}:{key}")
         known = sorted(facts)
         chosen: list[Fact] = []
-        if known:
+        if known and self.fact_rate is not None:
+            # Each true fact on its own draw, so every kind is named at the same rate wherever it is
+            # true; at least one (the draw's first pick among them) so a row is never fact-free.
+            draws = [rng.random() for _ in known]
+            chosen = [f for f, u in zip(known, draws, strict=True) if u < self.fact_rate]
+            if not chosen:
+                chosen = [known[min(range(len(known)), key=draws.__getitem__)]]
+        elif known:
             k = min(len(known), rng.randint(self.min_facts, self.max_facts))
             chosen = rng.sample(known, k)
         if rng.random() < self.wrong_rate:
