@@ -3,10 +3,10 @@
 Each setting runs in a fresh subprocess (``torch.set_num_threads`` before any work) for
 ``--seconds``; ``--busy`` adds one competing busy process (a Python spin loop) during the
 second pass, and ``--late-busy`` a third pass in which it starts halfway through. A thread
-setting of ``auto`` is the default (``nla.threads.apply_threads(None)`` with
-``$OMP_NUM_THREADS`` unset, ``adapt_threads()`` every step: the governor). Prints iterations/s
+setting of ``auto`` is the opt-in governor (``nla.threads.apply_threads("auto")``,
+``adapt_threads()`` every step); the default is a fixed count (every core). Prints iterations/s
 and the ratio to 1 thread measured in the same run, and for ``auto`` the thread counts it
-chose. This is the measurement behind ``nla.threads``' default.
+chose: what a fixed count costs on a shared machine (BENCHMARKS.md, "Threads").
 
     python bench/bench_threads.py --model /tmp/exp/qs3/av/checkpoints/step_00000500 --threads 1 2 auto --late-busy
 """
@@ -24,7 +24,7 @@ import collections, sys, time, torch
 from transformers import AutoModelForCausalLM
 from nla.threads import adapt_threads, apply_threads
 auto = sys.argv[2] == "auto"
-apply_threads(None if auto else int(sys.argv[2]))
+apply_threads("auto" if auto else int(sys.argv[2]))
 m = AutoModelForCausalLM.from_pretrained(sys.argv[1])
 ids = torch.randint(0, m.config.vocab_size, (int(sys.argv[4]), int(sys.argv[5])))
 def step():

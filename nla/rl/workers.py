@@ -93,7 +93,7 @@ def response_logprobs(
             pre = model(input_ids=prompt_ids.to(device).expand(int(starts.sum()), P), use_cache=True,
                         logits_to_keep=1)
         # response token 0: the run's last prompt logits, normalised once per run
-        first = torch.log_softmax(pre.logits[:, -1].float(), -1)[owner]  # [n, V]
+        first = take_rows(torch.log_softmax(pre.logits[:, -1].float(), -1), owner)  # [n, V]
         logp = first.gather(-1, resp[:, :1])  # [n, 1]
         ent = _entropy(first.detach())[:, None] if with_entropy else None
         if Lc > 1:
@@ -161,13 +161,33 @@ def length_buckets(lengths: Tensor, k: int) -> list[Tensor]:
     return [b for b in torch.tensor_split(order, k) if len(b)]
 
 
+def take_rows(x: Tensor, rows: Tensor) -> Tensor:
+    """``x[rows]`` along dim 0 where ``rows`` repeats entries, with a backward whose sums over the
+    repeats are the same bits on every run.
+
+    Why not ``x[rows]``: on the CPU at 2 threads, the backward of a repeated-row gather (the
+    shared prompt prefix's KV cache and last logits handed to each sample of a group) summed the
+    repeats in an order that changed from call to call: the same policy update gave other
+    weights in the last bits on every run, and RL runs of one seed drifted apart from step 2
+    (issue 25; 1 thread, or unique rows, were stable). A one-hot matmul gives exactly the same
+    forward values (each output is one row times 1 plus zeros) and a matmul backward, whose
+    order the kernel fixes.
+    """
+    if x.shape[0] == 0 or len(rows) == 0:
+        return x[rows]
+    sel = torch.nn.functional.one_hot(rows, x.shape[0]).to(x.dtype)  # [r, n]
+    return (sel @ x.reshape(x.shape[0], -1)).reshape(len(rows), *x.shape[1:])
+
+
 def _cache_rows(cache: Any, rows: Tensor) -> Any:
     """A copy of a KV cache holding the batch rows ``rows`` (the original is left as it is)."""
     import copy
 
     sub = copy.copy(cache)
     sub.layers = [copy.copy(layer) for layer in cache.layers]
-    sub.batch_select_indices(rows)  # assigns new tensors to the copied layers
+    for layer in sub.layers:  # what DynamicLayer.batch_select_indices does, with take_rows
+        if layer.keys is not None and layer.keys.numel():
+            layer.keys, layer.values = take_rows(layer.keys, rows), take_rows(layer.values, rows)
     return sub
 
 
