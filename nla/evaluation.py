@@ -264,7 +264,7 @@ def _text_explainer_outputs(table: Any, dataset_path: Path) -> list[str] | None:
             dc = DatagenConfig.from_dict(yaml.safe_load(Path(prov).read_text()) or {})
             w = dc.world_explainer
             seed, kw = dc.seed, dict(min_facts=w.min_facts, max_facts=w.max_facts, wrong_rate=w.wrong_rate,
-                                     word_rate=w.word_rate)
+                                     word_rate=w.word_rate, fact_rate=w.fact_rate)
     except (OSError, ValueError) as err:
         logger.warning("text explainer baseline: cannot read the datagen settings (%s); using defaults", err)
     explainer = TextExplainer(seed=seed, **kw)

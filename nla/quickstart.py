@@ -119,8 +119,10 @@ class StageRecord:
 
 
 def _hash(obj: Any) -> str:
-    # "threads" stays in: torch's CPU results change with the thread count (nla.threads), so a
-    # stage computed with another count is not this run's stage.
+    # "progress" (bars on or off) is left out: it changes nothing a stage computes. "threads" stays
+    # in: torch's CPU results change with the thread count (nla.threads).
+    if isinstance(obj, dict) and "progress" in obj:
+        obj = {k: v for k, v in obj.items() if k != "progress"}
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

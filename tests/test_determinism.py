@@ -59,6 +59,7 @@ def test_metrics_ignore_time_and_paths_only():
                           "eval_rl/samples[0]/explanation": "x", "eval_rl/samples[0]/time_step": 1.0}
 
 
+@pytest.mark.timeout(1500)  # two tiny quickstarts (the shared run and run B beside the busy process)
 def test_tiny_quickstart_is_identical_beside_a_busy_process(tiny_quickstart_run, tmp_path):
     out = tmp_path / "run_b"
     env = {**os.environ, "NLA_CACHE": str(tmp_path / "cache")}

@@ -231,3 +231,23 @@ def test_cli_eval_verbalize_score(nla_pair, tmp_path, capsys):  # noqa: F811
     assert len(scores.read_text().splitlines()) == 3
     assert main(["score", "--ar", ar, "--dataset", str(path), "--device", "cpu"]) == 0
     assert json.loads(capsys.readouterr().out)["failure_rate"] == 0.0
+
+
+def test_text_explainer_baseline_follows_the_datagen_explainer(nla_pair, client, tmp_path):  # noqa: F811
+    """The baseline row re-explains with the data's own explainer settings, fact_rate included."""
+    import yaml
+
+    path, gold = _dataset(tmp_path / "rl.parquet", nla_pair, with_explanation=False)
+    cfg = tmp_path / "datagen_config.yaml"
+    cfg.write_text(yaml.safe_dump({"out_dir": str(tmp_path), "seed": 3,
+                                   "world_explainer": {"fact_rate": 0.6, "wrong_rate": 0.0}}))
+    write_sidecar(path, nla_pair.side.replace(kind="nla_dataset", role=None), datagen_config=str(cfg))
+    report = evaluate_pair(client, path, max_new_tokens=14, n_show=0)
+    docs, pos = [10, 10, 11, 12, 13, 13], [4, 9, 5, 6, 2, 8]
+    te = TextExplainer(seed=3, wrong_rate=0.0, fact_rate=0.6)
+    texts = [te.explain(frozenset(Fact.parse(s) for s in f), row_key(d, p)) for f, d, p in zip(FACTS, docs, pos, strict=True)]
+    assert texts != [TextExplainer(seed=3, wrong_rate=0.0).explain(frozenset(Fact.parse(s) for s in f), row_key(d, p))
+                     for f, d, p in zip(FACTS, docs, pos, strict=True)]  # the rule matters on these rows
+    row = report.row("text explainer → AR")
+    assert row.fve == pytest.approx(fve(client.reconstruct(texts), gold, 32**0.5), abs=1e-5)
+    assert row.faithfulness == faithfulness(texts, FACTS)
