@@ -177,6 +177,7 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
     stuck = [f"- **{name}**: {w}" for name, info in (("AR warm-start", ar_info), ("AV warm-start", av_info),
                                                     ("RL", rl_info))
              for w in (info.get("metrics", {}).get("stuck_warnings") or [])]
+    kinds = kind_table(warm_eval, rl_eval, probe)
     md = [f"# NLA quickstart report (preset `{preset}`, seed {seed}, {threads} torch threads)", "",
           *(["> **Warning: a stage looked stuck.**", "", *stuck, ""] if stuck else []),
           f"Round-trip FVE on held-out vectors: **{_f(fve_warm)}** after warm-start → **{_f(fve_rl)}** after RL "
@@ -197,7 +198,7 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
           *(["### Per fact kind (AV → AR round trip)", "",
               "Recall and precision of the facts of each kind, against what a linear probe reads of that kind "
               "from the same layer's vectors (the most a faithful verbalizer could name).", "",
-              *kind_table(warm_eval, rl_eval, probe), ""] if kind_table(warm_eval, rl_eval) else []),
+              *kinds, ""] if kinds else []),
           *(["## What is in the vector", "",
               "Top-1 accuracy of a linear probe per fact kind on held-out stories (`nla world probe`): how much of "
               "the ground truth any verbalizer could read from the vectors at each layer, against chance.", "",

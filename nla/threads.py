@@ -45,12 +45,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-import torch
-
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "OMP_NUM_THREADS"
 AUTO = "auto"  # the opt-in adaptive count (ThreadGovernor): follows the load, gives up reproducibility
+# The --threads flag's help, after the command's own words ("torch CPU threads ...").
+THREADS_HELP = ("a positive integer, or auto (follows the load; not reproducible); default $OMP_NUM_THREADS, "
+                "else every core, fixed for the run")
 
 
 def available_cores() -> int:
@@ -153,6 +154,8 @@ class ThreadGovernor:
         self.decisions.append((others, n))
         if n != self.threads:
             self.threads = n
+            import torch
+
             torch.set_num_threads(n)
         return n
 
@@ -178,6 +181,8 @@ def apply_threads(requested: int | str | None = None, *, processes: int = 1) -> 
         n = _governor.threads
     else:
         _governor = None
+    import torch  # here, so configs can validate `threads` without importing torch
+
     torch.set_num_threads(n)
     return n
 
@@ -187,6 +192,8 @@ def adapt_threads() -> int:
     cores (``ThreadGovernor.tick``); otherwise a no-op. Returns torch's thread count."""
     if _governor is not None:
         return _governor.tick()
+    import torch
+
     return torch.get_num_threads()
 
 
@@ -214,5 +221,5 @@ def threads_flag(text: str) -> int | str:
     return value
 
 
-__all__ = ["AUTO", "ENV_VAR", "ThreadGovernor", "adapt_threads", "apply_threads", "available_cores", "check_threads",
+__all__ = ["AUTO", "ENV_VAR", "THREADS_HELP", "ThreadGovernor", "adapt_threads", "apply_threads", "available_cores", "check_threads",
            "read_cpu_seconds", "resolve_threads", "threads_flag", "threads_for_idle_cores"]

@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 
-from nla.threads import threads_flag
+from nla.threads import THREADS_HELP, threads_flag
 
 log = logging.getLogger("nla.datagen")
 
@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             help="override a config field, e.g. --set n_docs=200 --set provider.model=gpt-4o-mini",
         )  # fmt: skip
         sp.add_argument("--threads", type=threads_flag,
-                        help="torch CPU threads (a positive integer, or auto (follows the load; not reproducible); default $OMP_NUM_THREADS, else every core, fixed for the run)")
+                        help=f"torch CPU threads ({THREADS_HELP})")
         sp.add_argument("--force", action="store_true", help="redo the stage(s) even if done")
         sp.set_defaults(func=run)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])

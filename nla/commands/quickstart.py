@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from nla.threads import threads_flag
+from nla.threads import THREADS_HELP, threads_flag
 from nla.validation import non_negative_int
 
 
@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="one seed for every stage: the world (stories, subject), datagen, both warm-starts, RL and "
                         "the held-out split (default 0; BENCHMARKS.md reports seeds 0-2)")
     p.add_argument("--threads", type=threads_flag, default=None,
-                   help="torch CPU threads of every stage (a positive integer, or auto (follows the load; not reproducible); default $OMP_NUM_THREADS, else every core, fixed for the run)")
+                   help=f"torch CPU threads of every stage ({THREADS_HELP})")
     p.set_defaults(func=run)
 
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 
-from nla.threads import threads_flag
+from nla.threads import THREADS_HELP, threads_flag
 from nla.validation import positive_int
 
 log = logging.getLogger("nla.rl")
@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", help="worker backend: local | ray (overrides backend.name)")
     p.add_argument("--ray-address", help="existing Ray cluster address (overrides backend.ray_address)")
     p.add_argument("--threads", type=threads_flag,
-                   help="torch CPU threads per process (a positive integer, or auto (follows the load; not reproducible); default $OMP_NUM_THREADS, else every core, fixed for the run)")
+                   help=f"torch CPU threads per process ({THREADS_HELP})")
     p.add_argument("--resume", action="store_true",
                    help="continue from the last checkpoint in out_dir (the config must match the run's)")
     p.add_argument("--overwrite", action="store_true", help="delete a previous run in out_dir and start over")

@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 
-from nla.threads import threads_flag
+from nla.threads import THREADS_HELP, threads_flag
 from nla.validation import positive_int
 
 log = logging.getLogger("nla.train")
@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         sp.add_argument("--base-model", help="HF model directory to start from (overrides base_model)")
         sp.add_argument("--max-steps", type=positive_int, help="optimiser steps (overrides max_steps)")
         sp.add_argument("--threads", type=threads_flag,
-                        help="torch CPU threads (a positive integer, or auto (follows the load; not reproducible); default $OMP_NUM_THREADS, else every core, fixed for the run)")
+                        help=f"torch CPU threads ({THREADS_HELP})")
         sp.add_argument("--resume", action="store_true",
                         help="continue from the last checkpoint in out_dir (the config must match the run's)")
         sp.add_argument("--overwrite", action="store_true", help="delete a previous run in out_dir and start over")

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from nla.configcheck import check_config_types
+from nla.threads import check_threads
 from nla.validation import load_yaml
 
 SPLITS = ("av_sft", "ar_sft", "rl")
@@ -175,10 +176,7 @@ class DatagenConfig:
             raise _err(c, "skip_first", f"less than max_len ({self.max_len})", self.skip_first)
         if self.bad_vectors not in BAD_VECTOR_POLICIES:
             raise _err(c, "bad_vectors", f"one of {BAD_VECTOR_POLICIES}", self.bad_vectors)
-        if self.threads is not None and self.threads != "auto" and (
-                isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1):
-            raise _err(c, "threads", "an integer >= 1, 'auto' (follows the load, not reproducible) or null "
-                                     "($OMP_NUM_THREADS, else every core)", self.threads)
+        check_threads(f"{c}.threads", self.threads)
         if self.device not in ("cpu", "cuda", "auto"):
             raise _err(c, "device", "cpu, cuda or auto", self.device)
         fr = self.split_fractions

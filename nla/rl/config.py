@@ -29,6 +29,7 @@ from typing import Any
 from nla.configcheck import check_config_types
 from nla.reward import FORMAT_CHECKS
 from nla.rl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
+from nla.threads import check_threads
 from nla.train.config import parse_overrides, read_config_file, save_config
 
 # The one registry of backend names: config validation reads it, and the dispatcher
@@ -335,8 +336,7 @@ class RLConfig:
                 _bad(name, f"a {cls.__name__} (a mapping in YAML)", getattr(self, name))
         _positive_ints("", self, "steps", "eval_every", "eval_max_rows", "log_every")
         _optional_positive_int("", "stop_after_steps", self.stop_after_steps)
-        if self.threads != "auto":
-            _optional_positive_int("", "threads", self.threads)
+        check_threads("RLConfig.threads", self.threads)
         if self.dtype not in _DTYPES:
             _bad("dtype", " | ".join(_DTYPES), self.dtype)
         ro, opt = self.rollout, self.optimiser

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import yaml
 
 from nla.configcheck import check_config_types
+from nla.threads import check_threads
 from nla.validation import load_yaml
 
 _DEVICES_DTYPES = ("float32", "bfloat16", "float16")
@@ -109,10 +110,7 @@ class _TrainBase:
             _bad("dtype", f"one of {list(_DEVICES_DTYPES)}", self.dtype)
         if not isinstance(self.seed, int):
             _bad("seed", "an integer", self.seed)
-        if self.threads is not None and self.threads != "auto" and (
-                isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads <= 0):
-            _bad("threads", "a positive integer, 'auto' (follows the load, not reproducible) or null "
-                            "($OMP_NUM_THREADS, else every core)", self.threads)
+        check_threads("config field 'threads'", self.threads)
 
     @property
     def micro(self) -> int:
