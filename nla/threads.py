@@ -12,8 +12,8 @@ Precedence (``resolve_threads``):
 
 **The count is fixed for a run, never decided from the machine's load or the clock.** Torch's CPU
 kernels give different bits at different thread counts (measured with torch 2.13 on this x86
-machine: a sum over more than 32,768 elements, attention with one query per row (every decode
-step), and the fused and the math attention backward at some sequence lengths), and RL
+machine, ``bench/bench_thread_invariance.py``: a sum over more than 32,768 elements, attention
+with one query per row (every decode step, the AR's read) forward and backward), and RL
 amplifies a last-bit difference into a different run (issue 25: an 800-step run diverged at
 step 13). So the same config and seed give the same numbers on the same machine, whatever
 else runs there (``tests/test_determinism.py``).
