@@ -61,7 +61,7 @@ from nla.arch import load_tokenizer
 from nla.rl import algorithms as A
 from nla.rl.backend import build_groups
 from nla.rl.config import RLConfig, load_rl_config
-from nla.rl.loop import RLData, reward_items, run_rl, shape_rewards
+from nla.rl.loop import RLData, fill_rewards, reward_items, run_rl
 from nla.rl.setup import load_av
 from nla.sidecar import SIDECAR_NAME, canonical_av_prompt_ids, load_sidecar
 from nla.threads import apply_threads
@@ -82,11 +82,8 @@ def nla_step(groups, cfg: RLConfig, vectors: torch.Tensor, rows: torch.Tensor) -
     t0 = time.perf_counter()
     groups.reconstructor.begin_rollout()  # as run_rl: the reward forwards are the AR update's forwards
     items = reward_items(r)
-    mse = torch.full((r.n,), float("nan"))
-    if items:
-        mse[r.ok] = groups.reconstructor.mse_batch(items)
-    r.mse = mse
-    r.rewards = shape_rewards(r.status, mse, r.lengths, cfg)
+    scored = groups.reconstructor.mse_batch(items).tolist() if items else []
+    fill_rewards(r, scored, cfg, groups.ar_sidecar.mse_scale_value())  # as the loop makes rewards
     t["reward"] = time.perf_counter() - t0
     ref_logp, t["reference"] = _timed(groups.reference.logprobs, r)
     adv, _ = A.get_advantage_estimator(cfg.loss.advantage)(r.rewards, r.response_mask.float(),

@@ -155,3 +155,13 @@ def load_tokenizer(path: str | Any, **kwargs: Any) -> Any:
     if p.is_dir() and (p / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(p, **kwargs)
     return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether FSDP2 (``fully_shard``) sharded ``module`` itself (``FSDPModule``; a torch build
+    without ``torch.distributed`` shards nothing)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(module, FSDPModule)

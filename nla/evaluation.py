@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from nla.client import NLAClient, NLAClientError, ScoreResult, failed_mse
+from nla.reward import charge_failures
 from nla.vectors import cosine, mse_nrm, normalize_activation, predict_mean_baselines
 
 logger = logging.getLogger(__name__)
@@ -214,7 +215,7 @@ def degeneracy_rates(texts: list[str | None]) -> dict[str, float]:
 
 def _filled(result: ScoreResult, gold: Tensor, scale: float | None) -> tuple[Tensor, Tensor]:
     """Per-row (mse, cos) with failed samples charged per convention 1."""
-    mse = torch.where(result.failed, failed_mse(gold, scale), result.mse_nrm)
+    mse = charge_failures(result.mse_nrm, result.failed, failed_mse(gold, scale))
     cos = torch.where(result.failed, torch.zeros_like(result.cosine), result.cosine)
     return mse, cos
 

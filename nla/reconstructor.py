@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -83,17 +84,35 @@ def reconstruction_loss(ar: nn.Module, input_ids: Tensor, attention_mask: Tensor
 LAST_BLOCK_MODEL_TYPES = frozenset({"llama", "qwen2"})
 
 
-class _CaptureInput(nn.Module):
-    """Stands in for the last block during ``_predict_last_block``: passes its input through and
-    keeps the keyword arguments (the rotary embeddings) the model gave it."""
+# ``_predict_last_block`` stops the base forward at the last block's input with a forward
+# pre-hook that raises. The hook stays on the block and acts only for the thread that asked
+# (``_CAPTURE.block``): swapping the block out of the live module, as before, broke a concurrent
+# forward on a shared AR (the explorer's threads; issue 20, defect 4).
+_CAPTURE = threading.local()
+_HOOK_LOCK = threading.Lock()
 
-    def __init__(self, captured: dict) -> None:
-        super().__init__()
-        self.captured = captured
 
-    def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        self.captured.update(kwargs)
-        return hidden_states
+class _BlockInput(Exception):  # noqa: N818 (a control-flow signal, not an error)
+    """Raised by the capture hook: the last block's input and the keyword arguments the model gave it."""
+
+    def __init__(self, hidden_states: Tensor, kwargs: dict[str, Any]) -> None:
+        super().__init__("captured the last block's input")
+        self.hidden_states, self.kwargs = hidden_states, kwargs
+
+
+def _capture_block_input(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    if getattr(_CAPTURE, "block", None) is module:
+        raise _BlockInput(args[0] if args else kwargs["hidden_states"], kwargs)
+
+
+def _capture_hooked(block: nn.Module) -> None:
+    """Register the capture hook on ``block`` once (never removed: hooks are shared by threads)."""
+    if getattr(block, "_nla_capture_hook", False):
+        return
+    with _HOOK_LOCK:
+        if not getattr(block, "_nla_capture_hook", False):
+            block.register_forward_pre_hook(_capture_block_input, with_kwargs=True)
+            block._nla_capture_hook = True
 
 
 class _SkippedNorm(nn.Module):
@@ -204,7 +223,7 @@ class Reconstructor(nn.Module):
             return False
         last = arch.decoder_layers(self.base)[-1]
         attn = getattr(last, "self_attn", None)
-        sharded = any(type(m).__name__.startswith("FSDP") for m in (self.base, last))
+        sharded = any(arch.is_sharded(m) for m in (self.base, last))
         dropout = self.training and float(getattr(self.config, "attention_dropout", 0.0) or 0.0) > 0
         return (attn is not None and getattr(attn, "sliding_window", None) is None and not sharded
                 and not dropout and getattr(self.config, "_attn_implementation", "sdpa") in ("sdpa", "eager"))
@@ -217,20 +236,23 @@ class Reconstructor(nn.Module):
         the last block's keys and values are computed at every position, and its query,
         attention output, MLP and the value head at one position per row. The same math as
         ``forward`` (tests hold values and gradients to it), about a (1 - 1/n_blocks) share of
-        the last block's matmuls fewer. Llama/Qwen2 blocks (pre-norm, RoPE, GQA). The last
-        block is swapped for a stand-in during the base forward: one call at a time per AR.
+        the last block's matmuls fewer. Llama/Qwen2 blocks (pre-norm, RoPE, GQA). The base forward
+        stops at the last block's input (a pre-hook that acts for this thread only), so other
+        threads may run any forward on the same AR meanwhile.
         """
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-        layers = arch.decoder_layers(self.base)
-        last, captured = layers[-1], {}
+        last = arch.decoder_layers(self.base)[-1]
+        _capture_hooked(last)
         position_ids = (attention_mask.long().cumsum(1) - 1).clamp_min(0)
-        layers[-1] = _CaptureInput(captured)
+        _CAPTURE.block = last
         try:
-            x = self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).last_hidden_state  # block K's input (the final norm is skipped)
+            self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+            raise RuntimeError("Reconstructor: the base forward never reached its last block")
+        except _BlockInput as got:
+            x, captured = got.hidden_states, got.kwargs  # block K's input
         finally:
-            layers[-1] = last
+            _CAPTURE.block = None
         cos, sin = captured["position_embeddings"]  # [B or 1, T, head_dim]
         B, T, _ = x.shape
         rows = torch.arange(B, device=x.device)

@@ -4,16 +4,13 @@ The RL reward of a sample is ``-mse_nrm(AR(explanation), gold, scale)``
 (DESIGN §4 step 2), or ``-log(mse_nrm)`` under the log variant
 (``reward_from_mse``). A sample whose explanation cannot be extracted
 (missing/malformed tags, or a truncated response, which the caller knows
-about) counts as ``FAILED_EXTRACTION_MSE`` = 2.0, the MSE of an *orthogonal*
-prediction at ``scale = sqrt(d)``, whatever its gold vector; its reward
-(``failed_extraction_reward``) is that MSE under the same variant, so a
-failure is never better than a useless answer and never worse than an
-anti-correlated one.
-
-Outside RL (client scores, evaluation), a failed sample costs the orthogonal MSE at
-the comparison's own scale (:func:`failed_mse`): ``2 s^2 / d`` at scale ``s``
-(``FAILED_EXTRACTION_MSE`` at ``s = sqrt(d)``), never computed from the gold, so a
-zero (or overflowing) gold cannot turn a failure into a perfect score.
+about) costs the MSE of an *orthogonal* prediction at the AR's own ``mse_scale``
+(:func:`failed_mse`): ``2 s^2 / d`` at scale ``s`` (``FAILED_EXTRACTION_MSE`` = 2.0
+at ``s = sqrt(d)``), never computed from the gold at a fixed scale, so a zero (or
+overflowing) gold cannot turn a failure into a perfect score, and a failure is never
+better than a useless answer nor worse than an anti-correlated one at any scale. RL,
+evaluation and the client charge it the same way: :func:`charge_failures` is the one
+definition, :func:`make_rewards` the one place a reward is made from MSEs.
 
 ``RewardBatcher`` gathers single-sample reward requests into batched AR
 forwards. A forward that runs past ``timeout_seconds`` fails every sample
@@ -48,6 +45,8 @@ __all__ = [
     "NonFiniteRewardError",
     "RewardTimeoutError",
     "failed_mse",
+    "charge_failures",
+    "make_rewards",
     "LOG_MSE_FLOOR",
     "BatcherStats",
     "RewardBatcher",
@@ -98,6 +97,33 @@ def failed_mse(gold: Tensor, scale: float | None) -> Tensor:
     if scale is not None:
         return torch.full((b,), 2.0 * float(scale) ** 2 / d, dtype=torch.float32)
     return (2.0 * gold.double().pow(2).mean(dim=-1)).float()
+
+
+def charge_failures(mse: Tensor, failed: Tensor, failed_cost: Tensor | float) -> Tensor:
+    """[N] fp32: ``mse`` with every ``failed`` sample charged ``failed_cost`` (whatever ``mse``
+    holds there, NaN included). failed_cost: [N] or a scalar, normally ``failed_mse(gold, scale)``
+    at the AR's scale. The one definition behind RL rewards, RL's logged ``mse_nrm`` / ``fve_nrm``
+    and ``nla eval``'s FVE."""
+    cost = torch.as_tensor(failed_cost, dtype=torch.float32).expand(mse.shape)
+    return torch.where(failed.bool(), cost, mse.float())
+
+
+def make_rewards(mse: Tensor, failed: Tensor, failed_cost: Tensor | float, *, log_mse: bool = False,
+                 shaping: Tensor | None = None, degenerate: Tensor | None = None,
+                 format_penalty: float = 0.0) -> Tensor:
+    """Rewards [N] (fp32) from the AR's ``mse_nrm`` [N]: the one place a reward is made.
+
+    1. failed samples (``failed`` [N] bool) are charged ``failed_cost`` (:func:`charge_failures`);
+    2. reward ``-mse`` or, with ``log_mse``, ``-log(max(mse, LOG_MSE_FLOOR))`` (``reward_from_mse``);
+    3. ``shaping`` [N] is added (DAPO's soft overlong punishment, computed by the caller);
+    4. a completed explanation flagged ``degenerate`` loses ``format_penalty``.
+    """
+    rewards = reward_from_mse(charge_failures(mse, failed, failed_cost), log_mse)
+    if shaping is not None:
+        rewards = rewards + shaping
+    if degenerate is not None and format_penalty > 0:
+        rewards = rewards - format_penalty * (degenerate.bool() & ~failed.bool()).float()
+    return rewards
 
 
 def failed_extraction_reward(log_mse: bool) -> float:

@@ -156,11 +156,16 @@ def test_rollout_statuses_and_failed_reward(pair, tmp_path):
     from nla.rl.types import COMPLETED
 
     with RewardService(groups.reconstructor.mse_batch, 8, 0.01) as service:
-        score_rollout(r, service, cfg)
+        score_rollout(r, service, cfg, groups.ar_sidecar.mse_scale_value())
     failed = r.status != COMPLETED
     assert failed.all()  # 3 tokens cannot hold "<explanation> x </explanation>" + EOS
     assert torch.all(r.rewards[failed] == FAILED_EXTRACTION_REWARD)
-    assert torch.isnan(r.mse[failed]).all()
+    # a failed sample holds the MSE it is charged (2.0 at sqrt(d)), as nla eval counts it
+    assert torch.all(r.mse[failed] == 2.0)
+    from nla.rl.loop import rollout_metrics
+
+    m = rollout_metrics(r, baseline=0.8)
+    assert m["mse_nrm"] == 2.0 and m["fve_nrm"] == pytest.approx(1.0 - 2.0 / 0.8)
 
 
 def test_shape_rewards_is_the_one_place_a_reward_is_made():
@@ -173,17 +178,45 @@ def test_shape_rewards_is_the_one_place_a_reward_is_made():
     mse = torch.tensor([0.5, float("nan"), 0.0, 1.0])
     lengths = torch.tensor([10, 3, 8, 6])
     cfg = RLConfig.from_dict(dict(av="a", ar="b", dataset="c", rollout=dict(max_response_len=10)))
-    torch.testing.assert_close(shape_rewards(status, mse, lengths, cfg), torch.tensor([-0.5, -2.0, -2.0, -1.0]))
+    kw = dict(failed_cost=2.0)
+    torch.testing.assert_close(shape_rewards(status, mse, lengths, cfg, **kw), torch.tensor([-0.5, -2.0, -2.0, -1.0]))
     # -log variant: [-log 0.5, -log 2, -log 2, -log 1] = [log 2, -log 2, -log 2, 0]
     log2 = float(np.log(2.0))
     log_cfg = cfg.replace(reward=dict(log_mse=True))
-    torch.testing.assert_close(shape_rewards(status, mse, lengths, log_cfg),
+    torch.testing.assert_close(shape_rewards(status, mse, lengths, log_cfg, **kw),
                                torch.tensor([log2, -log2, -log2, 0.0]))
-    assert shape_rewards(status, mse, lengths, log_cfg)[1].item() == pytest.approx(
+    assert shape_rewards(status, mse, lengths, log_cfg, **kw)[1].item() == pytest.approx(
         FAILED_EXTRACTION_REWARD_LOG, abs=1e-7)
     # overlong: cap 10, buffer 4 -> expected 6; lengths 10, 3, 8, 6 -> penalties -1, 0, -0.5, 0
     over = cfg.replace(reward=dict(overlong_buffer_len=4, overlong_penalty_factor=1.0))
-    torch.testing.assert_close(shape_rewards(status, mse, lengths, over), torch.tensor([-1.5, -2.0, -2.5, -1.0]))
+    torch.testing.assert_close(shape_rewards(status, mse, lengths, over, **kw), torch.tensor([-1.5, -2.0, -2.5, -1.0]))
+
+
+def test_a_failure_costs_the_orthogonal_mse_at_the_ars_own_scale():
+    """Issue 20, defect 1: at mse_scale s the real MSEs lie in [0, 4 s^2 / d]; a constant 2.0 let a
+    failure out-score real answers once s > sqrt(d) (here s = 2 sqrt(d): a real answer at
+    cos 0.5 costs 2 s^2/d (1 - cos) = 4.0, twice the old constant)."""
+    from nla.reward import failed_mse
+    from nla.rl.loop import fill_rewards
+    from nla.rl.types import COMPLETED, FAILED_EXTRACTION, Rollout
+
+    d = 16
+    s = 2.0 * d ** 0.5
+    gold = torch.randn(3, d)
+    cost = failed_mse(gold, s)
+    assert torch.all(cost == 2.0 * s * s / d) and cost[0].item() == pytest.approx(8.0)
+    cfg = RLConfig.from_dict(dict(av="a", ar="b", dataset="c", rollout=dict(max_response_len=8)))
+    r = Rollout(explanations=["a cat", None, "a dog"], texts=["x", "y", "z"],
+                status=torch.tensor([COMPLETED, FAILED_EXTRACTION, COMPLETED]),
+                prompt_rows=torch.arange(3), group=torch.arange(3), vectors=gold,
+                prompt_ids=torch.zeros(2, dtype=torch.long), response_ids=torch.zeros(3, 8, dtype=torch.long),
+                response_mask=torch.ones(3, 8, dtype=torch.long))
+    fill_rewards(r, [4.0, 0.5], cfg, s)  # the AR's mse of rows 0 and 2
+    torch.testing.assert_close(r.rewards, torch.tensor([-4.0, -8.0, -0.5]))
+    assert r.rewards[1] < r.rewards[0]  # failing is worse than a cos-0.5 answer at any scale
+    # raw comparison (scale None): 2 |g|^2 / d per row, from the gold itself
+    fill_rewards(r, [4.0, 0.5], cfg, None)
+    assert r.rewards[1].item() == pytest.approx(-2.0 * float(gold[1].double().pow(2).mean()), rel=1e-6)
 
 
 @pytest.mark.parametrize("loss_agg", sorted(LOSS_AGG_MODES))
@@ -288,9 +321,44 @@ def test_variants_run_and_log(pair, tmp_path, variant):
     if variant.get("loss", {}).get("advantage") == "gae":
         assert "value_loss" in rec and (res.checkpoint_dir / "value_model.pt").is_file()
     if variant.get("rollout", {}).get("dynamic_sampling"):
-        assert 0.0 <= rec["zero_spread_frac"] <= 1.0 and "refill_rounds" in rec
+        assert {"zero_spread_frac", "refill_rounds", "train_groups"} <= rec.keys()  # refill: the next test
     if variant.get("optimiser", {}).get("global_batch_size"):
-        assert rec["ratio_mean"] != 1.0 or rec["approx_kl"] >= 0.0
+        # two off-policy steps per rollout: the second one's ratio moved off 1 (the first is exact)
+        assert rec["ratio_mean"] != 1.0
+
+
+def test_dynamic_sampling_drops_flat_groups_and_refills_the_batch(pair, tmp_path):
+    """Issue 20, defect 6: the refill was only checked to run. A score function that gives every
+    sample of the first generation the same MSE (every group flat, failures included: they cost
+    2.0 too) and distinct MSEs afterwards: round 0 is dropped whole, the refill rounds fill the
+    batch, and the kept groups are exactly the generated groups whose rewards spread."""
+    from nla.rl.algorithms import dynamic_sampling_mask
+    from nla.rl.loop import RLData, collect_rollout
+    from nla.train.common import DataCursor
+
+    cfg = _cfg(pair, tmp_path, rollout=dict(dynamic_sampling=True, max_refill_rounds=3))
+    groups = build_groups(cfg)
+    data = RLData.load(cfg.dataset)
+    calls = []
+
+    def score(items):
+        calls.append(len(items))
+        if len(calls) == 1:
+            return torch.full((len(items),), 2.0)
+        return torch.arange(len(items), dtype=torch.float32) / (4.0 * max(1, len(items)))
+
+    G, B = cfg.rollout.n_samples_per_prompt, cfg.rollout.rollout_batch_size
+    with RewardService(score, 64, 0.01, inline=True) as service:
+        train, everything, m = collect_rollout(groups, cfg, data, DataCursor(n=data.vectors.shape[0], seed=0), service)
+    assert m["zero_spread_frac"] == 1.0  # the first generation: every group flat
+    assert m["refill_rounds"] >= 1 and len(calls) == m["refill_rounds"] + 1
+    spread = dynamic_sampling_mask(everything.rewards, G)
+    assert not spread[:B].any()
+    assert m["train_groups"] == min(B, int(spread.sum())) and train.n == G * m["train_groups"]
+    assert torch.equal(train.rewards, everything.rewards[spread.repeat_interleave(G)][: train.n])
+    assert dynamic_sampling_mask(train.rewards, G).all()  # no flat group reaches the update
+    if m["refill_rounds"] < cfg.rollout.max_refill_rounds:
+        assert m["train_groups"] == B  # it stopped because the batch was full
 
 
 def test_chunked_generation_scores_every_chunk_with_the_live_ar(pair, tmp_path):
@@ -326,9 +394,12 @@ def test_format_penalty_charges_degenerate_explanations_only():
     degenerate = torch.tensor([False, True, True])
     cfg = RLConfig.from_dict(dict(av="a", ar="b", dataset="c", reward=dict(format_penalty=0.5)))
     # -0.5; -0.25 - 0.5 = -0.75; a failure is charged the orthogonal MSE only (no penalty on top)
-    torch.testing.assert_close(shape_rewards(status, mse, lengths, cfg, degenerate), torch.tensor([-0.5, -0.75, -2.0]))
+    kw = dict(failed_cost=2.0)
+    torch.testing.assert_close(shape_rewards(status, mse, lengths, cfg, degenerate, **kw),
+                               torch.tensor([-0.5, -0.75, -2.0]))
     off = cfg.replace(reward=dict(format_penalty=0.0))
-    torch.testing.assert_close(shape_rewards(status, mse, lengths, off, degenerate), torch.tensor([-0.5, -0.25, -2.0]))
+    torch.testing.assert_close(shape_rewards(status, mse, lengths, off, degenerate, **kw),
+                               torch.tensor([-0.5, -0.25, -2.0]))
     with pytest.raises(ValueError, match="reward.format_penalty"):
         cfg.replace(reward=dict(format_penalty=-1.0))
     with pytest.raises(ValueError, match="reward.format_checks: expected one of"):
@@ -427,3 +498,64 @@ def test_fused_ar_reward_runs_the_plain_loop(pair, tmp_path, variant, caplog):
         assert a["ar_replay_rows"] == b["ar_replay_rows"] > 0 and a["ar_rows"] == b["ar_rows"]
         for k in ("reward_mean", "mse_nrm", "ar_loss", "ar_grad_norm", "kl", "policy_loss"):
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-7), (a["step"], k)
+
+
+def test_update_batches_cover_every_row_when_the_rollout_does_not_divide():
+    """Issue 20, defect 3: ``n // updates`` rows per update dropped the remainder (a dynamic-sampling
+    rollout short of a full batch) and gave empty updates when n < updates."""
+    from nla.rl.workers import update_batches
+
+    sizes = [b.numel() for b in update_batches(10, 4)]
+    assert sizes == [3, 3, 2, 2]
+    assert torch.cat(update_batches(10, 4)).tolist() == list(range(10))
+    assert [b.tolist() for b in update_batches(3, 4)] == [[0], [1], [2]]
+    assert [b.tolist() for b in update_batches(8, 1)] == [list(range(8))]
+    assert update_batches(0, 2) == []
+
+
+def test_rl_grades_a_failed_sample_as_nla_eval_does():
+    """Issue 20, defect 2: a failed sample claims nothing: grade("") in both (precision 1 when the
+    row has no true fact, else 0), so fact_precision means one number in the RL log and in eval."""
+    from nla.evaluation import faithfulness
+    from nla.rl.loop import grade_facts
+    from nla.rl.types import COMPLETED, FAILED_EXTRACTION, Rollout
+
+    facts = [[], ["place=harbor"]]
+    r = Rollout(explanations=[None, None], texts=["", ""], status=torch.tensor([FAILED_EXTRACTION] * 2),
+                prompt_rows=torch.arange(2), group=torch.arange(2), vectors=torch.zeros(2, 4),
+                prompt_ids=torch.zeros(2, dtype=torch.long), response_ids=torch.zeros(2, 3, dtype=torch.long),
+                response_mask=torch.ones(2, 3, dtype=torch.long))
+    g = grade_facts(r, facts)
+    f = faithfulness([None, None], facts)
+    assert g == {"fact_recall": 0.5, "fact_precision": 0.5}  # row 0: (1, 1); row 1: (0, 0)
+    assert (g["fact_recall"], g["fact_precision"]) == (f.recall, f.precision)
+    assert COMPLETED != FAILED_EXTRACTION
+
+
+def test_ppo_value_clipping_and_advantage_whitening_are_options(pair, tmp_path):
+    """Issue 20, defect 5: value clipping was unreachable (``clip_eps=None`` hard-coded) and GAE
+    advantages could not be whitened (verl and cleanrl do both)."""
+    from nla.rl.loop import advantages
+    from nla.rl.types import COMPLETED, Rollout
+
+    assert build_groups(_cfg(pair, tmp_path, loss=dict(advantage="gae"))).value.clip_eps is None
+    assert build_groups(_cfg(pair, tmp_path, loss=dict(advantage="gae", value_clip=0.3))).value.clip_eps == 0.3
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    r = Rollout(explanations=["a", "b", "c"], texts=["a", "b", "c"], status=torch.tensor([COMPLETED] * 3),
+                prompt_rows=torch.arange(3), group=torch.arange(3), vectors=torch.zeros(3, 4),
+                prompt_ids=torch.zeros(2, dtype=torch.long), response_ids=torch.zeros(3, 4, dtype=torch.long),
+                response_mask=mask, rewards=torch.tensor([1.0, 0.0, 3.0]))
+    values = torch.zeros(3, 4)
+    cfg = _cfg(pair, tmp_path, loss=dict(advantage="gae", gamma=1.0, lam=1.0))
+    plain, _ = advantages(r, cfg, values)
+    # V = 0, gamma = lam = 1: every response token's advantage is its row's outcome reward
+    torch.testing.assert_close(plain, torch.tensor([[1.0, 1, 1, 0], [0, 0, 0, 0], [3, 3, 3, 3]]))
+    white, _ = advantages(r, cfg.replace(loss=dict(whiten_advantages=True)), values)
+    tokens = torch.tensor([1.0, 1, 1, 0, 0, 3, 3, 3, 3])  # the 9 response tokens, by hand
+    expected = (tokens - tokens.mean()) / tokens.var(unbiased=True).add(1e-8).sqrt()
+    torch.testing.assert_close(white[mask.bool()], expected)
+    assert torch.all(white[~mask.bool()] == 0)
+    with pytest.raises(ValueError, match=r"loss.value_clip: expected a number > 0 or null, found 0"):
+        cfg.replace(loss=dict(value_clip=0))
+    with pytest.raises(ValueError, match="whiten_advantages: expected true or false, found 'yes'"):
+        cfg.replace(loss=dict(whiten_advantages="yes"))

@@ -52,6 +52,13 @@ Where the code departs from the papers:
 10. ``seq-mean-token-sum-norm`` (Dr.GRPO) divides each row's token sum by a
    constant ``norm_len`` (the generation cap, ``max_response_len``), as the
    Dr.GRPO code and TRL do, never by the step's padded length.
+11. PPO: GAE advantages are not whitened and the value loss is not clipped unless asked
+   (``loss.whiten_advantages``, ``loss.value_clip``; ``masked_whiten`` and ``value_loss``'s
+   ``clip_eps``), where verl whitens GAE advantages always and clips values at 0.5, and
+   cleanrl does both by default (``norm_adv``, ``clip_vloss``). With one outcome reward per
+   response and ``gamma = lam = 1`` the plain estimator is ``R - V_t``, in the reward's own
+   units like GRPO's advantages; whitening rescales every step by its batch. Both stay
+   options so a PPO run can match either reference.
 """
 
 from __future__ import annotations

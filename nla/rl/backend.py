@@ -25,7 +25,7 @@ def build_local_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_d
     value = None
     if A.get_advantage_estimator(cfg.loss.advantage).needs_values:
         value = ValueWorker(roles["policy"].model, av_side, OptimSettings.for_value(cfg),
-                            cfg.optimiser.micro_batch_size, clip_eps=None)
+                            cfg.optimiser.micro_batch_size, clip_eps=cfg.loss.value_clip)
         value.model.to(device)
     return WorkerGroups(
         rollout=roles["rollout"], policy=roles["policy"], reference=roles["reference"],

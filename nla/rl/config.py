@@ -122,6 +122,10 @@ class LossConfig:
       clip-higher); dual_clip_c: dual clip (null = off). kl_coef / kl_estimator (k1|k2|k3): KL
       to the reference as a loss term. loss_agg: token-mean | seq-mean-token-mean |
       seq-mean-token-sum | seq-mean-token-sum-norm (Dr.GRPO, divides by max_response_len).
+      whiten_advantages: whiten the advantages over the rollout's response tokens (verl's GAE and
+      cleanrl do; off by default). value_clip: PPO2 value clipping range around the old values
+      (null = off; verl's cliprange_value is 0.5, cleanrl's 0.2): both ``nla.rl.algorithms``
+      departure 11.
     """
 
     advantage: str = "grpo"
@@ -133,9 +137,14 @@ class LossConfig:
     kl_coef: float = 0.01
     kl_estimator: str = "k3"
     loss_agg: str = "token-mean"
+    whiten_advantages: bool = False
+    value_clip: float | None = None
 
     def __post_init__(self) -> None:
         _one_of("loss.advantage", ADVANTAGE_ESTIMATORS, self.advantage)
+        if self.value_clip is not None and (isinstance(self.value_clip, bool) or not isinstance(
+                self.value_clip, int | float) or not self.value_clip > 0):
+            _bad("loss.value_clip", "a number > 0 or null", self.value_clip)
         _one_of("loss.kl_estimator", KL_ESTIMATORS, self.kl_estimator)
         _one_of("loss.loss_agg", LOSS_AGG_MODES, self.loss_agg)
         if not (0 <= self.eps_low < 1 and self.eps_high >= 0):

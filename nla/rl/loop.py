@@ -4,9 +4,10 @@ Per step, on-policy:
 1. sample ``rollout_batch_size`` prompts and generate ``n_samples_per_prompt`` explanations
    each with the current AV weights;
 2. score every sample with the *live* AR through the ``RewardBatcher`` (the AR returns
-   ``mse_nrm``); ``shape_rewards``, the one place a reward is made, charges failed extraction
-   or truncation ``FAILED_EXTRACTION_MSE``, applies the -log variant and DAPO's optional
-   overlong punishment;
+   ``mse_nrm``); ``shape_rewards`` hands them to ``nla.reward.make_rewards`` (the one place a
+   reward is made), which charges a failed extraction or truncation the orthogonal MSE at the
+   AR's ``mse_scale`` (``failed_mse``), applies the -log variant, DAPO's optional overlong
+   punishment and the format penalty;
 3. DAPO dynamic sampling (optional): drop groups with zero reward spread and refill;
 4. advantages (GRPO / Dr.GRPO / REINFORCE baseline / GAE over the value model);
 5. policy update with the KL-to-reference loss term; value update (PPO);
@@ -40,7 +41,7 @@ import torch
 from nla.datagen.io import read_parquet, read_vectors
 from nla.health import StuckRunMonitor
 from nla.metrics import MetricsLogger
-from nla.reward import FAILED_EXTRACTION_MSE, RewardService, format_flags, reward_from_mse
+from nla.reward import RewardService, charge_failures, failed_mse, format_flags, make_rewards
 from nla.rl import algorithms as A
 from nla.rl.backend import build_groups
 from nla.rl.config import RLConfig, save_rl_config
@@ -132,39 +133,36 @@ def reward_items(rollout: Rollout) -> list[tuple[str, torch.Tensor]]:
 
 
 def shape_rewards(status: torch.Tensor, mse: torch.Tensor, lengths: torch.Tensor, cfg: RLConfig,
-                  degenerate: torch.Tensor | None = None) -> torch.Tensor:
-    """The one place a sample's reward is made. status, mse, lengths, degenerate: [N] -> rewards [N] (fp32).
+                  degenerate: torch.Tensor | None = None, *, failed_cost: torch.Tensor | float) -> torch.Tensor:
+    """RL's rewards: ``nla.reward.make_rewards`` with the config's options. status, mse, lengths,
+    degenerate: [N] -> rewards [N] (fp32).
 
-    A sample whose explanation was not extracted (``status != COMPLETED``) counts as
-    ``FAILED_EXTRACTION_MSE`` whatever ``mse`` holds for it; the reward is ``-mse`` or, with
-    ``log_mse``, ``-log(mse)`` (``reward_from_mse``); DAPO's soft overlong punishment is added
-    when ``overlong_buffer_len > 0``; a completed explanation flagged ``degenerate`` loses
-    ``format_penalty``.
+    A sample whose explanation was not extracted (``status != COMPLETED``) costs ``failed_cost``
+    ([N] or a scalar: ``failed_mse(gold, AR mse_scale)``) whatever ``mse`` holds for it; DAPO's
+    soft overlong punishment is added when ``overlong_buffer_len > 0``.
     """
-    failed = status != COMPLETED
-    charged = torch.where(failed, torch.full_like(mse, FAILED_EXTRACTION_MSE), mse).float()
-    rewards = reward_from_mse(charged, cfg.reward.log_mse)
+    shaping = None
     if cfg.reward.overlong_buffer_len > 0:
-        rewards = rewards + A.overlong_penalty(lengths, cfg.rollout.max_response_len,
-                                               cfg.reward.overlong_buffer_len, cfg.reward.overlong_penalty_factor)
-    if degenerate is not None and cfg.reward.format_penalty > 0:
-        rewards = rewards - cfg.reward.format_penalty * (degenerate & ~failed).float()
-    return rewards
+        shaping = A.overlong_penalty(lengths, cfg.rollout.max_response_len, cfg.reward.overlong_buffer_len,
+                                     cfg.reward.overlong_penalty_factor)
+    return make_rewards(mse, status != COMPLETED, failed_cost, log_mse=cfg.reward.log_mse, shaping=shaping,
+                        degenerate=degenerate, format_penalty=cfg.reward.format_penalty)
 
 
-def fill_rewards(rollout: Rollout, scored_mse: list[float], cfg: RLConfig) -> None:
-    """Set ``rollout.mse`` (the AR's ``mse_nrm`` of the ok samples, NaN elsewhere), ``rollout.degenerate``
-    and ``rollout.rewards``."""
+def fill_rewards(rollout: Rollout, scored_mse: list[float], cfg: RLConfig, scale: float | None) -> None:
+    """Set ``rollout.mse`` (the AR's ``mse_nrm`` of the ok samples; a failed sample holds the MSE it is
+    charged, ``failed_mse`` of its gold at the AR's ``scale``), ``rollout.degenerate`` and ``rollout.rewards``."""
     mse = torch.full((rollout.n,), math.nan)
     mse[rollout.ok] = torch.tensor(scored_mse, dtype=torch.float32) if scored_mse else torch.zeros(0)
-    rollout.mse = mse
+    cost = failed_mse(rollout.vectors, scale)
+    rollout.mse = charge_failures(mse, ~rollout.ok, cost)
     rollout.degenerate = format_flags(rollout.explanations, cfg.reward.format_checks)
-    rollout.rewards = shape_rewards(rollout.status, mse, rollout.lengths, cfg, rollout.degenerate)
+    rollout.rewards = shape_rewards(rollout.status, mse, rollout.lengths, cfg, rollout.degenerate, failed_cost=cost)
 
 
-def score_rollout(rollout: Rollout, service: RewardService, cfg: RLConfig) -> None:
-    """Score a whole rollout with the live AR (blocking)."""
-    fill_rewards(rollout, service.score(reward_items(rollout)), cfg)
+def score_rollout(rollout: Rollout, service: RewardService, cfg: RLConfig, scale: float | None) -> None:
+    """Score a whole rollout with the live AR (blocking); ``scale``: the AR's ``mse_scale``."""
+    fill_rewards(rollout, service.score(reward_items(rollout)), cfg, scale)
 
 
 def generate_and_score(groups: WorkerGroups, cfg: RLConfig, data: RLData, rows: torch.Tensor,
@@ -191,7 +189,7 @@ def generate_and_score(groups: WorkerGroups, cfg: RLConfig, data: RLData, rows: 
         t_wait += time.perf_counter() - t1
     t0 = time.perf_counter()
     for r, fut in pending:
-        fill_rewards(r, fut.result(), cfg)
+        fill_rewards(r, fut.result(), cfg, groups.ar_sidecar.mse_scale_value())
     t_wait += time.perf_counter() - t0
     out = pending[0][0] if len(pending) == 1 else Rollout.concat([r for r, _ in pending], groups.rollout.pad_id)
     return out, t_gen, t_wait
@@ -206,9 +204,9 @@ def grade_facts(rollout: Rollout, facts: list[list[str]] | None) -> dict[str, fl
     recalls, precisions = [], []
     for i, exp in enumerate(rollout.explanations):
         truth = {Fact.parse(s) for s in facts[int(rollout.prompt_rows[i])]}
-        g = grade(exp or "", truth)
+        g = grade(exp or "", truth)  # a failed sample claims nothing, as in nla eval (faithfulness)
         recalls.append(g.recall)
-        precisions.append(g.precision if exp is not None else 0.0)
+        precisions.append(g.precision)
     return {"fact_recall": float(np.mean(recalls)), "fact_precision": float(np.mean(precisions))}
 
 
@@ -250,9 +248,23 @@ def collect_rollout(groups: WorkerGroups, cfg: RLConfig, data: RLData, cursor: D
     return train, allr, metrics
 
 
+def advantages(train: Rollout, cfg: RLConfig, values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(advantages [N, L], returns or None) of the ``loss.advantage`` estimator; whitened over the
+    rollout's response tokens when ``loss.whiten_advantages`` (verl's GAE and cleanrl's
+    ``norm_adv`` always do; here an option, off by default: ``nla.rl.algorithms`` departure 11)."""
+    mask = train.response_mask.float()
+    est = A.get_advantage_estimator(cfg.loss.advantage)
+    adv, returns = est(train.rewards, mask, group_size=cfg.rollout.n_samples_per_prompt, values=values,
+                       gamma=cfg.loss.gamma, lam=cfg.loss.lam)
+    if cfg.loss.whiten_advantages:
+        adv = A.masked_whiten(adv, mask)
+    return adv, returns
+
+
 def rollout_metrics(r: Rollout, baseline: float) -> dict[str, float]:
-    ok = r.ok
-    mse = r.mse[ok]
+    """Logged metrics of a scored rollout. ``mse_nrm`` / ``fve_nrm`` charge failed samples their
+    cost (``fill_rewards``), the definition ``nla eval`` uses, so the names mean one number."""
+    mse = r.mse
     m = {
         "reward_mean": float(r.rewards.mean()),
         "reward_std": float(r.rewards.std()) if r.n > 1 else 0.0,
@@ -321,7 +333,7 @@ def evaluate(groups: WorkerGroups, cfg: RLConfig, data: RLData, baseline: float,
     n = min(cfg.eval_max_rows, data.vectors.shape[0])
     rows = torch.arange(n)
     r = groups.rollout.generate(data.vectors[rows], rows, 1, cfg.rollout.max_response_len, greedy=True)
-    score_rollout(r, service, cfg)
+    score_rollout(r, service, cfg, groups.ar_sidecar.mse_scale_value())
     m = rollout_metrics(r, baseline)
     m.update(grade_facts(r, data.facts))
     return {f"eval_{k}": v for k, v in m.items() if k in ("fve_nrm", "mse_nrm", "reward_mean", "fact_recall",
@@ -412,10 +424,7 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
                 values = returns = None
                 if groups.value is not None:
                     values = groups.value.values(train)
-                est = A.get_advantage_estimator(cfg.loss.advantage)
-                adv, returns = est(train.rewards, train.response_mask.float(),
-                                   group_size=cfg.rollout.n_samples_per_prompt, values=values, gamma=cfg.loss.gamma,
-                                   lam=cfg.loss.lam)
+                adv, returns = advantages(train, cfg, values)
                 m.update(groups.policy.update(train, adv, ref_logp))
                 if groups.value is not None:
                     m.update(groups.value.update(train, values, returns))

@@ -40,7 +40,7 @@ class Rollout:
     explanations: list[str | None]
     status: Tensor
     rewards: Tensor | None = None  # [N] after scoring
-    mse: Tensor | None = None  # [N] mse_nrm of scored samples (nan where extraction failed)
+    mse: Tensor | None = None  # [N] mse_nrm of scored samples; a failed one holds what it is charged
     predictions: Tensor | None = None  # [N, d] AR predictions (nan rows where extraction failed)
     degenerate: Tensor | None = None  # [N] bool: flagged by reward.format_checks (after scoring)
 

@@ -455,6 +455,13 @@ def policy_micro_loss(model: nn.Module, hook: InjectionHook, rollout: Rollout, i
     return loss, m, pm
 
 
+def update_batches(n: int, updates: int) -> list[Tensor]:
+    """The rows of each of ``updates`` optimiser steps on an ``n``-row rollout: consecutive, sizes
+    differing by at most one, every row in exactly one batch (a dynamic-sampling rollout short of
+    a full batch need not divide evenly); fewer batches when ``n < updates`` (none empty)."""
+    return [b for b in torch.tensor_split(torch.arange(n), max(1, updates)) if b.numel()]
+
+
 class PolicyWorker(_Trainable):
     """The AV under RL: clipped surrogate + KL-to-reference loss, aggregated by ``loss_agg``."""
 
@@ -478,10 +485,9 @@ class PolicyWorker(_Trainable):
         agg = A.get_loss_agg(s.loss_agg)
         self.model.train()
         mask = rollout.response_mask.float()
-        per_update = rollout.n // s.updates_per_rollout
-        batches = [torch.arange(u * per_update, (u + 1) * per_update) for u in range(s.updates_per_rollout)]
+        batches = update_batches(rollout.n, s.updates_per_rollout)
         old_all = None
-        if s.updates_per_rollout > 1:
+        if len(batches) > 1:
             old_all = torch.zeros(rollout.n, rollout.response_ids.shape[1])
             for rows in batches:
                 mine = dp.my_rows(rows)
@@ -504,7 +510,7 @@ class PolicyWorker(_Trainable):
                 step_sums[k] = step_sums.get(k, 0.0) + v
         total = dp.sum(sums)
         total.update(step_sums)  # the same on every rank: the gradient norm is global
-        return {k: v / s.updates_per_rollout for k, v in total.items()}
+        return {k: v / max(1, len(batches)) for k, v in total.items()}
 
     def full_weights(self) -> dict[str, Tensor] | None:
         """The full AV weights on the answering rank (collective when sharded); None locally."""
@@ -554,7 +560,7 @@ class ReconstructorWorker(_Trainable):
         # when training mode computes what eval mode does (no dropout) and one unsharded AR
         # answers (sharded ranks each score every item, so their backward would repeat it;
         # a one-rank FSDP group is left on the plain path too: untested there).
-        sharded = any(type(m).__name__.startswith("FSDP") for m in ar.modules())
+        sharded = any(arch.is_sharded(m) for m in ar.modules())
         self.fuse_reward = dp.world == 1 and not sharded and not has_dropout(ar)
         self._window: list[tuple[str, Tensor]] | None = None
         self._window_mse_sum = 0.0
@@ -793,4 +799,5 @@ __all__ = [
     "OptimSettings", "by_group_length", "has_dropout", "lm_head_on", "PolicyLossSettings", "PolicyWorker",
     "REWARD_SUB_BATCH", "ReconstructorWorker", "ReferenceWorker", "RolloutWorker", "ValueModel", "ValueWorker",
     "WorkerGroups", "policy_micro_loss", "rank_micro_batches", "response_logprobs", "rollout_logprobs",
+    "update_batches",
 ]
