@@ -223,12 +223,21 @@ def test_check_safetensors_file_by_hand(tmp_path):
     (tmp_path / "ok.safetensors").write_bytes(good)
     check_safetensors_file(tmp_path / "ok.safetensors")
     (tmp_path / "short.safetensors").write_bytes(good[:-1])
-    with pytest.raises(InputError, match=rf"short.safetensors: truncated or corrupt .* announces {len(good)} bytes, "
-                                         rf"the file has {len(good) - 1}"):
+    with pytest.raises(InputError, match=rf"short.safetensors: truncated or corrupt safetensors file \({len(good) - 1} "
+                                         r"bytes; safetensors: .*not fully covered\); re-download"):
         check_safetensors_file(tmp_path / "short.safetensors")
+    (tmp_path / "long.safetensors").write_bytes(good + b"\0")  # data past the last tensor
+    with pytest.raises(InputError, match=r"long.safetensors: truncated or corrupt .*not fully covered"):
+        check_safetensors_file(tmp_path / "long.safetensors")
     (tmp_path / "huge.safetensors").write_bytes(struct.pack("<Q", 10**9) + header)
-    with pytest.raises(InputError, match=r"header of 1000000000 bytes announced"):
+    with pytest.raises(InputError, match=r"huge.safetensors: truncated or corrupt .*header too large"):
         check_safetensors_file(tmp_path / "huge.safetensors")
+    (tmp_path / "json.safetensors").write_bytes(struct.pack("<Q", len(header)) + b"{" * len(header) + b"\0" * 8)
+    with pytest.raises(InputError, match=r"json.safetensors: truncated or corrupt .*invalid JSON"):
+        check_safetensors_file(tmp_path / "json.safetensors")
+    (tmp_path / "empty.safetensors").write_bytes(b"")
+    with pytest.raises(InputError, match=r"empty.safetensors: truncated safetensors file \(0 bytes, no header\)"):
+        check_safetensors_file(tmp_path / "empty.safetensors")
 
 
 @pytest.mark.parametrize(
@@ -236,7 +245,7 @@ def test_check_safetensors_file_by_hand(tmp_path):
     [
         ("av", "model.safetensors", "truncated", "model.safetensors: truncated or corrupt safetensors file"),
         ("av", "model.safetensors", "missing", "has no model.safetensors (no weights)"),
-        ("av", "model.safetensors", "corrupt_header", "model.safetensors: corrupt safetensors file"),
+        ("av", "model.safetensors", "corrupt_header", "model.safetensors: truncated or corrupt safetensors file"),
         ("ar", VALUE_HEAD_FILE, "truncated", "value_head.safetensors: truncated or corrupt safetensors file"),
         ("ar", "model.safetensors", "empty", "model.safetensors: truncated safetensors file (0 bytes"),
     ],
