@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 logger = logging.getLogger(__name__)
 
@@ -147,9 +146,10 @@ def _mark_stage(out: Path, name: str, config: dict[str, Any], info: dict[str, An
 
 def split_rl_for_eval(rl_path: Path, out_dir: Path, eval_fraction: float, seed: int) -> tuple[Path, Path]:
     """Partition the RL split by document into RL prompts and a held-out eval set (sidecars copied)."""
+    from nla.datagen.io import read_parquet, write_parquet_atomic
     from nla.sidecar import load_sidecar, write_sidecar
 
-    table = pq.read_table(rl_path)
+    table = read_parquet(rl_path)
     docs = np.unique(table.column("doc_id").to_numpy())
     rng = np.random.default_rng(seed)
     n_eval = max(1, int(round(len(docs) * eval_fraction)))
@@ -160,7 +160,7 @@ def split_rl_for_eval(rl_path: Path, out_dir: Path, eval_fraction: float, seed: 
     for name, mask in (("rl_train", ~is_eval), ("eval", is_eval)):
         path = out_dir / f"{name}.parquet"
         write_sidecar(path, side, split=name, parent_dataset=str(rl_path))
-        pq.write_table(table.filter(pa.array(mask)), path)
+        write_parquet_atomic(table.filter(pa.array(mask)), path)
         paths.append(path)
     return paths[0], paths[1]
 

@@ -13,7 +13,8 @@ half-written artifact behind.
    is complete (its header parses and its data section is as long as the header says). nla's
    own saves also record each safetensors file's SHA-256 (``nla_checksums.sha256``), checked at
    load, which catches a flipped bit; other checkpoints have no such record (safetensors has
-   no checksum of its own).
+   no checksum of its own), so for them every floating weight is checked finite at load instead
+   (``check_finite_weights``, once per file).
 4. Output paths: the nearest existing folder must accept a file now, not after an hour of work.
 """
 
@@ -35,6 +36,7 @@ __all__ = [
     "check_device",
     "check_model_source",
     "check_output_path",
+    "check_finite_weights",
     "check_safetensors_file",
     "bad_rows",
     "check_vectors",
@@ -258,11 +260,46 @@ def write_checksums(directory: str | os.PathLike) -> Path | None:
     return out
 
 
+_finite: set[tuple[str, int, int]] = set()  # (path, size, mtime_ns) of files found finite, so a load checks once
+
+
+def check_finite_weights(path: str | os.PathLike) -> None:
+    """Every floating tensor of the safetensors file ``path`` is finite (no NaN or Inf).
+
+    For checkpoints without a checksum record (a user's own, or one from elsewhere): a model with
+    NaN weights otherwise loads and "verbalizes" padding or scores NaN (issue 21). Reads each
+    tensor once through ``safe_open`` (memory-mapped); a file already found finite is not re-read.
+    """
+    import torch
+    from safetensors import safe_open
+
+    f = Path(path)
+    st = f.stat()
+    key = (str(f.resolve()), st.st_size, st.st_mtime_ns)
+    if key in _finite:
+        return
+    with safe_open(str(f), framework="pt") as fh:
+        for name in fh.keys():
+            t = fh.get_tensor(name)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad = int((~torch.isfinite(t)).sum())
+                raise InputError(
+                    f"{f}: tensor {name!r} holds {bad} non-finite value(s) (NaN or Inf) of {t.numel()}; these "
+                    "weights are broken (a diverged training run, or a damaged copy without a checksum record): "
+                    "retrain, or re-download the checkpoint"
+                )
+    _finite.add(key)
+
+
 def verify_checksums(directory: str | os.PathLike) -> None:
-    """Compare ``directory``'s safetensors files with the recorded SHA-256s; no record, no check."""
+    """Compare ``directory``'s safetensors files with the recorded SHA-256s. Without a record (a
+    checkpoint nla did not write), check instead that every weight is finite."""
     d = Path(directory)
     record = d / CHECKSUM_FILE
     if not record.is_file():
+        for f in sorted(d.glob("*.safetensors")):
+            if f.is_file():
+                check_finite_weights(f)
         return
     for i, line in enumerate(record.read_text(encoding="utf-8").splitlines()):
         if not line.strip():

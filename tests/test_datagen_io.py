@@ -78,3 +78,33 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path):
         write_parquet_atomic(bad, target)
     assert not target.exists()
     assert list(target.parent.iterdir()) == []  # the temp file is cleaned up
+
+
+def _flip_inside_vector_page(path, vectors):
+    """Flip one byte inside the (uncompressed) vector column's data: the bytes of row 3's values."""
+    data = bytearray(path.read_bytes())
+    needle = vectors[3].astype(np.float32).tobytes()
+    at = data.find(needle)
+    assert at > 0, "the vector bytes were not found raw in the file"
+    data[at + 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_in_a_file_nla_wrote_is_refused(tmp_path):
+    """Issue 21: a byte flipped inside the vectors' data page still decoded, into a vector whose
+    norm jumped; nla's parquet files now carry page checksums and every read verifies them."""
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((8, 16)).astype(np.float32)
+    table = pa.table({"activation_vector": vectors_to_arrow(vectors), "doc_id": np.arange(8)})
+    ours = write_parquet_atomic(table, tmp_path / "ours.parquet")
+    np.testing.assert_array_equal(read_vectors(ours), vectors)  # intact: reads as written
+    _flip_inside_vector_page(ours, vectors)
+    with pytest.raises(DatagenError, match=r"ours.parquet: not a readable parquet file \(a page's checksum does "
+                                           r"not match its bytes\); it is corrupted"):
+        read_vectors(ours)
+    # The same damage in a file written without checksums decodes silently: what nla used to do.
+    plain = tmp_path / "plain.parquet"
+    pq.write_table(table, plain, compression="none", use_dictionary=False)
+    _flip_inside_vector_page(plain, vectors)
+    damaged = read_vectors(plain, check=False)
+    assert not np.array_equal(damaged[3], vectors[3]) and np.array_equal(damaged[4], vectors[4])

@@ -266,6 +266,41 @@ def test_damaged_checkpoints_are_named(pair, capsys, tmp_path, role, file, how, 
     assert not out.exists()
 
 
+@pytest.mark.parametrize("role", ["av", "ar"])
+def test_nan_weights_without_a_checksum_record_are_refused(pair, capsys, tmp_path, role):
+    """Issue 21: NaN weights in a checkpoint nla did not write (no checksum record) loaded: ``nla
+    score`` printed ``NaN`` (not JSON) and ``verbalize`` wrote padding. Every weight is now checked
+    finite at load where no record exists; nothing is written."""
+    from safetensors.torch import load_file, save_file
+
+    from nla.validation import CHECKSUM_FILE
+
+    ckpt = tmp_path / f"{role}_nan"
+    shutil.copytree(pair[role], ckpt)
+    (ckpt / CHECKSUM_FILE).unlink(missing_ok=True)  # a checkpoint from elsewhere
+    weights = load_file(str(ckpt / "model.safetensors"))
+    name = sorted(k for k in weights if weights[k].is_floating_point())[0]
+    weights[name].view(-1)[[0, 3]] = float("nan")
+    save_file(weights, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "out.jsonl"
+    if role == "av":
+        argv = ["verbalize", "--av", ckpt, "--vectors", pair["root"] / "good.npy", "--out", out]
+    else:
+        (tmp_path / "t.txt").write_text("a\nb\nc\nd\n")
+        argv = ["score", "--ar", ckpt, "--texts", tmp_path / "t.txt", "--vectors", pair["root"] / "good.npy",
+                "--out", out]
+    code, lines = cli(capsys, *argv, "--device", "cpu")
+    assert code == 2
+    assert_one_error_line(lines, argv[0], f"{ckpt / 'model.safetensors'}: tensor {name!r} holds 2 non-finite value(s)")
+    assert not out.exists()
+    # the intact copy (same files, no record) loads: the check refuses only what is broken
+    good = tmp_path / f"{role}_good"
+    shutil.copytree(pair[role], good)
+    (good / CHECKSUM_FILE).unlink(missing_ok=True)
+    argv[2] = good
+    assert cli(capsys, *argv, "--device", "cpu")[0] == 0
+
+
 def test_damaged_checkpoint_refused_by_rl(pair, capsys, tmp_path):
     ar = _damaged_copy(pair, tmp_path, "ar", VALUE_HEAD_FILE, "truncated")
     pq.write_table(pa.table({"activation_vector": vectors_to_arrow(pair["good"])}), tmp_path / "rl.parquet")

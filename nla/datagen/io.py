@@ -3,7 +3,11 @@
 Vectors are read as one zero-copy numpy view of the flattened list column:
 millions of Python float objects would stall the garbage collector (DESIGN §3.2).
 Every write goes to a temp file in the same directory and is renamed into
-place, so a crash never leaves a partial file that looks complete.
+place, so a crash never leaves a partial file that looks complete. Every page
+carries a CRC-32 (parquet's page checksum, written and verified by pyarrow), so
+a flipped byte in a file nla wrote is refused on read instead of decoding into
+wrong vectors (issue 21); files without checksums (older ones, other writers')
+read as before.
 """
 
 from __future__ import annotations
@@ -28,15 +32,17 @@ class DatagenError(ValueError):
 
 
 def read_parquet(path: str | os.PathLike) -> pa.Table:
-    """Read a parquet file, turning low-level arrow errors into one that names the path."""
+    """Read a parquet file, verifying page checksums where it has them; low-level arrow errors
+    become one that names the path."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: parquet file not found; run the stage that writes it first")
     try:
-        return pq.read_table(path)
+        return pq.read_table(path, page_checksum_verification=True)
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
+        what = "a page's checksum does not match its bytes" if "checksum" in str(exc).lower() else str(exc)
         raise DatagenError(
-            f"{path}: not a readable parquet file ({exc}); it is corrupted or truncated - "
+            f"{path}: not a readable parquet file ({what}); it is corrupted or truncated - "
             "delete it and rerun the stage that writes it (with --force)"
         ) from exc
 
@@ -101,7 +107,7 @@ def vectors_to_arrow(vectors: np.ndarray) -> pa.Array:
 def write_parquet_atomic(table: pa.Table, path: str | os.PathLike) -> Path:
     """Write `table` to `path` through a temp file + rename, creating parent dirs."""
     path = Path(path)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"write_page_checksum": True}
     if VECTOR_COLUMN in table.column_names:
         # Raw float activations neither compress nor dictionary-encode; skipping both halves the read time.
         others = [c for c in table.column_names if c != VECTOR_COLUMN]
