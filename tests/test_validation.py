@@ -584,3 +584,34 @@ def test_resume_compares_config_sections_field_by_field(tmp_path):
     with pytest.raises(RunDirError, match=r"loss.kl_coef: 0.01 in the run, 0.1 now; steps: 10 in the run, 11 now"):
         prepare_run_dir(tmp_path, {**saved, "steps": 11, "loss": {"kl_coef": 0.1, "eps_low": 0.2}}, "rl_config.yaml",
                         resume=True, overwrite=False)
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "ar", "--set", "lr=[1"],
+    ["train", "av", "--set", "lr=[1"],
+    ["rl", "--set", "lr=[1"],
+    ["datagen", "run", "--set", "lr=[1"],
+])
+def test_a_set_value_that_is_not_yaml_is_one_line_not_a_traceback(capsys, tmp_path, argv):
+    """Issue 21: ``--set 'lr=[1'`` raised a YAML traceback in every command."""
+    if argv[0] == "datagen":
+        (tmp_path / "c.yaml").write_text("n_docs: 4\n")
+        argv = [*argv[:2], "--config", tmp_path / "c.yaml", *argv[2:]]
+    code, lines = cli(capsys, *argv, "--out", tmp_path / "run")
+    assert code == 2
+    assert_one_error_line(lines, argv[0], "--set 'lr=[1': the value '[1' is not valid YAML", "quote it")
+    assert not (tmp_path / "run").exists()
+    code, lines = cli(capsys, *argv[:-1], "=5", "--out", tmp_path / "run")
+    assert code == 2
+    assert_one_error_line(lines, argv[0], "--set '=5': expected key=value")
+
+
+@pytest.mark.parametrize(("port", "message"), [("99999", "expected a port 1-65535, found 99999"),
+                                               ("0", "expected a port 1-65535, found 0"),
+                                               ("http", "expected an integer port 1-65535, found 'http'")])
+def test_explore_refuses_a_bad_port_before_loading_anything(capsys, tmp_path, port, message):
+    """Issue 21: ``nla explore --port 99999`` loaded both models, then died in a traceback."""
+    code, lines = cli(capsys, "explore", "--av", tmp_path / "no_av", "--ar", tmp_path / "no_ar", "--port", port)
+    assert code == 2
+    assert any(message in ln and "--port" in ln for ln in lines), lines
+    assert not any("Traceback" in ln for ln in lines)

@@ -15,6 +15,17 @@ log = logging.getLogger("nla.explore")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+def _port(text: str) -> int:
+    """argparse type of ``--port``: checked before the models load (a bad port used to fail after)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer port 1-65535, found {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 1-65535, found {port}")
+    return port
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("explore", help="local web explorer: explanations and round-trip scores per token, and runs")
     p.add_argument("--av", required=True, help="verbalizer checkpoint dir")
@@ -22,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--subject", help="subject model dir (default: the base_model recorded in the pair's sidecars)")
     p.add_argument("--run", help="a quickstart or nla rl output dir to show in the run view")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--port", type=_port, default=8765, help="TCP port, 1-65535 (default 8765)")
     # Defaults live in nla.explore.ExploreLimits (96, 128 and 8 today); None here means "its default".
     p.add_argument("--max-new-tokens", type=int, help="explanation length cap (default 96)")
     p.add_argument("--max-tokens", type=int, help="tokens per text cap, also capped by the subject's context "

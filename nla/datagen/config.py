@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from nla.configcheck import check_config_types
 from nla.threads import check_threads
 from nla.validation import load_yaml
@@ -265,10 +263,8 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """`key=value` with the value parsed as YAML (numbers, null, lists)."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key:
-        raise ValueError(
-            f"override {text!r}: expected key=value, e.g. n_docs=100 or provider.model=gpt-4o-mini"
-        )
-    return key.strip(), yaml.safe_load(raw)
+    """`key=value` with the value parsed as YAML (numbers, null, lists): ``parse_overrides``'s rule."""
+    from nla.train.config import parse_overrides
+
+    ((key, value),) = parse_overrides([text]).items()
+    return key, value

@@ -197,13 +197,20 @@ C = TypeVar("C")
 
 
 def parse_overrides(items: list[str] | None) -> dict[str, Any]:
-    """``["lr=1e-4", "betas=[0.9, 0.95]"]`` -> dict, values parsed as YAML scalars/lists."""
+    """``["lr=1e-4", "betas=[0.9, 0.95]"]`` -> dict, values parsed as YAML scalars/lists (every
+    command's ``--set``). A missing ``=``, an empty key or a value that is not YAML is a
+    ``ValueError`` naming the override."""
     out: dict[str, Any] = {}
     for item in items or []:
-        if "=" not in item:
-            raise ValueError(f"override {item!r}: expected key=value (e.g. --set lr=1e-4)")
-        key, raw = item.split("=", 1)
-        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set {item!r}: expected key=value, e.g. --set lr=1e-4 or --set provider.model=gpt-4o")
+        try:
+            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or type(err).__name__
+            raise ValueError(f"--set {item!r}: the value {raw!r} is not valid YAML ({problem}); quote it to pass "
+                             f"a string, e.g. --set '{key.strip()}=\"{raw}\"'") from None
     return out
 
 
