@@ -11,6 +11,11 @@ the failure reward on every sample. :class:`StuckRunMonitor` watches the two sig
 
 Each streak warns once, when it reaches ``patience``, at WARNING level with what to check;
 the messages are kept in ``warnings`` so callers can put them in their summary and report.
+
+A non-finite *loss* is not a streak to wait for: :func:`check_finite_loss` stops the run at
+the first one (:class:`TrainingDivergedError`, naming the step and the setting to look at),
+before that step is logged or saved, so every checkpoint on disk predates the divergence. A
+non-finite *gradient* under a finite loss is still skipped and counted (DESIGN §4).
 """
 
 from __future__ import annotations
@@ -20,9 +25,32 @@ import math
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ZERO_GRAD_NORM", "StuckRunMonitor"]
+__all__ = ["ZERO_GRAD_NORM", "StuckRunMonitor", "TrainingDivergedError", "check_finite_loss"]
 
 ZERO_GRAD_NORM = 1e-12
+
+
+class TrainingDivergedError(RuntimeError):
+    """A training loss became NaN or infinite: the run stopped at that step."""
+
+
+def check_finite_loss(name: str, step: int, loss: float, setting: str, last_checkpoint: object = None,
+                      **measured: float) -> None:
+    """Raise :class:`TrainingDivergedError` when ``loss`` or any of ``measured`` (the step's other
+    training figures, e.g. the AR's ``pred_norm``) is not finite.
+
+    name: the run ("ar", "av", "rl (AR update)"); step: the step that produced it; setting: what
+    to look at, e.g. ``"lr=1e+06"``; last_checkpoint: the newest checkpoint on disk (None: none).
+    """
+    bad = [(k, v) for k, v in {"loss": loss, **measured}.items() if not math.isfinite(v)]
+    if not bad:
+        return
+    key, value = bad[0]
+    where = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was written"
+    raise TrainingDivergedError(
+        f"{name}: the training {key} is {value} at step {step}: the run diverged and was stopped ({where}); "
+        f"lower {setting} (or max_grad_norm), then rerun with --overwrite"
+    )
 
 
 class StuckRunMonitor:

@@ -428,17 +428,39 @@ def test_run_dir_is_not_reused_silently(pair, capsys, tmp_path, tiny_tokenizer, 
     assert saved["max_steps"] == 2
 
 
-def test_diverged_training_warns_loudly(pair, capsys, caplog, tmp_path, tiny_tokenizer, single_thread):
+def test_diverged_training_stops_at_the_first_non_finite_figure(pair, capsys, tmp_path, tiny_tokenizer,
+                                                                 single_thread):
+    """Issue 21: ``lr=1e6`` trained an AR whose predictions were infinite (scored as cosine 0) to
+    the last step, exit 0, with a warning at step ~11. It now stops at the first step whose loss
+    or prediction norm is not finite, naming the step and the setting; nothing of it is saved."""
     from train_helpers import dataset_sidecar, write_ar_dataset
 
     vec = np.random.default_rng(0).standard_normal((8, D)).astype(np.float32)
     ds = write_ar_dataset(tmp_path / "ar.parquet", dataset_sidecar(tiny_tokenizer, pair["av"], D, 1), vec)
-    with caplog.at_level("WARNING", logger="nla.health"):
-        code, _ = cli(capsys, *_ar_train_args(tmp_path, ds, "--max-steps", "12", "--set", "lr=1e6",
+    code, lines = cli(capsys, *_ar_train_args(tmp_path, ds, "--max-steps", "12", "--set", "lr=1e6",
                                               "--set", "save_every=100"))
-    assert code == 0
-    stuck = [r.message for r in caplog.records if "looks stuck" in r.message]
-    assert len(stuck) == 1 and "ar looks stuck: the gradient norm has been zero or non-finite for 10" in stuck[0]
+    assert code == 2
+    line = assert_one_error_line(lines, "train", "ar: the training pred_norm is inf at step ",
+                                 "the run diverged and was stopped (no checkpoint was written); lower lr=1e+06")
+    step = int(line.split(" at step ")[1].split(":")[0])
+    assert 1 < step < 12  # step 1 runs on the initial weights, finite
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_a_dead_run_with_finite_losses_still_warns(caplog):
+    """A zero gradient with a finite loss (a collapsed output) is the stuck monitor's case: it warns
+    once at ``patience`` steps."""
+    from nla.health import StuckRunMonitor, TrainingDivergedError, check_finite_loss
+
+    mon = StuckRunMonitor("ar", patience=3)
+    with caplog.at_level("WARNING", logger="nla.health"):
+        warned = [mon.observe(step, grad_norm=0.0) for step in range(1, 6)]
+    assert [bool(w) for w in warned] == [False, False, True, False, False]
+    assert "ar looks stuck: the gradient norm has been zero or non-finite for 3 steps in a row (step 3" in warned[2][0]
+    check_finite_loss("ar", 4, 1.0, "lr=1", None, pred_norm=3.0)  # finite: nothing
+    with pytest.raises(TrainingDivergedError, match=r"^av: the training loss is nan at step 7: .* \(the last good "
+                                                    r"checkpoint is ck/step_5\); lower lr=0.1"):
+        check_finite_loss("av", 7, float("nan"), "lr=0.1", "ck/step_5", pred_norm=float("inf"))
 
 
 def test_pickled_weights_are_refused(pair, capsys, tmp_path):

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from nla.datagen.io import read_parquet, read_vectors
-from nla.health import StuckRunMonitor
+from nla.health import StuckRunMonitor, check_finite_loss
 from nla.metrics import MetricsLogger
 from nla.reward import RewardService, charge_failures, failed_mse, format_flags, make_rewards
 from nla.rl import algorithms as A
@@ -439,6 +439,9 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
                 exps, golds = exps + r_texts, torch.cat([golds, r_golds.to(golds.dtype)])
                 m["ar_replay_rows"] = float(len(r_texts))
             m.update(groups.reconstructor.update(exps, golds))
+            if m.get("ar_rows", 0) > 0:
+                check_finite_loss("rl (AR update)", step + 1, m["ar_loss"], f"reconstructor.lr={cfg.ar_lr_value:g}",
+                                  last_ckpt)
             m["time_ar"] = time.perf_counter() - t2
             groups.rollout.sync_weights(groups.policy)
             step += 1

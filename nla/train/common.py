@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nla.health import StuckRunMonitor
+from nla.health import StuckRunMonitor, check_finite_loss
 from nla.threads import adapt_threads
 from nla.validation import write_checksums
 
@@ -527,6 +527,7 @@ def run_training_loop(cfg: Any, spec: LoopSpec) -> TrainResult:
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + float(v) * w
             lr = opt.param_groups[0]["lr"]
+            check_finite_loss(spec.name, step + 1, total_loss, f"lr={cfg.lr:g}", last_ckpt, **sums)
             stepped, grad_norm = optimizer_step_guarded(model, opt, sched, cfg.max_grad_norm)
             skipped += 0 if stepped else 1
             step += 1
