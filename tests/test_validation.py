@@ -240,6 +240,14 @@ def test_check_safetensors_file_by_hand(tmp_path):
         check_safetensors_file(tmp_path / "empty.safetensors")
 
 
+def _load_command(pair, tmp_path, role: str, ckpt, out) -> list:
+    """The CLI command that loads ``ckpt``: ``verbalize`` for an AV, ``score`` for an AR."""
+    if role == "av":
+        return ["verbalize", "--av", ckpt, "--vectors", pair["root"] / "good.npy", "--out", out]
+    (tmp_path / "t.txt").write_text("a\nb\nc\nd\n")
+    return ["score", "--ar", ckpt, "--texts", tmp_path / "t.txt", "--vectors", pair["root"] / "good.npy", "--out", out]
+
+
 @pytest.mark.parametrize(
     ("role", "file", "how", "message"),
     [
@@ -253,12 +261,7 @@ def test_check_safetensors_file_by_hand(tmp_path):
 def test_damaged_checkpoints_are_named(pair, capsys, tmp_path, role, file, how, message):
     ckpt = _damaged_copy(pair, tmp_path, role, file, how)
     out = tmp_path / "out.jsonl"
-    if role == "av":
-        argv = ["verbalize", "--av", ckpt, "--vectors", pair["root"] / "good.npy", "--out", out]
-    else:
-        (tmp_path / "t.txt").write_text("a\nb\nc\nd\n")
-        argv = ["score", "--ar", ckpt, "--texts", tmp_path / "t.txt", "--vectors", pair["root"] / "good.npy",
-                "--out", out]
+    argv = _load_command(pair, tmp_path, role, ckpt, out)
     code, lines = cli(capsys, *argv, "--device", "cpu")
     assert code == 2
     line = assert_one_error_line(lines, argv[0], message)
@@ -283,12 +286,7 @@ def test_nan_weights_without_a_checksum_record_are_refused(pair, capsys, tmp_pat
     weights[name].view(-1)[[0, 3]] = float("nan")
     save_file(weights, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
     out = tmp_path / "out.jsonl"
-    if role == "av":
-        argv = ["verbalize", "--av", ckpt, "--vectors", pair["root"] / "good.npy", "--out", out]
-    else:
-        (tmp_path / "t.txt").write_text("a\nb\nc\nd\n")
-        argv = ["score", "--ar", ckpt, "--texts", tmp_path / "t.txt", "--vectors", pair["root"] / "good.npy",
-                "--out", out]
+    argv = _load_command(pair, tmp_path, role, ckpt, out)
     code, lines = cli(capsys, *argv, "--device", "cpu")
     assert code == 2
     assert_one_error_line(lines, argv[0], f"{ckpt / 'model.safetensors'}: tensor {name!r} holds 2 non-finite value(s)")
