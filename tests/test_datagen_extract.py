@@ -153,9 +153,12 @@ def test_empty_corpus(tiny_model_dir, tmp_path):
 
 
 def test_nan_model_errors_with_row_and_leaves_nothing(tiny_model_dir, tmp_path):
+    # Finite weights whose products overflow: the activations go inf/NaN (NaN weights themselves
+    # are refused at load, before any extraction: tests/test_validation.py).
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"))
     with torch.no_grad():
-        model.model.layers[0].mlp.down_proj.weight.fill_(float("nan"))
+        model.model.layers[0].mlp.up_proj.weight.fill_(1e30)
+        model.model.layers[0].mlp.down_proj.weight.fill_(1e30)
     bad_dir = tmp_path / "nan_model"
     model.save_pretrained(bad_dir)
     AutoTokenizer.from_pretrained(tiny_model_dir("llama")).save_pretrained(bad_dir)
