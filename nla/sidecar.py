@@ -477,6 +477,8 @@ def load_sidecar(path: str | os.PathLike) -> NLAConfig:
 
     role = _lookup(doc, ("role",))
     role = None if role is _MISSING else role
+    if role == "critic":  # the published system's name for the AR (its inference client accepts both)
+        role = "ar"
     scale = _lookup(doc, ("extraction", "injection_scale"), ("injection_scale",))
     has_av = _lookup(doc, ("tokens", "injection_char")) is not _MISSING
     if scale is _MISSING:
@@ -491,18 +493,25 @@ def load_sidecar(path: str | os.PathLike) -> NLAConfig:
         value = _lookup(doc, *paths)
         return None if value is _MISSING else value
 
+    av_template = opt(("prompt_templates", "av"), ("prompt_templates", "actor"))
+    # The published writer puts the shared tokens block (the injection marker and its
+    # neighbours) in every sidecar, the critic's too, which has no AV template: an AR never
+    # injects, so there the marker fields are read as absent (nla writes such an AR back in the
+    # documented AR-only layout).
+    marker = (lambda key: None) if role == "ar" and av_template is None else (lambda key: opt(("tokens", key)))
+
     try:
         return NLAConfig(
             kind=need("kind", ("kind",)),
             role=role,
             d_model=need("d_model", ("d_model",), ("extraction", "d_model")),
             layer_index=_layer_of(doc, file),
-            injection_char=opt(("tokens", "injection_char")),
-            injection_token_id=opt(("tokens", "injection_token_id")),
-            injection_left_neighbor_id=opt(("tokens", "injection_left_neighbor_id")),
-            injection_right_neighbor_id=opt(("tokens", "injection_right_neighbor_id")),
+            injection_char=marker("injection_char"),
+            injection_token_id=marker("injection_token_id"),
+            injection_left_neighbor_id=marker("injection_left_neighbor_id"),
+            injection_right_neighbor_id=marker("injection_right_neighbor_id"),
             critic_suffix_ids=opt(("tokens", "critic_suffix_ids")),
-            av_template=opt(("prompt_templates", "av"), ("prompt_templates", "actor")),
+            av_template=av_template,
             ar_template=opt(("prompt_templates", "ar"), ("prompt_templates", "critic")),
             injection_scale=scale,
             mse_scale=SQRT_D_MODEL if mse_scale is _MISSING else mse_scale,

@@ -59,6 +59,39 @@ def test_published_ar_fixture_parses_layer_from_ar_num_hidden_layers():
         cfg.need_av("injection")
 
 
+@pytest.mark.parametrize(("role", "template_key"), [("critic", "critic"), ("ar", "ar"), ("critic", "ar")])
+def test_published_critic_sidecar_with_the_shared_tokens_block_parses(tmp_path, role, template_key):
+    """Issue 21: a published critic sidecar carries the tokens block but no AV template; nla said
+    "the AV fields come together" and stopped. The AR never injects: read as the AR it is."""
+    doc = yaml.safe_load((FIXTURES / "published_critic.nla_meta.yaml").read_text())
+    doc["role"] = role
+    doc["prompt_templates"] = {template_key: doc["prompt_templates"]["critic"]}
+    path = tmp_path / "nla_meta.yaml"
+    path.write_text(yaml.safe_dump(doc, allow_unicode=True))
+    cfg = load_sidecar(path)
+    assert cfg == NLAConfig(
+        kind="nla_model", role="ar", d_model=3584, layer_index=20, critic_suffix_ids=(1318, 29, 366, 1708, 29),
+        ar_template="Summary of the following text: <text>{explanation}</text> <summary>", mse_scale=59.87,
+        base_model="Qwen/Qwen2.5-7B-Instruct",
+    )
+    assert cfg.need_ar("scoring") is cfg and cfg.need_layer("building an AR") == 20
+    with pytest.raises(SidecarError, match="injection needs the AV fields"):
+        cfg.need_av("injection")
+    # written back, it is the documented AR layout, which reads the same
+    write_sidecar(tmp_path / "out", cfg)
+    assert load_sidecar(tmp_path / "out") == cfg
+
+
+def test_an_av_sidecar_missing_its_template_is_still_refused(tmp_path):
+    # the relaxation is for the AR only: an AV with the marker but no template cannot inject
+    doc = yaml.safe_load((FIXTURES / "published_critic.nla_meta.yaml").read_text())
+    doc["role"] = "av"
+    doc["extraction"]["injection_scale"] = 150.0
+    (tmp_path / "nla_meta.yaml").write_text(yaml.safe_dump(doc, allow_unicode=True))
+    with pytest.raises(SidecarError, match=r"the AV fields come together; .* but not prompt_templates.av"):
+        load_sidecar(tmp_path / "nla_meta.yaml")
+
+
 def test_full_av_fixture_parses():
     cfg = load_sidecar(FIXTURES / "full_av.nla_meta.yaml")
     assert cfg == NLAConfig(

@@ -635,3 +635,28 @@ def test_explore_refuses_a_bad_port_before_loading_anything(capsys, tmp_path, po
     assert code == 2
     assert any(message in ln and "--port" in ln for ln in lines), lines
     assert not any("Traceback" in ln for ln in lines)
+
+
+def test_an_ar_with_a_published_critic_sidecar_scores_like_the_original(pair, capsys, tmp_path):
+    """Issue 21: the same AR weights under the published critic layout (shared tokens block, no
+    AV template, injection_scale null, role critic) load and score exactly as under nla's own."""
+    import yaml
+
+    critic = tmp_path / "critic"
+    shutil.copytree(pair["ar"], critic)
+    doc = yaml.safe_load((critic / "nla_meta.yaml").read_text())
+    doc["role"] = "critic"
+    doc["extraction"]["injection_scale"] = None
+    doc["prompt_templates"] = {"critic": doc["prompt_templates"]["ar"]}
+    doc.pop("prompt_template_sha256", None)
+    assert {"injection_char", "injection_token_id", "critic_suffix_ids"} <= doc["tokens"].keys()
+    (critic / "nla_meta.yaml").write_text(yaml.safe_dump(doc, allow_unicode=True, sort_keys=False))
+    (tmp_path / "t.txt").write_text("a\nb\nc\nd\n")
+    outs = {}
+    for name, ckpt in (("nla", pair["ar"]), ("critic", critic)):
+        out = tmp_path / f"{name}.jsonl"
+        code, lines = cli(capsys, "score", "--ar", ckpt, "--texts", tmp_path / "t.txt", "--vectors",
+                          pair["root"] / "good.npy", "--out", out, "--device", "cpu")
+        assert code == 0, lines
+        outs[name] = out.read_text()
+    assert outs["critic"] == outs["nla"] and outs["nla"]
