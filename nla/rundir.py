@@ -64,6 +64,14 @@ def remove_stale_temp_dirs(out_dir: str | os.PathLike) -> list[Path]:
     return stale
 
 
+def _same_path(a: Any, b: Any) -> bool:
+    """Two spellings of one existing file or directory (``runs/x`` and ``/home/me/runs/x``, a
+    trailing slash, ``./``): a resume from the same place spelled another way is the same run."""
+    if not (isinstance(a, str) and isinstance(b, str)) or not (os.path.exists(a) or os.path.exists(b)):
+        return False
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
 def _differences(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
     out = []
     for name in sorted(set(saved) | set(now)):
@@ -78,7 +86,7 @@ def _differences(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -
             a = list(a)
         if isinstance(b, tuple):
             b = list(b)
-        if a != b:
+        if a != b and not _same_path(a, b):
             out.append(f"{key}: {a!r} in the run, {b!r} now")
     return out
 

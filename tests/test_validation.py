@@ -660,3 +660,28 @@ def test_an_ar_with_a_published_critic_sidecar_scores_like_the_original(pair, ca
         assert code == 0, lines
         outs[name] = out.read_text()
     assert outs["critic"] == outs["nla"] and outs["nla"]
+
+
+def test_resume_accepts_the_same_directory_spelled_another_way(pair, capsys, tmp_path, tiny_tokenizer,
+                                                               single_thread, monkeypatch):
+    """Issue 21: ``--resume`` refused ``runs/x`` as ``/abs/runs/x`` ("out_dir differs"); two
+    spellings of one path are one run, a different path is still refused."""
+    from train_helpers import dataset_sidecar, write_ar_dataset
+
+    vec = np.random.default_rng(0).standard_normal((8, D)).astype(np.float32)
+    write_ar_dataset(tmp_path / "ar.parquet", dataset_sidecar(tiny_tokenizer, pair["av"], D, 1), vec)
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "ar", "--set", "batch_size=4", "--set", "warmup_steps=1", "--set", "save_every=2",
+            "--set", "eval_fraction=0.25", "--set", "tensorboard=false", "--set", "progress=false", "--max-steps", "6"]
+    assert cli(capsys, *args, "--dataset", "ar.parquet", "--out", "run", "--set", "stop_after_steps=2")[0] == 0
+    code, lines = cli(capsys, *args, "--dataset", str(tmp_path / "ar.parquet"), "--out", str(tmp_path / "run") + "/",
+                      "--set", "stop_after_steps=4", "--resume")
+    assert code == 0, lines
+    assert (tmp_path / "run" / "checkpoints" / "step_00000004").is_dir()
+    shutil.copy(tmp_path / "ar.parquet", tmp_path / "other.parquet")
+    shutil.copy(tmp_path / "ar.parquet.nla_meta.yaml", tmp_path / "other.parquet.nla_meta.yaml")
+    code, lines = cli(capsys, *args, "--dataset", "other.parquet", "--out", "run", "--resume")
+    assert code == 2
+    # (the step-4 checkpoint recorded the spelling of the run that wrote it: the absolute one)
+    assert_one_error_line(lines, "train", "--resume: the config differs",
+                          f"dataset: {str(tmp_path / 'ar.parquet')!r} in the run, 'other.parquet' now")
