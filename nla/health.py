@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -34,15 +35,15 @@ class TrainingDivergedError(RuntimeError):
     """A training loss became NaN or infinite: the run stopped at that step."""
 
 
-def check_finite_loss(name: str, step: int, loss: float, setting: str, last_checkpoint: object = None,
-                      **measured: float) -> None:
-    """Raise :class:`TrainingDivergedError` when ``loss`` or any of ``measured`` (the step's other
-    training figures, e.g. the AR's ``pred_norm``) is not finite.
+def check_finite_loss(name: str, step: int, figures: Mapping[str, float], setting: str,
+                      last_checkpoint: object = None) -> None:
+    """Raise :class:`TrainingDivergedError` when any of ``figures`` (the step's loss and its other
+    training figures, e.g. the AR's ``pred_norm``) is not finite; the first one is named.
 
     name: the run ("ar", "av", "rl (AR update)"); step: the step that produced it; setting: what
     to look at, e.g. ``"lr=1e+06"``; last_checkpoint: the newest checkpoint on disk (None: none).
     """
-    bad = [(k, v) for k, v in {"loss": loss, **measured}.items() if not math.isfinite(v)]
+    bad = [(k, v) for k, v in figures.items() if not math.isfinite(v)]
     if not bad:
         return
     key, value = bad[0]

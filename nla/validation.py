@@ -235,11 +235,16 @@ CHECKSUM_FILE = "nla_checksums.sha256"
 _verified: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256, so a load hashes once
 
 
+def _file_key(path: Path) -> tuple[str, int, int]:
+    """(resolved path, size, mtime_ns): a file's identity for the once-per-file checks below."""
+    st = path.stat()
+    return str(path.resolve()), st.st_size, st.st_mtime_ns
+
+
 def _sha256(path: Path) -> str:
     import hashlib
 
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    key = _file_key(path)
     if key not in _verified:
         h = hashlib.sha256()
         with path.open("rb") as fh:
@@ -274,8 +279,7 @@ def check_finite_weights(path: str | os.PathLike) -> None:
     from safetensors import safe_open
 
     f = Path(path)
-    st = f.stat()
-    key = (str(f.resolve()), st.st_size, st.st_mtime_ns)
+    key = _file_key(f)
     if key in _finite:
         return
     with safe_open(str(f), framework="pt") as fh:

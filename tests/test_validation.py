@@ -455,10 +455,10 @@ def test_a_dead_run_with_finite_losses_still_warns(caplog):
         warned = [mon.observe(step, grad_norm=0.0) for step in range(1, 6)]
     assert [bool(w) for w in warned] == [False, False, True, False, False]
     assert "ar looks stuck: the gradient norm has been zero or non-finite for 3 steps in a row (step 3" in warned[2][0]
-    check_finite_loss("ar", 4, 1.0, "lr=1", None, pred_norm=3.0)  # finite: nothing
+    check_finite_loss("ar", 4, {"loss": 1.0, "pred_norm": 3.0}, "lr=1", None)  # finite: nothing
     with pytest.raises(TrainingDivergedError, match=r"^av: the training loss is nan at step 7: .* \(the last good "
                                                     r"checkpoint is ck/step_5\); lower lr=0.1"):
-        check_finite_loss("av", 7, float("nan"), "lr=0.1", "ck/step_5", pred_norm=float("inf"))
+        check_finite_loss("av", 7, {"loss": float("nan"), "pred_norm": float("inf")}, "lr=0.1", "ck/step_5")
 
 
 def test_pickled_weights_are_refused(pair, capsys, tmp_path):

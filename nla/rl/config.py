@@ -142,8 +142,7 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         _one_of("loss.advantage", ADVANTAGE_ESTIMATORS, self.advantage)
-        if self.value_clip is not None and (isinstance(self.value_clip, bool) or not isinstance(
-                self.value_clip, int | float) or not self.value_clip > 0):
+        if self.value_clip is not None and not self.value_clip > 0:  # the type: check_config_types
             _bad("loss.value_clip", "a number > 0 or null", self.value_clip)
         _one_of("loss.kl_estimator", KL_ESTIMATORS, self.kl_estimator)
         _one_of("loss.loss_agg", LOSS_AGG_MODES, self.loss_agg)

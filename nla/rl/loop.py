@@ -440,8 +440,8 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
                 m["ar_replay_rows"] = float(len(r_texts))
             m.update(groups.reconstructor.update(exps, golds))
             if m.get("ar_rows", 0) > 0:
-                check_finite_loss("rl (AR update)", step + 1, m["ar_loss"], f"reconstructor.lr={cfg.ar_lr_value:g}",
-                                  last_ckpt)
+                check_finite_loss("rl (AR update)", step + 1, {"loss": m["ar_loss"]},
+                                  f"reconstructor.lr={cfg.ar_lr_value:g}", last_ckpt)
             m["time_ar"] = time.perf_counter() - t2
             groups.rollout.sync_weights(groups.policy)
             step += 1

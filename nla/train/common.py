@@ -527,7 +527,7 @@ def run_training_loop(cfg: Any, spec: LoopSpec) -> TrainResult:
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + float(v) * w
             lr = opt.param_groups[0]["lr"]
-            check_finite_loss(spec.name, step + 1, total_loss, f"lr={cfg.lr:g}", last_ckpt, **sums)
+            check_finite_loss(spec.name, step + 1, {"loss": total_loss, **sums}, f"lr={cfg.lr:g}", last_ckpt)
             stepped, grad_norm = optimizer_step_guarded(model, opt, sched, cfg.max_grad_norm)
             skipped += 0 if stepped else 1
             step += 1
