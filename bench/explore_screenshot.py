@@ -12,11 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from pathlib import Path
 
 from nla.explore import Explorer, create_app, load_run
 from nla.explore.app import BackgroundServer
-from nla.explore.browser import HeadlessChromium
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test helper drives the browser
+from chromium import HeadlessChromium  # noqa: E402
 
 # The selected token: one true and one false claim, else any false claim, nearest a mid-range cosine.
 PICK = """(() => {

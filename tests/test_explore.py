@@ -412,8 +412,9 @@ def test_page_and_static_files_are_packaged(api):
 
 @pytest.mark.browser
 def test_browser_shows_an_explanation_and_a_score(explorer, run_dir, tmp_path):
+    from chromium import HeadlessChromium, find_chromium
+
     from nla.explore.app import BackgroundServer
-    from nla.explore.browser import HeadlessChromium, find_chromium
 
     if find_chromium() is None:
         if os.environ.get("CI"):

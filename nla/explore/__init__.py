@@ -3,8 +3,8 @@
 - ``engine``: text -> tokens -> activations at the pair's layer -> explanations and scores.
 - ``run``: what a quickstart or RL output dir says, for the run view.
 - ``app``: the Starlette app, its JSON API and the static page (``static/``, no build step).
-- ``browser``: a minimal headless-Chromium driver (DevTools protocol) for the browser test and
-  the docs screenshot.
+(The headless-Chromium driver of the browser test and the docs screenshot is a test helper:
+``tests/chromium.py``.)
 
 ``app`` needs the ``explore`` extra (starlette, uvicorn); import it from here lazily.
 """

@@ -1,4 +1,4 @@
-"""A minimal headless-Chromium driver over the DevTools protocol (for the browser test and the docs screenshot).
+"""A minimal headless-Chromium driver over the DevTools protocol: a test helper (the browser test and the docs screenshot).
 
 It starts the system's Chromium (Debian package ``chromium``; ``$NLA_CHROMIUM`` overrides the
 binary) with ``--remote-debugging-pipe`` and talks to it over two pipes (fd 3 in, fd 4 out,
