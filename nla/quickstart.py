@@ -38,6 +38,37 @@ class QuickstartPreset:
     max_new_tokens: int = 64
     probe: dict[str, Any] = field(default_factory=lambda: dict(n_train_docs=800, n_test_docs=150))
 
+    def check(self, name: str) -> None:
+        """Build every stage's config from this preset (placeholder paths; no file is read), so a
+        misspelt or mistyped setting fails here, naming the preset, the stage and the field,
+        before any stage runs (the stages' own config types do the checking)."""
+        from nla.datagen.config import DatagenConfig
+        from nla.rl.config import RLConfig
+        from nla.train.config import ARTrainConfig, AVTrainConfig
+        from nla.world.build import WORLD_PRESETS
+
+        if self.world not in WORLD_PRESETS:
+            raise ValueError(f"preset {name!r}: world: expected one of {sorted(WORLD_PRESETS)}, found {self.world!r}")
+        here = Path("preset-check")
+        rl = rl_settings(self, here)
+        checks = {
+            "datagen": lambda: DatagenConfig.from_dict(dict(out_dir=str(here), source="world", world_preset=self.world,
+                                                            explainer="world", **self.datagen)),
+            "ar": lambda: ARTrainConfig(dataset=str(here / "a.parquet"), out_dir=str(here), **self.ar),
+            "av": lambda: AVTrainConfig(dataset=str(here / "a.parquet"), out_dir=str(here), **self.av),
+            "rl": lambda: RLConfig.from_dict(dict(av=str(here), ar=str(here), dataset=str(here / "r.parquet"),
+                                                  out_dir=str(here), **rl)),
+        }
+        for stage, build in checks.items():
+            try:
+                build()
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"preset {name!r}, stage {stage}: {err}") from None
+        for key in self.probe:
+            if key not in ("n_train_docs", "n_test_docs"):
+                raise ValueError(f"preset {name!r}, stage probe: unknown setting {key!r}; "
+                                 "expected n_train_docs, n_test_docs")
+
 
 _TRAIN_COMMON = dict(warmup_steps=20, min_lr_ratio=0.1, max_grad_norm=1.0, log_every=10, keep_last=1,
                      eval_fraction=0.1, tensorboard=True)
@@ -190,6 +221,7 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed: expected an integer >= 0, found {seed!r}")
     p = PRESETS[preset]
+    p.check(preset)
     # One count for every stage, fixed for the run (unless "auto" was asked for): the same seed gives
     # the same numbers whatever else the machine runs.
     threads = threads if threads == AUTO else resolve_threads(threads)

@@ -121,3 +121,21 @@ def test_rl_step_bench_runs_on_a_quickstart_run(run_dir, tmp_path):
     lens = {k: toks[k] / rates[k] for k in rates}  # mean response length of each trainer
     assert all(1 <= n <= res["config"]["rollout"]["max_response_len"] for n in lens.values())
     assert res["inline_vs_thread"] > 0 and 0 < res["policy_rate_share"]
+
+
+def test_every_preset_builds_each_stages_config_and_a_bad_setting_is_named():
+    import dataclasses
+
+    from nla.quickstart import PRESETS
+
+    for name, preset in PRESETS.items():
+        preset.check(name)  # the stage config types accept every setting
+    bad = dataclasses.replace(PRESETS["tiny"], ar={**PRESETS["tiny"].ar, "max_stepz": 3})
+    with pytest.raises(ValueError, match=r"preset 'mine', stage ar: .*unexpected keyword argument 'max_stepz'"):
+        bad.check("mine")
+    bad = dataclasses.replace(PRESETS["tiny"], rl={**PRESETS["tiny"].rl, "steps": "30"})
+    with pytest.raises(ValueError, match=r"preset 'mine', stage rl: .*steps"):
+        bad.check("mine")
+    bad = dataclasses.replace(PRESETS["tiny"], world="huge")
+    with pytest.raises(ValueError, match=r"preset 'mine': world: expected one of \[.*'tiny'.*\], found 'huge'"):
+        bad.check("mine")
