@@ -395,24 +395,27 @@ def main() -> None:
     if "passes" not in skip:
         # The same rollout through the reference and policy passes, fast (shared prefix, trimmed
         # padding, length-ordered micro-batches) and plain (every row's prompt + padded response).
-        import nla.rl.workers as W
+        import nla.rl.kernels as K
+        import nla.rl.roles.policy as P
 
         ro = cfg.rollout
         torch.manual_seed(0)
         r = groups.rollout.generate(data.vectors[:B], torch.arange(B), G, ro.max_response_len)
         adv = A.broadcast_to_tokens(A.grpo_advantages(torch.randn(r.n), G), r.response_mask.float())
-        fast_fn, plain_order = W.response_logprobs, W.by_group_length
+        fast_fn, plain_order = K.response_logprobs, K.by_group_length
         times = defaultdict(list)
         for rep in range(args.steps + 1):
             for mode in ("plain", "fast"):
-                if mode == "plain":
-                    W.response_logprobs = lambda *a, **kw: fast_fn(*a, **{**kw, "share_prefix": False})
-                    W.by_group_length = lambda rollout, rows: torch.arange(len(rows))
+                if mode == "plain":  # in both modules that call them (the kernels and the policy role)
+                    for mod in (K, P):
+                        mod.response_logprobs = lambda *a, **kw: fast_fn(*a, **{**kw, "share_prefix": False})
+                        mod.by_group_length = lambda rollout, rows: torch.arange(len(rows))
                 try:
                     ref, dr = _timed(groups.reference.logprobs, r)
                     _, dp = _timed(groups.policy.update, r, adv, ref)
                 finally:
-                    W.response_logprobs, W.by_group_length = fast_fn, plain_order
+                    for mod in (K, P):
+                        mod.response_logprobs, mod.by_group_length = fast_fn, plain_order
                 if rep:
                     times[mode, "reference"].append(dr)
                     times[mode, "policy"].append(dp)

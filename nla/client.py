@@ -6,7 +6,7 @@ The client wraps an AV checkpoint (vector -> text), an AR checkpoint (text -> ve
 both, with the sidecar that tells how to use them. It reuses the RL loop's pieces rather
 than copying them, so what the client measures is what training optimised:
 
-1. Generation is ``nla.rl.workers.RolloutWorker.generate``: injection through the hook, the
+1. Generation is ``nla.rl.roles.RolloutWorker.generate``: injection through the hook, the
    marker token suppressed, EOS handling, decoding with special tokens kept.
 2. Reconstruction tokenises like AR training (``nla.reconstructor.tokenize_ar_texts``: right
    padding, left truncation so the AR template's tail survives) and reads the prediction at
@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from nla import arch
 from nla.reconstructor import VALUE_HEAD_FILE, Reconstructor, tokenize_ar_texts
-from nla.reward import failed_mse
+from nla.reward import Status, failed_mse
 from nla.sidecar import SIDECAR_NAME, NLAConfig, SidecarError, load_sidecar, verify_tokenizer
 from nla.threads import adapt_threads
 from nla.validation import check_checkpoint, check_vectors
@@ -52,8 +52,9 @@ __all__ = [
     "load_vectors",
 ]
 
-COMPLETED, TRUNCATED, FAILED = "completed", "truncated", "failed"
-STATUSES = (COMPLETED, TRUNCATED, FAILED)
+# The sample statuses (``nla.reward.Status``, a str enum: ``Status.COMPLETED == "completed"``).
+COMPLETED, TRUNCATED, FAILED = Status.COMPLETED, Status.TRUNCATED, Status.FAILED
+STATUSES = tuple(Status)
 
 
 class NLAClientError(ValueError):
@@ -73,11 +74,11 @@ class Verbalization:
 
     text: str
     explanation: str | None
-    status: str
+    status: Status
     row: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"row": self.row, "status": self.status, "explanation": self.explanation, "text": self.text}
+        return {"row": self.row, "status": str(self.status), "explanation": self.explanation, "text": self.text}
 
 
 @dataclass(frozen=True)
@@ -306,9 +307,7 @@ class NLAClient:
         batch_size: int = 64,
     ) -> list[Verbalization]:
         """Explanations for RAW vectors [N, d]: N * ``n_samples`` results, samples of one vector contiguous."""
-        from nla.rl.types import COMPLETED as R_COMPLETED
-        from nla.rl.types import TRUNCATED as R_TRUNCATED
-        from nla.rl.workers import RolloutWorker
+        from nla.rl.roles import RolloutWorker
 
         side = self._need_av("verbalize")
         vec = _as_tensor(vectors, side.d_model, "AV")
@@ -332,9 +331,7 @@ class NLAClient:
                 rows = torch.arange(start, start + chunk.shape[0])
                 ro = self._rollout.generate(chunk, rows, n_samples, max_new_tokens, temperature=temperature,
                                             greedy=greedy)
-                for i in range(ro.n):
-                    code = int(ro.status[i])
-                    status = COMPLETED if code == R_COMPLETED else TRUNCATED if code == R_TRUNCATED else FAILED
+                for i, status in enumerate(ro.statuses()):
                     out.append(Verbalization(ro.texts[i], ro.explanations[i], status, int(ro.prompt_rows[i])))
         return out
 

@@ -10,17 +10,18 @@ Conventions (where this departs from a bare metric):
 2. FVE's baseline is the raw-mean one (mean of the normalised golds, not renormalised); the
    normalised-mean baseline is reported as its own row (its FVE is negative), never used
    as the denominator.
-3. Fact recall / precision (world data) are means over rows of ``nla.world.grade``; a failed
+3. Fact recall / precision are means over rows of the dataset's grader (``nla.graders``; the
+   world's is ``nla.world.grade``); a failed
    sample is graded as the empty text (it claimed nothing). ``by_kind`` averages over the
    rows where that kind occurs in the truth or the prediction.
-4. Degeneracy (world data): the share of explanations with a repeated sentence, a broken
-   quote, or a sentence outside the world's explanation language (``nla.world.explain.degeneracy``);
+4. Degeneracy: the share of explanations the grader's format checks flag (the world's: a
+   repeated sentence, a broken quote, or a sentence outside its explanation language);
    failed samples are counted under ``failed``, not here.
 5. ``frozen_ar``: the AV's explanations are also read by an AR that never saw them (the
    warm-start AR). A private code between an RL'd AV and its live AR shows up as a gap
    between "AV → AR round trip" and "AV → frozen warm-start AR".
-6. The oracle row (world data with ``current_word``): every true fact and the current word,
-   nothing else (``nla.world.explain.oracle_explanation``), read by the live AR: the ceiling of
+6. The oracle row (a grader with an oracle, data with ``current_word``): every true fact and
+   the current word, nothing else (the world's ``oracle_explanation``), read by the live AR: the ceiling of
    the round trip for explanations that say only true things. A round trip above it comes
    from something other than the facts (a private code, or luck on the phrasing).
 7. The text-explainer row uses the dataset's ``explanation`` column when present (that is
@@ -44,22 +45,13 @@ import torch
 from torch import Tensor
 
 from nla.client import NLAClient, NLAClientError, ScoreResult, failed_mse
+from nla.graders import DatasetGrader, Faithfulness, faithfulness, get_grader, grader_for_table
 from nla.reward import charge_failures
-from nla.vectors import cosine, mse_nrm, normalize_activation, predict_mean_baselines
+from nla.vectors import cosine, fve_of_mse, mse_nrm, normalize_activation, predict_mean_baselines
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["EvalReport", "EvalRow", "Faithfulness", "Sample", "evaluate_pair", "faithfulness", "row_stats"]
-
-
-@dataclass(frozen=True)
-class Faithfulness:
-    """Mean fact recall / precision over rows; ``by_kind[kind] = (recall, precision)``."""
-
-    recall: float
-    precision: float
-    by_kind: dict[str, tuple[float, float]]
-    n: int
 
 
 # Row names the report and other readers look rows up by.
@@ -78,8 +70,8 @@ class EvalRow:
     cosine / mse_mean / mse_p10 / mse_p50 / mse_p90: over all N rows (failures per convention 1).
     failure_rate: share of samples without an explanation (0 for text-fed rows).
     faithfulness: fact recall/precision of the explanations (world data only).
-    degenerate: share of explanations flagged by ``nla.world.explain.degeneracy`` under
-        ``any`` / ``repeated`` / ``broken_quote`` / ``outside_language`` (world data only).
+    degenerate: share of explanations flagged by the grader's format checks: ``any`` and each
+        check (the world's: ``repeated`` / ``broken_quote`` / ``outside_language``).
     """
 
     name: str
@@ -197,20 +189,20 @@ def row_stats(name: str, mse: Tensor, cos: Tensor, raw_mean: float, failure_rate
               faith: Faithfulness | None = None, degenerate: dict[str, float] | None = None) -> EvalRow:
     """Table row from per-row mse [N] and cosine [N] (failures already filled per convention 1)."""
     q = torch.quantile(mse.double(), torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)).tolist()
-    return EvalRow(name=name, fve=1.0 - float(mse.double().mean()) / raw_mean, cosine=float(cos.double().mean()),
+    return EvalRow(name=name, fve=fve_of_mse(mse, raw_mean), cosine=float(cos.double().mean()),
                    mse_mean=float(mse.double().mean()), mse_p10=q[0], mse_p50=q[1], mse_p90=q[2],
                    failure_rate=failure_rate, faithfulness=faith, degenerate=degenerate)
 
 
-def degeneracy_rates(texts: list[str | None]) -> dict[str, float]:
-    """Share of ``texts`` flagged by each degeneracy check (convention 4); None counts as not flagged."""
-    from nla.world.explain import degeneracy
-
-    flags = [degeneracy(t) for t in texts]
+def degeneracy_rates(texts: list[str | None], grader: DatasetGrader | None = None) -> dict[str, float]:
+    """Share of ``texts`` flagged by each of the grader's format checks, and by ``any`` of them
+    (convention 4; the world grader when None); None counts as not flagged."""
+    grader = grader or get_grader("world")
+    flags = [grader.degeneracy(t) for t in texts]
     n = max(1, len(flags))
-    return {"any": sum(f.any for f in flags) / n, "repeated": sum(f.repeated_sentence for f in flags) / n,
-            "broken_quote": sum(f.broken_quote for f in flags) / n,
-            "outside_language": sum(f.outside_language for f in flags) / n}
+    out = {"any": sum(any(f.values()) for f in flags) / n}
+    out.update({k: sum(f[k] for f in flags) / n for k in grader.degeneracy_checks})
+    return out
 
 
 def _filled(result: ScoreResult, gold: Tensor, scale: float | None) -> tuple[Tensor, Tensor]:
@@ -220,90 +212,49 @@ def _filled(result: ScoreResult, gold: Tensor, scale: float | None) -> tuple[Ten
     return mse, cos
 
 
-def faithfulness(texts: list[str | None], facts: list[list[str]]) -> Faithfulness:
-    """Mean recall / precision of ``texts`` (None = claimed nothing) against ``facts`` ("kind=value")."""
-    from nla.world import KINDS, Fact, grade
-
-    if len(texts) != len(facts):
-        raise ValueError(f"faithfulness: {len(texts)} texts for {len(facts)} fact lists")
-    recalls, precisions = [], []
-    per_kind: dict[str, list[tuple[float, float]]] = {k: [] for k in KINDS}
-    for i, (t, fs) in enumerate(zip(texts, facts, strict=True)):
-        try:
-            truth = [Fact.parse(s) for s in (fs or [])]
-        except ValueError as err:
-            raise ValueError(f"facts: row {i}: {err}; the column must hold 'kind=value' strings of the world") from None
-        g = grade(t or "", truth)
-        recalls.append(g.recall)
-        precisions.append(g.precision)
-        for k, rp in g.by_kind.items():
-            per_kind[k].append(rp)
-    by_kind = {k: (float(np.mean([r for r, _ in v])), float(np.mean([p for _, p in v])))
-               for k, v in per_kind.items() if v}
-    return Faithfulness(float(np.mean(recalls)), float(np.mean(precisions)), by_kind, len(texts))
-
-
-def _text_explainer_outputs(table: Any, dataset_path: Path) -> list[str] | None:
-    """The data's text explainer per row: the ``explanation`` column, or the world TextExplainer (convention 4)."""
-    cols = table.column_names
-    if "explanation" in cols:
-        return None  # the reference row already covers it
-    if not {"facts", "doc_id", "position"} <= set(cols):
-        return None
-    from nla.datagen.explain import row_key
-    from nla.world import Fact, TextExplainer
-
-    seed, kw = 0, {}
-    try:
-        import yaml
-
-        from nla.datagen.config import DatagenConfig
-        from nla.sidecar import load_sidecar
-
-        prov = load_sidecar(dataset_path).training.get("datagen_config")
-        if prov and Path(prov).is_file():
-            dc = DatagenConfig.from_dict(yaml.safe_load(Path(prov).read_text()) or {})
-            w = dc.world_explainer
-            seed, kw = dc.seed, dict(min_facts=w.min_facts, max_facts=w.max_facts, wrong_rate=w.wrong_rate,
-                                     word_rate=w.word_rate, fact_rate=w.fact_rate)
-    except (OSError, ValueError) as err:
-        logger.warning("text explainer baseline: cannot read the datagen settings (%s); using defaults", err)
-    explainer = TextExplainer(seed=seed, **kw)
-    words = table.column("current_word").to_pylist() if "current_word" in cols else [None] * table.num_rows
-    out = []
-    for fs, doc, pos, word in zip(table.column("facts").to_pylist(), table.column("doc_id").to_pylist(),
-                                  table.column("position").to_pylist(), words, strict=True):
-        out.append(explainer.explain(frozenset(Fact.parse(s) for s in (fs or [])), row_key(doc, pos), word))
-    return out
-
-
 # ------------------------------------------------------------------ the evaluation
-def evaluate_pair(
-    client: NLAClient,
-    dataset_path: str | os.PathLike,
-    *,
-    max_rows: int | None = None,
-    seed: int = 0,
-    text_explainer_baseline: bool = True,
-    n_show: int = 8,
-    max_new_tokens: int = 150,
-    batch_size: int = 64,
-    frozen_ar: NLAClient | None = None,
-) -> EvalReport:
-    """Evaluate ``client`` (AR required; AV optional) on a held-out parquet. See module docstring.
+@dataclass
+class _Eval:
+    """What every row builder of one evaluation reads (and the report it appends to)."""
 
-    ``frozen_ar``: a client holding a second AR (the warm-start one) that also reads the AV's
-    explanations (convention 5); ``client`` itself when the pair's AR is the warm-start one,
-    and the round-trip row is that reading (no second pass).
+    client: NLAClient
+    table: Any
+    path: Path
+    gold: Tensor  # [N, d] RAW
+    dataset_rows: np.ndarray  # [N] parquet row of each evaluated row
+    base: Any  # predict_mean_baselines at the AR's scale
+    grader: DatasetGrader | None
+    facts: list[list[str]] | None
+    batch_size: int
+    max_new_tokens: int
+    report: EvalReport
 
-    ``max_rows`` takes a seeded random subset (kept in dataset order); ``seed`` also draws the
-    shuffled-vector permutation.
-    """
+    def graded(self, texts: list[str | None]) -> tuple[Faithfulness | None, dict[str, float] | None]:
+        """Faithfulness (rows with facts) and degeneracy (any grader) of ``texts``."""
+        if self.grader is None:
+            return None, None
+        faith = faithfulness(texts, self.facts, self.grader) if self.facts is not None else None
+        return faith, degeneracy_rates(texts, self.grader)
+
+    def read(self, name: str, texts: list[str | None], reader: NLAClient | None = None,
+             failure_rate: float | None = None,
+             grades: tuple[Faithfulness | None, dict[str, float] | None] | None = None) -> None:
+        """One row: ``reader``'s AR (the pair's by default) reconstructs ``texts``; failures charged
+        per convention 1."""
+        reader = reader or self.client
+        res = reader.score(texts, self.gold, batch_size=self.batch_size)
+        mse, cos = _filled(res, self.gold, reader.ar_sidecar.mse_scale_value())
+        faith, degen = grades if grades is not None else self.graded(texts)
+        self.report.rows.append(row_stats(name, mse, cos, self.base.raw_mean,
+                                          res.failure_rate if failure_rate is None else failure_rate, faith, degen))
+
+
+def _load_eval_table(client: NLAClient, path: Path, max_rows: int | None, rng: np.random.Generator
+                     ) -> tuple[Any, Tensor, np.ndarray]:
+    """(table, RAW gold [N, d], parquet rows [N]) of the dataset, a seeded subset when ``max_rows``."""
     from nla.datagen.io import read_parquet, read_vectors
     from nla.sidecar import sidecar_path_for
 
-    path = Path(dataset_path)
-    ar_side = client._need_ar("evaluate_pair")
     if not sidecar_path_for(path).is_file():
         raise FileNotFoundError(
             f"dataset: {path} has no sidecar {sidecar_path_for(path).name}; datasets are only usable with their "
@@ -318,86 +269,134 @@ def evaluate_pair(
             f"dataset: {path} holds d={vectors.shape[1]} vectors but the checkpoints' sidecar says d_model="
             f"{client.d_model}; evaluate on data extracted from the same subject model"
         )
-    rng = np.random.default_rng(seed)
     dataset_rows = np.arange(vectors.shape[0])  # samples report rows of the parquet, not of the subset
     if max_rows is not None and max_rows < vectors.shape[0]:
         if max_rows < 2:
             raise NLAClientError(f"max_rows: FVE needs at least 2 rows, found {max_rows}")
         idx = np.sort(rng.choice(vectors.shape[0], size=max_rows, replace=False))
         table, vectors, dataset_rows = table.take(idx), vectors[idx], idx
-    n = vectors.shape[0]
     gold = torch.from_numpy(np.array(vectors, dtype=np.float32))  # a writable copy: arrow buffers are read-only
+    return table, gold, dataset_rows
+
+
+def _av_rows(ev: _Eval, frozen_ar: NLAClient | None, rng: np.random.Generator) -> tuple[list, ScoreResult]:
+    """The AV's rows: the round trip, the frozen warm-start AR's reading of the same texts
+    (convention 5) and the shuffled-vector control; returns (verbalizations, round-trip scores)."""
+    client, gold, n = ev.client, ev.gold, ev.gold.shape[0]
+    logger.info("eval: verbalizing %d rows", n)
+    verbs, rt = client.round_trip(gold, max_new_tokens=ev.max_new_tokens, batch_size=ev.batch_size)
+    texts = [v.explanation for v in verbs]
+    mse, cos = _filled(rt, gold, client.ar_sidecar.mse_scale_value())
+    grades = ev.graded(texts)
+    ev.report.rows.append(row_stats(ROW_ROUND_TRIP, mse, cos, ev.base.raw_mean, rt.failure_rate, *grades))
+    if frozen_ar is client:  # the pair's AR is the warm-start one (before RL): the same reading
+        ev.report.rows.append(replace(ev.report.rows[-1], name=ROW_FROZEN))
+    elif frozen_ar is not None:
+        frozen_ar._need_ar("evaluate_pair(frozen_ar=...)")
+        if frozen_ar.d_model != client.d_model:
+            raise NLAClientError(f"frozen_ar: d_model {frozen_ar.d_model} differs from the pair's {client.d_model}")
+        ev.read(ROW_FROZEN, texts, reader=frozen_ar, grades=grades)  # same texts, same grades
+    perm = torch.from_numpy(rng.permutation(n))
+    logger.info("eval: verbalizing %d shuffled vectors", n)
+    sverbs = client.verbalize(gold[perm], max_new_tokens=ev.max_new_tokens, batch_size=ev.batch_size)
+    ev.read(ROW_SHUFFLED, [v.explanation for v in sverbs])
+    return verbs, rt
+
+
+def _text_rows(ev: _Eval, text_explainer_baseline: bool) -> tuple[list[str] | None, list[str] | None]:
+    """Rows fed with texts, not the AV: the reference explanations, the dataset's text explainer
+    (convention 7) and the oracle (convention 6); returns (reference, text-explainer texts)."""
+    cols = ev.table.column_names
+    reference = ev.table.column("explanation").to_pylist() if "explanation" in cols else None
+    if reference is not None:
+        ev.read("AR on reference explanations", reference)
+    te = None
+    if text_explainer_baseline and ev.grader is not None:
+        te = ev.grader.text_explainer(ev.table, ev.path)
+    if te is not None:
+        ev.read("text explainer → AR", te, failure_rate=0.0)
+    if ev.grader is not None and ev.facts is not None and "current_word" in cols:
+        words = ev.table.column("current_word").to_pylist()
+        oracle = [ev.grader.oracle(list(fs or []), w, int(r))
+                  for fs, w, r in zip(ev.facts, words, ev.dataset_rows, strict=True)]
+        if all(o is not None for o in oracle):
+            ev.read(ROW_ORACLE, oracle)
+    return reference, te
+
+
+def _mean_rows(ev: _Eval) -> None:
+    """The two predict-the-mean baselines (convention 2: only the raw one is FVE's denominator)."""
+    scale = ev.client.ar_sidecar.mse_scale_value()
+    g = normalize_activation(ev.gold, scale)
+    mu = g.mean(0, keepdim=True).expand_as(g)
+    ev.report.rows.append(row_stats("predict the mean (raw)", ((g - mu) ** 2).mean(-1), cosine(mu, g),
+                                    ev.base.raw_mean))
+    ev.report.rows.append(row_stats("predict the mean (normalised)", mse_nrm(mu, g, scale), cosine(mu, g),
+                                    ev.base.raw_mean))
+
+
+def _samples(ev: _Eval, show: list[int], verbs: list | None, rt: ScoreResult | None,
+             reference: list[str] | None, te: list[str] | None) -> None:
+    """The shown rows beside their ground truth."""
+    cols = ev.table.column_names
+    contexts = ev.table.column("context").to_pylist() if "context" in cols else None
+    for i in show:
+        if verbs is not None:
+            expl, status, m = verbs[i].explanation, str(verbs[i].status), float(rt.mse_nrm[i])
+        else:
+            expl, status, m = None, "not verbalized (no AV)", float("nan")
+        ev.report.samples.append(Sample(row=int(ev.dataset_rows[i]), explanation=expl, status=status, mse_nrm=m,
+                                        facts=list(ev.facts[i] or []) if ev.facts is not None else None,
+                                        context=contexts[i] if contexts is not None else None,
+                                        reference=reference[i] if reference is not None
+                                        else (te[i] if te is not None else None)))
+
+
+def evaluate_pair(
+    client: NLAClient,
+    dataset_path: str | os.PathLike,
+    *,
+    max_rows: int | None = None,
+    seed: int = 0,
+    text_explainer_baseline: bool = True,
+    n_show: int = 8,
+    max_new_tokens: int = 150,
+    batch_size: int = 64,
+    frozen_ar: NLAClient | None = None,
+    grader: str | DatasetGrader | None = None,
+) -> EvalReport:
+    """Evaluate ``client`` (AR required; AV optional) on a held-out parquet. See module docstring.
+
+    ``frozen_ar``: a client holding a second AR (the warm-start one) that also reads the AV's
+    explanations (convention 5); ``client`` itself when the pair's AR is the warm-start one,
+    and the round-trip row is that reading (no second pass).
+
+    ``grader``: the dataset's grader (``nla.graders``: a name or an instance); None takes the one
+    the dataset names (``grader_for_table``). Without one, faithfulness is not measured.
+
+    ``max_rows`` takes a seeded random subset (kept in dataset order); ``seed`` also draws the
+    shuffled-vector permutation.
+    """
+    path = Path(dataset_path)
+    ar_side = client._need_ar("evaluate_pair")
+    rng = np.random.default_rng(seed)
+    table, gold, dataset_rows = _load_eval_table(client, path, max_rows, rng)
+    n = gold.shape[0]
     scale = ar_side.mse_scale_value()
     base = predict_mean_baselines(gold, scale)
     if base.raw_mean <= 0:
         raise NLAClientError("dataset: the gold vectors have zero spread after normalisation; FVE is undefined")
-    cols = table.column_names
-    facts = table.column("facts").to_pylist() if "facts" in cols else None
+    if isinstance(grader, str):
+        grader = get_grader(grader)
+    elif grader is None:
+        grader = grader_for_table(table)
+    facts = table.column("facts").to_pylist() if "facts" in table.column_names else None
     report = EvalReport(dataset=str(path), n_rows=n, d_model=client.d_model, mse_scale=scale,
                         baseline_raw_mean_mse=base.raw_mean, baseline_normalized_mean_mse=base.normalized_mean)
-
-    def graded(texts: list[str | None]) -> tuple[Faithfulness | None, dict[str, float] | None]:
-        """Faithfulness and degeneracy of ``texts`` (world data only)."""
-        return (faithfulness(texts, facts), degeneracy_rates(texts)) if facts is not None else (None, None)
-
-    def read(name: str, texts: list[str | None], reader: NLAClient = client, failure_rate: float | None = None,
-             grades: tuple[Faithfulness | None, dict[str, float] | None] | None = None) -> None:
-        """One row: ``reader``'s AR reconstructs ``texts``; failures charged per convention 1."""
-        res = reader.score(texts, gold, batch_size=batch_size)
-        mse, cos = _filled(res, gold, reader.ar_sidecar.mse_scale_value())
-        faith, degen = grades if grades is not None else graded(texts)
-        report.rows.append(row_stats(name, mse, cos, base.raw_mean,
-                                     res.failure_rate if failure_rate is None else failure_rate, faith, degen))
-
-    verbs = None
-    rt = None
-    if client.av_model is not None:
-        logger.info("eval: verbalizing %d rows", n)
-        verbs, rt = client.round_trip(gold, max_new_tokens=max_new_tokens, batch_size=batch_size)
-        texts = [v.explanation for v in verbs]
-        mse, cos = _filled(rt, gold, scale)
-        grades = graded(texts)
-        report.rows.append(row_stats(ROW_ROUND_TRIP, mse, cos, base.raw_mean, rt.failure_rate, *grades))
-        if frozen_ar is client:  # the pair's AR is the warm-start one (before RL): the same reading
-            report.rows.append(replace(report.rows[-1], name=ROW_FROZEN))
-        elif frozen_ar is not None:
-            frozen_ar._need_ar("evaluate_pair(frozen_ar=...)")
-            if frozen_ar.d_model != client.d_model:
-                raise NLAClientError(f"frozen_ar: d_model {frozen_ar.d_model} differs from the pair's {client.d_model}")
-            read(ROW_FROZEN, texts, reader=frozen_ar, grades=grades)  # same texts, same grades
-        perm = torch.from_numpy(rng.permutation(n))
-        logger.info("eval: verbalizing %d shuffled vectors", n)
-        sverbs = client.verbalize(gold[perm], max_new_tokens=max_new_tokens, batch_size=batch_size)
-        read(ROW_SHUFFLED, [v.explanation for v in sverbs])
-    reference = table.column("explanation").to_pylist() if "explanation" in cols else None
-    if reference is not None:
-        read("AR on reference explanations", reference)
-    te = _text_explainer_outputs(table, path) if text_explainer_baseline else None
-    if te is not None:
-        read("text explainer → AR", te, failure_rate=0.0)
-    if facts is not None and "current_word" in cols:
-        from nla.world import Fact
-        from nla.world.explain import oracle_explanation
-
-        words = table.column("current_word").to_pylist()
-        read(ROW_ORACLE, [oracle_explanation([Fact.parse(f) for f in (fs or [])], w, int(r))
-                          for fs, w, r in zip(facts, words, dataset_rows, strict=True)])
-    g = normalize_activation(gold, scale)
-    mu = g.mean(0, keepdim=True).expand_as(g)
-    report.rows.append(row_stats("predict the mean (raw)", ((g - mu) ** 2).mean(-1), cosine(mu, g), base.raw_mean))
-    report.rows.append(row_stats("predict the mean (normalised)", mse_nrm(mu, g, scale), cosine(mu, g),
-                                 base.raw_mean))
-
+    ev = _Eval(client, table, path, gold, dataset_rows, base, grader, facts, batch_size, max_new_tokens, report)
+    verbs, rt = _av_rows(ev, frozen_ar, rng) if client.av_model is not None else (None, None)
+    reference, te = _text_rows(ev, text_explainer_baseline)
+    _mean_rows(ev)
     show = sorted(rng.choice(n, size=min(n_show, n), replace=False).tolist()) if n_show > 0 else []
-    contexts = table.column("context").to_pylist() if "context" in cols else None
-    for i in show:
-        if verbs is not None:
-            expl, status, m = verbs[i].explanation, verbs[i].status, float(rt.mse_nrm[i])
-        else:
-            expl, status, m = None, "not verbalized (no AV)", float("nan")
-        report.samples.append(Sample(row=int(dataset_rows[i]), explanation=expl, status=status, mse_nrm=m,
-                                     facts=list(facts[i] or []) if facts is not None else None,
-                                     context=contexts[i] if contexts is not None else None,
-                                     reference=reference[i] if reference is not None
-                                     else (te[i] if te is not None else None)))
+    _samples(ev, show, verbs, rt, reference, te)
     return report

@@ -25,6 +25,7 @@ caches the model or its outputs.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -35,10 +36,11 @@ from typing import Generic, TypeVar
 import torch
 from torch import Tensor
 
+from nla.graders import available_graders, get_grader
 from nla.vectors import mse_nrm
-from nla.world.explain import degeneracy, has_repeated_sentence, split_sentences
 
 __all__ = [
+    "Status",
     "FAILED_EXTRACTION_MSE",
     "FAILED_EXTRACTION_REWARD",
     "FAILED_EXTRACTION_REWARD_LOG",
@@ -47,11 +49,14 @@ __all__ = [
     "failed_mse",
     "charge_failures",
     "make_rewards",
+    "RewardSettings",
+    "ScoredSamples",
+    "score_samples",
+    "scorable_items",
     "LOG_MSE_FLOOR",
     "BatcherStats",
     "RewardBatcher",
     "RewardService",
-    "FORMAT_CHECKS",
     "extract_explanation",
     "failed_extraction_reward",
     "format_flags",
@@ -126,6 +131,102 @@ def make_rewards(mse: Tensor, failed: Tensor, failed_cost: Tensor | float, *, lo
     return rewards
 
 
+class Status(str, enum.Enum):
+    """What became of one AV sample: the one status type of the rollout, the client and the reports.
+
+    A ``str`` enum, so it compares, prints and serialises as its name (``"completed"``), while
+    ``code`` is the small integer a rollout stores per sample in a tensor (``Rollout.status``).
+    """
+
+    COMPLETED = "completed"  # the explanation was extracted
+    TRUNCATED = "truncated"  # no EOS within the generation cap
+    FAILED = "failed"  # ended, but the explanation tags could not be parsed
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def code(self) -> int:
+        return _STATUS_CODES[self]
+
+    @classmethod
+    def from_code(cls, code: int) -> Status:
+        try:
+            return _STATUS_BY_CODE[int(code)]
+        except KeyError:
+            raise ValueError(f"status code: expected one of {sorted(_STATUS_BY_CODE)}, found {code}") from None
+
+    @classmethod
+    def of(cls, text: str, truncated: bool) -> tuple[Status, str | None]:
+        """(status, explanation) of a decoded response: a truncated one is never parsed (its tags
+        may be cut), an ended one is ``COMPLETED`` exactly when ``extract_explanation`` finds one."""
+        if truncated:
+            return cls.TRUNCATED, None
+        exp = extract_explanation(text)
+        return (cls.FAILED, None) if exp is None else (cls.COMPLETED, exp)
+
+
+_STATUS_CODES = {Status.COMPLETED: 0, Status.TRUNCATED: 1, Status.FAILED: 2}
+_STATUS_BY_CODE = {c: s for s, c in _STATUS_CODES.items()}
+
+
+@dataclass(frozen=True)
+class RewardSettings:
+    """How MSEs become rewards: the -log variant, DAPO's soft overlong punishment (0 = off; the
+    ramp ends at ``max_response_len``) and the format penalty of grader ``format_checks``
+    (``nla.graders``). RL's ``reward`` section maps onto it (``nla.rl.loop.reward_settings``)."""
+
+    log_mse: bool = False
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
+    max_response_len: int = 0
+    format_checks: str = "generic"
+    format_penalty: float = 0.0
+
+    def rewards(self, mse: Tensor, failed: Tensor, failed_cost: Tensor | float, lengths: Tensor,
+                degenerate: Tensor | None = None) -> Tensor:
+        """``make_rewards`` with these settings; lengths [N]: response tokens (the overlong ramp)."""
+        shaping = None
+        if self.overlong_buffer_len > 0:
+            from nla.rl.algorithms import overlong_penalty  # the DAPO math stays with the other RL math
+
+            shaping = overlong_penalty(lengths, self.max_response_len, self.overlong_buffer_len,
+                                       self.overlong_penalty_factor)
+        return make_rewards(mse, failed, failed_cost, log_mse=self.log_mse, shaping=shaping, degenerate=degenerate,
+                            format_penalty=self.format_penalty)
+
+
+@dataclass(frozen=True)
+class ScoredSamples:
+    """What scoring makes of N samples: ``mse`` [N] (a failed sample holds the MSE it is charged),
+    ``degenerate`` [N] bool, ``rewards`` [N]."""
+
+    mse: Tensor
+    degenerate: Tensor
+    rewards: Tensor
+
+
+def scorable_items(explanations: Sequence[str | None], golds: Tensor, ok: Tensor) -> list[tuple[str, Tensor]]:
+    """(explanation, RAW gold [d]) of the samples the AR scores (``ok`` [N]: extraction succeeded)."""
+    return [(explanations[i], golds[i]) for i in ok.nonzero(as_tuple=True)[0].tolist()]
+
+
+def score_samples(scored_mse: Sequence[float] | Tensor, ok: Tensor, golds: Tensor,
+                  explanations: Sequence[str | None], lengths: Tensor, scale: float | None,
+                  settings: RewardSettings) -> ScoredSamples:
+    """The rewards of N samples from the AR's ``mse_nrm`` of the ``ok`` ones (``scored_mse``, in the
+    order of ``scorable_items``): failed samples charged ``failed_mse(gold, scale)`` at the AR's
+    scale, the format checks read from the explanations, then ``settings.rewards``."""
+    n = len(explanations)
+    mse = torch.full((n,), math.nan)
+    scored = torch.as_tensor(scored_mse, dtype=torch.float32) if len(scored_mse) else torch.zeros(0)
+    mse[ok] = scored
+    cost = failed_mse(golds, scale)
+    degenerate = format_flags(explanations, settings.format_checks)
+    return ScoredSamples(mse=charge_failures(mse, ~ok, cost), degenerate=degenerate,
+                         rewards=settings.rewards(mse, ~ok, cost, lengths, degenerate))
+
+
 def failed_extraction_reward(log_mse: bool) -> float:
     """Reward for a sample with no usable explanation: -2.0, or -log 2 when ``log_mse``."""
     return FAILED_EXTRACTION_REWARD_LOG if log_mse else FAILED_EXTRACTION_REWARD
@@ -180,27 +281,14 @@ def reward_from_mse(mse: Tensor, log_mse: bool = False) -> Tensor:
 
 
 # ------------------------------------------------------------------ format checks
-def _generic_degenerate(text: str) -> bool:
-    """A repeated sentence or an unbalanced double quote: degenerate in any explanation language."""
-    return has_repeated_sentence(split_sentences(text)) or text.count('"') % 2 == 1
-
-
-def _world_degenerate(text: str) -> bool:
-    """``nla.world.explain.degeneracy``: also a broken quotation or a sentence outside the world's language."""
-    return degeneracy(text).any
-
-
-# name -> text -> degenerate?  ``reward.format_checks`` picks one.
-FORMAT_CHECKS: dict[str, Callable[[str], bool]] = {"generic": _generic_degenerate, "world": _world_degenerate}
-
-
 def format_flags(explanations: Sequence[str | None], checks: str) -> Tensor:
-    """[N] bool: which explanations are degenerate under ``FORMAT_CHECKS[checks]`` (None: not flagged;
-    a failed extraction is charged on its own)."""
-    if checks not in FORMAT_CHECKS:
-        raise ValueError(f"format_checks: expected one of {sorted(FORMAT_CHECKS)}, found {checks!r}")
-    check = FORMAT_CHECKS[checks]
-    return torch.tensor([bool(e) and check(e) for e in explanations], dtype=torch.bool)
+    """[N] bool: which explanations the format checks of grader ``checks`` (``nla.graders``:
+    ``generic``, ``world`` or a registered one) flag as degenerate (None: not flagged; a failed
+    extraction is charged on its own). The checks read the text only, never ground truth."""
+    if checks not in available_graders():
+        raise ValueError(f"format_checks: expected one of {available_graders()}, found {checks!r}")
+    grader = get_grader(checks)
+    return torch.tensor([bool(e) and grader.degenerate(e) for e in explanations], dtype=torch.bool)
 
 
 # ------------------------------------------------------------------ batcher
@@ -270,7 +358,7 @@ class RewardBatcher(Generic[Item]):
         self._timer: asyncio.TimerHandle | None = None
         self._inflight: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nla-reward")
+        self._executor: ThreadPoolExecutor | None = None  # started by the first threaded batch
         self._closed = False
         self._stats = BatcherStats()
 
@@ -279,6 +367,10 @@ class RewardBatcher(Generic[Item]):
     @property
     def stats(self) -> BatcherStats:
         return self._stats
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     async def score(self, item: Item) -> float:
         """Reward for one item (waits until its batch has been scored)."""
@@ -318,7 +410,13 @@ class RewardBatcher(Generic[Item]):
         try:
             await self.flush()
         finally:
-            self._closed = True
+            self.close()
+
+    def close(self) -> None:
+        """Stop taking items and stop the worker thread (if one was started), without waiting for
+        queued items: for a batcher used through ``score_now`` only, or after ``aclose``. Idempotent."""
+        self._closed = True
+        if self._executor is not None:
             self._executor.shutdown(wait=False)
 
     async def __aenter__(self) -> RewardBatcher[Item]:
@@ -399,6 +497,8 @@ class RewardBatcher(Generic[Item]):
         loop = asyncio.get_running_loop()
         self._count(n_items=len(items))
         try:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nla-reward")
             call = loop.run_in_executor(self._executor, self.score_batch, items)
             try:
                 raw = await asyncio.wait_for(call, self.timeout_seconds)
@@ -522,7 +622,7 @@ class RewardService:
         return self.batcher.stats
 
     def submit(self, items: Sequence[Item]):  # -> concurrent.futures.Future[list[float]]
-        if self.batcher._closed:  # set by close() in both modes
+        if self.batcher.closed:  # set by close() in both modes
             raise RuntimeError("RewardService is closed; create a new one to score more items.")
         if self.inline:
             fut: Future = Future()
@@ -540,8 +640,7 @@ class RewardService:
     def close(self) -> None:
         """Flush what is queued, stop the loop thread. Idempotent."""
         if self._thread is None:  # inline: nothing queued, no thread
-            self.batcher._closed = True
-            self.batcher._executor.shutdown(wait=False)  # never started a thread
+            self.batcher.close()
             return
         if self._loop.is_closed():
             return

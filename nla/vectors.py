@@ -111,7 +111,14 @@ def fve(pred: Tensor, gold: Tensor, scale: float | None) -> float:
             "fve: the gold vectors have zero spread after normalisation (all rows point the same way "
             "or there is a single row); FVE is undefined. Evaluate on more than one distinct vector."
         )
-    return 1.0 - float(mse_nrm(pred, gold, scale).mean()) / baseline
+    return fve_of_mse(mse_nrm(pred, gold, scale), baseline)
+
+
+def fve_of_mse(mse: Tensor, baseline: float) -> float:
+    """``1 - mean(mse) / baseline`` (the mean in float64), for per-sample ``mse_nrm`` [N] whose
+    failed samples are already charged (``nla.reward.charge_failures``): the one FVE of RL's
+    logs (``fve_nrm``), ``nla eval``'s rows and ``fve``; ``baseline``: the raw-mean MSE."""
+    return 1.0 - float(mse.double().mean()) / baseline
 
 
 def _check_pair(pred: Tensor, gold: Tensor) -> None:

@@ -410,3 +410,54 @@ def test_reward_timeout_fails_every_waiting_sample():
     assert time.perf_counter() - t0 < 10  # nothing waited for the 30 s forward
     with pytest.raises(ValueError, match="timeout_seconds must be a finite number > 0 or None, found 0"):
         RewardService(stuck, 2, 0.01, timeout_seconds=0)
+
+
+def test_one_status_type_for_rollouts_clients_and_reports():
+    import json
+
+    from nla.client import STATUSES, Verbalization
+    from nla.reward import Status
+    from nla.rl.types import COMPLETED, FAILED_EXTRACTION, TRUNCATED
+
+    assert (COMPLETED, TRUNCATED, FAILED_EXTRACTION) == (0, 1, 2)
+    assert [Status.from_code(c) for c in (0, 1, 2)] == [Status.COMPLETED, Status.TRUNCATED, Status.FAILED]
+    assert Status.COMPLETED == "completed" and str(Status.FAILED) == "failed" and STATUSES == tuple(Status)
+    with pytest.raises(ValueError, match=r"status code: expected one of \[0, 1, 2\], found 7"):
+        Status.from_code(7)
+    # a truncated response is never parsed, even when its tags look whole
+    assert Status.of("<explanation>x</explanation>", truncated=True) == (Status.TRUNCATED, None)
+    assert Status.of("<explanation> x </explanation>", truncated=False) == (Status.COMPLETED, "x")
+    assert Status.of("<explanation>x", truncated=False) == (Status.FAILED, None)
+    v = Verbalization("t", None, Status.TRUNCATED, 3)
+    assert json.loads(json.dumps(v.to_dict()))["status"] == "truncated"
+
+
+def test_an_inline_reward_service_starts_no_thread_at_all():
+    import threading
+
+    from nla.reward import RewardService
+
+    before = {t.ident for t in threading.enumerate()}
+    service = RewardService(lambda items: [0.0] * len(items), 2, 0.01, inline=True)
+    assert service.score([1, 2, 3]) == [0.0, 0.0, 0.0]
+    assert {t.ident for t in threading.enumerate()} == before  # no batcher executor, no loop thread
+    service.close()
+    assert service.batcher.closed
+
+
+def test_score_samples_charges_failures_shapes_and_penalises_by_hand():
+    from nla.reward import RewardSettings, scorable_items, score_samples
+
+    golds = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    ok = torch.tensor([True, False, True])
+    explanations = ["a.", None, "x. x."]
+    assert [e for e, _ in scorable_items(explanations, golds, ok)] == ["a.", "x. x."]
+    settings = RewardSettings(overlong_buffer_len=4, max_response_len=8, format_checks="generic", format_penalty=0.5)
+    s = score_samples([0.5, 1.0], ok, golds, explanations, torch.tensor([3, 10, 5]), 2.0, settings)
+    # the failed row costs 2 s^2 / d = 2 * 4 / 4 = 2.0; overlong ramp from 8 - 4 = 4: 0, -1 (past 8), -0.25
+    assert s.mse.tolist() == [0.5, 2.0, 1.0]
+    assert s.degenerate.tolist() == [False, False, True]  # "x. x." repeats a sentence
+    assert s.rewards.tolist() == [-0.5, -3.0, -1.75]  # -1.0 - 0.25 - 0.5 on the last
+    log = score_samples([0.5, 1.0], ok, golds, explanations, torch.tensor([3, 3, 3]), 2.0,
+                        RewardSettings(log_mse=True))
+    assert log.rewards.tolist() == pytest.approx([-math.log(0.5), -math.log(2.0), 0.0])

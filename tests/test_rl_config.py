@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from nla.rl.config import BACKENDS, SECTIONS, LossConfig, RLConfig, load_rl_config, save_rl_config
-from nla.rl.workers import OptimSettings, PolicyLossSettings
+from nla.rl.roles import OptimSettings, PolicyLossSettings
 
 PATHS = dict(av="av_dir", ar="ar_dir", dataset="rl.parquet")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "rl"

@@ -17,7 +17,7 @@ from train_helpers import dataset_sidecar, explanations
 
 from nla.arch import load_tokenizer
 from nla.reconstructor import Reconstructor
-from nla.rl.workers import OptimSettings, ReconstructorWorker, has_dropout
+from nla.rl.roles import OptimSettings, ReconstructorWorker, has_dropout
 
 D_LAYER = 1
 
@@ -133,7 +133,7 @@ def test_a_window_that_does_not_match_the_update_is_dropped(tiny_model_dir, capl
     g_plain, g_fused = _grads_at_step(plain), _grads_at_step(fused)
     fused.begin_rollout()
     fused.mse_batch([(texts[0], golds[0]), ("the cat is happy", golds[1])])  # not the update's row 1
-    with caplog.at_level(logging.WARNING, logger="nla.rl.workers"):
+    with caplog.at_level(logging.WARNING, logger="nla.rl.roles.reconstructor"):
         m_fused = fused.update(texts, golds)
     assert "not the update's first rows" in caplog.text
     m_plain = plain.update(texts, golds)
@@ -142,13 +142,13 @@ def test_a_window_that_does_not_match_the_update_is_dropped(tiny_model_dir, capl
     # a gold that differs (same text) is a mismatch too
     fused.begin_rollout()
     fused.mse_batch([(texts[0], golds[0] + 1)])
-    assert fused._window_rows(texts, golds) == 0
+    assert fused.window.close(fused, texts, golds) == (0, 0.0)
     assert all(p.grad is None for p in fused.ar.parameters())
 
 
 def test_more_window_rows_than_update_rows_is_a_mismatch(tiny_model_dir):
     w, texts, golds = _window_over(tiny_model_dir, 4)
-    assert w._window_rows(texts[:2], golds[:2]) == 0
+    assert w.window.close(w, texts[:2], golds[:2]) == (0, 0.0)
 
 
 def test_dropout_turns_fusing_off(tiny_model_dir):
@@ -169,7 +169,7 @@ def test_dropout_turns_fusing_off(tiny_model_dir):
 def test_reward_sub_batches_equal_one_padded_batch(tiny_model_dir, monkeypatch):
     """mse_batch runs the rows longest first in sub-batches; each row's MSE is the one of a single
     left-padded batch in the given order (float tolerance), returned in the given order."""
-    import nla.rl.workers as W
+    import nla.rl.roles.reconstructor as W
     from nla.vectors import mse_nrm
 
     w = _worker(tiny_model_dir, "llama", 4)

@@ -489,7 +489,7 @@ def test_fused_ar_reward_runs_the_plain_loop(pair, tmp_path, variant, caplog):
         groups = build_groups(cfg)
         assert groups.reconstructor.fuse_reward
         groups.reconstructor.fuse_reward = fused
-        with caplog.at_level(logging.WARNING, logger="nla.rl.workers"):
+        with caplog.at_level(logging.WARNING, logger="nla.rl.roles.reconstructor"):
             run_rl(cfg, groups=groups)
         assert "not the update's first rows" not in caplog.text  # every window was used
         recs[fused] = [r for r in read_metrics(out / "rl.jsonl") if "reward_mean" in r]
@@ -503,7 +503,7 @@ def test_fused_ar_reward_runs_the_plain_loop(pair, tmp_path, variant, caplog):
 def test_update_batches_cover_every_row_when_the_rollout_does_not_divide():
     """Issue 20, defect 3: ``n // updates`` rows per update dropped the remainder (a dynamic-sampling
     rollout short of a full batch) and gave empty updates when n < updates."""
-    from nla.rl.workers import update_batches
+    from nla.rl.roles import update_batches
 
     sizes = [b.numel() for b in update_batches(10, 4)]
     assert sizes == [3, 3, 2, 2]

@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 import nla.rl.sampling as S
 from nla.injection import InjectionHook
 from nla.reward import extract_explanation
+from nla.rl.roles import RolloutWorker, parse_responses
 from nla.rl.types import COMPLETED, FAILED_EXTRACTION, TRUNCATED
-from nla.rl.workers import RolloutWorker, _parse_responses
 from nla.sidecar import canonical_av_prompt_ids
 
 B, G, L = 6, 3, 20
@@ -148,7 +148,7 @@ def test_rollout_worker_matches_the_hf_rollout(av, tiny_tokenizer):
     worker.eos_id = eos
     r = worker.generate(vectors, torch.arange(B), G, L, greedy=True)
     ref = hf_generate(model, worker.hook, prompt, vectors, G, L, eos, worker.pad_id, [side.injection_token_id])
-    mask, texts, truncated = _parse_responses(tiny_tokenizer, ref, eos)
+    mask, texts, truncated = parse_responses(tiny_tokenizer, ref, eos)
     assert torch.equal(r.response_mask, mask)
     assert torch.equal(r.response_ids, torch.where(mask.bool(), ref, torch.full_like(ref, worker.pad_id)))
     assert r.texts == texts

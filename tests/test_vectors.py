@@ -95,3 +95,12 @@ def test_resolve_scale():
         resolve_scale("sqrt_d", 16)
     with pytest.raises(ValueError, match="-1"):
         resolve_scale(-1.0, 16)
+
+
+def test_fve_of_mse_is_one_minus_mean_over_baseline_in_float64():
+    from nla.vectors import fve_of_mse
+
+    assert fve_of_mse(torch.tensor([1.0, 3.0]), 4.0) == 0.5  # 1 - 2/4
+    # float64 mean: 2^24 + 1 is lost in a float32 sum of [2^24, 1, ...] but not here
+    mse = torch.tensor([16777216.0, 1.0, 1.0, 0.0], dtype=torch.float32)
+    assert fve_of_mse(mse, 1.0) == 1.0 - (16777216.0 + 2.0) / 4

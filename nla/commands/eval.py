@@ -1,4 +1,4 @@
-"""`nla eval --av DIR --ar DIR --dataset PARQUET [--frozen-ar DIR] [--max-rows N] [--out DIR]`: held-out evaluation."""
+"""`nla eval --av DIR --ar DIR --dataset PARQUET [--frozen-ar DIR] [--grader NAME] [--max-rows N] [--out DIR]`: held-out evaluation."""
 
 from __future__ import annotations
 
@@ -30,6 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--samples", type=non_negative_int, default=8,
                    help="explanations shown next to their ground truth")
+    p.add_argument("--grader", help="the dataset's grader (nla.graders: generic, world, or one an installed package "
+                                    "registers under the nla.graders entry points); default: the one the "
+                                    "dataset names")
     p.add_argument("--no-text-explainer", action="store_true", help="skip the text-explainer baseline row")
     p.add_argument("--out", help="directory for eval.json and eval.md")
     add_model_args(p)
@@ -45,6 +48,10 @@ def run(args: argparse.Namespace) -> int:
     from nla.validation import check_device, check_output_path
 
     check_device(args.device)
+    if args.grader:
+        from nla.graders import get_grader
+
+        get_grader(args.grader)  # an unknown name is refused before any model loads
     if args.out:
         check_output_path(args.out, "--out")
     read_vectors(args.dataset)  # NaN / Inf / zero rows are named with the file before any model loads
@@ -52,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     frozen = NLAClient(None, args.frozen_ar, device=args.device, dtype=args.dtype) if args.frozen_ar else None
     report = evaluate_pair(client, args.dataset, max_rows=args.max_rows, seed=args.seed,
                            text_explainer_baseline=not args.no_text_explainer, n_show=args.samples,
-                           max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, frozen_ar=frozen)
+                           max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, frozen_ar=frozen,
+                           grader=args.grader)
     md = report.to_markdown()
     if args.out:
         out = Path(args.out)

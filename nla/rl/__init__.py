@@ -2,5 +2,5 @@
 
 ``nla.rl.algorithms`` holds the pure tensor math (advantages, losses, KL,
 DAPO helpers). Nothing is imported here, so importing one submodule never
-pulls in the heavier ones (workers, Ray backend).
+pulls in the heavier ones (roles, Ray backend).
 """

@@ -11,8 +11,8 @@ from pathlib import Path
 from nla.rl import algorithms as A
 from nla.rl.config import BACKENDS, RLConfig
 from nla.rl.distributed import DataParallel
+from nla.rl.roles import OptimSettings, ValueWorker, WorkerGroups
 from nla.rl.setup import RLSetupError, build_policy_roles, build_reconstructor_role, load_pair_sidecars
-from nla.rl.workers import OptimSettings, ValueWorker, WorkerGroups
 from nla.train.common import resolve_device
 
 

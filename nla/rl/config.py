@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nla.configcheck import check_config_types
-from nla.reward import FORMAT_CHECKS
+from nla.graders import available_graders
 from nla.rl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
 from nla.threads import check_threads
 from nla.train.config import parse_overrides, read_config_file, save_config
@@ -69,7 +69,7 @@ def _positive_floats(where: str, obj: Any, *names: str) -> None:
             _bad(f"{where}{name}", "a positive finite number", v)
 
 
-def _one_of(name: str, registry: dict, v: Any) -> None:
+def _one_of(name: str, registry: Any, v: Any) -> None:
     if v not in registry:
         _bad(name, f"one of {sorted(registry)}", v)
 
@@ -193,7 +193,7 @@ class OptimiserConfig:
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """How a sample's reward is made and served (``nla.rl.loop.shape_rewards``, ``RewardBatcher``).
+    """How a sample's reward is made and served (``nla.reward.RewardSettings``, ``RewardService``).
 
     log_mse: reward = -log(mse) instead of -mse. overlong_buffer_len / overlong_penalty_factor:
     DAPO's soft overlong punishment (0 = off). reward_batch_size / reward_flush_seconds: the
@@ -202,8 +202,8 @@ class RewardConfig:
     step0_guard_tol: refuse to start when the padded reward path and the AR's training layout
     disagree by more than this ratio of MSEs.
     format_penalty / format_checks: subtract ``format_penalty`` from the reward of an
-    explanation that ``nla.reward.FORMAT_CHECKS[format_checks]`` flags as degenerate
-    ("generic": a repeated sentence or an unbalanced quote; "world": also a sentence outside the
+    explanation that the format checks of grader ``format_checks`` (``nla.graders``) flag as
+    degenerate ("generic": a repeated sentence or an unbalanced quote; "world": also a sentence outside the
     world's explanation language). Without it RL learns to repeat and to misuse templates,
     which the live AR learns to read (a private code). 0 = off.
     """
@@ -219,7 +219,7 @@ class RewardConfig:
     format_checks: str = "generic"
 
     def __post_init__(self) -> None:
-        _one_of("reward.format_checks", FORMAT_CHECKS, self.format_checks)
+        _one_of("reward.format_checks", available_graders(), self.format_checks)
         if not (self.format_penalty >= 0 and math.isfinite(self.format_penalty)):
             _bad("reward.format_penalty", "a finite number >= 0 (0 = off)", self.format_penalty)
         _positive_ints("reward.", self, "reward_batch_size")

@@ -1,6 +1,6 @@
 """Data parallelism for the worker roles: which rows a rank takes, cross-rank sums, which rank answers.
 
-The roles of ``nla.rl.workers`` are written once against a ``DataParallel`` object:
+The roles of ``nla.rl.roles`` are written once against a ``DataParallel`` object:
 
 - ``DataParallel()`` (the local backend): one rank that owns every row; sums are the local
   values; optimizer state is the optimizer's own ``state_dict``; the module itself is saved.

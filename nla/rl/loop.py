@@ -3,10 +3,10 @@
 Per step, on-policy:
 1. sample ``rollout_batch_size`` prompts and generate ``n_samples_per_prompt`` explanations
    each with the current AV weights;
-2. score every sample with the *live* AR through the ``RewardBatcher`` (the AR returns
-   ``mse_nrm``); ``shape_rewards`` hands them to ``nla.reward.make_rewards`` (the one place a
-   reward is made), which charges a failed extraction or truncation the orthogonal MSE at the
-   AR's ``mse_scale`` (``failed_mse``), applies the -log variant, DAPO's optional overlong
+2. score every sample with the *live* AR through the ``RewardService`` (the AR returns
+   ``mse_nrm``); ``nla.reward.score_samples`` / ``make_rewards`` (the one place a reward is
+   made) charge a failed extraction or truncation the orthogonal MSE at the
+   AR's ``mse_scale`` (``failed_mse``), apply the -log variant, DAPO's optional overlong
    punishment and the format penalty;
 3. DAPO dynamic sampling (optional): drop groups with zero reward spread and refill;
 4. advantages (GRPO / Dr.GRPO / REINFORCE baseline / GAE over the value model);
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,14 +38,15 @@ import numpy as np
 import torch
 
 from nla.datagen.io import read_parquet, read_vectors
+from nla.graders import DatasetGrader, faithfulness, grader_for_table
 from nla.health import StuckRunMonitor, check_finite_loss
 from nla.metrics import MetricsLogger
-from nla.reward import RewardService, charge_failures, failed_mse, format_flags, make_rewards
+from nla.reward import RewardService, RewardSettings, scorable_items, score_samples
 from nla.rl import algorithms as A
 from nla.rl.backend import build_groups
 from nla.rl.config import RLConfig, save_rl_config
+from nla.rl.roles import ReconstructorWorker, WorkerGroups
 from nla.rl.types import COMPLETED, TRUNCATED, Rollout
-from nla.rl.workers import ReconstructorWorker, WorkerGroups
 from nla.threads import adapt_threads, apply_threads
 from nla.train.common import (
     DataCursor,
@@ -58,7 +58,7 @@ from nla.train.common import (
     restore_rng_state,
     seed_everything,
 )
-from nla.vectors import predict_mean_baselines
+from nla.vectors import fve_of_mse, predict_mean_baselines
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ class RLData:
     vectors: torch.Tensor
     facts: list[list[str]] | None
     path: Path
+    grader: DatasetGrader | None = None  # the grader the dataset names (``nla.graders.grader_for_table``)
 
     @classmethod
     def load(cls, path: str | Path) -> RLData:
@@ -86,7 +87,7 @@ class RLData:
         facts = table.column("facts").to_pylist() if "facts" in table.column_names else None
         if vecs.shape[0] == 0:
             raise ValueError(f"{path}: the RL dataset has no rows")
-        return cls(vecs, facts, Path(path))
+        return cls(vecs, facts, Path(path), grader_for_table(table))
 
 
 @dataclass
@@ -107,6 +108,17 @@ class ReplayData:
         if bad:
             raise ValueError(f"reconstructor.replay_dataset: {path} rows {bad[:10]} have no explanation text")
         return cls(texts, torch.from_numpy(read_vectors(table, source=path).copy()))
+
+    @classmethod
+    def for_run(cls, cfg: RLConfig, width: int) -> ReplayData | None:
+        """The run's replay rows (``reconstructor.replay_dataset``), or None when ``replay_fraction`` is 0."""
+        if cfg.reconstructor.replay_fraction <= 0:
+            return None
+        replay = cls.load(cfg.reconstructor.replay_dataset)
+        if replay.vectors.shape[1] != width:
+            raise ValueError(f"reconstructor.replay_dataset: {cfg.reconstructor.replay_dataset} holds "
+                             f"{replay.vectors.shape[1]}-d vectors, the RL data {width}-d")
+        return replay
 
     def sample(self, n_rollout_rows: int, fraction: float, seed: int, step: int) -> tuple[list[str], torch.Tensor]:
         """Rows so that they make ``fraction`` of an AR update with ``n_rollout_rows`` rollout rows;
@@ -129,35 +141,31 @@ class RLResult:
 # ----------------------------------------------------------------------------- pieces of a step
 def reward_items(rollout: Rollout) -> list[tuple[str, torch.Tensor]]:
     """(explanation, RAW gold) for the samples the AR scores (extraction succeeded)."""
-    return [(rollout.explanations[i], rollout.vectors[i]) for i in rollout.ok.nonzero(as_tuple=True)[0].tolist()]
+    return scorable_items(rollout.explanations, rollout.vectors, rollout.ok)
+
+
+def reward_settings(cfg: RLConfig) -> RewardSettings:
+    """The ``reward`` section (and the generation cap, where the overlong ramp ends) as the reward's settings."""
+    r = cfg.reward
+    return RewardSettings(log_mse=r.log_mse, overlong_buffer_len=r.overlong_buffer_len,
+                          overlong_penalty_factor=r.overlong_penalty_factor,
+                          max_response_len=cfg.rollout.max_response_len, format_checks=r.format_checks,
+                          format_penalty=r.format_penalty)
 
 
 def shape_rewards(status: torch.Tensor, mse: torch.Tensor, lengths: torch.Tensor, cfg: RLConfig,
                   degenerate: torch.Tensor | None = None, *, failed_cost: torch.Tensor | float) -> torch.Tensor:
-    """RL's rewards: ``nla.reward.make_rewards`` with the config's options. status, mse, lengths,
-    degenerate: [N] -> rewards [N] (fp32).
-
-    A sample whose explanation was not extracted (``status != COMPLETED``) costs ``failed_cost``
-    ([N] or a scalar: ``failed_mse(gold, AR mse_scale)``) whatever ``mse`` holds for it; DAPO's
-    soft overlong punishment is added when ``overlong_buffer_len > 0``.
-    """
-    shaping = None
-    if cfg.reward.overlong_buffer_len > 0:
-        shaping = A.overlong_penalty(lengths, cfg.rollout.max_response_len, cfg.reward.overlong_buffer_len,
-                                     cfg.reward.overlong_penalty_factor)
-    return make_rewards(mse, status != COMPLETED, failed_cost, log_mse=cfg.reward.log_mse, shaping=shaping,
-                        degenerate=degenerate, format_penalty=cfg.reward.format_penalty)
+    """RL's rewards [N] (``nla.reward.RewardSettings.rewards`` with the config's settings): a sample
+    whose explanation was not extracted (``status != COMPLETED``) costs ``failed_cost``."""
+    return reward_settings(cfg).rewards(mse, status != COMPLETED, failed_cost, lengths, degenerate)
 
 
 def fill_rewards(rollout: Rollout, scored_mse: list[float], cfg: RLConfig, scale: float | None) -> None:
-    """Set ``rollout.mse`` (the AR's ``mse_nrm`` of the ok samples; a failed sample holds the MSE it is
-    charged, ``failed_mse`` of its gold at the AR's ``scale``), ``rollout.degenerate`` and ``rollout.rewards``."""
-    mse = torch.full((rollout.n,), math.nan)
-    mse[rollout.ok] = torch.tensor(scored_mse, dtype=torch.float32) if scored_mse else torch.zeros(0)
-    cost = failed_mse(rollout.vectors, scale)
-    rollout.mse = charge_failures(mse, ~rollout.ok, cost)
-    rollout.degenerate = format_flags(rollout.explanations, cfg.reward.format_checks)
-    rollout.rewards = shape_rewards(rollout.status, mse, rollout.lengths, cfg, rollout.degenerate, failed_cost=cost)
+    """Set ``rollout.mse``, ``rollout.degenerate`` and ``rollout.rewards`` (``nla.reward.score_samples``)
+    from the AR's ``mse_nrm`` of the rollout's ok samples; ``scale``: the AR's ``mse_scale``."""
+    s = score_samples(scored_mse, rollout.ok, rollout.vectors, rollout.explanations, rollout.lengths, scale,
+                      reward_settings(cfg))
+    rollout.mse, rollout.degenerate, rollout.rewards = s.mse, s.degenerate, s.rewards
 
 
 def score_rollout(rollout: Rollout, service: RewardService, cfg: RLConfig, scale: float | None) -> None:
@@ -195,19 +203,16 @@ def generate_and_score(groups: WorkerGroups, cfg: RLConfig, data: RLData, rows: 
     return out, t_gen, t_wait
 
 
-def grade_facts(rollout: Rollout, facts: list[list[str]] | None) -> dict[str, float]:
-    """World data: fact recall / precision of the extracted explanations against ground truth."""
+def grade_facts(rollout: Rollout, facts: list[list[str]] | None, grader: DatasetGrader | None = None
+                ) -> dict[str, float]:
+    """Fact recall / precision of the extracted explanations against the rows' truth
+    (``nla.graders.faithfulness``, the definition ``nla eval`` uses: a failed sample claims
+    nothing); {} without facts or a grader that grades them. Logged, never a reward."""
     if facts is None:
         return {}
-    from nla.world import Fact, grade
-
-    recalls, precisions = [], []
-    for i, exp in enumerate(rollout.explanations):
-        truth = {Fact.parse(s) for s in facts[int(rollout.prompt_rows[i])]}
-        g = grade(exp or "", truth)  # a failed sample claims nothing, as in nla eval (faithfulness)
-        recalls.append(g.recall)
-        precisions.append(g.precision)
-    return {"fact_recall": float(np.mean(recalls)), "fact_precision": float(np.mean(precisions))}
+    truth = [facts[int(r)] for r in rollout.prompt_rows.tolist()]
+    f = faithfulness(rollout.explanations, truth, grader)
+    return {} if f is None else {"fact_recall": f.recall, "fact_precision": f.precision}
 
 
 def collect_rollout(groups: WorkerGroups, cfg: RLConfig, data: RLData, cursor: DataCursor,
@@ -276,7 +281,7 @@ def rollout_metrics(r: Rollout, baseline: float) -> dict[str, float]:
         m["degenerate_rate"] = float(r.degenerate.float().mean())
     if mse.numel():
         m["mse_nrm"] = float(mse.mean())
-        m["fve_nrm"] = 1.0 - float(mse.mean()) / baseline
+        m["fve_nrm"] = fve_of_mse(mse, baseline)
     return m
 
 
@@ -310,6 +315,23 @@ def latest_rl_checkpoint(out_dir: Path) -> Path | None:
     return cands[-1] if cands else latest_checkpoint(root)
 
 
+def restore_checkpoint(ckpt: Path, groups: WorkerGroups, cfg: RLConfig, cursor: DataCursor) -> int:
+    """Load an RL checkpoint's optimiser, value-model, cursor and RNG state into a run; returns its step.
+    (The weights themselves were loaded when the groups were built from ``ckpt``.)"""
+    state = torch.load(ckpt / RL_STATE_FILE, weights_only=True)
+    if state["reference"] != str(cfg.av):
+        raise ValueError(f"--resume: the checkpoint's reference AV is {state['reference']} but av is {cfg.av}")
+    cursor.load_state_dict(state["cursor"])
+    groups.policy.load_optim_state(state["policy"])
+    groups.reconstructor.load_optim_state(state["reconstructor"])
+    if groups.value is not None and "value" in state:
+        groups.value.load_model(ckpt / "value_model.pt")
+        groups.value.load_optim_state(state["value"])
+    restore_rng_state(state["rng"])
+    logger.info("resuming RL from %s at step %d", ckpt, int(state["step"]))
+    return int(state["step"])
+
+
 # ----------------------------------------------------------------------------- the loop
 def step0_guard(groups: WorkerGroups, rollout: Rollout, tol: float) -> float:
     """Refuse to train when the padded reward path and the AR training layout disagree."""
@@ -335,7 +357,7 @@ def evaluate(groups: WorkerGroups, cfg: RLConfig, data: RLData, baseline: float,
     r = groups.rollout.generate(data.vectors[rows], rows, 1, cfg.rollout.max_response_len, greedy=True)
     score_rollout(r, service, cfg, groups.ar_sidecar.mse_scale_value())
     m = rollout_metrics(r, baseline)
-    m.update(grade_facts(r, data.facts))
+    m.update(grade_facts(r, data.facts, data.grader))
     return {f"eval_{k}": v for k, v in m.items() if k in ("fve_nrm", "mse_nrm", "reward_mean", "fact_recall",
                                                            "fact_precision", "extraction_fail_rate",
                                                            "degenerate_rate")}
@@ -346,6 +368,49 @@ def scores_inline(groups: WorkerGroups) -> bool:
     on the CPU (a second thread of torch ops there slows every op; ``RewardService``)."""
     ar = groups.reconstructor
     return isinstance(ar, ReconstructorWorker) and torch.device(ar.device).type == "cpu"
+
+
+def ar_rows(everything: Rollout, replay: ReplayData | None, cfg: RLConfig, step: int
+            ) -> tuple[list[str], torch.Tensor, int]:
+    """The AR update's rows: every extracted sample of the step, in rollout order (the reward window's
+    rows come first), then the replay rows; returns (texts, RAW golds, number of replay rows)."""
+    ok = everything.ok
+    exps = [e for e, k in zip(everything.explanations, ok.tolist(), strict=True) if k]
+    golds = everything.vectors[ok]
+    if replay is None:
+        return exps, golds, 0
+    r_texts, r_golds = replay.sample(len(exps), cfg.reconstructor.replay_fraction, cfg.seed, step)
+    return exps + r_texts, torch.cat([golds, r_golds.to(golds.dtype)]), len(r_texts)
+
+
+def rl_step(groups: WorkerGroups, cfg: RLConfig, data: RLData, cursor: DataCursor, service: RewardService,
+            replay: ReplayData | None, step: int, baseline: float, *, guard: bool) -> dict[str, float]:
+    """One RL step (steps 1-6 of the module docstring); returns its metrics. ``guard``: run the
+    step-0 guard on this step's rollout."""
+    # This step's rewards are the AR update's forward (ReconstructorWorker.begin_rollout).
+    groups.reconstructor.begin_rollout()
+    train, everything, m = collect_rollout(groups, cfg, data, cursor, service)
+    if guard:
+        m["step0_guard_diff"] = step0_guard(groups, everything, cfg.reward.step0_guard_tol)
+    m.update(rollout_metrics(everything, baseline))
+    m.update(grade_facts(everything, data.facts, data.grader))
+    t1 = time.perf_counter()
+    if train.n:
+        ref_logp = groups.reference.logprobs(train)
+        values = groups.value.values(train) if groups.value is not None else None
+        adv, returns = advantages(train, cfg, values)
+        m.update(groups.policy.update(train, adv, ref_logp))
+        if groups.value is not None:
+            m.update(groups.value.update(train, values, returns))
+            m["explained_variance"] = A.explained_variance(values, returns, train.response_mask.float())
+    m["time_policy"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    exps, golds, n_replay = ar_rows(everything, replay, cfg, step)
+    if replay is not None:
+        m["ar_replay_rows"] = float(n_replay)
+    m.update(groups.reconstructor.update(exps, golds))
+    m["time_ar"] = time.perf_counter() - t2
+    return m
 
 
 def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None = None) -> RLResult:
@@ -378,26 +443,8 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
     baseline = float(predict_mean_baselines(data.vectors, scale).raw_mean)
     eval_baseline = float(predict_mean_baselines(eval_data.vectors, scale).raw_mean) if eval_data else baseline
     cursor = DataCursor(n=data.vectors.shape[0], seed=cfg.seed)
-    replay = None
-    if cfg.reconstructor.replay_fraction > 0:
-        replay = ReplayData.load(cfg.reconstructor.replay_dataset)
-        if replay.vectors.shape[1] != data.vectors.shape[1]:
-            raise ValueError(f"reconstructor.replay_dataset: {cfg.reconstructor.replay_dataset} holds "
-                             f"{replay.vectors.shape[1]}-d vectors, the RL data {data.vectors.shape[1]}-d")
-    step = 0
-    if ckpt is not None:
-        state = torch.load(ckpt / RL_STATE_FILE, weights_only=True)
-        if state["reference"] != str(cfg.av):
-            raise ValueError(f"--resume: the checkpoint's reference AV is {state['reference']} but av is {cfg.av}")
-        step = int(state["step"])
-        cursor.load_state_dict(state["cursor"])
-        groups.policy.load_optim_state(state["policy"])
-        groups.reconstructor.load_optim_state(state["reconstructor"])
-        if groups.value is not None and "value" in state:
-            groups.value.load_model(ckpt / "value_model.pt")
-            groups.value.load_optim_state(state["value"])
-        restore_rng_state(state["rng"])
-        logger.info("resuming RL from %s at step %d", ckpt, step)
+    replay = ReplayData.for_run(cfg, data.vectors.shape[1])
+    step = restore_checkpoint(ckpt, groups, cfg, cursor) if ckpt is not None else 0
     save_rl_config(cfg, out / "rl_config.yaml")
     stop = min(cfg.steps, cfg.stop_after_steps or cfg.steps)
     metrics_log = MetricsLogger(out, "rl", tensorboard=cfg.tensorboard)
@@ -411,38 +458,11 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
         while step < stop:
             adapt_threads()
             t0 = time.perf_counter()
-            # This step's rewards are the AR update's forward (ReconstructorWorker.begin_rollout).
-            groups.reconstructor.begin_rollout()
-            train, everything, m = collect_rollout(groups, cfg, data, cursor, service)
-            if step == 0 and ckpt is None:
-                m["step0_guard_diff"] = step0_guard(groups, everything, cfg.reward.step0_guard_tol)
-            m.update(rollout_metrics(everything, baseline))
-            m.update(grade_facts(everything, data.facts))
-            t1 = time.perf_counter()
-            if train.n:
-                ref_logp = groups.reference.logprobs(train)
-                values = returns = None
-                if groups.value is not None:
-                    values = groups.value.values(train)
-                adv, returns = advantages(train, cfg, values)
-                m.update(groups.policy.update(train, adv, ref_logp))
-                if groups.value is not None:
-                    m.update(groups.value.update(train, values, returns))
-                    m["explained_variance"] = A.explained_variance(values, returns, train.response_mask.float())
-            m["time_policy"] = time.perf_counter() - t1
-            t2 = time.perf_counter()
-            ok = everything.ok
-            exps = [e for e, k in zip(everything.explanations, ok.tolist(), strict=True) if k]
-            golds = everything.vectors[ok]
-            if replay is not None:
-                r_texts, r_golds = replay.sample(len(exps), cfg.reconstructor.replay_fraction, cfg.seed, step)
-                exps, golds = exps + r_texts, torch.cat([golds, r_golds.to(golds.dtype)])
-                m["ar_replay_rows"] = float(len(r_texts))
-            m.update(groups.reconstructor.update(exps, golds))
+            m = rl_step(groups, cfg, data, cursor, service, replay, step, baseline,
+                        guard=step == 0 and ckpt is None)
             if m.get("ar_rows", 0) > 0:
                 check_finite_loss("rl (AR update)", step + 1, {"loss": m["ar_loss"]},
                                   f"reconstructor.lr={cfg.ar_lr_value:g}", last_ckpt)
-            m["time_ar"] = time.perf_counter() - t2
             groups.rollout.sync_weights(groups.policy)
             step += 1
             stuck.observe(step, grad_norm=m.get("grad_norm"), failure_rate=m.get("extraction_fail_rate"))

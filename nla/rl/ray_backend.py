@@ -2,7 +2,7 @@
 
 ``build_ray_groups(cfg, policy_dir, ar_dir) -> WorkerGroups`` returns thin proxies with the
 same methods as the local roles, so the controller runs unchanged. Every role is the local
-role of ``nla.rl.workers`` itself, built by the same functions (``nla.rl.setup``) with a
+role of ``nla.rl.roles`` itself, built by the same functions (``nla.rl.setup``) with a
 ``RankGroup`` for its data parallelism; this module adds only the actors, the placement
 and which rank answers.
 
@@ -57,9 +57,9 @@ from nla import arch
 from nla.rl import algorithms as A
 from nla.rl import distributed as D
 from nla.rl.config import RLConfig
+from nla.rl.roles import WorkerGroups
 from nla.rl.setup import RLSetupError, build_policy_roles, build_reconstructor_role, load_pair_sidecars
 from nla.rl.types import Rollout
-from nla.rl.workers import WorkerGroups
 from nla.threads import resolve_threads
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class RayWorkerError(RuntimeError):
 class RoleHost:
     """One actor: joins its group's torch.distributed world and hosts that group's role objects.
 
-    The roles are the local ones (``nla.rl.workers``) built with this rank's ``RankGroup``;
+    The roles are the local ones (``nla.rl.roles``) built with this rank's ``RankGroup``;
     the host only forwards calls to them by role name.
     """
 

@@ -39,7 +39,7 @@ from nla.injection import InjectionHook
 COMPACT_DIVISOR = 8
 
 # Model types whose KV cache the fast paths (this loop, and the shared prefix of
-# ``nla.rl.workers.response_logprobs``) are tested against the plain paths. Others (Gemma 3's
+# ``nla.rl.kernels.response_logprobs``) are tested against the plain paths. Others (Gemma 3's
 # sliding-window layers, GPT-2) gave different numbers in those tests and take the plain
 # paths: HF ``generate`` here, the per-row forward there.
 CACHE_REUSE_MODEL_TYPES = frozenset({"llama", "qwen2"})

@@ -17,7 +17,7 @@ from nla import arch
 from nla.reconstructor import Reconstructor
 from nla.rl.config import RLConfig
 from nla.rl.distributed import DataParallel
-from nla.rl.workers import (
+from nla.rl.roles import (
     OptimSettings,
     PolicyLossSettings,
     PolicyWorker,

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-# Per-sample rollout status codes.
-COMPLETED, TRUNCATED, FAILED_EXTRACTION = 0, 1, 2
-STATUS_NAMES = {COMPLETED: "completed", TRUNCATED: "truncated", FAILED_EXTRACTION: "failed_extraction"}
+from nla.reward import Status
+
+# The per-sample status codes a rollout stores (``Status.code``; ``nla.reward.Status`` is the one type).
+COMPLETED, TRUNCATED, FAILED_EXTRACTION = Status.COMPLETED.code, Status.TRUNCATED.code, Status.FAILED.code
 
 
 @dataclass
@@ -27,7 +28,7 @@ class Rollout:
     response_ids: [N, L] sampled tokens, right-padded with pad_id after EOS.
     response_mask: [N, L] 1 on generated tokens up to and including EOS.
     texts: decoded responses; explanations: extracted text or None (miss or truncation).
-    status: [N] COMPLETED | TRUNCATED | FAILED_EXTRACTION.
+    status: [N] the ``Status.code`` of each sample (COMPLETED | TRUNCATED | FAILED_EXTRACTION).
     """
 
     prompt_rows: Tensor
@@ -56,6 +57,10 @@ class Rollout:
     def ok(self) -> Tensor:
         """[N] bool: samples whose explanation was extracted (scored by the AR, used to train it)."""
         return self.status == COMPLETED
+
+    def statuses(self) -> list[Status]:
+        """[N] the status of each sample, as the one status type."""
+        return [Status.from_code(c) for c in self.status.tolist()]
 
     def select(self, keep: Tensor) -> Rollout:
         """The samples where ``keep`` [N] is true (groups stay contiguous if whole groups are kept)."""

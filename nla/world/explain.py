@@ -21,6 +21,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from nla.graders import has_repeated_sentence, split_sentences  # the generic text checks (any language)
 from nla.world.facts import KINDS, SURFACE_INDEX, VOCAB, Fact, all_facts, words_with_spans
 
 # Several phrasings per kind; "{w}" is the fact's canonical word.
@@ -109,11 +110,7 @@ def render_current_word(word: str) -> str:
     return f'The current word is "{word.replace(chr(34), "")}".'
 
 
-
 _CURRENT_WORD_RE = re.compile(r'^The current word is "[A-Za-z]+"\.$')  # one word, as render_current_word writes it
-# A quotation is consumed whole (a period inside it ends no sentence); an unmatched quote is an
-# ordinary character.
-_SENTENCE_RE = re.compile(r'(?:"[^"]*"|[^.?!"]|"(?=[^"]*$))*[.?!]')
 
 
 def _template_regex(template: str, kind: str) -> re.Pattern[str]:
@@ -125,15 +122,6 @@ def _template_regex(template: str, kind: str) -> re.Pattern[str]:
 # Every sentence the explanation language has (DESIGN §5): a fact template with any surface
 # word of its kind, a generic remark, or the quoted current word.
 _LANGUAGE = tuple(_template_regex(t, k) for k, ts in FACT_TEMPLATES.items() for t in ts)
-
-
-def split_sentences(text: str) -> list[str]:
-    """Sentences of ``text`` (ending in . ? or !; a period inside quotes does not end one); trailing
-    text without a stop counts as a sentence too."""
-    text = text.strip()
-    out = [m.group().strip() for m in _SENTENCE_RE.finditer(text)]
-    rest = _SENTENCE_RE.sub("", text).strip()
-    return [s for s in out if s] + ([rest] if rest else [])
 
 
 def in_language(sentence: str) -> bool:
@@ -170,12 +158,6 @@ def degeneracy(text: str | None) -> Degeneracy:
     broken = text.count('"') % 2 == 1 or any('"' in s and not _CURRENT_WORD_RE.match(s) for s in sentences)
     outside = any(not in_language(s) for s in sentences)
     return Degeneracy(has_repeated_sentence(sentences), broken, outside)
-
-
-def has_repeated_sentence(sentences: list[str]) -> bool:
-    """The same sentence twice (case-insensitive), in any language."""
-    lowered = [s.lower() for s in sentences]
-    return len(set(lowered)) < len(lowered)
 
 
 def oracle_explanation(facts: Iterable[Fact], current_word: str | None, key: int) -> str:

@@ -1,0 +1,95 @@
+"""The rollout role: samples explanations from the current AV weights.
+
+``generate(vectors, prompt_rows, n_samples, ...) -> Rollout`` and ``sync_weights(policy)``. The
+local backend shares the policy module (a sync is free); a separate copy loads the policy's
+gathered weights.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from nla.injection import InjectionHook
+from nla.reward import Status
+from nla.rl.distributed import load_full_into
+from nla.rl.sampling import sample_responses
+from nla.rl.types import Rollout
+from nla.sidecar import NLAConfig, canonical_av_prompt_ids
+
+if TYPE_CHECKING:
+    from nla.rl.roles.policy import PolicyWorker
+
+__all__ = ["RolloutWorker", "parse_responses"]
+
+
+def parse_responses(tokenizer: Any, response_ids: Tensor, eos_id: int) -> tuple[Tensor, list[str], Tensor]:
+    """Mask [N, L] up to and including the first EOS, decoded texts, and truncation flags [N]."""
+    N, L = response_ids.shape
+    is_eos = response_ids == eos_id
+    has_eos = is_eos.any(1)
+    first = torch.where(has_eos, is_eos.float().argmax(1), torch.full((N,), L))
+    pos = torch.arange(L).expand(N, L)
+    mask = (pos <= first[:, None]).long() if L else torch.zeros(N, 0, dtype=torch.long)
+    mask = torch.where(has_eos[:, None], mask, torch.ones_like(mask))
+    texts = []
+    for i in range(N):
+        n_text = int(first[i]) if has_eos[i] else L
+        # special tokens are kept: the <explanation> tags may be added tokens.
+        texts.append(tokenizer.decode(response_ids[i, :n_text].tolist(), skip_special_tokens=False))
+    return mask, texts, ~has_eos
+
+
+class RolloutWorker:
+    """Samples explanations from the current AV weights (the local backend shares the policy module)."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any, sidecar: NLAConfig, device: torch.device) -> None:
+        self.model, self.tokenizer, self.sidecar, self.device = model, tokenizer, sidecar, device
+        self.hook = InjectionHook.from_config(model, sidecar)
+        self.prompt_ids = torch.tensor(canonical_av_prompt_ids(tokenizer, sidecar.av_messages()), dtype=torch.long)
+        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+
+    def sync_weights(self, policy: PolicyWorker) -> None:
+        """Make the next rollout use the policy's weights. Local: the module is shared, nothing to copy."""
+        if policy.model is not self.model:
+            self.load_weights(policy.model.state_dict())
+
+    def load_weights(self, state: dict[str, Tensor]) -> None:
+        """Copy a full state dict (e.g. gathered from the policy's shards) into this unsharded copy."""
+        load_full_into(self.model, state)
+
+    @torch.no_grad()
+    def generate(self, vectors: Tensor, prompt_rows: Tensor, n_samples: int, max_new_tokens: int,
+                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False) -> Rollout:
+        """``n_samples`` responses per vector [B, d] -> a Rollout of N = B * n_samples (groups contiguous)."""
+        B = vectors.shape[0]
+        vec = vectors.repeat_interleave(n_samples, 0)
+        rows = prompt_rows.repeat_interleave(n_samples, 0)
+        N = vec.shape[0]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            # Finished rows leave the batch; greedy gives HF generate's tokens (nla.rl.sampling).
+            resp = sample_responses(
+                self.model, self.hook, self.prompt_ids, vectors, n_samples, max_new_tokens, self.eos_id,
+                self.pad_id, temperature=temperature, top_p=top_p, greedy=greedy,
+                # The AV must never write the marker: a second site in prompt+response would
+                # shift the injection in the log-prob forward (and it is the failure smell).
+                suppress_ids=[self.sidecar.injection_token_id],
+            ).cpu()
+        finally:
+            self.model.train(was_training)
+        mask, texts, truncated = parse_responses(self.tokenizer, resp, self.eos_id)
+        resp = torch.where(mask.bool(), resp, torch.full_like(resp, self.pad_id))
+        parsed = [Status.of(text, bool(cut)) for text, cut in zip(texts, truncated.tolist(), strict=True)]
+        explanations = [exp for _, exp in parsed]
+        status = torch.tensor([st.code for st, _ in parsed], dtype=torch.long).reshape(N)
+        return Rollout(
+            prompt_rows=rows.cpu(), group=torch.arange(B).repeat_interleave(n_samples), vectors=vec.float().cpu(),
+            prompt_ids=self.prompt_ids, response_ids=resp, response_mask=mask, texts=texts,
+            explanations=explanations, status=status,
+        )
+
