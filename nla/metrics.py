@@ -24,6 +24,7 @@ class MetricsLogger:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.path = self.out_dir / f"{name}.jsonl"
+        _drop_torn_tail(self.path)
         self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._tb = None
         if tensorboard:
@@ -76,19 +77,47 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a last line that a kill left half-written (no newline at the end of the file), so a
+    resumed run appends whole records; the dropped bytes are logged. Whole lines are untouched."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if data.endswith(b"\n"):
+        return
+    keep = data.rfind(b"\n") + 1  # 0 when the only line is torn
+    with open(path, "r+b") as fh:
+        fh.truncate(keep)
+    logger.warning("%s: dropped a torn last line (%d bytes, %r...) left by an interrupted run", path,
+                   len(data) - keep, data[keep : keep + 60].decode("utf-8", "replace"))
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Parse a metrics JSONL; records with the same step and key: the later one wins."""
+    """Parse a metrics JSONL; records with the same step and key: the later one wins.
+
+    A torn last line (an interrupted write, no newline after it) is skipped with a warning; a
+    line that does not parse anywhere else is an error naming the file and the line.
+    """
     merged: dict[int, dict[str, Any]] = {}
     p = Path(path)
     if not p.is_file():
         return []
-    with open(p, encoding="utf-8") as fh:
-        for line in fh:
-            line = line.strip()
-            if not line:
-                continue
+    text = p.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")
+    for i, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
             rec = json.loads(line)
-            merged.setdefault(int(rec["step"]), {}).update(rec)
+            step = int(rec["step"])
+        except (ValueError, KeyError, TypeError) as err:
+            if i == len(lines):  # the last line, with no newline after it: torn by a kill
+                logger.warning("%s: skipping a torn last line (%r...)", p, line[:60])
+                continue
+            raise ValueError(f"{p}: line {i} is not a metrics record ({err}); the file was edited or "
+                             "damaged: remove that line, or the file to start its curves afresh") from None
+        merged.setdefault(step, {}).update(rec)
     return [merged[s] for s in sorted(merged)]
 
 

@@ -47,3 +47,22 @@ def test_moving_average_by_hand():
     # window 2: [1], [1,2], [2,3], [3,4] -> 1, 1.5, 2.5, 3.5
     assert moving_average([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
     assert moving_average([5.0], 3) == [5.0]
+
+
+def test_a_torn_last_line_is_dropped_on_resume_and_a_damaged_one_is_named(tmp_path, caplog):
+    import logging
+
+    import pytest
+
+    path = tmp_path / "rl.jsonl"
+    path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n{"step": 3, "lo')  # killed mid-write
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]  # read as it is: the torn line skipped
+    with caplog.at_level(logging.WARNING, logger="nla.metrics"):
+        with MetricsLogger(tmp_path, "rl", tensorboard=False) as m:  # the resumed run
+            m.log(3, loss=0.3)
+    assert "dropped a torn last line (15 bytes" in caplog.text
+    assert path.read_text() == '{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n{"step": 3, "loss": 0.3}\n'
+    assert [r["loss"] for r in read_metrics(path)] == [0.5, 0.4, 0.3]
+    path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "lo\n{"step": 3, "loss": 0.3}\n')  # damaged inside
+    with pytest.raises(ValueError, match=r"rl.jsonl: line 2 is not a metrics record .*remove that line"):
+        read_metrics(path)
