@@ -70,3 +70,20 @@ def test_yaml_and_overrides(tmp_path):
     assert DatagenConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="expected key=value"):
         parse_override("seed")
+
+
+def test_an_api_key_given_as_api_key_env_is_refused_without_echoing_it(tmp_path, capsys):
+    from nla.cli import main
+
+    key = "sk-ant-api03-AbCdEf0123456789"
+    cfg = tmp_path / "dg.yaml"
+    cfg.write_text("source: world\nexplainer: anthropic\nprovider:\n  model: claude\n")
+    out = tmp_path / "out"
+    rc = main(["datagen", "run", "--config", str(cfg), "--out", str(out), "--set", f"provider.api_key_env={key}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "provider.api_key_env: expected the NAME of an environment variable" in err
+    assert key not in err and "sk-ant" not in err
+    assert not out.exists()  # nothing written, the key stored nowhere
+    assert ProviderConfig(api_key_env="MY_KEY_1").api_key_env == "MY_KEY_1"
+    with pytest.raises(ValueError, match="found a int value that is not one"):
+        ProviderConfig(api_key_env=5)

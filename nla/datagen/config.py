@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,9 @@ def _check_scale(cls: str, name: str, value: Any) -> None:
         raise _err(cls, name, "a positive number, 'sqrt_d_model' or null", value)
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
 @dataclass(frozen=True)
 class ProviderConfig:
     """Settings for the HTTP explainers (`anthropic`, `openai`)."""
@@ -53,6 +57,13 @@ class ProviderConfig:
         c = "provider"
         if not isinstance(self.model, str):
             raise _err(c, "model", "a string", self.model)
+        if self.api_key_env is not None and not (isinstance(self.api_key_env, str)
+                                                 and _ENV_NAME.fullmatch(self.api_key_env)):
+            # The value is not shown: a pasted API key is the usual mistake here.
+            raise ValueError(
+                "provider.api_key_env: expected the NAME of an environment variable (letters, digits and _, "
+                f"at most 64), found a {type(self.api_key_env).__name__} value that is not one (it is not shown: "
+                "it may be the key itself); export the key in a variable, e.g. ANTHROPIC_API_KEY, and give its name")
         for name in ("max_concurrency", "max_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
