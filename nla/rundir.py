@@ -48,12 +48,14 @@ def _checkpoints(out: Path) -> list[Path]:
 
 
 def remove_stale_temp_dirs(out_dir: str | os.PathLike) -> list[Path]:
-    """Delete ``checkpoints/.step_*.tmp-*`` / ``.old-*`` left by interrupted saves; returns what was removed."""
+    """Delete ``checkpoints/.step_*.tmp-*`` / ``.old-*`` left by interrupted saves, and the AR's own
+    temp dir beside one (``..step_*.tmp-*.tmp-*``: ``Reconstructor.save_pretrained`` writes next to
+    its target, itself a temp dir); returns what was removed."""
     root = Path(out_dir) / "checkpoints"
     if not root.is_dir():
         return []
     stale = sorted(p for p in root.iterdir()
-                   if p.name.startswith(".step_") and (".tmp-" in p.name or ".old-" in p.name))
+                   if p.name.startswith((".step_", "..step_")) and (".tmp-" in p.name or ".old-" in p.name))
     for p in stale:
         size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
         logger.info("removing %s (%.1f MB) left by an interrupted checkpoint save", p, size / 2**20)

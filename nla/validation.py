@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import tempfile
 from collections.abc import Sequence
@@ -48,6 +49,8 @@ __all__ = [
     "non_negative_int",
     "positive_int",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 class InputError(ValueError):
@@ -357,11 +360,16 @@ def check_output_path(path: str | os.PathLike, what: str = "--out", *, is_file: 
     if not is_file and p.exists() and not p.is_dir():
         raise InputError(f"{what}: {p} is a file, expected a directory")
     folder = p.parent if is_file else p
-    probe = folder
+    probe, first_missing = folder, None
     while not probe.exists():
         if probe.parent == probe:
             break
-        probe = probe.parent
+        first_missing, probe = probe, probe.parent
+    if first_missing is not None and first_missing.absolute().parent == Path(first_missing.absolute().anchor):
+        raise InputError(f"{what}: {p} would create the new top-level directory {first_missing.absolute()}; that is "
+                         "almost always a typo: create it yourself if you mean it, or choose another path")
+    if first_missing is not None and first_missing != folder:
+        logger.info("%s: creating %s (missing folders on the way to %s)", what, first_missing, p)
     if not probe.is_dir():
         raise InputError(f"{what}: cannot create {p}: {probe} is a file, not a directory; choose another path")
     try:
