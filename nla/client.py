@@ -383,6 +383,12 @@ class NLAClient:
         cos = torch.full((n,), float("nan"))
         if len(ok):
             p = self.reconstruct([texts[int(i)] for i in ok], batch_size=batch_size)
+            bad = ~torch.isfinite(p).all(dim=-1)
+            if bad.any():
+                logger.warning(
+                    "score: the AR predicts non-finite vectors for %d of %d rows (its weights overflow, or its "
+                    "training diverged); their mse_nrm and cosine are NaN (null in JSON output). Check the AR "
+                    "checkpoint's training log", int(bad.sum()), len(ok))
             preds[ok] = p
             mse[ok] = mse_nrm(p, gold[ok], side.mse_scale_value())
             cos[ok] = cosine(p, gold[ok])

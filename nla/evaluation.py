@@ -32,7 +32,6 @@ Conventions (where this departs from a bare metric):
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -45,6 +44,7 @@ import torch
 from torch import Tensor
 
 from nla.client import NLAClient, NLAClientError, ScoreResult, failed_mse
+from nla.fsutil import dumps_json, json_ready
 from nla.graders import DatasetGrader, Faithfulness, faithfulness, get_grader, grader_for_table
 from nla.reward import charge_failures
 from nla.vectors import cosine, fve_of_mse, mse_nrm, normalize_activation, predict_mean_baselines
@@ -119,10 +119,10 @@ class EvalReport:
         raise KeyError(f"EvalReport: no row {name!r}; rows are {[r.name for r in self.rows]}")
 
     def to_dict(self) -> dict[str, Any]:
-        return _jsonable(asdict(self))
+        return json_ready(asdict(self))
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
+        return dumps_json(self.to_dict(), indent=2)
 
     def to_markdown(self) -> str:
         lines = [
@@ -172,16 +172,6 @@ def _fmt(x: float | None) -> str:
 
 def _pct(x: float) -> str:
     return f"{x:.1%}"
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None  # JSON has no NaN
-    return obj
 
 
 # ------------------------------------------------------------------ primitives

@@ -1,10 +1,14 @@
-"""Atomic file writes: a crash leaves the old file or the new one, never half of either."""
+"""Atomic file writes (a crash leaves the old file or the new one, never half of either), and
+JSON that is always valid JSON."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
@@ -20,3 +24,20 @@ def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def json_ready(obj: Any) -> Any:
+    """``obj`` with every non-finite float (NaN, inf) as None, so ``json.dumps(..., allow_nan=False)``
+    writes valid JSON (Python's ``NaN`` / ``Infinity`` are not JSON; other readers refuse them)."""
+    if isinstance(obj, dict):
+        return {str(k): json_ready(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_ready(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def dumps_json(obj: Any, **kwargs: Any) -> str:
+    """``json.dumps`` of ``json_ready(obj)``: always valid JSON (non-finite numbers become null)."""
+    return json.dumps(json_ready(obj), allow_nan=False, **kwargs)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import torch
 from torch import Tensor
 
 SQRT_D_MODEL = "sqrt_d_model"
@@ -58,7 +59,19 @@ def normalize_activation(v: Tensor, scale: float | None) -> Tensor:
     v32 = v.float()
     norm = v32.norm(dim=-1, keepdim=True)
     # clamp keeps 0/0 away; a zero vector then gives 0 * scale / eps = 0.
-    return v32 * (scale / norm.clamp_min(_EPS))
+    out = v32 * (scale / norm.clamp_min(_EPS))
+    over = _norm_overflows(v32, norm.squeeze(-1))
+    if over.any():  # finite entries whose squares overflow fp32: the fp32 norm is inf, the row would be 0
+        v64 = v32[over].double()
+        out = out.index_put((over,), (v64 * (scale / v64.norm(dim=-1, keepdim=True).clamp_min(_EPS))).float())
+    return out
+
+
+def _norm_overflows(v32: Tensor, norm: Tensor) -> Tensor:
+    """[B] rows of fp32 ``v32`` [B, d] whose entries are all finite but whose fp32 norm is not
+    (squares above 3.4e38: entries from ~1.8e19 up). Their norm is taken in float64 instead; rows
+    with a NaN or an infinite entry stay non-finite, as they should."""
+    return ~torch.isfinite(norm) & torch.isfinite(v32).all(dim=-1)
 
 
 def mse_nrm(pred: Tensor, gold: Tensor, scale: float | None) -> Tensor:
@@ -73,8 +86,15 @@ def cosine(pred: Tensor, gold: Tensor) -> Tensor:
     """Per-row cosine similarity in fp32.  [B, d] x [B, d] -> [B]; zero vectors give 0."""
     _check_pair(pred, gold)
     p, g = pred.float(), gold.float()
-    denom = (p.norm(dim=-1) * g.norm(dim=-1)).clamp_min(_EPS)
-    return (p * g).sum(dim=-1) / denom
+    pn, gn = p.norm(dim=-1), g.norm(dim=-1)
+    cos = (p * g).sum(dim=-1) / (pn * gn).clamp_min(_EPS)
+    over = _norm_overflows(p, pn) | _norm_overflows(g, gn) | (torch.isfinite(pn) & torch.isfinite(gn)
+                                                              & ~torch.isfinite(pn * gn))
+    if over.any():  # the same in float64 where an fp32 norm or product overflows
+        p64, g64 = p[over].double(), g[over].double()
+        c64 = (p64 * g64).sum(-1) / (p64.norm(dim=-1) * g64.norm(dim=-1)).clamp_min(_EPS)
+        cos = cos.index_put((over,), c64.float())
+    return cos
 
 
 class MeanBaselines(NamedTuple):

@@ -408,6 +408,7 @@ def test_run_dir_is_not_reused_silently(pair, capsys, tmp_path, tiny_tokenizer, 
     # A kill during a save leaves a temp dir; the next start removes it.
     (ckpts / ".step_00000004.tmp-deadbeef").mkdir()
     (ckpts / ".step_00000004.tmp-deadbeef" / "model.safetensors").write_bytes(b"x" * 1000)
+    (ckpts / "..step_00000004.tmp-deadbeef.tmp-cafe1234").mkdir()  # the AR's own temp dir beside it
     code, lines = cli(capsys, *_ar_train_args(tmp_path, ds))
     assert code == 2
     assert_one_error_line(lines, "train", f"out_dir {run} already holds a run (checkpoints up to step_00000002)",
@@ -685,3 +686,76 @@ def test_resume_accepts_the_same_directory_spelled_another_way(pair, capsys, tmp
     # (the step-4 checkpoint recorded the spelling of the run that wrote it: the absolute one)
     assert_one_error_line(lines, "train", "--resume: the config differs",
                           f"dataset: {str(tmp_path / 'ar.parquet')!r} in the run, 'other.parquet' now")
+
+
+def test_a_new_top_level_directory_is_refused_and_missing_parents_are_said(pair, capsys, tmp_path, caplog):
+    import logging
+
+    from nla.validation import check_output_path
+
+    out = Path("/nla-typo-no-such-dir/sub/out.jsonl")
+    code, lines = cli(capsys, "verbalize", "--av", pair["av"], "--vectors", pair["root"] / "good.npy",
+                      "--out", out, "--device", "cpu")
+    assert code == 2
+    assert_one_error_line(lines, "verbalize", "would create the new top-level directory /nla-typo-no-such-dir")
+    assert not Path("/nla-typo-no-such-dir").exists()
+    with caplog.at_level(logging.INFO, logger="nla.validation"):
+        check_output_path(tmp_path / "a" / "b" / "run", "--out")
+    assert f"--out: creating {tmp_path / 'a'} (missing folders on the way to {tmp_path / 'a' / 'b' / 'run'})" \
+        in caplog.text
+    assert not (tmp_path / "a").exists()  # the check creates nothing itself
+
+
+def test_score_output_is_valid_json_when_predictions_overflow(pair, capsys, caplog, tmp_path):
+    """A huge value head (finite, no checksum record). At 1e36 x its weights the predictions are
+    finite but their fp32 norms overflow: they are still compared by direction (the norm is taken
+    in float64), not read as zero vectors. With the last MLP and the head at 3e38 they are inf:
+    NaN scores, written as JSON null, and said."""
+    import logging
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from nla.client import NLAClient
+    from nla.reconstructor import VALUE_HEAD_FILE
+    from nla.validation import CHECKSUM_FILE
+
+    def no_constants(name):
+        raise AssertionError(f"{name} is not JSON")
+
+    texts = ["a", "b", "c", "d"]
+    gold = torch.from_numpy(np.load(pair["root"] / "good.npy")[:4])
+    plain = NLAClient(None, pair["ar"], device="cpu").reconstruct(texts)
+    for weight_scale, finite in ((1e36, True), (None, False)):
+        ckpt = tmp_path / f"ar_{finite}"
+        shutil.copytree(pair["ar"], ckpt)
+        (ckpt / CHECKSUM_FILE).unlink(missing_ok=True)
+        head = load_file(str(ckpt / VALUE_HEAD_FILE))["weight"]
+        if finite:
+            save_file({"weight": (head.double() * weight_scale).float()}, str(ckpt / VALUE_HEAD_FILE))
+        else:  # the last block's MLP writes ~1e37 into the residual, a head of 3e38s overflows it to inf
+            body = load_file(str(ckpt / "model.safetensors"))
+            key = max(k for k in body if k.endswith("mlp.down_proj.weight"))
+            body[key] = torch.full_like(body[key], 3e38)
+            save_file(body, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+            save_file({"weight": torch.full_like(head, 3e38)}, str(ckpt / VALUE_HEAD_FILE))
+        out = tmp_path / f"rows_{finite}.jsonl"
+        capsys.readouterr()
+        with caplog.at_level(logging.WARNING, logger="nla.client"):
+            code = main([str(a) for a in _load_command(pair, tmp_path, "ar", ckpt, out)] + ["--device", "cpu"])
+        assert code == 0
+        summary = json.loads(capsys.readouterr().out, parse_constant=no_constants)
+        rows = [json.loads(line, parse_constant=no_constants) for line in out.read_text().splitlines()]
+        assert len(rows) == 4 and summary["rows"] == 4
+        if finite:
+            # the head is linear: the same directions as the plain AR's (float64 reference)
+            p64, g64 = plain.double(), gold.double()
+            want = ((p64 * g64).sum(-1) / (p64.norm(dim=-1) * g64.norm(dim=-1))).tolist()
+            assert [r["cosine"] for r in rows] == pytest.approx(want, abs=1e-4)
+            assert summary["mse_nrm_mean"] == pytest.approx(sum(2 * (1 - c) for c in want) / 4, abs=1e-3)
+        else:
+            inf_rows = (~torch.isfinite(NLAClient(None, ckpt, device="cpu").reconstruct(texts)).all(-1)).tolist()
+            assert all(inf_rows)
+            assert [r["mse_nrm"] is None and r["cosine"] is None for r in rows] == inf_rows
+            assert f"the AR predicts non-finite vectors for {sum(inf_rows)} of 4 rows" in caplog.text
+            assert (summary["mse_nrm_mean"] is None) == all(inf_rows)

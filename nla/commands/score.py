@@ -70,13 +70,12 @@ def read_texts(path: str) -> list[str | None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
 
     import torch
 
     from nla.client import NLAClient, failed_mse, load_vectors
     from nla.datagen.io import read_parquet
-    from nla.fsutil import write_text_atomic
+    from nla.fsutil import dumps_json, write_text_atomic
     from nla.validation import check_device, check_output_path, check_vectors, drop_bad_rows
     from nla.vectors import fve
 
@@ -118,11 +117,11 @@ def run(args: argparse.Namespace) -> int:
         fm = failed_mse(gold, client.mse_scale)
         summary["mse_nrm_mean_failed_as_orthogonal"] = float(torch.where(res.failed, fm, res.mse_nrm).mean())
     if args.out:
-        rows = "".join(json.dumps({"row": int(kept[i]), "failed": bool(res.failed[i]),
+        rows = "".join(dumps_json({"row": int(kept[i]), "failed": bool(res.failed[i]),
                                    "mse_nrm": None if res.failed[i] else float(res.mse_nrm[i]),
                                    "cosine": None if res.failed[i] else float(res.cosine[i])}) + "\n"
                        for i in range(res.n))
         write_text_atomic(rows, args.out)
         log.info("wrote %d rows to %s", res.n, args.out)
-    print(json.dumps(summary, indent=2))
+    print(dumps_json(summary, indent=2))
     return 0

@@ -30,11 +30,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
     from collections import Counter
 
     from nla.client import NLAClient, load_vectors
-    from nla.fsutil import write_text_atomic
+    from nla.fsutil import dumps_json, write_text_atomic
     from nla.validation import check_device, check_output_path, drop_bad_rows
 
     check_device(args.device)
@@ -53,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
                            temperature=args.temperature, n_samples=args.n_samples, seed=args.seed,
                            batch_size=args.batch_size)
     # Rows are numbered as in the input file, skipped rows included.
-    lines = "".join(json.dumps({**v.to_dict(), "row": int(kept[v.row])}, ensure_ascii=False) + "\n" for v in out)
+    lines = "".join(dumps_json({**v.to_dict(), "row": int(kept[v.row])}, ensure_ascii=False) + "\n" for v in out)
     if args.out:
         write_text_atomic(lines, args.out)
         log.info("wrote %d samples to %s", len(out), args.out)

@@ -12,7 +12,6 @@ read as before.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -22,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nla.fsutil import write_text_atomic
+from nla.fsutil import dumps_json, write_text_atomic
 
 VECTOR_COLUMN = "activation_vector"
 
@@ -126,4 +125,4 @@ def write_parquet_atomic(table: pa.Table, path: str | os.PathLike) -> Path:
 
 
 def write_json_atomic(obj: Any, path: str | os.PathLike) -> Path:
-    return write_text_atomic(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", path)
+    return write_text_atomic(dumps_json(obj, indent=2, sort_keys=True, default=str) + "\n", path)
