@@ -26,7 +26,8 @@ from collections.abc import Mapping
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ZERO_GRAD_NORM", "StuckRunMonitor", "TrainingDivergedError", "check_finite_loss"]
+__all__ = ["ZERO_GRAD_NORM", "StuckRunMonitor", "TrainingDivergedError", "available_memory", "check_finite_loss",
+           "check_micro_batch_memory", "micro_batch_lower_bound"]
 
 ZERO_GRAD_NORM = 1e-12
 
@@ -90,3 +91,63 @@ class StuckRunMonitor:
             logger.warning("!!! %s", message)
         self.warnings.extend(new)
         return new
+
+
+# ------------------------------------------------------------------ memory before the first step
+def available_memory(device: object) -> int | None:
+    """Bytes a new allocation can use now: the GPU's free memory, or the kernel's MemAvailable
+    for the CPU (None where neither can be read)."""
+    import torch
+
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def micro_batch_lower_bound(rows: int, max_length: int, hidden: int, layers: int, vocab: int | None,
+                            dtype_bytes: int) -> int:
+    """Bytes a training forward + backward of ``rows`` x ``max_length`` tokens cannot do without: the
+    token ids and mask (int64), one hidden state per layer kept for the backward (and its
+    gradient), and, with an LM head (``vocab``), the fp32 logits and their log-softmax. Attention
+    scores, MLP intermediates and optimiser state come on top, so this only ever under-counts."""
+    tokens = rows * max_length
+    need = tokens * 16 + tokens * hidden * dtype_bytes * 2 * (layers + 1)
+    if vocab:
+        need += tokens * vocab * 4 * 2
+    return need
+
+
+def check_micro_batch_memory(name: str, model: object, rows: int, max_length: int, device: object,
+                             setting: str = "micro_batch_size") -> None:
+    """Refuse, before the first step, a micro-batch whose lower bound (``micro_batch_lower_bound``)
+    is more than the memory available now: the kernel would kill the run with no message."""
+    from nla import arch
+
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return
+    try:
+        hidden, layers = arch.hidden_size(cfg), arch.num_layers(cfg)
+    except (AttributeError, ValueError, TypeError):
+        return
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    vocab = getattr(cfg, "vocab_size", None) if head is not None else None
+    param = next(iter(model.parameters()), None)
+    dtype_bytes = param.element_size() if param is not None else 4
+    need = micro_batch_lower_bound(rows, max_length, hidden, layers, vocab, dtype_bytes)
+    have = available_memory(device)
+    if have is not None and need > have:
+        raise ValueError(
+            f"{name}: a micro-batch of {rows} rows x {max_length} tokens needs at least {need / 2**30:.1f} GiB "
+            f"(ids, one hidden state per layer{', logits' if vocab else ''}) but {have / 2**30:.1f} GiB is available "
+            f"on {device}; lower {setting} (gradients accumulate over micro-batches: batch_size can stay)"
+        )

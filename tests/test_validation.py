@@ -759,3 +759,53 @@ def test_score_output_is_valid_json_when_predictions_overflow(pair, capsys, capl
             assert [r["mse_nrm"] is None and r["cosine"] is None for r in rows] == inf_rows
             assert f"the AR predicts non-finite vectors for {sum(inf_rows)} of 4 rows" in caplog.text
             assert (summary["mse_nrm_mean"] is None) == all(inf_rows)
+
+
+def test_a_micro_batch_larger_than_memory_is_refused_before_the_first_step(pair, capsys, tmp_path, tiny_tokenizer):
+    from train_helpers import dataset_sidecar, write_ar_dataset
+
+    from nla.health import available_memory, micro_batch_lower_bound
+
+    # by hand: 16 bytes of ids + mask per token, one fp32 hidden state (and its gradient) per layer and the input
+    assert micro_batch_lower_bound(2, 10, 32, 3, None, 4) == 20 * 16 + 20 * 32 * 4 * 2 * 4
+    assert micro_batch_lower_bound(2, 10, 32, 3, 100, 4) == 20 * 16 + 20 * 32 * 4 * 2 * 4 + 20 * 100 * 4 * 2
+    vec = np.random.default_rng(0).standard_normal((8, D)).astype(np.float32)
+    ds = write_ar_dataset(tmp_path / "ar.parquet", dataset_sidecar(tiny_tokenizer, pair["av"], D, 1), vec)
+    code, lines = cli(capsys, *_ar_train_args(tmp_path, ds, "--set", "batch_size=100000000"))
+    assert code == 2
+    assert available_memory("cpu") > 0
+    assert_one_error_line(lines, "train", "train ar: a micro-batch of 100000000 rows x 256 tokens needs at least",
+                          "GiB is available on cpu", "lower micro_batch_size")
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "ar.jsonl").exists()
+
+
+def test_an_ar_checkpoint_is_refused_as_the_base_of_an_av(pair, capsys, tmp_path):
+    code, lines = cli(capsys, "train", "av", "--set", "dataset=d.parquet", "--base-model", pair["ar"],
+                      "--out", tmp_path / "run")
+    assert code == 2
+    assert_one_error_line(lines, "train", f"base_model: {pair['ar']} is a reconstructor (AR) checkpoint",
+                          "no LM head", "pass the subject model")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_base_whose_lm_head_is_missing_from_its_files_is_refused(pair, tmp_path):
+    """A causal LM saved without its (untied) head: the loader would start it at random."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from nla.train.av import AVTrainError, _refuse_random_head
+
+    base = tmp_path / "headless"
+    shutil.copytree(pair["av"], base)
+    weights = load_file(str(base / "model.safetensors"))
+    if "lm_head.weight" not in weights:
+        pytest.skip("the tiny model ties its head to the embeddings")
+    save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, str(base / "model.safetensors"),
+              metadata={"format": "pt"})
+    model, info = AutoModelForCausalLM.from_pretrained(base, output_loading_info=True)
+    with pytest.raises(AVTrainError, match=r"has no LM head weights \(lm_head.weight missing from its files"):
+        _refuse_random_head(model, info, str(base))
+    model, info = AutoModelForCausalLM.from_pretrained(pair["av"], output_loading_info=True)
+    _refuse_random_head(model, info, str(pair["av"]))  # the whole model passes

@@ -59,6 +59,12 @@ def run(args: argparse.Namespace) -> int:
     check_device(cfg.device)
     if cfg.base_model:
         check_model_source(cfg.base_model, "base_model")
+        if args.train_stage == "av":
+            from pathlib import Path
+
+            from nla.train.av import check_av_base
+
+            check_av_base(Path(cfg.base_model))
     for dataset in filter(None, (cfg.dataset, cfg.eval_dataset)):
         read_vectors(dataset)  # NaN / Inf / zero rows stop the run here, named
     prepare_run_dir(cfg.out_dir, cfg.to_dict(), "train_config.yaml", resume=args.resume, overwrite=args.overwrite)

@@ -157,6 +157,40 @@ def smoke_flags(text: str, injection_char: str) -> list[str]:
     return flags
 
 
+def check_av_base(base: Path) -> None:
+    """An AR checkpoint (a truncated body + value head) is no base for an AV: it has no LM head."""
+    from nla.reconstructor import VALUE_HEAD_FILE
+    from nla.sidecar import SIDECAR_NAME
+
+    role = None
+    if (base / SIDECAR_NAME).is_file():
+        import yaml
+
+        role = (yaml.safe_load((base / SIDECAR_NAME).read_text()) or {}).get("role")
+    if (base / VALUE_HEAD_FILE).is_file() or role in ("ar", "critic"):
+        raise AVTrainError(
+            f"base_model: {base} is a reconstructor (AR) checkpoint ({VALUE_HEAD_FILE}, role {role or 'ar'}): a "
+            "truncated body with a value head and no LM head, so the AV would start from a random one; pass the "
+            "subject model the dataset was extracted from (or an AV checkpoint)"
+        )
+
+
+def _refuse_random_head(model: Any, info: dict[str, Any], src: str) -> None:
+    """Refuse a base whose LM head weights were missing from its files (the loader starts them at random)."""
+    head = model.get_output_embeddings()
+    if head is None:
+        raise AVTrainError(f"base_model: {src} loads without an LM head; pass a causal language model")
+    tied = getattr(model.config, "tie_word_embeddings", False) or getattr(
+        getattr(model.config, "get_text_config", lambda: model.config)(), "tie_word_embeddings", False)
+    names = {n for n, p in model.named_parameters() if p is head.weight}
+    missing = [k for k in info.get("missing_keys", []) if k in names or k.endswith("lm_head.weight")]
+    if missing and not tied:
+        raise AVTrainError(
+            f"base_model: {src} has no LM head weights ({', '.join(sorted(missing))} missing from its files; the "
+            "loader would start them at random); pass a causal language model with its head"
+        )
+
+
 def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
     """Warm-start the verbalizer on ``cfg.dataset`` (``av_sft.parquet``). See module docstring."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -174,9 +208,13 @@ def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
     src = str(resume_from) if resume_from is not None else base
     if resume_from is not None:
         check_checkpoint(resume_from, "--resume checkpoint")
+    if resume_from is None:
+        check_av_base(Path(base))
     tok = AutoTokenizer.from_pretrained(src)
     verify_tokenizer(side, tok)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, use_safetensors=True)
+    model, info = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, use_safetensors=True,
+                                                       output_loading_info=True)
+    _refuse_random_head(model, info, src)
     d = arch.hidden_size(model.config)
     if d != side.d_model:
         raise AVTrainError(f"d_model: the sidecar says {side.d_model} but the model at {src} has width {d}; "

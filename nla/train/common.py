@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nla.health import StuckRunMonitor, check_finite_loss
+from nla.health import StuckRunMonitor, check_finite_loss, check_micro_batch_memory
 from nla.threads import adapt_threads
 from nla.validation import write_checksums
 
@@ -498,6 +498,8 @@ def run_training_loop(cfg: Any, spec: LoopSpec) -> TrainResult:
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas)
     sched = warmup_cosine(opt, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
     warn_if_lr_far(cfg.lr, cfg.batch_size)
+    device = next(model.parameters()).device
+    check_micro_batch_memory(f"train {spec.name}", model, cfg.micro, cfg.max_length, device)
     cursor = DataCursor(n=spec.n_train, seed=cfg.seed)
     step, skipped = 0, 0
     if spec.resume_from is not None:
