@@ -23,7 +23,7 @@ from test_client import FIXED_EXPLANATION, D, Pair
 
 from nla.cli import build_parser
 from nla.commands import explore as explore_cmd
-from nla.explore import Explorer, create_app, load_run
+from nla.explore import ExploreLimits, Explorer, create_app, load_run
 from nla.world import WORLD_PRESETS, Fact, facts_at, generate_documents, grade, parse_facts, token_facts
 
 K = 1
@@ -89,6 +89,9 @@ def test_tokenize_spans_and_world_ground_truth(api, explorer):
     cfg = WORLD_PRESETS["tiny"]
     doc = generate_documents(cfg.seed, 1, start_id=cfg.heldout_start)[0]  # the first held-out story
     assert info["world_docs"][0]["doc_id"] == doc.doc_id == cfg.heldout_start
+    # the documents considered (ExploreLimits.max_world_docs of the held-out ones), and how many fit the cap
+    assert info["world_docs_considered"] == min(ExploreLimits().max_world_docs, cfg.n_heldout_docs)
+    assert len(info["world_docs"]) <= info["world_docs_considered"] and info["max_tokens"] > 0
     r = api.post("/api/tokenize", json={"doc_id": doc.doc_id})
     assert r.status_code == 200, r.text
     toks = r.json()["tokens"]
@@ -195,7 +198,7 @@ BAD = [
     ("/api/explain", {"text": WORDS, "positions": [13]}, 400, "position 13 is out of range: the text has 13 tokens"),
     ("/api/explain", {"text": WORDS, "positions": [-1]}, 400, "position -1 is out of range"),
     ("/api/explain", {"text": WORDS, "positions": []}, 400, "positions is empty"),
-    ("/api/explain", {"text": WORDS, "positions": ["a"]}, 400, "expected a list of integers"),
+    ("/api/explain", {"text": WORDS, "positions": ["a"]}, 400, "expected a list of (64-bit) integers"),
     ("/api/explain", {"text": WORDS, "n_samples": 9}, 400, "n_samples must be 0..8"),
     ("/api/explain", {"text": WORDS, "max_new_tokens": 1000}, 400, "max_new_tokens must be 1..96"),
     ("/api/explain", {"text": WORDS, "temperature": 0}, 400, "temperature must be > 0"),
@@ -212,12 +215,19 @@ BAD = [
     ("/api/score", {"texts": ["x" * 2001], "vectors": [[1.0] * 32]}, 413, "the cap is 2000"),
     ("/api/score", {"texts": ["a"], "text": WORDS, "position": 40}, 400, "position 40 is out of range"),
     ("/api/score", {"texts": ["a"]}, 400, "give either 'text'"),
+    ("/api/tokenize", {"text": "a\ud800b"}, 400, "field 'text': character 1 is a lone surrogate ('\\ud800')"),
+    ("/api/score", {"texts": ["ok", "x\udfff"], "vectors": [[1.0] * 32] * 2}, 400,
+     "field 'texts', item 1: character 1 is a lone surrogate"),
+    ("/api/explain", {"text": WORDS, "seed": 2**70}, 400, "field 'seed': 1180591620717411303424 is out of range"),
+    ("/api/explain", {"text": WORDS, "positions": [2**64]}, 400, "expected a list of (64-bit) integers"),
+    ("/api/score", {"texts": ["a"], "vectors": [[True] * 32]}, 400, "found a boolean"),
 ]
 
 
 @pytest.mark.parametrize("path,body,status,reason", BAD, ids=[f"{i}-{b[3][:24]}" for i, b in enumerate(BAD)])
 def test_bad_input_is_a_one_line_json_4xx(api, path, body, status, reason):
-    r = api.post(path, json=body)
+    # json.dumps escapes non-ASCII (a lone surrogate travels as the JSON escape \ud800, as a browser sends it)
+    r = api.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert reason in err and "\n" not in err
@@ -237,6 +247,9 @@ def test_bad_bodies_and_the_server_keeps_running(api):
     assert r.status_code == 413 and "the cap is 4000000" in r.json()["error"]
     r = api.get("/api/nothing")
     assert r.status_code == 404 and "Not Found" in r.json()["error"]
+    deep = b'{"texts": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = api.post("/api/score", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]
     assert api.post("/api/explain", json={"text": WORDS, "positions": [1]}).status_code == 200
 
 
@@ -266,7 +279,24 @@ def test_cli_flags_map_onto_the_limits(pair, world_subject):
 def test_only_the_allowed_hosts_are_answered(explorer):
     app = create_app(explorer, allowed_hosts=list(explore_cmd.LOOPBACK))
     assert TestClient(app, base_url="http://127.0.0.1:8765").get("/api/info").status_code == 200
-    assert TestClient(app, base_url="http://evil.example").get("/api/info").status_code == 400
+    assert TestClient(app, base_url="http://[::1]:8765").get("/api/info").status_code == 200  # IPv6 loopback
+    r = TestClient(app, base_url="http://evil.example").get("/api/info")
+    assert r.status_code == 400 and "Invalid host header 'evil.example'" in r.json()["error"]
+
+
+def test_every_bind_keeps_a_host_allow_list():
+    import socket
+
+    from nla.explore.app import host_name
+
+    assert [host_name(h) for h in ("[::1]:8765", "[::1]", "LocalHost:80", "a.b", "::1")] == [
+        "::1", "::1", "localhost", "a.b", "::1"]
+    assert explore_cmd.allowed_hosts("::1", []) == sorted(explore_cmd.LOOPBACK)
+    every = explore_cmd.allowed_hosts("0.0.0.0", ["lab.example"])
+    assert {*explore_cmd.LOOPBACK, socket.gethostname(), "lab.example"} <= set(every)
+    assert "evil.example" not in every and "*" not in every
+    one = explore_cmd.allowed_hosts("10.1.2.3", [])
+    assert "10.1.2.3" in one and socket.gethostname() in one and "127.0.0.1" not in one
 
 
 # --------------------------------------------------------------------- setup errors, served by the CLI's app
@@ -477,3 +507,11 @@ def test_cli_serves_on_loopback(pair, world_subject):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_vector_whose_norm_overflows_is_a_400(api):
+    """Entries of 1e30 are finite in float32, their squares are not: no working model's activation
+    (the client's check, as for the CLI), so the request's fault: a 400 naming it, not a 500."""
+    r = api.post("/api/score", json={"texts": ["a cat"], "vectors": [[1e30] * D]})
+    assert r.status_code == 400 and "row 0 (1 of 1) have a norm that overflows float32" in r.json()["error"]
+    assert api.post("/api/score", json={"texts": ["a cat"], "vectors": [[1.0] * D]}).status_code == 200

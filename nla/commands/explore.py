@@ -1,4 +1,4 @@
-"""`nla explore --av DIR --ar DIR [--subject DIR] [--run DIR] [--host 127.0.0.1 --port 8765]`: local web explorer.
+"""`nla explore --av DIR --ar DIR [--subject DIR] [--run DIR] [--host 127.0.0.1 --port 8765] [--allow-host NAME]`: local web explorer.
 
 A problem with the models (a missing checkpoint, an AV/AR pair of different ``d_model``, a
 subject without the pair's layer) is logged and shown in the page, and every model request
@@ -34,6 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run", help="a quickstart or nla rl output dir to show in the run view")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=_port, default=8765, help="TCP port, 1-65535 (default 8765)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="also answer requests addressed to this host name (repeatable); the names of this "
+                        "machine and the bound address are allowed already")
     # Defaults live in nla.explore.ExploreLimits (96, 128 and 8 today); None here means "its default".
     p.add_argument("--max-new-tokens", type=int, help="explanation length cap (default 96)")
     p.add_argument("--max-tokens", type=int, help="tokens per text cap, also capped by the subject's context "
@@ -57,8 +60,33 @@ def build(args: argparse.Namespace):
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         setup_error = " ".join(str(exc).split())
         log.error("the models could not be loaded; the page will say why: %s", setup_error)
-    hosts = list(LOOPBACK) if args.host in LOOPBACK else None
-    return create_app(explorer, run=run_summary, limits=limits, setup_error=setup_error, allowed_hosts=hosts)
+    return create_app(explorer, run=run_summary, limits=limits, setup_error=setup_error,
+                      allowed_hosts=allowed_hosts(args.host, args.allow_host))
+
+
+ALL_INTERFACES = ("0.0.0.0", "::", "")
+
+
+def allowed_hosts(bind: str, extra: list[str]) -> list[str]:
+    """The host names the explorer answers: never "any" (the DNS-rebinding defence stays on for
+    every bind). Loopback: the loopback names. All interfaces: those, this machine's names and
+    addresses. One address: it and this machine's names. Plus ``--allow-host`` names."""
+    import socket
+
+    names = set(extra)
+    if bind in LOOPBACK:
+        names.update(LOOPBACK)
+    else:
+        names.update({socket.gethostname(), socket.getfqdn()})
+        if bind in ALL_INTERFACES:
+            names.update(LOOPBACK)
+            try:
+                names.update(info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None))
+            except OSError:
+                pass
+        else:
+            names.add(bind)
+    return sorted(n for n in names if n)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
 
     app = build(args)
     if args.host not in LOOPBACK:
-        log.warning("binding to %s: anyone who can reach this address can use the explorer", args.host)
+        log.warning("binding to %s: anyone who can reach this address can use the explorer (it answers requests "
+                    "addressed to %s; --allow-host adds names)", args.host, ", ".join(allowed_hosts(args.host,
+                                                                                                      args.allow_host)))
     log.info("nla explore: open http://%s:%d/", args.host if ":" not in args.host else f"[{args.host}]", args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

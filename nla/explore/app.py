@@ -24,14 +24,15 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from nla.client import NLAClientError
 from nla.explore.engine import ExploreError, ExploreLimits, Explorer
 from nla.explore.run import RunSummary
+from nla.validation import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ async def _json_body(request: Request, limit: int) -> dict[str, Any]:
         body = json.loads(b"".join(chunks) or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ExploreError(f"request body is not valid JSON ({err.msg if hasattr(err, 'msg') else err})") from None
+    except RecursionError:
+        raise ExploreError("request body is nested too deeply to parse; send flat JSON (an object of fields)") from None
     if not isinstance(body, dict):
         raise ExploreError(f"expected a JSON object, found {type(body).__name__}")
     return body
@@ -77,15 +80,33 @@ def _get(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
         names = " or ".join(k.__name__ for k in kinds)
         raise ExploreError(f"field {name!r}: expected {names}, found {type(value).__name__}")
+    if isinstance(value, str):
+        _check_text(value, f"field {name!r}")
+    if isinstance(value, int) and not isinstance(value, bool) and not -INT_LIMIT <= value < INT_LIMIT:
+        raise ExploreError(f"field {name!r}: {value} is out of range (a 64-bit integer)")
     return value
+
+
+# JSON integers are unbounded; every integer field here is a count, a position, an id or a seed.
+INT_LIMIT = 2**63
+
+
+def _check_text(text: str, what: str) -> None:
+    """A JSON string may hold a lone surrogate (``"\\ud800"``), which is no Unicode text: no
+    tokenizer can read it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ExploreError(f"{what}: character {err.start} is a lone surrogate ({text[err.start]!a}), not valid "
+                           "Unicode text; send UTF-8 text") from None
 
 
 def _int_list(body: dict[str, Any], name: str) -> list[int] | None:
     value = _get(body, name, list, None)
     if value is None:
         return None
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise ExploreError(f"field {name!r}: expected a list of integers")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and -INT_LIMIT <= v < INT_LIMIT for v in value):
+        raise ExploreError(f"field {name!r}: expected a list of (64-bit) integers")
     return value
 
 
@@ -139,11 +160,17 @@ class ExploreApp:
         texts = _get(body, "texts", list)
         if not all(t is None or isinstance(t, str) for t in texts):
             raise ExploreError("field 'texts': expected a list of strings (null for a failed sample)")
+        for i, t in enumerate(texts):
+            if t is not None:
+                _check_text(t, f"field 'texts', item {i}")
         facts = None
         if "vectors" in body:
             if any(k in body for k in ("text", "doc_id", "position")):
                 raise ExploreError("give either 'vectors' or a token ('text' or 'doc_id' with 'position'), not both")
             raw = _get(body, "vectors", list)
+            if any(isinstance(x, bool) for row in raw for x in (row if isinstance(row, list) else [row])):
+                raise ExploreError("field 'vectors': expected numbers, found a boolean (true/false are not "
+                                   "vector entries)")
             try:
                 vectors = torch.tensor(raw, dtype=torch.float32)
             except (TypeError, ValueError):
@@ -158,7 +185,10 @@ class ExploreApp:
             vectors = acts[[position] * len(texts)] if texts else acts[:0]
             truth = ex.facts(inp)
             facts = truth[position] if truth is not None else None
-        results = await run_in_threadpool(ex.score, texts, vectors, facts)
+        try:
+            results = await run_in_threadpool(ex.score, texts, vectors, facts)
+        except (InputError, NLAClientError) as err:  # the client's checks of the vectors: the request's fault
+            raise ExploreError(" ".join(str(err).split())) from None
         return JSONResponse({"results": results})
 
     async def run_summary(self, request: Request) -> JSONResponse:
@@ -193,6 +223,35 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     return _error(f"internal error ({type(exc).__name__}: {exc}); the server keeps running, see its log", 500)
 
 
+def host_name(header: str) -> str:
+    """The host of a ``Host`` header without its port: ``[::1]:8765`` -> ``::1``, ``a.b:80`` -> ``a.b``."""
+    header = header.strip().lower()
+    if header.startswith("["):  # an IPv6 literal (RFC 3986): the port follows the bracket
+        return header[1 : header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+class HostAllowList:
+    """Answer only requests whose ``Host`` names one of ``allowed_hosts`` (the defence against DNS
+    rebinding); others get a JSON 400. Starlette's ``TrustedHostMiddleware`` cuts the header at its
+    first colon, so it refuses every request to an IPv6 literal such as ``[::1]``."""
+
+    def __init__(self, app: Any, allowed_hosts: list[str]) -> None:
+        self.app = app
+        self.allowed = {h.strip("[]").lower() for h in allowed_hosts}
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            headers = dict(scope.get("headers") or [])
+            host = host_name(headers.get(b"host", b"").decode("latin-1"))
+            if host not in self.allowed:
+                response = _error(f"Invalid host header {host!r}: this explorer answers {sorted(self.allowed)} "
+                                  "(nla explore --allow-host NAME adds one)", 400)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(explorer: Explorer | None, *, run: RunSummary | None = None, limits: ExploreLimits | None = None,
                setup_error: str | None = None, allowed_hosts: list[str] | None = None) -> Starlette:
     """The explorer app; ``explorer=None`` with a ``setup_error`` serves the page and says why models are missing."""
@@ -208,7 +267,7 @@ def create_app(explorer: Explorer | None, *, run: RunSummary | None = None, limi
         Route("/api/run/plots/{name}", h.run_plot),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
     ]
-    middleware = [Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts)] if allowed_hosts else []
+    middleware = [Middleware(HostAllowList, allowed_hosts=allowed_hosts)] if allowed_hosts else []
     return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={ExploreError: _explore_error, HTTPException: _http_error,
                                          Exception: _internal_error})

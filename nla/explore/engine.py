@@ -158,6 +158,7 @@ class Explorer:
         context = getattr(subject_model.config, "max_position_embeddings", None) or self.limits.max_tokens
         self.max_tokens = min(self.limits.max_tokens, int(context))
         self.max_new_tokens = self.limits.max_new_tokens
+        self.world_docs_considered = len(world.docs) if world is not None else 0
         if world is not None:  # offer only the documents that fit the token cap
             fits = {i: d for i, d in world.docs.items()
                     if len(tokenize_text(subject_tokenizer, d.text, self.max_tokens + 1)[0]) <= self.max_tokens}
@@ -197,7 +198,8 @@ class Explorer:
                 docs.append({"doc_id": doc_id, "title": doc.text[:60], "text": doc.text, "n_facts": len(doc.facts)})
         return {"d_model": self.client.d_model, "layer_index": self.layer_index, "subject": str(self.subject_dir),
                 "mse_scale": self.client.mse_scale, "world": str(self.world.root) if self.world else None,
-                "world_docs": docs, "max_tokens": self.max_tokens, "max_new_tokens": self.max_new_tokens}
+                "world_docs": docs, "world_docs_considered": self.world_docs_considered,
+                "max_tokens": self.max_tokens, "max_new_tokens": self.max_new_tokens}
 
     # ------------------------------------------------------------------ inputs
     def text_input(self, text: str | None = None, doc_id: int | None = None) -> TextInput:

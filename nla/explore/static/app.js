@@ -274,6 +274,15 @@ async function init() {
     opt.dataset.text = d.text;
     $("doc-select").appendChild(opt);
   }
+  if (info.max_tokens) {
+    // Say the caps before they are hit: the token cap, and why fewer documents may be offered.
+    let hint = `Up to ${info.max_tokens} tokens per text.`;
+    const shown = (info.world_docs || []).length, considered = info.world_docs_considered || 0;
+    if (considered > shown) {
+      hint += ` ${shown} of ${considered} held-out documents fit that cap (nla explore --max-tokens raises it).`;
+    }
+    $("input-hint").textContent = hint;
+  }
   if (info.run) { $("tab-run").hidden = false; loadRun(); }
 }
 
