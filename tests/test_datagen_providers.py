@@ -186,3 +186,38 @@ def test_extract_tagged_strict():
     for bad in ("", "no tag", "<explanation></explanation>", "<explanation>open only",
                 "<explanation>a</explanation> <explanation>b</explanation>", "<explanation><explanation>x</explanation>"):  # fmt: skip
         assert extract_tagged(bad) is None, bad
+
+
+def test_no_network_stops_the_run_early_with_the_cause(monkeypatch, caplog):
+    """A base_url nothing listens on: every attempt is a connection error. After
+    CONNECTION_FAILURE_ROWS rows the explainer stops, naming the URL and the error, instead of
+    dropping all 40 rows after their retries."""
+    import logging
+    import socket
+
+    from nla.datagen.io import DatagenError
+    from nla.datagen.providers import CONNECTION_FAILURE_ROWS
+
+    monkeypatch.setenv("NLA_TEST_KEY", KEY)
+    with socket.socket() as sock:  # a port that was free a moment ago and now has no listener
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cfg = ProviderConfig(model="m-1", base_url=f"http://127.0.0.1:{port}", api_key_env="NLA_TEST_KEY",
+                         max_retries=1, backoff_base_s=0.01, backoff_max_s=0.02, timeout_s=2.0, max_concurrency=1)
+    ex = OpenAIExplainer(cfg)
+    with caplog.at_level(logging.WARNING, logger="nla.datagen.providers"):
+        with pytest.raises(DatagenError, match=rf"{CONNECTION_FAILURE_ROWS} rows in a row could not connect to "
+                                               rf"http://127.0.0.1:{port} \(ConnectError: .*2 attempts each\); check "
+                                               "the network"):
+            ex.explain_batch([ROW] * 40)
+    # one concurrent worker: the rows after the third were never sent
+    assert ex.retries["connection_error"] == CONNECTION_FAILURE_ROWS
+    assert caplog.text.count("connection_error (ConnectError") == 1  # the first retry is said, once
+
+
+def test_a_server_that_answers_resets_the_connection_count(api):
+    """Connection errors that alternate with answers are a flaky network, not no network: rows drop."""
+    api.script = [(200, openai_reply("<explanation>fine</explanation>"), 0)] * 5
+    ex = OpenAIExplainer(provider(api))
+    ex._unconnected_rows = 2  # as if two rows had just failed to connect
+    assert ex.explain_batch([ROW]) == ["fine"] and ex._unconnected_rows == 0

@@ -11,6 +11,10 @@
    whose reply is missing it, is malformed, or still fails after the retries
    is dropped and counted by reason (`no_tag`, `malformed_response`,
    `timeout`, `http_429`, `http_503`, ...). Nothing is kept silently.
+5. No network is not a row's problem: once `CONNECTION_FAILURE_ROWS` rows in a row
+   could not connect at all (every attempt a connection error, nothing answered in
+   between), the run stops with the cause instead of dropping every row after
+   minutes of silent retries. The first retry of each reason is logged at WARNING.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from nla.datagen.io import DatagenError
 log = logging.getLogger(__name__)
 
 MAX_CONTEXT_CHARS = 4000  # bound the prompt: the text right before the token matters most
+CONNECTION_FAILURE_ROWS = 3  # rows in a row that never connected: the network or base_url is wrong
 
 SYSTEM_PROMPT = (
     "You interpret the internal state of a language model. You are shown a text the model has read; "
@@ -52,10 +57,11 @@ def build_prompt(row: dict[str, Any]) -> str:
 
 
 class _Retryable(Exception):
-    def __init__(self, reason: str, retry_after: float | None = None) -> None:
+    def __init__(self, reason: str, retry_after: float | None = None, cause: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.retry_after = retry_after
+        self.cause = cause
 
 
 class _Drop(Exception):
@@ -90,6 +96,8 @@ class HTTPExplainer(Explainer):
         self._client = httpx.Client(timeout=httpx.Timeout(cfg.timeout_s))
         self._lock = threading.Lock()
         self.retries: Counter = Counter()  # reason -> retried attempts (not drops)
+        self._unconnected_rows = 0  # consecutive rows whose every attempt was a connection error
+        self._abort: DatagenError | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(model={self.cfg.model!r}, base_url={self.base_url!r})"
@@ -117,7 +125,7 @@ class HTTPExplainer(Explainer):
         except httpx.TimeoutException as exc:
             raise _Retryable("timeout") from exc
         except httpx.TransportError as exc:
-            raise _Retryable("connection_error") from exc
+            raise _Retryable("connection_error", cause=f"{type(exc).__name__}: {exc}") from exc
         code = resp.status_code
         if code == 429 or code >= 500:
             retry_after = None
@@ -141,17 +149,42 @@ class HTTPExplainer(Explainer):
 
     def explain_one(self, row: dict[str, Any]) -> tuple[str | None, str | None]:
         """(explanation, None) or (None, drop reason)."""
+        if self._abort is not None:
+            return None, "aborted"
+        text, reason, cause = self._explain_one(row)
+        with self._lock:
+            if reason == "connection_error" and cause is not None:
+                self._unconnected_rows += 1
+                if self._unconnected_rows >= CONNECTION_FAILURE_ROWS and self._abort is None:
+                    self._abort = DatagenError(
+                        f"{self.name} explainer: {self._unconnected_rows} rows in a row could not connect to "
+                        f"{self.base_url} ({cause}; {self.cfg.max_retries + 1} attempts each); check the network, "
+                        "a proxy, or provider.base_url, then rerun (finished stages are kept)")
+            else:
+                self._unconnected_rows = 0
+        return text, reason
+
+    def _explain_one(self, row: dict[str, Any]) -> tuple[str | None, str | None, str | None]:
+        """(explanation, None, None) or (None, drop reason, the connection error when every attempt was one)."""
         prompt = build_prompt(row)
+        only_connection = True
         for attempt in range(self.cfg.max_retries + 1):
             try:
-                return self._attempt(prompt), None
+                return self._attempt(prompt), None, None
             except _Drop as d:
-                return None, d.reason
+                return None, d.reason, None
             except _Retryable as r:
+                only_connection = only_connection and r.reason == "connection_error"
                 if attempt == self.cfg.max_retries:
-                    return None, r.reason
+                    return None, r.reason, r.cause if only_connection else None
+                if self._abort is not None:
+                    return None, "aborted", None
                 with self._lock:
+                    first = self.retries[r.reason] == 0
                     self.retries[r.reason] += 1
+                if first:
+                    log.warning("%s: %s (%s); retrying up to %d times with backoff", self.name, r.reason,
+                                r.cause or "the server asked to retry", self.cfg.max_retries)
                 delay = min(self.cfg.backoff_max_s, self.cfg.backoff_base_s * 2**attempt)
                 if r.retry_after is not None:
                     delay = min(self.cfg.backoff_max_s, max(delay, r.retry_after))
@@ -163,6 +196,8 @@ class HTTPExplainer(Explainer):
     def explain_batch(self, rows: list[dict[str, Any]]) -> list[str | None]:
         with ThreadPoolExecutor(max_workers=min(self.cfg.max_concurrency, max(1, len(rows)))) as pool:
             results = list(pool.map(self.explain_one, rows))
+        if self._abort is not None:
+            raise self._abort
         out = []
         for text, reason in results:
             if text is None:
