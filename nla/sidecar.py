@@ -273,26 +273,12 @@ class NLAConfig:
         training: dict | None = None,
     ) -> NLAConfig:
         """Build a config whose token ids are computed from ``tokenizer``, then verify it."""
-        marker_id = _single_marker_id(tokenizer, injection_char)
         draft = dict(
             kind=kind, role=role, d_model=d_model, layer_index=layer_index, injection_char=injection_char,
             av_template=av_template, ar_template=ar_template, injection_scale=injection_scale,
             mse_scale=mse_scale, base_model=base_model, training=dict(training or {}),
         )
-        messages = [{"role": "user", "content": av_template.format(injection_char=injection_char)}]
-        prompt = canonical_av_prompt_ids(tokenizer, messages)
-        pos = _marker_position(prompt, marker_id, injection_char)
-        n_tail = len(tokenizer.encode(ar_template.split("{explanation}")[-1], add_special_tokens=False))
-        if n_tail == 0:
-            raise SidecarError(f"ar_template: the tail after {{explanation}} tokenises to nothing: {ar_template!r}")
-        tail = tuple(_ar_ids(tokenizer, ar_template.format(explanation=_PROBE_EXPLANATIONS[0]))[-n_tail:])
-        cfg = cls(
-            injection_token_id=marker_id,
-            injection_left_neighbor_id=prompt[pos - 1],
-            injection_right_neighbor_id=prompt[pos + 1],
-            critic_suffix_ids=tail,
-            **draft,
-        )
+        cfg = cls(**derive_token_ids(tokenizer, injection_char, av_template, ar_template), **draft)
         verify_tokenizer(cfg, tokenizer)
         return cfg
 
@@ -370,6 +356,65 @@ def _marker_position(prompt: list[int], marker_id: int, injection_char: str) -> 
             "put delimiters around {injection_char} in av_template"
         )
     return pos
+
+
+def derive_token_ids(tokenizer: Any, injection_char: str | None, av_template: str | None,
+                     ar_template: str | None) -> dict[str, Any]:
+    """The token-id fields a sidecar records, computed from ``tokenizer``: the marker's id and its
+    neighbours in the canonical AV prompt (with ``av_template``), the AR template's constant tail
+    (with ``ar_template``). Only the fields whose template is given."""
+    out: dict[str, Any] = {}
+    if av_template is not None and injection_char is not None:
+        marker_id = _single_marker_id(tokenizer, injection_char)
+        messages = [{"role": "user", "content": av_template.format(injection_char=injection_char)}]
+        prompt = canonical_av_prompt_ids(tokenizer, messages)
+        pos = _marker_position(prompt, marker_id, injection_char)
+        out.update(injection_token_id=marker_id, injection_left_neighbor_id=prompt[pos - 1],
+                   injection_right_neighbor_id=prompt[pos + 1])
+    if ar_template is not None:
+        n_tail = len(tokenizer.encode(ar_template.split("{explanation}")[-1], add_special_tokens=False))
+        if n_tail == 0:
+            raise SidecarError(f"ar_template: the tail after {{explanation}} tokenises to nothing: {ar_template!r}")
+        out["critic_suffix_ids"] = tuple(
+            _ar_ids(tokenizer, ar_template.format(explanation=_PROBE_EXPLANATIONS[0]))[-n_tail:])
+    return out
+
+
+def token_id_changes(path: str | os.PathLike, tokenizer: Any) -> dict[str, tuple[Any, Any]]:
+    """``{written key: (recorded, derived)}`` for every token id the sidecar of ``path`` records that
+    ``tokenizer`` now gives another value (``{}``: the sidecar matches the tokenizer)."""
+    cfg = load_sidecar(path)
+    derived = derive_token_ids(tokenizer, cfg.injection_char if cfg.has_av_fields else None,
+                               cfg.av_template if cfg.has_av_fields else None,
+                               cfg.ar_template if cfg.has_ar_fields else None)
+    changes = {}
+    for name, new in derived.items():
+        old = getattr(cfg, name)
+        if (list(old) if isinstance(old, tuple) else old) != (list(new) if isinstance(new, tuple) else new):
+            changes[_KEY_OF[name]] = (list(old) if isinstance(old, tuple) else old,
+                                      list(new) if isinstance(new, tuple) else new)
+    return changes
+
+
+def rewrite_token_ids(path: str | os.PathLike, changes: Mapping[str, tuple[Any, Any]]) -> Path:
+    """Write ``changes`` (from ``token_id_changes``) into the sidecar of ``path``: only those keys
+    change, every other key and its order stay as written (comments are not kept: PyYAML drops
+    them); the previous file is kept beside it as ``<name>.bak``. Returns the sidecar path."""
+    import shutil
+
+    side = sidecar_path_for(path)
+    doc = yaml.safe_load(side.read_text(encoding="utf-8"))
+    for key, (_old, new) in changes.items():
+        node = doc
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = new
+    shutil.copy2(side, side.with_name(side.name + ".bak"))
+    from nla.fsutil import write_text_atomic
+
+    write_text_atomic(yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, default_flow_style=None), side)
+    return side
 
 
 def verify_tokenizer(cfg: NLAConfig, tokenizer: Any) -> None:

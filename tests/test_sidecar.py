@@ -334,3 +334,56 @@ def test_edited_template_is_refused(tmp_path):
     del doc["prompt_template_sha256"]  # a deliberate change: the user drops the record
     (tmp_path / "nla_meta.yaml").write_text(yaml.safe_dump(doc, allow_unicode=True))
     assert load_sidecar(tmp_path).av_template.endswith("Be brief.")
+
+
+def test_fix_tokens_rederives_drifted_ids_only_when_asked(tiny_tokenizer, tmp_path, capsys):
+    """A sidecar written for another tokenizer version (its marker and suffix ids differ from the
+    live tokenizer's): loads refuse it; `nla sidecar fix-tokens` shows the change, and writes it
+    (those keys only, the old file kept) only with --write."""
+    from nla.cli import main
+    from nla.sidecar import SIDECAR_NAME
+
+    ckpt = tmp_path / "ckpt"
+    tiny_tokenizer.save_pretrained(ckpt)
+    good = _cfg(tiny_tokenizer)
+    write_sidecar(ckpt, good)
+    path = ckpt / SIDECAR_NAME
+    doc = yaml.safe_load(path.read_text())
+    right_id, right_suffix = doc["tokens"]["injection_token_id"], doc["tokens"]["critic_suffix_ids"]
+    doc["tokens"]["injection_token_id"] = right_id + 7  # as an older tokenizer numbered the marker
+    doc["tokens"]["critic_suffix_ids"] = [1, 2]
+    doc["extraction"]["note"] = "a key nla does not write, kept"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False, allow_unicode=True))
+    drifted = path.read_text()
+    with pytest.raises(MarkerIdMismatchError):
+        verify_tokenizer(load_sidecar(ckpt), tiny_tokenizer)
+
+    assert main(["sidecar", "fix-tokens", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert f"tokens.injection_token_id: {right_id + 7} -> {right_id}" in out
+    assert f"tokens.critic_suffix_ids: [1, 2] -> {right_suffix}" in out and "not written" in out
+    assert path.read_text() == drifted  # a dry run changes nothing
+
+    assert main(["sidecar", "fix-tokens", str(ckpt), "--write"]) == 0
+    fixed = yaml.safe_load(path.read_text())
+    assert fixed["tokens"]["injection_token_id"] == right_id and fixed["tokens"]["critic_suffix_ids"] == right_suffix
+    doc["tokens"].update(injection_token_id=right_id, critic_suffix_ids=right_suffix)
+    assert fixed == doc and list(fixed) == list(doc)  # every other key, and the order, as written
+    assert (ckpt / (SIDECAR_NAME + ".bak")).read_text() == drifted
+    verify_tokenizer(load_sidecar(ckpt), tiny_tokenizer)  # loads again
+    assert main(["sidecar", "fix-tokens", str(ckpt)]) == 0
+    assert "nothing to change" in capsys.readouterr().out
+
+
+def test_fix_tokens_on_a_dataset_needs_the_tokenizer(tiny_tokenizer, tmp_path, capsys):
+    from nla.cli import main
+
+    ds = tmp_path / "d.parquet"
+    ds.write_bytes(b"")
+    write_sidecar(ds, _cfg(tiny_tokenizer).replace(kind="nla_dataset", role=None))
+    assert main(["sidecar", "fix-tokens", str(ds)]) == 2
+    assert "--tokenizer: " in capsys.readouterr().err
+    tok = tmp_path / "tok"
+    tiny_tokenizer.save_pretrained(tok)
+    assert main(["sidecar", "fix-tokens", str(ds), "--tokenizer", str(tok)]) == 0
+    assert "nothing to change" in capsys.readouterr().out
