@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from nla import arch
+from nla.provenance import Provenance, check_provenance
 from nla.reconstructor import VALUE_HEAD_FILE, Reconstructor, tokenize_ar_texts
 from nla.reward import Status, failed_mse
 from nla.sidecar import SIDECAR_NAME, NLAConfig, SidecarError, load_sidecar, verify_tokenizer
@@ -180,6 +181,7 @@ class NLAClient:
         dtype: str = "float32",
         sidecar: str | os.PathLike | None = None,
         max_length: int = 256,
+        allow_mixed_provenance: bool = False,
     ) -> None:
         from nla.train.common import resolve_device, resolve_dtype
 
@@ -205,7 +207,7 @@ class NLAClient:
             ar_tok = ar_model.tokenizer
             if ar_tok is None:
                 raise NLAClientError(f"ar: no tokenizer files in {path}; save the tokenizer beside the AR checkpoint")
-        self._setup(av_model, av_tok, av_side, ar_model, ar_tok, ar_side, max_length)
+        self._setup(av_model, av_tok, av_side, ar_model, ar_tok, ar_side, max_length, allow_mixed_provenance)
 
     @classmethod
     def from_models(
@@ -218,6 +220,7 @@ class NLAClient:
         ar_sidecar: NLAConfig | None = None,
         *,
         max_length: int = 256,
+        allow_mixed_provenance: bool = False,
     ) -> NLAClient:
         """Wrap already-loaded models (no copy: the client sees their current weights).
 
@@ -236,11 +239,12 @@ class NLAClient:
                     "and ar_sidecar"
                 )
         self = cls.__new__(cls)
-        self._setup(av_model, av_tokenizer, av_sidecar, ar, ar_tokenizer, ar_sidecar, max_length)
+        self._setup(av_model, av_tokenizer, av_sidecar, ar, ar_tokenizer, ar_sidecar, max_length,
+                    allow_mixed_provenance)
         return self
 
     def _setup(self, av_model: nn.Module | None, av_tok: Any, av_side: NLAConfig | None, ar: Reconstructor | None,
-               ar_tok: Any, ar_side: NLAConfig | None, max_length: int) -> None:
+               ar_tok: Any, ar_side: NLAConfig | None, max_length: int, allow_mixed_provenance: bool = False) -> None:
         if max_length < 1:
             raise NLAClientError(f"max_length: expected a positive token count, found {max_length}")
         for role, model, tok, side in (("av", av_model, av_tok, av_side), ("ar", ar, ar_tok, ar_side)):
@@ -258,14 +262,27 @@ class NLAClient:
                 f"d_model: the AV sidecar says {av_side.d_model} but the AR sidecar says {ar_side.d_model}; the two "
                 "checkpoints were not trained on the same subject model and cannot form a pair"
             )
-        if (av_side is not None and ar_side is not None and None not in (av_side.layer_index, ar_side.layer_index)
-                and av_side.layer_index != ar_side.layer_index):
-            logger.warning("AV sidecar layer_index %d differs from the AR's %d; check that they form a pair",
-                           av_side.layer_index, ar_side.layer_index)
+        self.allow_mixed_provenance = allow_mixed_provenance
+        if av_side is not None and ar_side is not None:  # subject, layer and tokenizer (nla.provenance)
+            check_provenance([Provenance.of("the AV", av_side), Provenance.of("the AR", ar_side)],
+                             allow=allow_mixed_provenance, context="AV/AR pair")
         self.av_model, self.av_tokenizer, self.av_sidecar = av_model, av_tok, av_side
         self.ar, self.ar_tokenizer, self.ar_sidecar = ar, ar_tok, ar_side
         self.max_length = max_length
         self._rollout = None  # built on first verbalize: it registers an injection hook on the AV
+
+    def check_data(self, path: str | os.PathLike) -> None:
+        """Refuse a dataset whose sidecar records another subject, layer, width or tokenizer than this
+        client's checkpoints (``nla.provenance``; ``allow_mixed_provenance`` warns instead). A dataset
+        without a sidecar has nothing to compare."""
+        from nla.sidecar import sidecar_path_for
+
+        if not sidecar_path_for(path).is_file():
+            return
+        parts = [Provenance.of(f"the dataset {path}", load_sidecar(path))]
+        parts += [Provenance.of(label, side) for label, side in (("the AV", self.av_sidecar), ("the AR", self.ar_sidecar))
+                  if side is not None]
+        check_provenance(parts, allow=self.allow_mixed_provenance, context="dataset")
 
     # ------------------------------------------------------------------ properties
     @property

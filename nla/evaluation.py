@@ -46,6 +46,7 @@ from torch import Tensor
 from nla.client import NLAClient, NLAClientError, ScoreResult, failed_mse
 from nla.fsutil import dumps_json, json_ready
 from nla.graders import DatasetGrader, Faithfulness, faithfulness, get_grader, grader_for_table
+from nla.provenance import Provenance, check_provenance
 from nla.reward import charge_failures
 from nla.vectors import cosine, fve_of_mse, mse_nrm, normalize_activation, predict_mean_baselines
 
@@ -250,6 +251,7 @@ def _load_eval_table(client: NLAClient, path: Path, max_rows: int | None, rng: n
             f"dataset: {path} has no sidecar {sidecar_path_for(path).name}; datasets are only usable with their "
             "sidecar (rebuild it with `nla datagen`)"
         )
+    client.check_data(path)  # the dataset's subject, layer and tokenizer are the pair's (nla.provenance)
     table = read_parquet(path)
     vectors = read_vectors(table)
     if vectors.shape[0] < 2:
@@ -285,6 +287,10 @@ def _av_rows(ev: _Eval, frozen_ar: NLAClient | None, rng: np.random.Generator) -
         frozen_ar._need_ar("evaluate_pair(frozen_ar=...)")
         if frozen_ar.d_model != client.d_model:
             raise NLAClientError(f"frozen_ar: d_model {frozen_ar.d_model} differs from the pair's {client.d_model}")
+        check_provenance([Provenance.of("the frozen AR", frozen_ar.ar_sidecar)]
+                         + [Provenance.of(label, side) for label, side in (("the AV", client.av_sidecar),
+                                                                          ("the AR", client.ar_sidecar)) if side],
+                         allow=client.allow_mixed_provenance, context="frozen_ar")
         ev.read(ROW_FROZEN, texts, reader=frozen_ar, grades=grades)  # same texts, same grades
     perm = torch.from_numpy(rng.permutation(n))
     logger.info("eval: verbalizing %d shuffled vectors", n)

@@ -13,6 +13,9 @@ log = logging.getLogger("nla.eval")
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by eval / verbalize / score to load checkpoints."""
     p.add_argument("--sidecar", help="explicit nla_meta.yaml (overrides the checkpoints' own)")
+    p.add_argument("--allow-mixed-provenance", action="store_true",
+                   help="run even when the checkpoints and the data record different subjects, layers or "
+                        "tokenizers (a warning instead of an error)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
@@ -55,8 +58,11 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         check_output_path(args.out, "--out")
     read_vectors(args.dataset)  # NaN / Inf / zero rows are named with the file before any model loads
-    client = NLAClient(args.av, args.ar, device=args.device, dtype=args.dtype, sidecar=args.sidecar)
-    frozen = NLAClient(None, args.frozen_ar, device=args.device, dtype=args.dtype) if args.frozen_ar else None
+    mixed = args.allow_mixed_provenance
+    client = NLAClient(args.av, args.ar, device=args.device, dtype=args.dtype, sidecar=args.sidecar,
+                       allow_mixed_provenance=mixed)
+    frozen = (NLAClient(None, args.frozen_ar, device=args.device, dtype=args.dtype, allow_mixed_provenance=mixed)
+              if args.frozen_ar else None)
     report = evaluate_pair(client, args.dataset, max_rows=args.max_rows, seed=args.seed,
                            text_explainer_baseline=not args.no_text_explainer, n_show=args.samples,
                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, frozen_ar=frozen,

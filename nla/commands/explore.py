@@ -42,6 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, help="tokens per text cap, also capped by the subject's context "
                    "(default 128)")
     p.add_argument("--max-samples", type=int, help="sampled explanations per token cap (default 8)")
+    p.add_argument("--allow-mixed-provenance", action="store_true",
+                   help="serve even when the pair and --subject record different subjects, layers or tokenizers")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.set_defaults(func=run)
@@ -56,7 +58,8 @@ def build(args: argparse.Namespace):
     run_summary = load_run(args.run) if args.run else None
     explorer, setup_error = None, None
     try:
-        explorer = Explorer.load(args.av, args.ar, args.subject, device=args.device, dtype=args.dtype, limits=limits)
+        explorer = Explorer.load(args.av, args.ar, args.subject, device=args.device, dtype=args.dtype, limits=limits,
+                                 allow_mixed_provenance=args.allow_mixed_provenance)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         setup_error = " ".join(str(exc).split())
         log.error("the models could not be loaded; the page will say why: %s", setup_error)

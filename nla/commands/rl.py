@@ -30,6 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from the last checkpoint in out_dir (the config must match the run's)")
     p.add_argument("--overwrite", action="store_true", help="delete a previous run in out_dir and start over")
+    p.add_argument("--allow-mixed-provenance", action="store_true",
+                   help="run even when the AV, the AR and the datasets record different subjects, layers or "
+                        "tokenizers (sets allow_mixed_provenance)")
     p.set_defaults(func=run)
 
 
@@ -40,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     from nla.datagen.io import read_vectors
     from nla.reconstructor import VALUE_HEAD_FILE
     from nla.rl.config import load_rl_config
-    from nla.rl.loop import run_rl
+    from nla.rl.loop import check_data_provenance, run_rl
+    from nla.rl.setup import load_pair_sidecars
     from nla.rundir import prepare_run_dir
     from nla.train.config import parse_overrides
     from nla.validation import check_checkpoint, check_device, check_output_path
@@ -51,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None:
             overrides[key] = value
+    if args.allow_mixed_provenance:
+        overrides["allow_mixed_provenance"] = True
     cfg = load_rl_config(args.config, overrides)
     # Every input is checked before anything is written (nla.validation).
     check_output_path(cfg.out_dir, "out_dir")
@@ -61,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     check_checkpoint(cfg.ar, "ar", extra=(VALUE_HEAD_FILE,))
     for dataset in filter(None, (cfg.dataset, cfg.eval_dataset)):
         read_vectors(dataset)  # NaN / Inf / zero rows stop the run here, named
+    av_side, ar_side = load_pair_sidecars(cfg.av, cfg.ar, allow_mixed_provenance=cfg.allow_mixed_provenance)
+    check_data_provenance(cfg, av_side, ar_side)  # one subject for the pair and its data (nla.provenance)
     prepare_run_dir(cfg.out_dir, cfg.to_dict(), "rl_config.yaml", resume=args.resume, overwrite=args.overwrite)
     result = run_rl(cfg, resume=args.resume)
     log.info("checkpoint: %s (%.1f s)", result.checkpoint_dir, result.seconds)

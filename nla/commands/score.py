@@ -104,7 +104,10 @@ def run(args: argparse.Namespace) -> int:
         texts = [texts[i] for i in kept]
     else:
         vectors, kept = check_vectors(raw, f"vectors {source}"), np.arange(raw.shape[0])
-    client = NLAClient(None, args.ar, device=args.device, dtype=args.dtype, sidecar=args.sidecar)
+    client = NLAClient(None, args.ar, device=args.device, dtype=args.dtype, sidecar=args.sidecar,
+                       allow_mixed_provenance=args.allow_mixed_provenance)
+    if str(source).endswith(".parquet"):
+        client.check_data(source)
     res = client.score(texts, vectors, batch_size=args.batch_size)
     ok = ~res.failed
     summary = {"rows": res.n, "skipped_rows": int(raw.shape[0] - res.n), "failure_rate": res.failure_rate,

@@ -47,7 +47,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         vectors = load_vectors(args.vectors, rows=args.rows)
         kept = range(vectors.shape[0])
-    client = NLAClient(args.av, None, device=args.device, dtype=args.dtype, sidecar=args.sidecar)
+    client = NLAClient(args.av, None, device=args.device, dtype=args.dtype, sidecar=args.sidecar,
+                       allow_mixed_provenance=args.allow_mixed_provenance)
+    if str(args.vectors).endswith(".parquet"):
+        client.check_data(args.vectors)  # vectors of another subject would be explained as if they were this one's
     out = client.verbalize(vectors, max_new_tokens=args.max_new_tokens, greedy=not args.sample,
                            temperature=args.temperature, n_samples=args.n_samples, seed=args.seed,
                            batch_size=args.batch_size)

@@ -35,6 +35,7 @@ import torch
 from nla.arch import hidden_size, num_layers
 from nla.client import NLAClient, NLAClientError, ScoreResult, Verbalization
 from nla.datagen.extract import block_outputs, load_subject, tokenize_text
+from nla.provenance import Provenance, ProvenanceError, check_provenance
 from nla.world import Fact, generate_documents, grade, load_world, parse_facts, token_facts
 
 logger = logging.getLogger(__name__)
@@ -167,17 +168,25 @@ class Explorer:
 
     @classmethod
     def load(cls, av: str | os.PathLike, ar: str | os.PathLike, subject: str | os.PathLike | None = None, *,
-             device: str = "auto", dtype: str = "float32", limits: ExploreLimits | None = None) -> Explorer:
+             device: str = "auto", dtype: str = "float32", limits: ExploreLimits | None = None,
+             allow_mixed_provenance: bool = False) -> Explorer:
         """Load the pair and its subject model from directories given on the command line."""
         limits = limits or ExploreLimits()
         for role, path in (("av", av), ("ar", ar)):
             if not Path(path).is_dir():
                 raise FileNotFoundError(f"--{role}: no checkpoint directory at {path}")
         try:
-            client = NLAClient(av, ar, device=device, dtype=dtype)
-        except NLAClientError as err:
+            client = NLAClient(av, ar, device=device, dtype=dtype, allow_mixed_provenance=allow_mixed_provenance)
+        except (NLAClientError, ProvenanceError) as err:
             raise ExploreError(str(err), status=409) from None
         subject_dir = resolve_subject(subject, client)
+        if subject is not None:  # the explicit subject must be the one the pair records
+            try:
+                check_provenance([Provenance("--subject", subject=str(subject_dir)),
+                                  Provenance.of("the AV", client.av_sidecar), Provenance.of("the AR", client.ar_sidecar)],
+                                 allow=allow_mixed_provenance, context="explore")
+            except ProvenanceError as err:
+                raise ExploreError(str(err), status=409) from None
         if not (subject_dir / "config.json").is_file():
             raise FileNotFoundError(
                 f"subject: no Hugging Face model at {subject_dir} (no config.json); pass --subject DIR, the model the "

@@ -305,6 +305,8 @@ class RLConfig:
     steps: RL steps (the LR schedule spans them); stop_after_steps: end this invocation
       earlier, keeping the schedule (resumable chunks). seed, device (auto | cpu | cuda),
       dtype (float32 | bfloat16 | float16), log_every, tensorboard, progress.
+    allow_mixed_provenance: run even when the AV, the AR and the datasets record different
+      subjects, layers or tokenizers (``nla.provenance``; a warning instead of an error).
     threads: torch CPU threads of this process and of each Ray actor (null: ``$OMP_NUM_THREADS``,
       else every core (local), half the cores shared among the actors (Ray), fixed for the run;
       ``"auto"``: the local count follows the machine's load and gives up reproducibility;
@@ -327,6 +329,7 @@ class RLConfig:
     threads: int | str | None = None
     tensorboard: bool = True
     progress: bool = True
+    allow_mixed_provenance: bool = False
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optimiser: OptimiserConfig = field(default_factory=OptimiserConfig)

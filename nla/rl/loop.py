@@ -315,6 +315,22 @@ def latest_rl_checkpoint(out_dir: Path) -> Path | None:
     return cands[-1] if cands else latest_checkpoint(root)
 
 
+def check_data_provenance(cfg: RLConfig, av_sidecar: Any, ar_sidecar: Any) -> None:
+    """The RL, eval and replay datasets must record the pair's subject, layer, width and tokenizer
+    (``nla.provenance``); a dataset without a sidecar has nothing to compare."""
+    from nla.provenance import Provenance, check_provenance
+    from nla.sidecar import load_sidecar, sidecar_path_for
+
+    paths = [("dataset", cfg.dataset), ("eval_dataset", cfg.eval_dataset),
+             ("reconstructor.replay_dataset", cfg.reconstructor.replay_dataset
+              if cfg.reconstructor.replay_fraction > 0 else None)]
+    parts = [Provenance.of(f"{name} {path}", load_sidecar(path)) for name, path in paths
+             if path and sidecar_path_for(path).is_file()]
+    if parts:
+        parts += [Provenance.of("the AV", av_sidecar), Provenance.of("the AR", ar_sidecar)]
+        check_provenance(parts, allow=cfg.allow_mixed_provenance, context="rl")
+
+
 def restore_checkpoint(ckpt: Path, groups: WorkerGroups, cfg: RLConfig, cursor: DataCursor) -> int:
     """Load an RL checkpoint's optimiser, value-model, cursor and RNG state into a run; returns its step.
     (The weights themselves were loaded when the groups were built from ``ckpt``.)"""
@@ -439,6 +455,7 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
             f"d_model: {cfg.dataset} holds {data.vectors.shape[1]}-d vectors but the AV sidecar says "
             f"{groups.av_sidecar.d_model}; use the RL parquet built for this subject model and layer"
         )
+    check_data_provenance(cfg, groups.av_sidecar, groups.ar_sidecar)
     scale = groups.ar_sidecar.mse_scale_value()
     baseline = float(predict_mean_baselines(data.vectors, scale).raw_mean)
     eval_baseline = float(predict_mean_baselines(eval_data.vectors, scale).raw_mean) if eval_data else baseline
