@@ -152,9 +152,17 @@ def load_tokenizer(path: str | Any, **kwargs: Any) -> Any:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     p = Path(path)
-    if p.is_dir() and (p / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(p, **kwargs)
-    return AutoTokenizer.from_pretrained(path, **kwargs)
+    try:
+        if p.is_dir() and (p / "tokenizer.json").is_file():
+            return PreTrainedTokenizerFast.from_pretrained(p, **kwargs)
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    except Exception as err:  # noqa: BLE001 - tokenizers, json and HF raise a mix; all mean "cannot load"
+        files = sorted(f.name for f in p.iterdir() if "token" in f.name or f.suffix in (".model", ".txt")) \
+            if p.is_dir() else []
+        raise ValueError(
+            f"{path}: the tokenizer cannot be loaded ({' '.join(str(err).split())[:200]}); tokenizer files there: "
+            f"{files or 'none'}. A damaged or missing tokenizer.json: copy it again from where the checkpoint "
+            "came from") from None
 
 
 def is_sharded(module: nn.Module) -> bool:

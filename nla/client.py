@@ -131,6 +131,8 @@ def load_vectors(path: str | os.PathLike, rows: int | None = None, *, check: boo
         raise NLAClientError(f"vectors: expected a .parquet or .npy file, found {p.name!r}")
     if arr.ndim != 2:
         raise NLAClientError(f"vectors: {p} holds an array of shape {arr.shape}, expected [N, d]")
+    if arr.shape[0] == 0:
+        raise NLAClientError(f"vectors: {p} has no rows; there is nothing to explain or score")
     if rows is not None:
         arr = arr[:rows]
     return check_vectors(arr, f"vectors {p}") if check else arr
@@ -271,15 +273,24 @@ class NLAClient:
         self.max_length = max_length
         self._rollout = None  # built on first verbalize: it registers an injection hook on the AV
 
-    def check_data(self, path: str | os.PathLike) -> None:
-        """Refuse a dataset whose sidecar records another subject, layer, width or tokenizer than this
-        client's checkpoints (``nla.provenance``; ``allow_mixed_provenance`` warns instead). A dataset
-        without a sidecar has nothing to compare."""
+    def check_data(self, path: str | os.PathLike, width: int | None = None) -> None:
+        """Refuse a dataset whose sidecar records another subject, layer or tokenizer than this
+        client's checkpoints (``nla.provenance``; ``allow_mixed_provenance`` warns instead), or is no
+        dataset sidecar, or contradicts the vectors' ``width``. A dataset without a sidecar has
+        nothing to compare."""
         from nla.sidecar import sidecar_path_for
 
-        if not sidecar_path_for(path).is_file():
+        where = sidecar_path_for(path)
+        if not where.is_file():
             return
-        parts = [Provenance.of(f"the dataset {path}", load_sidecar(path))]
+        side = load_sidecar(path)
+        if side.kind != "nla_dataset":
+            raise NLAClientError(f"{where}: kind {side.kind!r} (role {side.role}) is a checkpoint's sidecar, not a "
+                                 "dataset's (kind nla_dataset); restore the one nla datagen wrote beside the parquet")
+        if width is not None and side.d_model != width:
+            raise NLAClientError(f"{where}: d_model {side.d_model}, but {path} holds {width}-d vectors; the sidecar "
+                                 "does not belong to this data: restore the one nla datagen wrote")
+        parts = [Provenance.of(f"the dataset {path}", side)]
         parts += [Provenance.of(label, side) for label, side in (("the AV", self.av_sidecar), ("the AR", self.ar_sidecar))
                   if side is not None]
         check_provenance(parts, allow=self.allow_mixed_provenance, context="dataset")
@@ -393,7 +404,8 @@ class NLAClient:
                 f"score: {len(texts)} texts for {gold.shape[0]} vectors; pass exactly one text (or None) per vector"
             )
         n, d = gold.shape
-        failed = torch.tensor([t is None for t in texts], dtype=torch.bool)
+        # No text, or an empty one (what extraction never returns: it says nothing), is a failed sample.
+        failed = torch.tensor([t is None or (isinstance(t, str) and not t.strip()) for t in texts], dtype=torch.bool)
         ok = (~failed).nonzero(as_tuple=True)[0]
         preds = torch.full((n, d), float("nan"))
         mse = torch.full((n,), float("nan"))
@@ -422,6 +434,8 @@ class NLAClient:
 
 
 def load_checkpoint_sidecar(path: Path, role: str) -> NLAConfig:
+    if path.is_file():
+        raise NLAClientError(f"{role}: {path} is a file, expected the checkpoint directory (e.g. {path.parent})")
     if not path.is_dir():
         raise FileNotFoundError(f"{role}: checkpoint directory {path} does not exist")
     if not (path / SIDECAR_NAME).is_file():
@@ -436,8 +450,8 @@ def load_checkpoint_sidecar(path: Path, role: str) -> NLAConfig:
         # Loading the other role "works" (an AR dir as AV gets a random lm_head) and writes garbage: refuse.
         found = f"role {side.role!r}" if side.role else ("a value head" if is_ar_dir else "no value head")
         raise NLAClientError(
-            f"{role}: {path} is an {other.upper()} checkpoint ({found}), not an {role.upper()}; pass the "
-            f"{'verbalizer' if role == 'av' else 'reconstructor'} checkpoint as --{role}"
+            f"{role}: {path} is an {other.upper()} checkpoint ({found}), not an {role.upper()}; pass a "
+            f"{'verbalizer' if role == 'av' else 'reconstructor'} checkpoint there"
         )
     try:
         return side.need_av("verbalizing") if role == "av" else side.need_ar("reconstructing")

@@ -48,7 +48,7 @@ from nla.fsutil import dumps_json, json_ready
 from nla.graders import DatasetGrader, Faithfulness, faithfulness, get_grader, grader_for_table
 from nla.provenance import Provenance, check_provenance
 from nla.reward import charge_failures
-from nla.vectors import cosine, fve_of_mse, mse_nrm, normalize_activation, predict_mean_baselines
+from nla.vectors import check_spread, cosine, fve_of_mse, mse_nrm, normalize_activation
 
 logger = logging.getLogger(__name__)
 
@@ -251,9 +251,9 @@ def _load_eval_table(client: NLAClient, path: Path, max_rows: int | None, rng: n
             f"dataset: {path} has no sidecar {sidecar_path_for(path).name}; datasets are only usable with their "
             "sidecar (rebuild it with `nla datagen`)"
         )
-    client.check_data(path)  # the dataset's subject, layer and tokenizer are the pair's (nla.provenance)
     table = read_parquet(path)
     vectors = read_vectors(table)
+    client.check_data(path, width=int(vectors.shape[1]))  # subject, layer, tokenizer: the pair's (nla.provenance)
     if vectors.shape[0] < 2:
         raise NLAClientError(f"dataset: {path} has {vectors.shape[0]} rows; FVE needs at least 2")
     if vectors.shape[1] != client.d_model:
@@ -379,9 +379,10 @@ def evaluate_pair(
     table, gold, dataset_rows = _load_eval_table(client, path, max_rows, rng)
     n = gold.shape[0]
     scale = ar_side.mse_scale_value()
-    base = predict_mean_baselines(gold, scale)
-    if base.raw_mean <= 0:
-        raise NLAClientError("dataset: the gold vectors have zero spread after normalisation; FVE is undefined")
+    try:
+        base = check_spread(gold, scale, f"dataset {path}")
+    except ValueError as err:
+        raise NLAClientError(str(err)) from None
     if isinstance(grader, str):
         grader = get_grader(grader)
     elif grader is None:

@@ -19,6 +19,7 @@ def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, default_file_mode())  # mkstemp makes 0600; a written output gets what open() would
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -41,3 +42,18 @@ def json_ready(obj: Any) -> Any:
 def dumps_json(obj: Any, **kwargs: Any) -> str:
     """``json.dumps`` of ``json_ready(obj)``: always valid JSON (non-finite numbers become null)."""
     return json.dumps(json_ready(obj), allow_nan=False, **kwargs)
+
+
+def default_file_mode() -> int:
+    """The mode ``open()`` gives a new file: 0666 less the process's umask (read from /proc, so the
+    umask is never changed, not even for an instant other threads could see)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # no /proc: the usual way (it sets the mask back at once)
+    os.umask(mask)
+    return 0o666 & ~mask

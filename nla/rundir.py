@@ -33,7 +33,7 @@ __all__ = ["RESUME_MAY_CHANGE", "RunDirError", "prepare_run_dir", "remove_stale_
 RESUME_MAY_CHANGE = frozenset({
     "stop_after_steps", "progress", "tensorboard", "device", "keep_last", "log_every", "eval_every", "save_every",
     "eval_max_rows", "checkpointing.keep_last", "checkpointing.save_every", "backend.ray_address",
-    "allow_mixed_provenance",
+    "allow_mixed_provenance", "out_dir",  # a run copied or moved elsewhere is still that run
 })
 
 

@@ -181,10 +181,21 @@ def apply_threads(requested: int | str | None = None, *, processes: int = 1) -> 
         n = _governor.threads
     else:
         _governor = None
+    limit = max_threads()
+    if n > limit:
+        raise ValueError(
+            f"threads: {n} is more than 4 x the {os.cpu_count()} cores of this machine (at most {limit} here); torch "
+            "cannot start that many (a huge count crashed or hung it); pass --threads N with N up to the cores")
     import torch  # here, so configs can validate `threads` without importing torch
 
     torch.set_num_threads(n)
     return n
+
+
+def max_threads() -> int:
+    """The most threads a run may ask for on this machine: 4 x its cores (at least 8). More only
+    waits at every OpenMP barrier, and torch segfaults or hangs on counts in the thousands."""
+    return max(8, 4 * (os.cpu_count() or 1))
 
 
 def adapt_threads() -> int:
@@ -218,8 +229,12 @@ def threads_flag(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', found {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', found {value}")
+    if value > max_threads():
+        raise argparse.ArgumentTypeError(f"expected at most {max_threads()} (4 x the {os.cpu_count()} cores of this "
+                                         f"machine), found {value}")
     return value
 
 
-__all__ = ["AUTO", "ENV_VAR", "THREADS_HELP", "ThreadGovernor", "adapt_threads", "apply_threads", "available_cores", "check_threads",
-           "read_cpu_seconds", "resolve_threads", "threads_flag", "threads_for_idle_cores"]
+__all__ = ["AUTO", "ENV_VAR", "THREADS_HELP", "ThreadGovernor", "adapt_threads", "apply_threads", "available_cores",
+           "check_threads", "max_threads", "read_cpu_seconds", "resolve_threads", "threads_flag",
+           "threads_for_idle_cores"]

@@ -125,13 +125,27 @@ def predict_mean_baselines(gold: Tensor, scale: float | None) -> MeanBaselines:
 def fve(pred: Tensor, gold: Tensor, scale: float | None) -> float:
     """Fraction of variance explained: ``1 - mean(mse_nrm) / raw_mean baseline``."""
     _check_pair(pred, gold)
-    baseline = predict_mean_baselines(gold, scale).raw_mean
-    if baseline <= 0:
+    return fve_of_mse(mse_nrm(pred, gold, scale), check_spread(gold, scale, "fve").raw_mean)
+
+
+# A raw-mean baseline below this share of the vectors' mean squared entry is rounding, not spread:
+# identical vectors leave ~1e-15 of it, real data ~0.5-1.
+SPREAD_RTOL = 1e-6
+
+
+def check_spread(gold: Tensor, scale: float | None, what: str) -> MeanBaselines:
+    """The mean baselines of ``gold`` [N, d], after checking that FVE is defined on them: at least two
+    rows that do not all point the same way (else the raw-mean baseline is 0, or rounding noise that
+    turns every FVE into -1e15)."""
+    n = gold.shape[0]
+    base = predict_mean_baselines(gold, scale) if n else MeanBaselines(0.0, 0.0)
+    typical = float(normalize_activation(gold.float(), scale).pow(2).mean()) if n else 0.0
+    if n < 2 or not base.raw_mean > SPREAD_RTOL * typical:
         raise ValueError(
-            "fve: the gold vectors have zero spread after normalisation (all rows point the same way "
-            "or there is a single row); FVE is undefined. Evaluate on more than one distinct vector."
-        )
-    return fve_of_mse(mse_nrm(pred, gold, scale), baseline)
+            f"{what}: the {n} gold vector(s) have no spread after normalisation (a single row, or every row "
+            "pointing the same way), so FVE's baseline is 0 and FVE is undefined; use data with more than one "
+            "distinct vector")
+    return base
 
 
 def fve_of_mse(mse: Tensor, baseline: float) -> float:

@@ -66,7 +66,10 @@ def run(args: argparse.Namespace) -> int:
     check_checkpoint(cfg.av, "av")
     check_checkpoint(cfg.ar, "ar", extra=(VALUE_HEAD_FILE,))
     for dataset in filter(None, (cfg.dataset, cfg.eval_dataset)):
-        read_vectors(dataset)  # NaN / Inf / zero rows stop the run here, named
+        rows = read_vectors(dataset).shape[0]  # NaN / Inf / zero rows stop the run here, named
+        if dataset == cfg.dataset and cfg.rollout.rollout_batch_size > rows:
+            raise ValueError(f"rollout.rollout_batch_size: {cfg.rollout.rollout_batch_size} prompts per step, but "
+                             f"{dataset} holds {rows} rows; at most {rows} (every prompt once per step)")
     av_side, ar_side = load_pair_sidecars(cfg.av, cfg.ar, allow_mixed_provenance=cfg.allow_mixed_provenance)
     check_data_provenance(cfg, av_side, ar_side)  # one subject for the pair and its data (nla.provenance)
     prepare_run_dir(cfg.out_dir, cfg.to_dict(), "rl_config.yaml", resume=args.resume, overwrite=args.overwrite)

@@ -39,14 +39,21 @@ def read_texts(path: str) -> list[str | None]:
 
     Lines end at ``\n`` only (a trailing ``\r`` is dropped): ``str.splitlines`` also breaks at
     U+2028, NEL, form feeds and lone CRs, which would shift every later explanation onto the
-    wrong vector. In a text file an empty line is an empty explanation (a row); blank lines of
-    a JSONL file are skipped (they hold no object).
+    wrong vector. In a text file an empty line is an empty explanation (a row, scored as a failed
+    sample: it says nothing); blank lines of a JSONL file are skipped (they hold no object).
     """
     import json
     from pathlib import Path
 
     p = Path(path)
-    lines = p.read_bytes().decode("utf-8").split("\n")  # not read_text: it turns lone CRs into row breaks
+    data = p.read_bytes()
+    try:
+        text = data.decode("utf-8")  # not read_text: it turns lone CRs into row breaks
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ValueError(f"{p}: line {line} is not UTF-8 text (byte {data[err.start]:#04x} at offset {err.start}); "
+                         "save the explanations as UTF-8") from None
+    lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()  # the file's final newline ends the last row, it does not start a new one
     lines = [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
@@ -91,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
         if "explanation" not in table.column_names:
             raise ValueError(f"{args.dataset} has no explanation column; found {table.column_names}")
         texts = table.column("explanation").to_pylist()
+        bad = next((i for i, t in enumerate(texts) if t is not None and not isinstance(t, str)), None)
+        if bad is not None:
+            raise ValueError(f"{args.dataset}: column 'explanation' row {bad} holds {type(texts[bad]).__name__} "
+                             f"({table.schema.field('explanation').type}), expected text (or null for a failed sample)")
     source = args.vectors or args.dataset
     raw = load_vectors(source, rows=args.rows, check=False)
     texts = texts[: args.rows] if args.rows is not None else texts
@@ -107,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     client = NLAClient(None, args.ar, device=args.device, dtype=args.dtype, sidecar=args.sidecar,
                        allow_mixed_provenance=args.allow_mixed_provenance)
     if str(source).endswith(".parquet"):
-        client.check_data(source)
+        client.check_data(source, width=int(raw.shape[1]))
     res = client.score(texts, vectors, batch_size=args.batch_size)
     ok = ~res.failed
     summary = {"rows": res.n, "skipped_rows": int(raw.shape[0] - res.n), "failure_rate": res.failure_rate,
@@ -115,7 +126,11 @@ def run(args: argparse.Namespace) -> int:
                "cosine_mean": float(res.cosine[ok].mean()) if ok.any() else None}
     gold = torch.from_numpy(np.array(vectors))  # a copy: arrow-backed arrays are read-only
     if int(ok.sum()) >= 2:
-        summary["fve_completed_rows"] = fve(res.predictions[ok], gold[ok], client.mse_scale)
+        try:
+            summary["fve_completed_rows"] = fve(res.predictions[ok], gold[ok], client.mse_scale)
+        except ValueError as err:  # every gold the same direction: the per-row scores stand, FVE does not
+            log.warning("%s; fve_completed_rows is null", err)
+            summary["fve_completed_rows"] = None
     if res.failed.any():
         fm = failed_mse(gold, client.mse_scale)
         summary["mse_nrm_mean_failed_as_orthogonal"] = float(torch.where(res.failed, fm, res.mse_nrm).mean())

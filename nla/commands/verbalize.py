@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     client = NLAClient(args.av, None, device=args.device, dtype=args.dtype, sidecar=args.sidecar,
                        allow_mixed_provenance=args.allow_mixed_provenance)
     if str(args.vectors).endswith(".parquet"):
-        client.check_data(args.vectors)  # vectors of another subject would be explained as if they were this one's
+        client.check_data(args.vectors, width=int(vectors.shape[1]))  # vectors of another subject would be explained as if they were this one's
     out = client.verbalize(vectors, max_new_tokens=args.max_new_tokens, greedy=not args.sample,
                            temperature=args.temperature, n_samples=args.n_samples, seed=args.seed,
                            batch_size=args.batch_size)
@@ -61,5 +61,5 @@ def run(args: argparse.Namespace) -> int:
         log.info("wrote %d samples to %s", len(out), args.out)
     else:
         print(lines, end="")
-    log.info("statuses: %s", dict(Counter(v.status for v in out)))
+    log.info("statuses: %s", dict(Counter(str(v.status) for v in out)))
     return 0

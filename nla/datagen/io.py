@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nla.fsutil import dumps_json, write_text_atomic
+from nla.fsutil import default_file_mode, dumps_json, write_text_atomic
 
 VECTOR_COLUMN = "activation_vector"
 
@@ -36,6 +36,8 @@ def read_parquet(path: str | os.PathLike) -> pa.Table:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: parquet file not found; run the stage that writes it first")
+    if path.is_dir():
+        raise DatagenError(f"{path}: is a directory, expected a .parquet file (e.g. {path / 'ar_sft.parquet'})")
     try:
         return pq.read_table(path, page_checksum_verification=True)
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
@@ -71,7 +73,7 @@ def read_vectors(path_or_table: str | os.PathLike | pa.Table, column: str = VECT
         return np.zeros((0, 0), dtype=np.float32)
     if col.null_count:
         bad = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
-        raise DatagenError(f"column {column!r}: row {bad} is null; every row needs a vector")
+        raise DatagenError(f"{where}: row {bad} is null; every row needs a vector")
     if pa.types.is_fixed_size_list(col.type):
         d = col.type.list_size
     else:
@@ -89,6 +91,10 @@ def read_vectors(path_or_table: str | os.PathLike | pa.Table, column: str = VECT
             f"{where}: expected lists of floats (RAW activations), found lists of {flat.type}; "
             "rewrite the column as list<float32>"
         )
+    if flat.null_count:  # a null inside a vector (not a null row)
+        pos = int(np.flatnonzero(flat.is_null().to_numpy(zero_copy_only=False))[0])
+        raise InputError(f"{where}: row {pos // max(d, 1)} has a null entry (position {pos % max(d, 1)}); every entry of "
+                         "a vector must be a number: recompute or drop that row")
     if flat.type != pa.float32():
         flat = flat.cast(pa.float32())
     arr = flat.to_numpy(zero_copy_only=True).reshape(n, d)
@@ -117,6 +123,7 @@ def write_parquet_atomic(table: pa.Table, path: str | os.PathLike) -> Path:
     os.close(fd)
     try:
         pq.write_table(table, tmp, **kwargs)
+        os.chmod(tmp, default_file_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

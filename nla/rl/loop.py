@@ -54,11 +54,12 @@ from nla.train.common import (
     capture_rng_state,
     checkpoint_dir_name,
     latest_checkpoint,
+    load_state_file,
     prune_checkpoints,
     restore_rng_state,
     seed_everything,
 )
-from nla.vectors import fve_of_mse, predict_mean_baselines
+from nla.vectors import check_spread, fve_of_mse
 
 logger = logging.getLogger(__name__)
 
@@ -334,7 +335,7 @@ def check_data_provenance(cfg: RLConfig, av_sidecar: Any, ar_sidecar: Any) -> No
 def restore_checkpoint(ckpt: Path, groups: WorkerGroups, cfg: RLConfig, cursor: DataCursor) -> int:
     """Load an RL checkpoint's optimiser, value-model, cursor and RNG state into a run; returns its step.
     (The weights themselves were loaded when the groups were built from ``ckpt``.)"""
-    state = torch.load(ckpt / RL_STATE_FILE, weights_only=True)
+    state = load_state_file(ckpt / RL_STATE_FILE, "RL state")
     if state["reference"] != str(cfg.av):
         raise ValueError(f"--resume: the checkpoint's reference AV is {state['reference']} but av is {cfg.av}")
     cursor.load_state_dict(state["cursor"])
@@ -457,8 +458,13 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
         )
     check_data_provenance(cfg, groups.av_sidecar, groups.ar_sidecar)
     scale = groups.ar_sidecar.mse_scale_value()
-    baseline = float(predict_mean_baselines(data.vectors, scale).raw_mean)
-    eval_baseline = float(predict_mean_baselines(eval_data.vectors, scale).raw_mean) if eval_data else baseline
+    baseline = check_spread(data.vectors, scale, f"dataset {cfg.dataset}").raw_mean
+    eval_baseline = (check_spread(eval_data.vectors, scale, f"eval_dataset {cfg.eval_dataset}").raw_mean
+                     if eval_data else baseline)
+    if cfg.rollout.rollout_batch_size > data.vectors.shape[0]:
+        raise ValueError(
+            f"rollout.rollout_batch_size: {cfg.rollout.rollout_batch_size} prompts per step, but {cfg.dataset} holds "
+            f"{data.vectors.shape[0]} rows; at most {data.vectors.shape[0]} (every prompt once per step)")
     cursor = DataCursor(n=data.vectors.shape[0], seed=cfg.seed)
     replay = ReplayData.for_run(cfg, data.vectors.shape[1])
     step = restore_checkpoint(ckpt, groups, cfg, cursor) if ckpt is not None else 0

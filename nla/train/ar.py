@@ -37,7 +37,7 @@ from nla.train.common import (
 )
 from nla.train.config import ARTrainConfig
 from nla.validation import check_model_source
-from nla.vectors import fve, mse_nrm, predict_mean_baselines
+from nla.vectors import check_spread, fve, mse_nrm
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,8 @@ def load_split(cfg: Any, text_column: str) -> tuple[Any, np.ndarray, Any, np.nda
     table = read_parquet(path)
     if text_column not in table.column_names:
         raise ARTrainError(f"dataset {path}: column {text_column!r} missing; found {table.column_names}")
+    if table.num_rows == 0:
+        raise ARTrainError(f"dataset {path}: the table has no rows; rebuild it with `nla datagen`")
     vectors = read_vectors(table, source=path)
     if cfg.eval_dataset:
         epath = Path(cfg.eval_dataset)
@@ -108,6 +110,18 @@ def load_split(cfg: Any, text_column: str) -> tuple[Any, np.ndarray, Any, np.nda
     if len(tr) == 0:
         raise ARTrainError(f"eval_fraction={cfg.eval_fraction} leaves no training rows in {path}; lower it")
     return table.take(tr), vectors[tr], table.take(ev), vectors[ev]
+
+
+def _text_column(table: Any, column: str, path: Any) -> list[str]:
+    """``table[column]`` as strings; another type (an av_sft prompt holds chat messages) is named."""
+    values = table.column(column).to_pylist()
+    bad = next((i for i, v in enumerate(values) if not isinstance(v, str)), None)
+    if bad is not None:
+        raise ARTrainError(
+            f"dataset {path}: column {column!r} row {bad} holds {type(values[bad]).__name__} "
+            f"({str(table.schema.field(column).type)}), expected text; the AR trains on an ar_sft parquet, whose "
+            f"{column!r} column holds the explanation texts")
+    return values
 
 
 def _resolve_sidecar_and_base(cfg: Any) -> tuple[NLAConfig, str]:
@@ -153,10 +167,13 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
     _check_d_model(side, arch.hidden_size(model.config), train_vec, base)
     model.to(device=device, dtype=dtype)
     tok = model.tokenizer
-    texts = train_tab.column("prompt").to_pylist()
-    eval_texts = eval_tab.column("prompt").to_pylist()
+    texts = _text_column(train_tab, "prompt", cfg.dataset)
+    eval_texts = _text_column(eval_tab, "prompt", cfg.eval_dataset or cfg.dataset)
     gold_all = torch.from_numpy(np.ascontiguousarray(train_vec))
-    baselines = predict_mean_baselines(gold_all, scale)
+    try:
+        baselines = check_spread(gold_all, scale, f"dataset {cfg.dataset}")
+    except ValueError as err:
+        raise ARTrainError(str(err)) from None
     logger.info("AR: %d train / %d eval rows, K=%d, mse_scale=%s, raw-mean baseline %.4f (normalised-mean %.4f)",
                 len(texts), len(eval_texts), model.layer_index, scale, baselines.raw_mean, baselines.normalized_mean)
     checked = {"suffix": False}
@@ -181,7 +198,7 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
             return out
         preds = []
         for s in range(0, n, cfg.micro):
-            enc = tokenize_ar_texts(tok, eval_texts[s : s + cfg.micro], cfg.max_length)
+            enc = tokenize_ar_texts(tok, eval_texts[s : min(s + cfg.micro, n)], cfg.max_length)
             preds.append(model.predict(enc["input_ids"].to(device), enc["attention_mask"].to(device)).float().cpu())
         pred = torch.cat(preds)
         gold = torch.from_numpy(np.ascontiguousarray(eval_vec[:n]))

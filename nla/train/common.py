@@ -286,6 +286,20 @@ def save_training_state(
     return path
 
 
+def load_state_file(path: str | os.PathLike, what: str, map_location: str | torch.device = "cpu") -> Any:
+    """``torch.load(path, weights_only=True)`` (nothing is unpickled), with a damaged or truncated file
+    named instead of torch's zip-reader message."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
+        raise ValueError(
+            f"{path}: not a readable {what} ({' '.join(str(err).split())[:160]}); it is truncated or damaged (a "
+            "kill while it was written?): resume from an earlier checkpoint, or start afresh with --overwrite"
+        ) from None
+
+
 def load_training_state(dir: str | os.PathLike, map_location: str | torch.device = "cpu") -> TrainingState:
     """Read ``training_state.pt`` from ``dir`` with ``weights_only=True`` (no unpickling)."""
     path = Path(dir) / TRAINING_STATE_FILE
@@ -294,7 +308,7 @@ def load_training_state(dir: str | os.PathLike, map_location: str | torch.device
             f"no training state at {path}: this checkpoint cannot be resumed (it was saved without "
             "optimizer state, or the save was interrupted); start a fresh run or pick another checkpoint"
         )
-    payload = torch.load(path, map_location=map_location, weights_only=True)
+    payload = load_state_file(path, "training state", map_location)
     return TrainingState(
         step=int(payload["step"]),
         data_cursor=dict(payload["data_cursor"]),

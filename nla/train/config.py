@@ -97,7 +97,9 @@ class _TrainBase:
         if self.stop_after_steps is not None:
             _positive_int("stop_after_steps", self.stop_after_steps)
         if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps <= self.max_steps:
-            _bad("warmup_steps", f"an integer in [0, max_steps={self.max_steps}]", self.warmup_steps)
+            hint = " (the warmup outlasts the run: lower it too, e.g. --set warmup_steps=0)" if (
+                isinstance(self.warmup_steps, int) and self.warmup_steps > self.max_steps) else ""
+            _bad("warmup_steps", f"an integer in [0, max_steps={self.max_steps}]{hint}", self.warmup_steps)
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             _bad("min_lr_ratio", "a number in [0, 1]", self.min_lr_ratio)
         if not math.isfinite(self.max_grad_norm):

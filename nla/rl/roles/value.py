@@ -61,7 +61,9 @@ class ValueWorker(Trainable):
         torch.save(self.model.state_dict(), path)
 
     def load_model(self, path: Path) -> None:
-        self.model.load_state_dict(torch.load(path, weights_only=True))
+        from nla.train.common import load_state_file
+
+        self.model.load_state_dict(load_state_file(path, "value model"))
 
     @torch.no_grad()
     def values(self, rollout: Rollout) -> Tensor:
