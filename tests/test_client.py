@@ -292,8 +292,8 @@ def test_documented_ar_layout_scores_like_the_full_sidecar(nla_pair, client, tmp
 
 
 def test_roles_are_checked_not_warned_about(nla_pair, tmp_path):
-    with pytest.raises(NLAClientError, match=r"av: .*/ar is an AR checkpoint \(role 'ar'\), not an AV; pass the "
-                                             r"verbalizer checkpoint as --av"):
+    with pytest.raises(NLAClientError, match=r"av: .*/ar is an AR checkpoint \(role 'ar'\), not an AV; pass a "
+                                             r"verbalizer checkpoint there"):
         NLAClient(nla_pair.ar_dir, device="cpu")
     with pytest.raises(NLAClientError, match=r"ar: .*/av is an AV checkpoint \(role 'av'\), not an AR"):
         NLAClient(None, nla_pair.av_dir, device="cpu")

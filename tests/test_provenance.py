@@ -110,7 +110,7 @@ def test_rl_refuses_data_of_another_subject_before_writing(nla_pair, tmp_path, c
     ds = _dataset(tmp_path / "rl.parquet", load_sidecar(a["av"]).replace(layer_index=0))
     run = tmp_path / "run"
     argv = ["rl", "--av", str(a["av"]), "--ar", str(a["ar"]), "--dataset", str(ds), "--out", str(run),
-            "--steps", "1", "--set", "device=cpu"]
+            "--steps", "1", "--set", "device=cpu", "--set", "rollout.rollout_batch_size=2"]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "nla rl: error: rl: these come from different subjects: layer: dataset" in err and "has 0" in err

@@ -78,7 +78,7 @@ def test_fve_perfect_prediction_is_one_and_matches_loop_reference():
 
 def test_fve_undefined_on_single_direction():
     gold = torch.tensor([[1.0, 0.0], [2.0, 0.0]])
-    with pytest.raises(ValueError, match="zero spread"):
+    with pytest.raises(ValueError, match="no spread after normalisation"):
         fve(gold, gold, 1.0)
 
 
