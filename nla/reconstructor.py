@@ -48,6 +48,19 @@ def last_token_index(attention_mask: Tensor) -> Tensor:
     return attention_mask.long().cumsum(1).argmax(1)
 
 
+def check_ar_max_length(max_length: int, suffix: tuple[int, ...] | None, what: str) -> None:
+    """``max_length`` must hold the AR template's constant tail (``critic_suffix_ids``, which the AR
+    reads its answer after) and at least one explanation token: texts are cut on the left, so a
+    shorter cap cuts the tail itself and every prediction reads the wrong position."""
+    if suffix is None:
+        return
+    need = len(suffix) + 1
+    if max_length < need:
+        raise ValueError(
+            f"{what}: {max_length} tokens cannot hold the AR template's constant tail ({len(suffix)} tokens, "
+            f"critic_suffix_ids) and an explanation; at least {need} (the default is 256)")
+
+
 def tokenize_ar_texts(tokenizer: Any, texts: list[str], max_length: int, padding_side: str = "right"
                       ) -> dict[str, Tensor]:
     """Tokenise full AR texts [B] -> ``input_ids`` / ``attention_mask`` [B, T], truncated on the left.

@@ -186,3 +186,18 @@ def test_rl_refuses_more_prompts_per_step_than_the_dataset_holds(pair, ar_data, 
     assert code == 2 and not run.exists()
     assert_one_error_line(lines, "rl", "rollout.rollout_batch_size: 100000 prompts per step", "holds 8 rows")
 
+
+
+def test_a_max_length_too_short_for_the_ar_tail_is_named_as_the_cause(pair, ar_data, tmp_path, capsys):  # noqa: F811
+    path, side, _ = ar_data
+    need = len(side.critic_suffix_ids) + 1
+    code, lines = cli(capsys, *_ar_train_args(tmp_path, path, "--set", f"max_length={need - 1}"))
+    assert code == 2 and not (tmp_path / "run" / "checkpoints").exists()
+    assert_one_error_line(lines, "train", f"max_length: {need - 1} tokens cannot hold the AR template's constant tail",
+                          f"at least {need}")
+    run = tmp_path / "rl"
+    code, lines = cli(capsys, "rl", "--av", pair["av"], "--ar", pair["ar"], "--dataset", path, "--out", run,
+                      "--set", "rollout.rollout_batch_size=2", "--set", "reconstructor.max_length=2",
+                      "--set", "device=cpu")
+    assert code == 2 and not run.exists()
+    assert_one_error_line(lines, "rl", "reconstructor.max_length: 2 tokens cannot hold")

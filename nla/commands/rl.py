@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     from nla.client import load_checkpoint_sidecar
     from nla.datagen.io import read_vectors
-    from nla.reconstructor import VALUE_HEAD_FILE
+    from nla.reconstructor import VALUE_HEAD_FILE, check_ar_max_length
     from nla.rl.config import load_rl_config
     from nla.rl.loop import check_data_provenance, run_rl
     from nla.rl.setup import load_pair_sidecars
@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
                              f"{dataset} holds {rows} rows; at most {rows} (every prompt once per step)")
     av_side, ar_side = load_pair_sidecars(cfg.av, cfg.ar, allow_mixed_provenance=cfg.allow_mixed_provenance)
     check_data_provenance(cfg, av_side, ar_side)  # one subject for the pair and its data (nla.provenance)
+    check_ar_max_length(cfg.reconstructor.max_length, ar_side.critic_suffix_ids, "reconstructor.max_length")
     prepare_run_dir(cfg.out_dir, cfg.to_dict(), "rl_config.yaml", resume=args.resume, overwrite=args.overwrite)
     result = run_rl(cfg, resume=args.resume)
     log.info("checkpoint: %s (%.1f s)", result.checkpoint_dir, result.seconds)

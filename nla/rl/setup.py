@@ -15,7 +15,7 @@ import torch
 
 from nla import arch
 from nla.provenance import Provenance, ProvenanceError, check_provenance
-from nla.reconstructor import Reconstructor
+from nla.reconstructor import Reconstructor, check_ar_max_length
 from nla.rl.config import RLConfig
 from nla.rl.distributed import DataParallel
 from nla.rl.roles import (
@@ -114,6 +114,10 @@ def build_reconstructor_role(cfg: RLConfig, ar_dir: str | Path, dp: DataParallel
     tok = ar.tokenizer if ar.tokenizer is not None else arch.load_tokenizer(cfg.av)
     verify_tokenizer(ar_side, tok)
     dp.shard(ar, arch.decoder_layers(ar.base))
+    try:
+        check_ar_max_length(cfg.reconstructor.max_length, ar_side.critic_suffix_ids, "reconstructor.max_length")
+    except ValueError as err:
+        raise RLSetupError(str(err)) from None
     return ReconstructorWorker(ar, tok, ar_side, OptimSettings.for_reconstructor(cfg), cfg.reconstructor.max_length,
                                cfg.optimiser.micro_batch_size, device, dp)
 

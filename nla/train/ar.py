@@ -23,7 +23,7 @@ import torch
 
 from nla import arch
 from nla.datagen.io import read_parquet, read_vectors
-from nla.reconstructor import Reconstructor, reconstruction_loss, tokenize_ar_texts
+from nla.reconstructor import Reconstructor, check_ar_max_length, reconstruction_loss, tokenize_ar_texts
 from nla.sidecar import NLAConfig, resolve_sidecar
 from nla.threads import apply_threads
 from nla.train.common import (
@@ -152,6 +152,7 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
     seed_everything(cfg.seed)
     side, base = _resolve_sidecar_and_base(cfg)
     side.need_ar("AR training")
+    check_ar_max_length(cfg.max_length, side.critic_suffix_ids, "max_length")
     train_tab, train_vec, eval_tab, eval_vec = load_split(cfg, "prompt")
     scale = side.mse_scale_value()
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
