@@ -290,10 +290,13 @@ class NLAClient:
         if width is not None and side.d_model != width:
             raise NLAClientError(f"{where}: d_model {side.d_model}, but {path} holds {width}-d vectors; the sidecar "
                                  "does not belong to this data: restore the one nla datagen wrote")
-        parts = [Provenance.of(f"the dataset {path}", side)]
-        parts += [Provenance.of(label, side) for label, side in (("the AV", self.av_sidecar), ("the AR", self.ar_sidecar))
-                  if side is not None]
-        check_provenance(parts, allow=self.allow_mixed_provenance, context="dataset")
+        check_provenance([Provenance.of(f"the dataset {path}", side), *self.provenance()],
+                         allow=self.allow_mixed_provenance, context="dataset")
+
+    def provenance(self) -> list[Provenance]:
+        """What this client's checkpoints record of their subject (``nla.provenance``)."""
+        return [Provenance.of(label, side) for label, side in (("the AV", self.av_sidecar),
+                                                               ("the AR", self.ar_sidecar)) if side is not None]
 
     # ------------------------------------------------------------------ properties
     @property

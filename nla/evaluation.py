@@ -287,9 +287,7 @@ def _av_rows(ev: _Eval, frozen_ar: NLAClient | None, rng: np.random.Generator) -
         frozen_ar._need_ar("evaluate_pair(frozen_ar=...)")
         if frozen_ar.d_model != client.d_model:
             raise NLAClientError(f"frozen_ar: d_model {frozen_ar.d_model} differs from the pair's {client.d_model}")
-        check_provenance([Provenance.of("the frozen AR", frozen_ar.ar_sidecar)]
-                         + [Provenance.of(label, side) for label, side in (("the AV", client.av_sidecar),
-                                                                          ("the AR", client.ar_sidecar)) if side],
+        check_provenance([Provenance.of("the frozen AR", frozen_ar.ar_sidecar), *client.provenance()],
                          allow=client.allow_mixed_provenance, context="frozen_ar")
         ev.read(ROW_FROZEN, texts, reader=frozen_ar, grades=grades)  # same texts, same grades
     perm = torch.from_numpy(rng.permutation(n))

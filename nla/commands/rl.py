@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from nla.datagen.io import read_vectors
     from nla.reconstructor import VALUE_HEAD_FILE, check_ar_max_length
     from nla.rl.config import load_rl_config
-    from nla.rl.loop import check_data_provenance, run_rl
+    from nla.rl.loop import check_rollout_rows, check_run_provenance, run_rl
     from nla.rl.setup import load_pair_sidecars
     from nla.rundir import prepare_run_dir
     from nla.train.config import parse_overrides
@@ -67,11 +67,10 @@ def run(args: argparse.Namespace) -> int:
     check_checkpoint(cfg.ar, "ar", extra=(VALUE_HEAD_FILE,))
     for dataset in filter(None, (cfg.dataset, cfg.eval_dataset)):
         rows = read_vectors(dataset).shape[0]  # NaN / Inf / zero rows stop the run here, named
-        if dataset == cfg.dataset and cfg.rollout.rollout_batch_size > rows:
-            raise ValueError(f"rollout.rollout_batch_size: {cfg.rollout.rollout_batch_size} prompts per step, but "
-                             f"{dataset} holds {rows} rows; at most {rows} (every prompt once per step)")
-    av_side, ar_side = load_pair_sidecars(cfg.av, cfg.ar, allow_mixed_provenance=cfg.allow_mixed_provenance)
-    check_data_provenance(cfg, av_side, ar_side)  # one subject for the pair and its data (nla.provenance)
+        if dataset == cfg.dataset:
+            check_rollout_rows(cfg, rows)
+    av_side, ar_side = load_pair_sidecars(cfg.av, cfg.ar)
+    check_run_provenance(cfg, av_side, ar_side)  # one subject for the pair and its data (nla.provenance)
     check_ar_max_length(cfg.reconstructor.max_length, ar_side.critic_suffix_ids, "reconstructor.max_length")
     prepare_run_dir(cfg.out_dir, cfg.to_dict(), "rl_config.yaml", resume=args.resume, overwrite=args.overwrite)
     result = run_rl(cfg, resume=args.resume)

@@ -182,8 +182,7 @@ class Explorer:
         subject_dir = resolve_subject(subject, client)
         if subject is not None:  # the explicit subject must be the one the pair records
             try:
-                check_provenance([Provenance("--subject", subject=str(subject_dir)),
-                                  Provenance.of("the AV", client.av_sidecar), Provenance.of("the AR", client.ar_sidecar)],
+                check_provenance([Provenance("--subject", subject=str(subject_dir)), *client.provenance()],
                                  allow=allow_mixed_provenance, context="explore")
             except ProvenanceError as err:
                 raise ExploreError(str(err), status=409) from None

@@ -20,7 +20,7 @@ def build_local_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_d
                        ) -> WorkerGroups:
     """All roles in-process. ``policy_dir`` / ``ar_dir`` override the starting weights (resume)."""
     device, dp = resolve_device(cfg.device), DataParallel()
-    av_side, ar_side = load_pair_sidecars(cfg.av, cfg.ar, allow_mixed_provenance=cfg.allow_mixed_provenance)
+    av_side, ar_side = load_pair_sidecars(cfg.av, cfg.ar)
     roles = build_policy_roles(cfg, policy_dir or cfg.av, dp, device, rollout_copy=False)
     value = None
     if A.get_advantage_estimator(cfg.loss.advantage).needs_values:

@@ -316,9 +316,9 @@ def latest_rl_checkpoint(out_dir: Path) -> Path | None:
     return cands[-1] if cands else latest_checkpoint(root)
 
 
-def check_data_provenance(cfg: RLConfig, av_sidecar: Any, ar_sidecar: Any) -> None:
-    """The RL, eval and replay datasets must record the pair's subject, layer, width and tokenizer
-    (``nla.provenance``); a dataset without a sidecar has nothing to compare."""
+def check_run_provenance(cfg: RLConfig, av_sidecar: Any, ar_sidecar: Any) -> None:
+    """The AV, the AR and the RL, eval and replay datasets must record one subject, layer and
+    tokenizer (``nla.provenance``); a dataset without a sidecar has nothing to compare."""
     from nla.provenance import Provenance, check_provenance
     from nla.sidecar import load_sidecar, sidecar_path_for
 
@@ -327,9 +327,16 @@ def check_data_provenance(cfg: RLConfig, av_sidecar: Any, ar_sidecar: Any) -> No
               if cfg.reconstructor.replay_fraction > 0 else None)]
     parts = [Provenance.of(f"{name} {path}", load_sidecar(path)) for name, path in paths
              if path and sidecar_path_for(path).is_file()]
-    if parts:
-        parts += [Provenance.of("the AV", av_sidecar), Provenance.of("the AR", ar_sidecar)]
-        check_provenance(parts, allow=cfg.allow_mixed_provenance, context="rl")
+    parts += [Provenance.of(f"the AV {cfg.av}", av_sidecar), Provenance.of(f"the AR {cfg.ar}", ar_sidecar)]
+    check_provenance(parts, allow=cfg.allow_mixed_provenance, context="rl")
+
+
+def check_rollout_rows(cfg: RLConfig, rows: int) -> None:
+    """A step draws ``rollout_batch_size`` distinct prompts: the RL dataset must hold that many."""
+    if cfg.rollout.rollout_batch_size > rows:
+        raise ValueError(
+            f"rollout.rollout_batch_size: {cfg.rollout.rollout_batch_size} prompts per step, but {cfg.dataset} holds "
+            f"{rows} rows; at most {rows} (every prompt once per step)")
 
 
 def restore_checkpoint(ckpt: Path, groups: WorkerGroups, cfg: RLConfig, cursor: DataCursor) -> int:
@@ -456,15 +463,12 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
             f"d_model: {cfg.dataset} holds {data.vectors.shape[1]}-d vectors but the AV sidecar says "
             f"{groups.av_sidecar.d_model}; use the RL parquet built for this subject model and layer"
         )
-    check_data_provenance(cfg, groups.av_sidecar, groups.ar_sidecar)
+    check_run_provenance(cfg, groups.av_sidecar, groups.ar_sidecar)
     scale = groups.ar_sidecar.mse_scale_value()
     baseline = check_spread(data.vectors, scale, f"dataset {cfg.dataset}").raw_mean
     eval_baseline = (check_spread(eval_data.vectors, scale, f"eval_dataset {cfg.eval_dataset}").raw_mean
                      if eval_data else baseline)
-    if cfg.rollout.rollout_batch_size > data.vectors.shape[0]:
-        raise ValueError(
-            f"rollout.rollout_batch_size: {cfg.rollout.rollout_batch_size} prompts per step, but {cfg.dataset} holds "
-            f"{data.vectors.shape[0]} rows; at most {data.vectors.shape[0]} (every prompt once per step)")
+    check_rollout_rows(cfg, data.vectors.shape[0])
     cursor = DataCursor(n=data.vectors.shape[0], seed=cfg.seed)
     replay = ReplayData.for_run(cfg, data.vectors.shape[1])
     step = restore_checkpoint(ckpt, groups, cfg, cursor) if ckpt is not None else 0

@@ -360,7 +360,7 @@ def build_ray_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_dir
         raise RLSetupError(
             f"loss.advantage: {cfg.loss.advantage!r} needs the value model, which the ray backend does not run "
             f"yet; use backend.name: local for it, or loss.advantage: one of {no_values} on ray")
-    av_side, ar_side = load_pair_sidecars(cfg.av, cfg.ar, allow_mixed_provenance=cfg.allow_mixed_provenance)
+    av_side, ar_side = load_pair_sidecars(cfg.av, cfg.ar)
     owns = _start_ray(cfg)
     use_cuda = cfg.device != "cpu" and _cluster_has_gpus()
     groups: list[_ActorGroup] = []

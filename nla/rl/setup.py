@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from nla import arch
-from nla.provenance import Provenance, ProvenanceError, check_provenance
 from nla.reconstructor import Reconstructor, check_ar_max_length
 from nla.rl.config import RLConfig
 from nla.rl.distributed import DataParallel
@@ -37,10 +36,9 @@ class RLSetupError(ValueError):
     """A problem found before RL starts; the message names the input and the fix."""
 
 
-def load_pair_sidecars(av_dir: str | Path, ar_dir: str | Path, *, allow_mixed_provenance: bool = False
-                       ) -> tuple[NLAConfig, NLAConfig]:
-    """Read and cross-check the AV and AR checkpoint sidecars (width and layer always; subject and
-    tokenizer through ``nla.provenance``, a warning with ``allow_mixed_provenance``)."""
+def load_pair_sidecars(av_dir: str | Path, ar_dir: str | Path) -> tuple[NLAConfig, NLAConfig]:
+    """Read and cross-check the AV and AR checkpoint sidecars (width and layer; subject and tokenizer
+    are ``nla.rl.loop.check_run_provenance``'s, once per run, with the datasets)."""
     sides = []
     for role, d in (("av", av_dir), ("ar", ar_dir)):
         path = Path(d)
@@ -55,11 +53,6 @@ def load_pair_sidecars(av_dir: str | Path, ar_dir: str | Path, *, allow_mixed_pr
                 f"{field}: the AV sidecar says {getattr(av, field)} but the AR sidecar says {getattr(ar, field)}; "
                 "the two checkpoints come from different datasets or subject layers"
             )
-    try:
-        check_provenance([Provenance.of(f"the AV {av_dir}", av), Provenance.of(f"the AR {ar_dir}", ar)],
-                         allow=allow_mixed_provenance, context="av/ar")
-    except ProvenanceError as err:
-        raise RLSetupError(str(err)) from None
     if av.injection_scale_value() is None and av.injection_scale is None:
         logger.info("AV injection_scale is null: vectors are injected raw")
     return av, ar
@@ -86,7 +79,7 @@ def build_policy_roles(cfg: RLConfig, policy_dir: str | Path, dp: DataParallel, 
     """
     torch.manual_seed(cfg.seed)  # any module init draws from the RNG: every rank builds the same
     dtype = resolve_dtype(cfg.dtype)
-    av_side, _ = load_pair_sidecars(cfg.av, cfg.ar, allow_mixed_provenance=cfg.allow_mixed_provenance)
+    av_side, _ = load_pair_sidecars(cfg.av, cfg.ar)
     model, tok = load_av(policy_dir, device, dtype)
     verify_tokenizer(av_side, tok)
     ref, _ = load_av(cfg.av, device, dtype)
@@ -109,7 +102,7 @@ def build_reconstructor_role(cfg: RLConfig, ar_dir: str | Path, dp: DataParallel
     """The ``reconstructor`` role from ``ar_dir`` (the warm-started AR, or a checkpoint on resume)."""
     torch.manual_seed(cfg.seed)
     dtype = resolve_dtype(cfg.dtype)
-    _, ar_side = load_pair_sidecars(cfg.av, cfg.ar, allow_mixed_provenance=cfg.allow_mixed_provenance)
+    _, ar_side = load_pair_sidecars(cfg.av, cfg.ar)
     ar = Reconstructor.from_pretrained(ar_dir, dtype=dtype).to(device)
     tok = ar.tokenizer if ar.tokenizer is not None else arch.load_tokenizer(cfg.av)
     verify_tokenizer(ar_side, tok)
