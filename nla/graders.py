@@ -82,6 +82,57 @@ class DatasetGrader:
     def text_explainer(self, table: Any, dataset_path: Path) -> list[str] | None:
         return None
 
+    # --- what the explanation suite (``nla.suite``) reads; the base answers for any language, and
+    # a grader without truth leaves the truth-based parts of the suite out.
+    def claims(self, text: str | None) -> list[str]:
+        """The claims of an explanation, in order (the base: its sentences)."""
+        return split_sentences(text or "")
+
+    def is_quotation(self, claim: str) -> bool:
+        """Whether ``claim`` quotes the text read rather than saying something about it (the base: it
+        holds a double-quoted span)."""
+        return bool(re.search(r'"[^"]*"', claim))
+
+    def named_facts(self, text: str | None) -> frozenset[str]:
+        """The facts (``"kind=value"``) ``text`` claims (empty when the grader has no facts)."""
+        return frozenset()
+
+    def claim_truth(self, claim: str, truth: Sequence[str]) -> bool | None:
+        """True / False when ``claim`` names facts and all of them are / one is not in ``truth``;
+        None when it names no fact (a quotation, a generic remark) or the grader has no facts."""
+        named = self.named_facts(claim)
+        return None if not named else named <= set(truth)
+
+    def paraphrase(self, claim: str, rng: Any) -> str | None:
+        """Another phrasing of the same claim (``rng``: a ``random.Random``); None when the grader
+        cannot rephrase it (``nla.suite`` then keeps the claim, or asks a provider)."""
+        return None
+
+    def fact_of_word(self, word: str) -> str | None:
+        """The fact (``"kind=value"``) a word of the text names, or None."""
+        return None
+
+    def fact_words(self, fact: str) -> tuple[str, ...]:
+        """Every word that names ``fact`` (empty when the grader has no facts)."""
+        return ()
+
+    def facts_of_kind(self, kind: str) -> tuple[str, ...]:
+        """Every fact of ``kind`` the grader knows, as ``"kind=value"``."""
+        return ()
+
+    def recall_slots(self, table: Any, dataset_path: Path, subject: Any, tokenizer: Any, layer: int,
+                     max_rows: int | None, seed: int = 0) -> dict[str, Any] | None:
+        """Rows of the dataset's documents where the subject's next token names a fact already true
+        (columns ``context``, ``facts``, ``vectors`` [N, d], at most ``max_rows``, a seeded subset),
+        for the suite's causal edits; None when the grader cannot find its documents (the suite
+        then uses the dataset's own rows)."""
+        return None
+
+    def edit_fact(self, text: str, fact: str, new_fact: str) -> str | None:
+        """``text`` with its claim of ``fact`` changed to claim ``new_fact`` in the same words
+        otherwise; None when ``text`` does not claim ``fact``."""
+        return None
+
 
 class GenericGrader(DatasetGrader):
     """``generic``: the base checks only."""

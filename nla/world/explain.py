@@ -114,20 +114,22 @@ _CURRENT_WORD_RE = re.compile(r'^The current word is "[A-Za-z]+"\.$')  # one wor
 
 
 def _template_regex(template: str, kind: str) -> re.Pattern[str]:
+    """``template`` as a regex over any surface word of ``kind``; group 1 is the word written."""
     words = sorted({w for v in VOCAB[kind].values() for w in v}, key=len, reverse=True)
     head, _, tail = template.partition("{w}")
-    return re.compile("^" + re.escape(head) + "(?:" + "|".join(words) + ")" + re.escape(tail) + "$", re.IGNORECASE)
+    return re.compile("^" + re.escape(head) + "(" + "|".join(words) + ")" + re.escape(tail) + "$", re.IGNORECASE)
 
 
 # Every sentence the explanation language has (DESIGN §5): a fact template with any surface
-# word of its kind, a generic remark, or the quoted current word.
-_LANGUAGE = tuple(_template_regex(t, k) for k, ts in FACT_TEMPLATES.items() for t in ts)
+# word of its kind, a generic remark, or the quoted current word. PHRASINGS: (kind, template
+# index, regex) of every fact phrasing.
+PHRASINGS = tuple((k, i, _template_regex(t, k)) for k, ts in FACT_TEMPLATES.items() for i, t in enumerate(ts))
 
 
 def in_language(sentence: str) -> bool:
     """Is ``sentence`` one the explainer could have written (any phrasing, any surface word)?"""
     return (bool(_CURRENT_WORD_RE.match(sentence)) or sentence in GENERIC_EXPLANATIONS
-            or any(p.match(sentence) for p in _LANGUAGE))
+            or any(p.match(sentence) for _, _, p in PHRASINGS))
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,46 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nla.graders import DatasetGrader
-from nla.world.explain import Grade, TextExplainer, degeneracy, grade, oracle_explanation
-from nla.world.facts import KINDS, Fact
+from nla.graders import DatasetGrader, split_sentences
+from nla.world.explain import (
+    _CURRENT_WORD_RE,
+    FACT_TEMPLATES,
+    PHRASINGS,
+    Grade,
+    TextExplainer,
+    degeneracy,
+    grade,
+    oracle_explanation,
+    parse_facts,
+)
+from nla.world.facts import KINDS, SURFACE_INDEX, VOCAB, Fact, words_with_spans
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["WorldGrader"]
+
+
+def _same_case(word: str, like: str) -> str:
+    return word.capitalize() if like[:1].isupper() else word
+
+
+def _datagen_config(dataset_path: Path, what: str = "recall slots") -> Any:
+    """The datagen settings the dataset sidecar's provenance records (``training.datagen_config``),
+    or None (with a warning naming ``what`` when the file is unreadable)."""
+    try:
+        import yaml
+
+        from nla.datagen.config import DatagenConfig
+        from nla.sidecar import load_sidecar
+
+        prov = load_sidecar(dataset_path).training.get("datagen_config")
+        # recorded as written (often relative to where datagen ran); it sits beside the datasets
+        for path in ([Path(prov), Path(dataset_path).parent / Path(prov).name] if prov else []):
+            if path.is_file():
+                return DatagenConfig.from_dict(yaml.safe_load(path.read_text()) or {})
+    except (OSError, ValueError) as err:
+        logger.warning("%s: cannot read the datagen settings (%s); using defaults", what, err)
+    return None
 
 
 def _truth(facts: Sequence[str] | None) -> list[Fact]:
@@ -47,6 +80,75 @@ class WorldGrader(DatasetGrader):
     def oracle(self, truth: Sequence[str], current_word: str | None, key: int) -> str:
         return oracle_explanation(_truth(truth), current_word, key)
 
+    # --- the explanation suite (nla.suite): one claim per sentence, the language's phrasings
+    def is_quotation(self, claim: str) -> bool:
+        return bool(_CURRENT_WORD_RE.match(claim.strip()))
+
+    def named_facts(self, text: str | None) -> frozenset[str]:
+        return frozenset(str(f) for f in parse_facts(text or ""))
+
+    def paraphrase(self, claim: str, rng: Any) -> str | None:
+        """The same fact in another of its kind's phrasings (the same surface word), or None for a
+        sentence outside the fact phrasings (the quoted word, a generic remark, free text)."""
+        for kind, i, pattern in PHRASINGS:
+            m = pattern.match(claim.strip())
+            if m:
+                others = [t for j, t in enumerate(FACT_TEMPLATES[kind]) if j != i]
+                word = m.group(1)
+                template = rng.choice(others)
+                w = word.capitalize() if kind == "person" else word.lower()
+                return template.format(w=w)
+        return None
+
+    def fact_of_word(self, word: str) -> str | None:
+        f = SURFACE_INDEX.get(word.strip().lower())
+        return None if f is None else str(f)
+
+    def fact_words(self, fact: str) -> tuple[str, ...]:
+        return Fact.parse(fact).surfaces
+
+    def facts_of_kind(self, kind: str) -> tuple[str, ...]:
+        return tuple(str(Fact(kind, v)) for v in sorted(VOCAB.get(kind, {})))
+
+    def edit_fact(self, text: str, fact: str, new_fact: str) -> str | None:
+        """Every surface word of ``fact`` outside quotations becomes ``new_fact``'s canonical word
+        (same case); None when no claim names ``fact``."""
+        old, new = Fact.parse(fact), Fact.parse(new_fact)
+        out, changed = [], False
+        for sentence in split_sentences(text):
+            if not self.is_quotation(sentence):
+                for w, a, b in reversed(words_with_spans(sentence)):
+                    if SURFACE_INDEX.get(w) == old:
+                        sentence = sentence[:a] + _same_case(new.value, sentence[a:b]) + sentence[b:]
+                        changed = True
+            out.append(sentence)
+        return " ".join(out) if changed else None
+
+    def recall_slots(self, table: Any, dataset_path: Path, subject: Any, tokenizer: Any, layer: int,
+                     max_rows: int | None, seed: int = 0) -> dict[str, Any] | None:
+        """The recall slots (``nla.world.slots``) of the stories the dataset's rows were read from,
+        regenerated from the world seed its datagen settings record; None without those settings
+        or a ``doc_id`` column."""
+        dc = _datagen_config(dataset_path)
+        if dc is None or dc.source != "world" or "doc_id" not in table.column_names:
+            return None
+        import numpy as np
+        import torch
+
+        from nla.world.build import seeded_config
+        from nla.world.generator import generate_documents
+        from nla.world.slots import recall_slots
+
+        world_seed = seeded_config(dc.world_preset, dc.world_seed).seed
+        docs = [generate_documents(world_seed, 1, start_id=int(d))[0]
+                for d in sorted(set(table.column("doc_id").to_pylist()))]
+        slots = recall_slots(subject, tokenizer, docs, layer, max_len=dc.max_len)
+        n = len(slots["context"])
+        if max_rows is not None and n > max_rows:
+            keep = np.sort(np.random.default_rng(seed).choice(n, size=max_rows, replace=False))
+            slots = {k: (v[torch.as_tensor(keep)] if k == "vectors" else [v[i] for i in keep]) for k, v in slots.items()}
+        return slots
+
     def text_explainer(self, table: Any, dataset_path: Path) -> list[str] | None:
         """The world ``TextExplainer``'s output per row, with the datagen settings recorded in the
         dataset sidecar's provenance (defaults when they cannot be found); None when the table
@@ -57,20 +159,11 @@ class WorldGrader(DatasetGrader):
         from nla.datagen.explain import row_key
 
         seed, kw = 0, {}
-        try:
-            import yaml
-
-            from nla.datagen.config import DatagenConfig
-            from nla.sidecar import load_sidecar
-
-            prov = load_sidecar(dataset_path).training.get("datagen_config")
-            if prov and Path(prov).is_file():
-                dc = DatagenConfig.from_dict(yaml.safe_load(Path(prov).read_text()) or {})
-                w = dc.world_explainer
-                seed, kw = dc.seed, dict(min_facts=w.min_facts, max_facts=w.max_facts, wrong_rate=w.wrong_rate,
-                                         word_rate=w.word_rate, fact_rate=w.fact_rate)
-        except (OSError, ValueError) as err:
-            logger.warning("text explainer baseline: cannot read the datagen settings (%s); using defaults", err)
+        dc = _datagen_config(dataset_path, "text explainer baseline")
+        if dc is not None:
+            w = dc.world_explainer
+            seed, kw = dc.seed, dict(min_facts=w.min_facts, max_facts=w.max_facts, wrong_rate=w.wrong_rate,
+                                     word_rate=w.word_rate, fact_rate=w.fact_rate)
         explainer = TextExplainer(seed=seed, **kw)
         words = table.column("current_word").to_pylist() if "current_word" in cols else [None] * table.num_rows
         return [explainer.explain(frozenset(_truth(fs)), row_key(doc, pos), word)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from nla.probing import fit_logistic, standardise
 from nla.world.facts import KINDS, VOCAB, Document, Fact, token_facts
 
 logger = logging.getLogger(__name__)
@@ -66,29 +67,6 @@ class LayerProbe:
                 "kinds": [asdict(k) for k in self.kinds]}
 
 
-def _standardise(x_train: torch.Tensor, x_test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    x_train = torch.nn.functional.normalize(x_train, dim=-1)
-    x_test = torch.nn.functional.normalize(x_test, dim=-1)
-    mu, sd = x_train.mean(0), x_train.std(0).clamp_min(1e-6)
-    return (x_train - mu) / sd, (x_test - mu) / sd
-
-
-def _fit_logistic(x: torch.Tensor, y: torch.Tensor, l2: float, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Multi-label logistic regression ``sigmoid(x @ w + b)`` by full-batch L-BFGS.  x [N, d], y [N, F]."""
-    w = torch.zeros(x.shape[1], y.shape[1], requires_grad=True)
-    b = torch.zeros(y.shape[1], requires_grad=True)
-    opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=steps, line_search_fn="strong_wolfe")
-
-    def closure() -> torch.Tensor:
-        opt.zero_grad()
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(x @ w + b, y) + l2 * (w * w).sum()
-        loss.backward()
-        return loss
-
-    opt.step(closure)
-    return w.detach(), b.detach()
-
-
 def probe_kinds(
     x_train: np.ndarray | torch.Tensor,
     facts_train: Sequence[Sequence[str]],
@@ -102,7 +80,7 @@ def probe_kinds(
 
     A kind with no training row or no held-out row where it is present is left out.
     """
-    x_tr, x_te = _standardise(torch.as_tensor(np.asarray(x_train), dtype=torch.float32),
+    x_tr, x_te = standardise(torch.as_tensor(np.asarray(x_train), dtype=torch.float32),
                               torch.as_tensor(np.asarray(x_test), dtype=torch.float32))
     if x_tr.shape[0] != len(facts_train) or x_te.shape[0] != len(facts_test):
         raise ValueError(
@@ -118,7 +96,7 @@ def probe_kinds(
         has = y_te.sum(1) > 0
         if y_tr.sum() == 0 or not bool(has.any()):
             continue
-        w, b = _fit_logistic(x_tr, y_tr, l2, steps)
+        w, b = fit_logistic(x_tr, y_tr, l2, steps)
         scores = x_te[has] @ w + b  # [N_has, F]
         top1 = float(y_te[has].gather(1, scores.argmax(1, keepdim=True)).mean())
         chance = float((y_te[has].sum(1) / len(facts)).mean())
