@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,15 +71,21 @@ class Verbalization:
     status: "completed" (explanation extracted), "truncated" (no EOS within ``max_new_tokens``)
         or "failed" (ended but the tags could not be parsed).
     row: index of the input vector this sample explains (samples of one vector are contiguous).
+    mse_nrm: the AR's round-trip error of this sample when ``verbalize(best_of=N)`` chose it by that
+        (its failed samples charged as in scoring), else None.
     """
 
     text: str
     explanation: str | None
     status: Status
     row: int
+    mse_nrm: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"row": self.row, "status": str(self.status), "explanation": self.explanation, "text": self.text}
+        out = {"row": self.row, "status": str(self.status), "explanation": self.explanation, "text": self.text}
+        if self.mse_nrm is not None:
+            out["mse_nrm"] = self.mse_nrm
+        return out
 
 
 @dataclass(frozen=True)
@@ -336,17 +342,27 @@ class NLAClient:
         n_samples: int = 1,
         seed: int | None = None,
         batch_size: int = 64,
+        best_of: int = 1,
     ) -> list[Verbalization]:
-        """Explanations for RAW vectors [N, d]: N * ``n_samples`` results, samples of one vector contiguous."""
+        """Explanations for RAW vectors [N, d]: N * ``n_samples`` results, samples of one vector contiguous.
+
+        ``best_of=N`` (needs the AR): draw N samples per vector (``greedy=False``, at ``temperature``)
+        and keep the one the AR reconstructs best (lowest ``mse_nrm`` against the vector; a failed
+        sample is charged the failure cost, so it is kept only when every sample failed): N results,
+        each with its ``mse_nrm``.
+        """
         from nla.rl.roles import RolloutWorker
 
         side = self._need_av("verbalize")
         vec = _as_tensor(vectors, side.d_model, "AV")
-        if n_samples < 1 or batch_size < 1 or max_new_tokens < 1:
+        if n_samples < 1 or batch_size < 1 or max_new_tokens < 1 or best_of < 1:
             raise NLAClientError(
-                f"verbalize: n_samples, batch_size and max_new_tokens must be >= 1, found {n_samples}, {batch_size}, "
-                f"{max_new_tokens}"
+                f"verbalize: n_samples, batch_size, max_new_tokens and best_of must be >= 1, found {n_samples}, "
+                f"{batch_size}, {max_new_tokens}, {best_of}"
             )
+        if best_of > 1:
+            return self._best_of(vec, best_of, n_samples=n_samples, greedy=greedy, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, seed=seed, batch_size=batch_size)
         if not greedy and not temperature > 0:
             raise NLAClientError(f"verbalize: temperature must be > 0 when sampling, found {temperature}")
         if self._rollout is None:
@@ -365,6 +381,23 @@ class NLAClient:
                 for i, status in enumerate(ro.statuses()):
                     out.append(Verbalization(ro.texts[i], ro.explanations[i], status, int(ro.prompt_rows[i])))
         return out
+
+    def _best_of(self, vec: Tensor, best_of: int, *, n_samples: int, greedy: bool, **kw: Any) -> list[Verbalization]:
+        self._need_ar("verbalize(best_of=...)")
+        if n_samples != 1:
+            raise NLAClientError(f"verbalize: best_of={best_of} keeps one sample per vector; n_samples must be 1, "
+                                 f"found {n_samples}")
+        if greedy:
+            raise NLAClientError(f"verbalize: best_of={best_of} chooses among sampled explanations; pass "
+                                 "greedy=False (greedy decoding gives the same one every time)")
+        verbs = self.verbalize(vec, n_samples=best_of, greedy=False, **kw)
+        gold = vec[[v.row for v in verbs]]
+        res = self.score([v.explanation for v in verbs], gold, batch_size=kw["batch_size"])
+        mse = torch.where(res.failed, failed_mse(gold, self.ar_sidecar.mse_scale_value()).float(),
+                          res.mse_nrm.nan_to_num(nan=float("inf")))
+        best = mse.view(-1, best_of).argmin(dim=1)  # the first of equal ones
+        return [replace(verbs[i * best_of + int(j)], mse_nrm=float(mse[i * best_of + int(j)]))
+                for i, j in enumerate(best)]
 
     # ------------------------------------------------------------------ reconstruct
     @torch.no_grad()
@@ -425,6 +458,16 @@ class NLAClient:
             mse[ok] = mse_nrm(p, gold[ok], side.mse_scale_value())
             cos[ok] = cosine(p, gold[ok])
         return ScoreResult(mse_nrm=mse, cosine=cos, failed=failed, predictions=preds)
+
+    def attribute_claims(self, texts: Sequence[str | None], vectors: np.ndarray | Tensor, *, grader: Any = None,
+                         truths: Sequence[Sequence[str]] | None = None, batch_size: int = 64) -> list[list[Any]]:
+        """Per explanation, its claims and what deleting each costs the AR's reconstruction of RAW
+        ``vectors`` (``nla.suite.attribute_claims``: ``Claim.delta_mse`` > 0 where the AR used the
+        claim; ``Claim.truth`` from ``grader`` and ``truths`` when given)."""
+        from nla.suite import attribute_claims
+
+        return attribute_claims(self, texts, _as_tensor(vectors, self._need_ar("attribute_claims").d_model, "AR"),
+                                grader=grader, truths=truths, batch_size=batch_size)
 
     def round_trip(self, vectors: np.ndarray | Tensor, **verbalize_kwargs: Any) -> tuple[list[Verbalization],
                                                                                          ScoreResult]:
