@@ -221,3 +221,20 @@ def test_a_server_that_answers_resets_the_connection_count(api):
     ex = OpenAIExplainer(provider(api))
     ex._unconnected_rows = 2  # as if two rows had just failed to connect
     assert ex.explain_batch([ROW]) == ["fine"] and ex._unconnected_rows == 0
+
+
+def test_provider_paraphraser_asks_for_each_claim_and_returns_its_rewrite(api):
+    from nla.datagen.providers import PARAPHRASE_SYSTEM_PROMPT, provider_paraphraser
+    from nla.graders import get_grader
+    from nla.suite import hidden_code_variants
+
+    api.script = [(200, openai_reply("<explanation>It was raining.</explanation>"), 0),
+                  (200, openai_reply("no tag at all"), 0)]
+    para = provider_paraphraser("openai", provider(api))
+    v = hidden_code_variants(['He said "hi". It rained. Felix ran.'], get_grader("generic"), paraphraser=para)
+    # the quotation is kept; a dropped answer keeps the claim as written
+    assert v["paraphrase"] == ['He said "hi". It was raining. Felix ran.']
+    assert [r["body"]["messages"][0]["content"] for r in api.requests] == [PARAPHRASE_SYSTEM_PROMPT] * 2
+    assert "<sentence>\nIt rained.\n</sentence>" in api.requests[0]["body"]["messages"][1]["content"]
+    with pytest.raises(ValueError, match="expected one of"):
+        provider_paraphraser("mistral", provider(api))

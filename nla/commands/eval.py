@@ -1,4 +1,8 @@
-"""`nla eval --av DIR --ar DIR --dataset PARQUET [--frozen-ar DIR] [--grader NAME] [--max-rows N] [--out DIR]`: held-out evaluation."""
+"""`nla eval --av DIR --ar DIR --dataset PARQUET [--frozen-ar DIR] [--grader NAME] [--max-rows N] [--out DIR]`: held-out evaluation.
+
+`nla eval --suite [PARTS] ...`: the explanation suite instead (``nla.suite``: claim attribution,
+hidden-code tests, causal edits, directions, confabulation, best-of-N), to suite.json / suite.md.
+"""
 
 from __future__ import annotations
 
@@ -37,7 +41,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                                     "registers under the nla.graders entry points); default: the one the "
                                     "dataset names")
     p.add_argument("--no-text-explainer", action="store_true", help="skip the text-explainer baseline row")
-    p.add_argument("--out", help="directory for eval.json and eval.md")
+    p.add_argument("--out", help="directory for eval.json and eval.md (suite.json and suite.md with --suite)")
+    p.add_argument("--suite", nargs="?", const="all", metavar="PARTS",
+                   help="run the explanation suite (does it explain?) instead of the eval table: all parts, or a "
+                        "comma-separated list of claims, hidden_code, causal, directions, confabulation, best_of")
+    p.add_argument("--subject", help="--suite: the subject model dir for causal edits (default: the one the "
+                                     "dataset's sidecar records)")
+    p.add_argument("--baseline-av", help="--suite: the warm-start AV, whose false-claim rate is compared with the "
+                                         "pair's")
+    p.add_argument("--best-of", default="1,4,8", help="--suite: the N of best-of-N decoding (comma-separated)")
     add_model_args(p)
     p.set_defaults(func=run)
 
@@ -51,6 +63,10 @@ def run(args: argparse.Namespace) -> int:
     from nla.validation import check_device, check_output_path
 
     check_device(args.device)
+    parts = _suite_parts(args) if args.suite is not None else None
+    best_of = _best_of(args.best_of) if parts is not None else None
+    if parts is not None and not args.av:
+        raise ValueError("--suite: give the pair's AV (--av DIR) as well as its AR; the suite reads its explanations")
     if args.grader:
         from nla.graders import get_grader
 
@@ -61,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     mixed = args.allow_mixed_provenance
     client = NLAClient(args.av, args.ar, device=args.device, dtype=args.dtype, sidecar=args.sidecar,
                        allow_mixed_provenance=mixed)
+    if parts is not None:
+        return _run_suite(args, client, parts, best_of)
     frozen = (NLAClient(None, args.frozen_ar, device=args.device, dtype=args.dtype, allow_mixed_provenance=mixed)
               if args.frozen_ar else None)
     report = evaluate_pair(client, args.dataset, max_rows=args.max_rows, seed=args.seed,
@@ -73,5 +91,52 @@ def run(args: argparse.Namespace) -> int:
         write_text_atomic(report.to_json() + "\n", out / "eval.json")
         write_text_atomic(md, out / "eval.md")
         log.info("wrote %s and %s", out / "eval.json", out / "eval.md")
+    print(md)
+    return 0
+
+
+def _suite_parts(args: argparse.Namespace) -> list[str]:
+    from nla.suite import PARTS
+
+    if args.suite == "all":
+        return list(PARTS)
+    parts = [x.strip() for x in args.suite.split(",") if x.strip()]
+    bad = [x for x in parts if x not in PARTS]
+    if bad or not parts:
+        raise ValueError(f"--suite: expected 'all' or a comma-separated list of {', '.join(PARTS)}, found "
+                         f"{args.suite!r}")
+    return parts
+
+
+def _best_of(spec: str) -> list[int]:
+    try:
+        ns = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        ns = []
+    if not ns or ns[0] < 1:
+        raise ValueError(f"--best-of: expected comma-separated sample counts >= 1 such as 1,4,8, found {spec!r}")
+    return ns
+
+
+def _run_suite(args: argparse.Namespace, client, parts: list[str], best_of: list[int]) -> int:
+    from pathlib import Path
+
+    from nla.client import NLAClient
+    from nla.datagen.io import write_text_atomic
+    from nla.suite import run_suite
+
+    baseline = (NLAClient(args.baseline_av, None, device=args.device, dtype=args.dtype,
+                          allow_mixed_provenance=args.allow_mixed_provenance) if args.baseline_av else None)
+    if baseline is not None:
+        baseline.check_data(args.dataset)
+    report = run_suite(client, args.dataset, parts=parts, subject=args.subject, baseline_av=baseline,
+                       grader=args.grader, max_rows=args.max_rows, seed=args.seed, batch_size=args.batch_size,
+                       max_new_tokens=args.max_new_tokens, best_of=best_of, n_show=args.samples)
+    md = report.to_markdown()
+    if args.out:
+        out = Path(args.out)
+        write_text_atomic(report.to_json() + "\n", out / "suite.json")
+        write_text_atomic(md, out / "suite.md")
+        log.info("wrote %s and %s", out / "suite.json", out / "suite.md")
     print(md)
     return 0

@@ -75,6 +75,7 @@ class HTTPExplainer(Explainer):
 
     default_base_url = ""
     default_key_env = ""
+    system_prompt = SYSTEM_PROMPT
 
     def __init__(self, cfg: ProviderConfig) -> None:
         super().__init__()
@@ -101,6 +102,10 @@ class HTTPExplainer(Explainer):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(model={self.cfg.model!r}, base_url={self.base_url!r})"
+
+    def prompt(self, row: dict[str, Any]) -> str:
+        """The user message for one row (the explainer's: ``build_prompt``)."""
+        return build_prompt(row)
 
     # --- provider specifics ------------------------------------------------
     def url(self) -> str:
@@ -166,7 +171,7 @@ class HTTPExplainer(Explainer):
 
     def _explain_one(self, row: dict[str, Any]) -> tuple[str | None, str | None, str | None]:
         """(explanation, None, None) or (None, drop reason, the connection error when every attempt was one)."""
-        prompt = build_prompt(row)
+        prompt = self.prompt(row)
         only_connection = True
         for attempt in range(self.cfg.max_retries + 1):
             try:
@@ -230,7 +235,7 @@ class AnthropicExplainer(HTTPExplainer):
             "model": self.cfg.model,
             "max_tokens": self.cfg.max_tokens,
             "temperature": self.cfg.temperature,
-            "system": SYSTEM_PROMPT,
+            "system": self.system_prompt,
             "messages": [{"role": "user", "content": prompt}],
         }
 
@@ -258,7 +263,7 @@ class OpenAIExplainer(HTTPExplainer):
             "model": self.cfg.model,
             "max_tokens": self.cfg.max_tokens,
             "temperature": self.cfg.temperature,
-            "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}],
+            "messages": [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": prompt}],
         }
 
     def reply_text(self, data: Any) -> str:
@@ -273,3 +278,34 @@ def _anthropic(cfg: DatagenConfig) -> Explainer:
 @register_explainer("openai")
 def _openai(cfg: DatagenConfig) -> Explainer:
     return OpenAIExplainer(cfg.provider)
+
+
+# ------------------------------------------------------------------ paraphrasing (nla.suite's hidden-code test)
+PARAPHRASE_SYSTEM_PROMPT = "You rewrite sentences in other words without changing what they say."
+PARAPHRASE_PROMPT = (
+    "Rewrite the sentence below in other words. Keep every fact, name and quotation exactly; add nothing and "
+    "leave nothing out.\n<sentence>\n{claim}\n</sentence>\n"
+    "Answer with exactly one <explanation>...</explanation> block holding the rewritten sentence and nothing else."
+)
+_PROVIDERS = {"anthropic": AnthropicExplainer, "openai": OpenAIExplainer}
+
+
+def provider_paraphraser(provider: str, cfg: ProviderConfig):
+    """A paraphraser for ``nla.suite.hidden_code_variants``: list of claims -> their re-phrasings
+    (None where the provider dropped one), through the configured provider (``anthropic`` or
+    ``openai``) with its retries and concurrency. Needs the provider's key, like the explainer."""
+    if provider not in _PROVIDERS:
+        raise ValueError(f"paraphrase provider: expected one of {sorted(_PROVIDERS)}, found {provider!r}")
+
+    class _Paraphrase(_PROVIDERS[provider]):  # the provider's request and reply format, another prompt
+        system_prompt = PARAPHRASE_SYSTEM_PROMPT
+
+        def prompt(self, row: dict[str, Any]) -> str:
+            return PARAPHRASE_PROMPT.format(claim=row["claim"])
+
+    client = _Paraphrase(cfg)
+
+    def paraphrase(claims: list[str]) -> list[str | None]:
+        return client.explain_batch([{"claim": c} for c in claims])
+
+    return paraphrase
