@@ -36,6 +36,7 @@ class QuickstartPreset:
     eval_fraction: float = 0.25  # of the RL split's documents, held out for evaluation
     eval_max_rows: int | None = None  # None: every held-out row
     max_new_tokens: int = 64
+    suite_max_rows: int | None = 800  # rows of the explanation suite ("Does it explain?"; None: every held-out row)
     probe: dict[str, Any] = field(default_factory=lambda: dict(n_train_docs=800, n_test_docs=150))
 
     def check(self, name: str) -> None:
@@ -100,6 +101,7 @@ PRESETS: dict[str, QuickstartPreset] = {
         av=dict(max_steps=400, eval_every=100, save_every=400, smoke_num=2, smoke_max_new_tokens=40, **_AV_COMMON),
         rl=_rl_preset(steps=30, prompts=8, lr=1e-4, ar_lr=1e-4, eval_every=10, eval_max_rows=32, save_every=30),
         eval_max_rows=64,
+        suite_max_rows=48,
     ),
     "default": QuickstartPreset(
         world="default",
@@ -134,7 +136,7 @@ PRESETS["full"] = dataclasses.replace(
 
 
 # Stages that own a directory ``out/<stage>`` (datagen is resumable stage by stage on its own).
-STAGE_DIRS = ("ar", "av", "rl", "eval_warmstart", "eval_rl")
+STAGE_DIRS = ("ar", "av", "rl", "eval_warmstart", "eval_rl", "suite")
 
 
 def rl_settings(preset: QuickstartPreset, datagen: Path) -> dict[str, Any]:
@@ -299,12 +301,19 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
                               "made_by": [_hash(configs["ar"]), _hash(configs["av"]), _hash(configs["rl"])], **ev_kw,
                               **thr},
                   lambda: _evaluate(rl_info["av"], rl_info["ar"], eval_ds, out / "eval_rl", ev_kw, frozen))
-    # 7. report
+    # 7. does it explain? (nla.suite on the RL'd pair; the warm-start AV for the confabulation rates)
+    suite_kw = dict(max_rows=p.suite_max_rows, max_new_tokens=p.max_new_tokens)
+    suite = stage("suite", {"av": rl_info["av"], "ar": rl_info["ar"], "baseline_av": av_info["checkpoint"],
+                            "dataset": str(eval_ds), "made_by": [_hash(configs["ar"]), _hash(configs["av"]),
+                                                                 _hash(configs["rl"])], **suite_kw, **thr},
+                  lambda: _suite(rl_info["av"], rl_info["ar"], av_info["checkpoint"], eval_ds, out / "suite",
+                                 suite_kw))
+    # 8. report
     from nla.report import write_report
 
     return write_report(out, preset=preset, seed=seed, threads=threads, stages=stages, configs=configs, world=world_info, probe=probe_info,
                         warm_eval=warm["report"], rl_eval=after["report"], ar_info=ar_info, av_info=av_info,
-                        rl_info=rl_info)
+                        rl_info=rl_info, suite=suite["report"])
 
 
 def _world(build_world, preset, progress: bool) -> dict[str, Any]:
@@ -353,4 +362,15 @@ def _evaluate(av: str, ar: str, dataset: Path, out_dir: Path, kw: dict[str, Any]
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "eval.json").write_text(report.to_json())
     (out_dir / "eval.md").write_text(report.to_markdown())
+    return {"report": report.to_dict()}
+
+
+def _suite(av: str, ar: str, baseline_av: str, dataset: Path, out_dir: Path, kw: dict[str, Any]) -> dict[str, Any]:
+    from nla.client import NLAClient
+    from nla.suite import run_suite
+
+    report = run_suite(NLAClient(av, ar), dataset, baseline_av=NLAClient(baseline_av, None), **kw)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "suite.json").write_text(report.to_json())
+    (out_dir / "suite.md").write_text(report.to_markdown())
     return {"report": report.to_dict()}

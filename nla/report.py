@@ -136,9 +136,51 @@ def ceiling_line(headline: dict[str, Any]) -> list[str]:
             f"RL'd verbalizer reaches {_f(fve)}{share}.", ""]
 
 
+def suite_headline(suite: dict[str, Any] | None) -> dict[str, Any]:
+    """The suite's targets as headline keys ``suite_<section>_<key>`` (None where not measured)."""
+    return {f"suite_{t['section']}_{t['key']}": t["value"] for t in (suite or {}).get("targets", [])}
+
+
+def suite_section(suite: dict[str, Any] | None) -> list[str]:
+    """"Does it explain?": the explanation suite's targets (``nla.suite``) and what it measured."""
+    if not suite:
+        return []
+    s = suite.get("sections", {})
+    md = ["## Does it explain?", "",
+          f"The explanation suite (`nla eval --suite`, {suite['n_rows']} held-out rows; docs/suite.md): whether "
+          "the RL'd pair's explanations are a true, causal account of the vector, not only a text the AR can "
+          "rebuild it from.", "", "| test | value | target | met |", "|---|---|---|---|"]
+    for t in suite.get("targets", []):
+        met = "-" if t["met"] is None else "yes" if t["met"] else "**no**"
+        md.append(f"| {t['what']} | {t.get('note') or _f(t['value'])} | {t['target']} | {met} |")
+    c, h, e = s.get("claims"), s.get("hidden_code"), s.get("causal")
+    if c:
+        md += ["", f"- Deleting one claim costs FVE {_f(c['fve_cost_true'])} when it is true, "
+                   f"{_f(c['fve_cost_false'])} when false, {_f(c['fve_cost_quotation'])} for the quoted word "
+                   f"({c['n_true']} true, {c['n_false']} false claims)."]
+    if h:
+        md.append(f"- FVE {_f(h['fve'])} as written; re-phrased {_f(h['paraphrase_fve'])}, re-ordered "
+                  f"{_f(h['shuffle_fve'])}, without the quoted word {_f(h['drop_quotation_fve'])}.")
+    if e:
+        md.append(f"- Causal edits ({e['edits']} recall slots edited): the subject's prediction moves to the edited "
+                  f"value {_f(e['edited_moves'])}, stays with the unedited reconstruction {_f(e['unedited_keeps'])}, "
+                  f"moves with a random vector {_f(e['random_moves'])}.")
+    conf = s.get("confabulation") or {}
+    if "pair" in conf:
+        before = _f(conf["baseline"]["false_rate"]) + " → " if "baseline" in conf else ""
+        md.append(f"- False claims: {before}{_f(conf['pair']['false_rate'])} of claimed facts (warm-start → RL).")
+    b = s.get("best_of")
+    if b:
+        top = max(int(k) for k in b if k.isdigit())
+        md.append(f"- Best-of-{top}: FVE {_f(b['greedy']['fve'])} → {_f(b[str(top)]['fve'])}, precision "
+                  f"{_f(b['greedy']['precision'])} → {_f(b[str(top)]['precision'])}.")
+    return md + [""]
+
+
 def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | None = None, stages: list, configs: dict[str, Any], world: dict[str, Any],
                  warm_eval: dict[str, Any], rl_eval: dict[str, Any], ar_info: dict[str, Any],
-                 av_info: dict[str, Any], rl_info: dict[str, Any], probe: dict[str, Any] | None = None) -> Path:
+                 av_info: dict[str, Any], rl_info: dict[str, Any], probe: dict[str, Any] | None = None,
+                 suite: dict[str, Any] | None = None) -> Path:
     """Write ``report.md`` and ``report.json`` (+ copy curve PNGs beside them); returns report.md."""
     plots = {}
     for name, src in (("world_loss", world.get("loss_curve_png")), ("ar_curves", out / "ar" / "ar_curves.png"),
@@ -166,6 +208,7 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
         "total_seconds": sum(s.seconds for s in stages if not s.cached),  # this run's work
         **faithfulness_summary(warm_eval, rl_eval),
         "by_kind_rl": kind_summary(rl_eval),
+        **suite_headline(suite),
     }
     probe = probe or {}
     if probe.get("layers"):
@@ -203,6 +246,7 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
               "Top-1 accuracy of a linear probe per fact kind on held-out stories (`nla world probe`): how much of "
               "the ground truth any verbalizer could read from the vectors at each layer, against chance.", "",
               *probe_table(probe), ""] if probe.get("layers") else []),
+          *suite_section(suite),
           "## Training", "",
           f"- subject model: held-out loss {_f(world.get('heldout_loss'))} nats/token vs unigram entropy "
           f"{_f(world.get('unigram_entropy'))}",
@@ -222,7 +266,7 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
     path = out / "report.md"
     path.write_text("\n".join(md), encoding="utf-8")
     (out / "report.json").write_text(json.dumps({
-        "headline": headline, "eval_warmstart": warm_eval, "eval_rl": rl_eval, "plots": plots,
+        "headline": headline, "eval_warmstart": warm_eval, "eval_rl": rl_eval, "suite": suite, "plots": plots,
         "stages": [{"name": s.name, "seconds": s.seconds, "cached": s.cached} for s in stages],
         "configs": configs}, indent=2, default=str), encoding="utf-8")
     return path

@@ -53,8 +53,9 @@ def colours():
 
 
 def test_the_core_imports_no_world_code():
-    """Reward, RL loop, roles, evaluation, client: none of them loads a module of nla.world."""
-    code = ("import sys, nla.reward, nla.rl.loop, nla.rl.roles, nla.evaluation, nla.client, nla.graders; "
+    """Reward, RL loop, roles, evaluation, client, the explanation suite: none loads a module of nla.world."""
+    code = ("import sys, nla.reward, nla.rl.loop, nla.rl.roles, nla.evaluation, nla.client, nla.graders, nla.suite, "
+            "nla.probing; "
             "print(sorted(m for m in sys.modules if m.startswith('nla.world')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

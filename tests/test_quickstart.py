@@ -20,7 +20,7 @@ def test_report_has_every_section_with_finite_numbers(run_dir):
     for section in ("## Evaluation (held-out documents)", "## Training", "## Example explanations",
                     "## Time per stage", "## Configs used", "![RL](rl_curves.png)", "![AR warm-start](ar_curves.png)",
                     "![AV warm-start](av_curves.png)", "## What is in the vector", "| 1 (extraction layer) |",
-                    "Faithfulness (facts named"):
+                    "Faithfulness (facts named", "## Does it explain?"):
         assert section in md, section
     rep = json.loads((run_dir / "report.json").read_text())
     head = rep["headline"]
@@ -42,7 +42,7 @@ def test_report_has_every_section_with_finite_numbers(run_dir):
         assert rows[names[1]]["faithfulness"] == rows[names[0]]["faithfulness"]
         assert rep[which]["samples"], which
     assert [s["name"] for s in rep["stages"]] == ["world", "probe", "datagen", "ar", "av", "eval_warmstart", "rl",
-                                                  "eval_rl"]
+                                                  "eval_rl", "suite"]
     # in the warm-start eval the frozen AR *is* the live AR: identical numbers
     warm = {r["name"]: r for r in rep["eval_warmstart"]["rows"]}
     assert warm["AV → frozen warm-start AR"]["fve"] == pytest.approx(warm["AV → AR round trip"]["fve"], abs=1e-6)
