@@ -126,11 +126,11 @@ def test_explain_matches_direct_forward_and_client_score(api, explorer, world_su
 
 def test_explaining_every_token_of_64_is_one_batched_call(api, explorer, monkeypatch):
     calls = []
-    for name in ("verbalize", "score"):
+    for name in ("verbalize", "score", "attribute_claims"):
         real = getattr(explorer.client, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
-            calls.append((_name, len(args[1] if _name == "score" else args[0])))
+            calls.append((_name, len(args[0] if _name == "verbalize" else args[1])))
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(explorer.client, name, spy)
@@ -138,7 +138,7 @@ def test_explaining_every_token_of_64_is_one_batched_call(api, explorer, monkeyp
     r = api.post("/api/explain", json={"text": text})  # no positions: every token
     assert r.status_code == 200, r.text
     assert r.json()["n_tokens"] == 64 and len(r.json()["results"]) == 64
-    assert calls == [("verbalize", 64), ("score", 64)]
+    assert calls == [("verbalize", 64), ("score", 64), ("attribute_claims", 64)]  # one call each, all positions
 
 
 def test_world_claims_marked_against_the_token_facts(api, explorer):
@@ -154,6 +154,75 @@ def test_world_claims_marked_against_the_token_facts(api, explorer):
     assert out["greedy"]["missed"] == sorted(str(f) for f in truth - set(claimed))
     g = grade(FIXED_EXPLANATION, truth)
     assert (out["greedy"]["recall"], out["greedy"]["precision"]) == pytest.approx((g.recall, g.precision))
+
+
+
+def _reference_attribution(client, text, vector, facts):
+    """Each sentence of ``text`` with mse_nrm(deleted) - mse_nrm(full) of the AR's readings, its truth
+    (every fact it names is in ``facts``; None: names none, or no facts) and whether it quotes the word."""
+    import re
+
+    from nla.graders import split_sentences
+    from nla.vectors import mse_nrm
+
+    claims = split_sentences(text or "")
+    if not claims:
+        return [], None
+    variants = [text] + [" ".join(claims[:j] + claims[j + 1:]) for j in range(len(claims))]
+    mse = [float(mse_nrm(client.reconstruct([v]), vector[None], client.mse_scale)[0]) for v in variants]
+    out = []
+    for j, c in enumerate(claims):
+        named = {str(f) for f in parse_facts(c)}
+        truth = None if facts is None or not named else named <= set(facts)
+        out.append({"text": c, "delta_mse": mse[j + 1] - mse[0], "truth": truth,
+                    "quotation": bool(re.fullmatch(r'The current word is "[A-Za-z]+"\.', c))})
+    return out, mse[0]
+
+
+def _assert_same_claims(got, want):
+    assert [{k: v for k, v in c.items() if k != "delta_mse"} for c in got] == [
+        {k: v for k, v in c.items() if k != "delta_mse"} for c in want]
+    assert [c["delta_mse"] for c in got] == pytest.approx([c["delta_mse"] for c in want], rel=1e-4, abs=1e-5)
+
+
+def test_claim_attribution_is_each_claims_deletion_cost(api, explorer):
+    from nla.graders import get_grader
+
+    doc_id = api.get("/api/info").json()["world_docs"][1]["doc_id"]
+    toks = api.post("/api/tokenize", json={"doc_id": doc_id}).json()["tokens"]
+    positions = [0, len(toks) - 1]
+    body = {"doc_id": doc_id, "positions": positions, "n_samples": 2, "seed": 3, "max_new_tokens": 24,
+            "return_vectors": True}
+    res = api.post("/api/explain", json=body).json()["results"]
+    for p, out in zip(positions, res, strict=True):
+        vec = torch.tensor(out["vector"])
+        for e in [out["greedy"], *out["samples"]]:
+            want, full = _reference_attribution(explorer.client, e["explanation"], vec, toks[p]["facts"])
+            _assert_same_claims(e["claim_attribution"], want)
+            if e["explanation"] is None:  # a failed sample: no claims
+                assert e["claim_attribution"] == []
+            elif full is not None and e["mse_nrm"] is not None:  # the full text's reading is the one scored
+                assert full == pytest.approx(e["mse_nrm"], rel=1e-4, abs=1e-5)
+        # the fixed explanation is one claim naming three facts: true only where all three are
+        g = out["greedy"]["claim_attribution"]
+        assert [c["text"] for c in g] == [FIXED_EXPLANATION] and g[0]["quotation"] is False
+        assert g[0]["truth"] is ({str(f) for f in parse_facts(FIXED_EXPLANATION)} <= set(toks[p]["facts"]))
+    # several claims: a quotation (truth null), the true facts, one false fact; typed text has no truth
+    p = positions[-1]
+    facts = toks[p]["facts"]
+    assert facts, "the last token of a story has facts"
+    kind = facts[0].partition("=")[0]
+    grader = get_grader("world")
+    wrong = next(f for f in grader.facts_of_kind(kind) if f not in facts)
+    text = grader.oracle(facts, "garden", 0) + " " + grader.oracle([wrong], None, 1)
+    vec = explorer.activations(explorer.text_input(doc_id=doc_id))[p]
+    got = explorer.claim_attribution([text, None], vec.expand(2, -1), [facts, facts])
+    want, _ = _reference_attribution(explorer.client, text, vec, facts)
+    assert {c["truth"] for c in want} == {True, False, None} and any(c["quotation"] for c in want)
+    _assert_same_claims(got[0], want)
+    assert got[1] == []
+    _assert_same_claims(explorer.claim_attribution([text], vec[None])[0],
+                        _reference_attribution(explorer.client, text, vec, None)[0])
 
 
 def test_samples_are_seeded_and_scored(api, explorer):
@@ -470,6 +539,18 @@ def test_browser_shows_an_explanation_and_a_score(explorer, run_dir, tmp_path):
         expected = float(explorer.client.score([FIXED_EXPLANATION], acts[[3]]).cosine[0])
         assert cos == pytest.approx(expected, abs=5e-4)  # shown with 3 decimals
         assert page.evaluate("document.getElementById('d-token').textContent") == json.dumps(WORDS.split()[3])
+        # the claim rows under the explanation: one per claim of the JSON answer, each with its bar and value
+        import httpx
+
+        claims = httpx.post(server.url + "/api/explain", json={"text": WORDS, "positions": [3]}).json()[
+            "results"][0]["greedy"]["claim_attribution"]
+        assert claims and page.evaluate("document.querySelectorAll('#d-greedy .claim-row').length") == len(claims)
+        assert page.evaluate("document.querySelectorAll('#d-greedy .claim-row .claim-bar .bar').length") == len(claims)
+        shown = page.evaluate("[...document.querySelectorAll('#d-greedy .claim-row')].map((r) => "
+                              "[r.querySelector('.claim-text').textContent, r.querySelector('.claim-delta').textContent,"
+                              " r.querySelector('.bar').className])")
+        assert shown == [[c["text"], f"{c['delta_mse']:+.3f}", "bar " + ("neg" if c["delta_mse"] < 0 else "pos")]
+                         for c in claims]
         page.click("#tab-run")
         page.wait_for("document.querySelectorAll('#run-tables table').length === 3")
         page.screenshot(tmp_path / "page.png")

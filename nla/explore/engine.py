@@ -13,8 +13,12 @@ what training and evaluation measure:
 3. On the subject's world, ground truth is ``nla.world.token_facts`` on the held-out
    documents (never seen by the subject or the pair) and claims are graded by
    ``nla.world.grade`` (quotations are not claims).
+4. Each claim's deletion cost is ``NLAClient.attribute_claims`` (``nla.suite``) with the world
+   grader: ``delta_mse`` = the AR's ``mse_nrm`` with the claim deleted minus with it, and the
+   claim's truth against the position's facts on a world document (null elsewhere).
 
-All P positions of a request go through one ``verbalize`` call and one ``score`` call.
+All P positions of a request go through one ``verbalize`` call and one ``score`` call (one
+more of each for samples) and one ``attribute_claims`` call for every explanation.
 Every check of a request raises :class:`ExploreError` with an HTTP status and a one-line
 reason; the server turns it into a JSON error and keeps running.
 """
@@ -35,6 +39,7 @@ import torch
 from nla.arch import hidden_size, num_layers
 from nla.client import NLAClient, NLAClientError, ScoreResult, Verbalization
 from nla.datagen.extract import block_outputs, load_subject, tokenize_text
+from nla.graders import get_grader
 from nla.provenance import Provenance, ProvenanceError, check_provenance
 from nla.world import Fact, generate_documents, grade, load_world, parse_facts, token_facts
 
@@ -164,6 +169,7 @@ class Explorer:
             fits = {i: d for i, d in world.docs.items()
                     if len(tokenize_text(subject_tokenizer, d.text, self.max_tokens + 1)[0]) <= self.max_tokens}
             self.world = WorldDocs(world.root, fits)
+        self.grader = get_grader("world")  # splits explanations into claims (a sentence each) and judges them
         self._lock = threading.Lock()  # one model call at a time: hooks and generation are not thread-safe
 
     @classmethod
@@ -292,26 +298,31 @@ class Explorer:
         acts = self.activations(inp)
         vectors = acts[positions]  # [P, d]
         P = len(positions)
+        truth = self.facts(inp)
         with self._lock:
             greedy = self.client.verbalize(vectors, max_new_tokens=max_new, greedy=True, batch_size=P)
             greedy_scores = self.client.score([v.explanation for v in greedy], vectors, batch_size=P)
             sampled: list[Verbalization] = []
             sampled_scores = None
+            gold = vectors[:0]
             if n_samples:
                 sampled = self.client.verbalize(vectors, max_new_tokens=max_new, greedy=False,
                                                 temperature=temperature, n_samples=n_samples, seed=seed,
                                                 batch_size=P)
                 gold = vectors[[v.row for v in sampled]]  # [P*S, d], samples of one vector contiguous
                 sampled_scores = self.client.score([v.explanation for v in sampled], gold, batch_size=P * n_samples)
-        truth = self.facts(inp)
+            # every explanation of the request (greedy ones, then samples) in one attribution call
+            every = greedy + sampled
+            row_facts = None if truth is None else [truth[positions[v.row]] for v in every]
+            attributed = self._attribute([v.explanation for v in every], torch.cat([vectors, gold]), row_facts)
         tokens = self.tokens(inp)
         out = []
         for k, p in enumerate(positions):
             facts = truth[p] if truth is not None else None
             entry: dict[str, Any] = {
                 "position": p, "token": tokens[p]["text"],
-                "greedy": _explanation(greedy[k], greedy_scores, k, facts),
-                "samples": [_explanation(sampled[j], sampled_scores, j, facts)
+                "greedy": _explanation(greedy[k], greedy_scores, k, facts, attributed[k]),
+                "samples": [_explanation(sampled[j], sampled_scores, j, facts, attributed[P + j])
                             for j in range(k * n_samples, (k + 1) * n_samples)],
             }
             if facts is not None:
@@ -320,6 +331,24 @@ class Explorer:
                 entry["vector"] = vectors[k].tolist()
             out.append(entry)
         return out
+
+    def claim_attribution(self, texts: Sequence[str | None], vectors: torch.Tensor,
+                          facts: Sequence[Sequence[str]] | None = None) -> list[list[dict[str, Any]]]:
+        """Per explanation, each claim's ``{"text", "delta_mse", "truth", "quotation"}``: what deleting
+        it costs the AR's reconstruction of RAW ``vectors[i]`` [N, d] (``NLAClient.attribute_claims``
+        with the world grader); ``facts[i]``: row i's ground truth (None: every truth is null). A
+        failed sample (None) has no claims. What ``explain`` returns as ``claim_attribution``."""
+        with self._lock:
+            return self._attribute(texts, vectors, facts)
+
+    def _attribute(self, texts: Sequence[str | None], vectors: torch.Tensor,
+                   facts: Sequence[Sequence[str]] | None) -> list[list[dict[str, Any]]]:
+        """``claim_attribution`` under the caller's lock."""
+        if not texts:
+            return []
+        attr = self.client.attribute_claims(list(texts), vectors, grader=self.grader,
+                                            truths=None if facts is None else [list(f) for f in facts])
+        return [[c.to_dict() | {"delta_mse": _finite(c.delta_mse)} for c in cs] for cs in attr]
 
     def score(self, texts: Sequence[str | None], vectors: torch.Tensor,
               facts: list[str] | None = None) -> list[dict[str, Any]]:
@@ -356,6 +385,10 @@ def _num(x: torch.Tensor) -> float | None:
     return None if np.isnan(v) else v
 
 
+def _finite(x: float) -> float | None:
+    return float(x) if np.isfinite(x) else None  # JSON has no NaN / inf
+
+
 def _scores(res: ScoreResult, i: int) -> dict[str, Any]:
     return {"cosine": _num(res.cosine[i]), "mse_nrm": _num(res.mse_nrm[i]), "failed": bool(res.failed[i])}
 
@@ -373,7 +406,8 @@ def grade_claims(explanation: str | None, facts: list[str] | None) -> dict[str, 
             "recall": g.recall, "precision": g.precision}
 
 
-def _explanation(v: Verbalization, res: ScoreResult | None, i: int, facts: list[str] | None) -> dict[str, Any]:
+def _explanation(v: Verbalization, res: ScoreResult | None, i: int, facts: list[str] | None,
+                 attribution: list[dict[str, Any]]) -> dict[str, Any]:
     assert res is not None
     return {"explanation": v.explanation, "status": v.status, "text": v.text, **_scores(res, i),
-            **grade_claims(v.explanation, facts)}
+            **grade_claims(v.explanation, facts), "claim_attribution": attribution}

@@ -143,20 +143,61 @@ function claimsLine(e) {
     (e.missed || []).map((f) => el("span", { class: "fact missed", title: "true here, not said" }, f)));
 }
 
-function explanationCard(e, label) {
+// The largest |delta_mse| over the claims of these explanations: the bars of one view share it.
+function claimScale(explanations) {
+  const all = explanations.flatMap((e) => (e.claim_attribution || []).map((c) => Math.abs(c.delta_mse || 0)));
+  return Math.max(1e-6, ...all);
+}
+
+// Claim attribution: each claim of the explanation, with what deleting it costs the AR (delta mse_nrm).
+// The bar grows right of the axis when the AR used the claim (> 0), left when it did better without it.
+function claimBars(e, scale, graded) {
+  const claims = e.claim_attribution || [];
+  if (!claims.length) return null;
+  const mark = (c) => {
+    if (c.quotation) return el("span", { class: "claim-mark quote", title: "quotes the current word (no fact)" }, "“”");
+    if (c.truth === true) return el("span", { class: "claim-mark true", title: "true at this token" }, "✓");
+    if (c.truth === false) return el("span", { class: "claim-mark false", title: "not true at this token" }, "✗");
+    return el("span", { class: "claim-mark none", title: graded ? "names no fact" : "no ground truth for this text" },
+      graded ? "·" : "");
+  };
+  const row = (c) => {
+    const d = c.delta_mse;
+    const w = d === null ? 0 : Math.min(50, (50 * Math.abs(d)) / scale);
+    return el("div", { class: "claim-row", "data-delta": d === null ? "" : d },
+      mark(c), el("span", { class: "claim-text" }, c.text),
+      el("span", { class: "claim-bar", title: "cost of deleting this claim (Δ mse_nrm)" },
+        el("span", { class: "bar " + (d < 0 ? "neg" : "pos"),
+          style: d < 0 ? `right:50%;width:${w}%` : `left:50%;width:${w}%` })),
+      el("span", { class: "claim-delta" + (d < 0 ? " neg" : "") }, d === null ? "–" : (d > 0 ? "+" : "") + fmt(d)));
+  };
+  return el("div", { class: "attribution" },
+    el("div", { class: "muted small", title: "mse_nrm of the AR's reading with the claim deleted, minus with it. " +
+      "Right of the axis (> 0): the AR used the claim; left (< 0, hatched): it reads the vector better without it." },
+    "cost of deleting each claim (Δ mse_nrm; > 0: the AR used it)"),
+    claims.map(row));
+}
+
+function explanationCard(e, label, scale) {
   return el("div", { class: "explanation-card" },
     label ? el("div", { class: "label muted" }, label) : null,
     e.explanation !== null && e.explanation !== undefined ? el("div", { class: "explanation" }, e.explanation)
       : el("div", { class: "explanation none" }, `no explanation (${e.status}): `,
         el("span", { class: "raw" }, e.text || "(empty)")),
-    scoreLine(e), claimsLine(e));
+    scoreLine(e), claimsLine(e), claimBars(e, scale || claimScale([e]), e.recall !== undefined));
+}
+
+// The greedy card and the samples' cards, their claim bars on one scale.
+function renderCards(greedy, samples) {
+  const scale = claimScale([greedy, ...samples]);
+  $("d-greedy").replaceChildren(explanationCard(greedy, "greedy explanation", scale));
+  $("d-samples").replaceChildren(...samples.map((s, i) => explanationCard(s, `sample ${i + 1}`, scale)));
 }
 
 function renderDetail(r) {
   $("detail").hidden = false;
   $("d-token").textContent = JSON.stringify(r.token);
   $("d-position").textContent = r.position;
-  $("d-greedy").replaceChildren(explanationCard(r.greedy, "greedy explanation"));
   const truth = $("d-truth");
   if (r.facts) {
     truth.hidden = false;
@@ -166,15 +207,10 @@ function renderDetail(r) {
   } else {
     truth.hidden = true;
   }
-  $("d-samples").replaceChildren();
   $("sample-status").textContent = "";
   $("own-result").replaceChildren();
   $("own-text").value = r.greedy.explanation || "";
-  if (r.samples && r.samples.length) renderSamples(r.samples);
-}
-
-function renderSamples(samples) {
-  $("d-samples").replaceChildren(...samples.map((s, i) => explanationCard(s, `sample ${i + 1}`)));
+  renderCards(r.greedy, r.samples || []);
 }
 
 async function sample() {
@@ -186,7 +222,7 @@ async function sample() {
     const res = await api("/api/explain", {
       ...state.input, positions: [state.selected], n_samples: k, seed: Math.floor(Math.random() * 1e6),
     });
-    renderSamples(res.results[0].samples);
+    renderCards(state.results.get(state.selected).greedy, res.results[0].samples);
     $("sample-status").textContent = "";
   } catch (err) {
     showError(err.message);
