@@ -1,7 +1,7 @@
 """The explanation suite ("Does it explain?") on quickstart runs, as mean ± half the range over them.
 
     python bench/suite_seeds.py runs/quickstart-default runs/quickstart-default-seed1 ... \
-        [--max-rows N] [--out DIR]
+        [--max-rows N] [--parts claims,causal] [--out DIR]
 
 Each run's RL'd pair (the newest ``rl/checkpoints/step_*``) is evaluated on the run's held-out
 ``datagen/eval.parquet`` (every row unless ``--max-rows``), with the run's warm-start AV
@@ -31,15 +31,21 @@ def _newest(d: Path) -> Path:
 ROWS = (  # (label, path into the report's sections)
     ("claims: FVE cost of deleting a true claim", ("claims", "fve_cost_true")),
     ("claims: FVE cost of deleting a false claim", ("claims", "fve_cost_false")),
+    ("claims: ... a false claim once true in the story", ("claims", "fve_cost_false_stale")),
+    ("claims: ... a false claim never true before", ("claims", "fve_cost_false_invented")),
     ("claims: FVE cost of deleting the quoted word", ("claims", "fve_cost_quotation")),
     ("claims: true / false cost", ("claims", "true_over_false")),
     ("hidden code: FVE as written", ("hidden_code", "fve")),
     ("hidden code: cost of re-phrasing", ("hidden_code", "paraphrase_cost")),
     ("hidden code: cost of re-ordering", ("hidden_code", "shuffle_cost")),
     ("hidden code: cost of dropping the quoted word", ("hidden_code", "drop_quotation_cost")),
+    ("hidden code, oracle texts (control): FVE", ("hidden_code", "oracle_fve")),
+    ("hidden code, oracle texts: cost of re-phrasing", ("hidden_code", "oracle_paraphrase_cost")),
+    ("hidden code, oracle texts: cost of re-ordering", ("hidden_code", "oracle_shuffle_cost")),
     ("causal: recall slots edited", ("causal", "edits")),
     ("causal: edited explanation moves the prediction", ("causal", "edited_moves")),
     ("causal: unedited explanation keeps it", ("causal", "unedited_keeps")),
+    ("causal: edit moves it where the unedited keeps it", ("causal", "edited_moves_where_unedited_keeps")),
     ("causal: random same-norm vector moves it", ("causal", "random_moves")),
     ("causal: difference of means moves it (no text)", ("causal", "means_moves")),
     ("directions: fact named (best strength)", ("directions", "named")),
@@ -47,6 +53,8 @@ ROWS = (  # (label, path into the report's sections)
     ("confabulation: false-claim rate, RL'd AV", ("confabulation", "pair", "false_rate")),
     ("confabulation: recurring claims true (RL)", ("confabulation", "pair", "recurring", "true_rate")),
     ("confabulation: lone claims true (RL)", ("confabulation", "pair", "lone", "true_rate")),
+    ("confabulation: false claims true earlier in the story (RL)", ("confabulation", "pair", "false_stale")),
+    ("confabulation: false claims true earlier in the story (warm)", ("confabulation", "baseline", "false_stale")),
     ("best-of: FVE greedy", ("best_of", "greedy", "fve")),
     ("best-of: FVE best of 1 (one sample)", ("best_of", "1", "fve")),
     ("best-of: FVE best of 4", ("best_of", "4", "fve")),
@@ -71,6 +79,8 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--max-rows", type=int, default=None)
     ap.add_argument("--out", type=Path, default=Path("bench_out/suite"))
+    ap.add_argument("--parts", default=None, help="comma-separated suite parts (default: all)")
+    ap.add_argument("--temperature", type=float, default=0.7, help="best-of-N's sampling temperature")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     from nla.client import NLAClient
@@ -82,8 +92,9 @@ def main() -> None:
         rl = _newest(run / "rl" / "checkpoints")
         client = NLAClient(rl / "av", rl / "ar")
         warm = NLAClient(_newest(run / "av" / "checkpoints"), None)
+        parts = {"parts": args.parts.split(",")} if args.parts else {}
         rep = run_suite(client, run / "datagen" / "eval.parquet", baseline_av=warm, max_rows=args.max_rows,
-                        max_new_tokens=64)
+                        max_new_tokens=64, temperature=args.temperature, **parts)
         out = args.out / run.name
         out.mkdir(parents=True, exist_ok=True)
         (out / "suite.json").write_text(rep.to_json())

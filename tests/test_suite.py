@@ -118,6 +118,13 @@ def test_confabulation_rates_and_recurrence_by_hand():
     # felix recurs at doc 1's neighbouring positions (2 claims, both true); park (doc 1), sad, park (doc 2) do not
     assert c["recurring"] == {"claims": 2, "true_rate": 1.0}
     assert c["lone"] == {"claims": 3, "true_rate": pytest.approx(2 / 3)}
+    # the one false claim (park, doc 1 pos 5) was not true at an earlier position of doc 1: invented
+    assert c["false_stale"] == 0.0
+    stale = confabulation(["The scene is set at the beach."], [["place=park"]], WORLD, [1], [9])
+    assert stale["false_stale"] == 0.0  # no earlier position evaluated
+    two = confabulation([None, "The scene is set at the beach."], [["place=beach"], ["place=park"]], WORLD,
+                        [1, 1], [3, 9])
+    assert two["false_stale"] == 1.0  # beach was true at position 3: outdated, not invented
 
 
 def test_norm_warnings_and_direction_inputs():
@@ -357,3 +364,63 @@ def test_cli_eval_suite(world, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and msg in err[0]
         assert not (tmp_path / "never").exists()
+
+
+def test_cli_verbalize_directions_and_norm_warnings(world, tmp_path, caplog):
+    import numpy as np
+
+    from nla.cli import main
+
+    rl = json.loads((world["run"] / "rl.stage_done.json").read_text())
+    gold = world["gold"]
+    dirs = torch.nn.functional.normalize(torch.randn(2, gold.shape[1], generator=torch.Generator().manual_seed(3)),
+                                         dim=-1) * 1e-3 * float(gold.norm(dim=-1).min())
+    np.save(tmp_path / "dirs.npy", dirs.numpy())
+    base = ["verbalize", "--av", rl["av"], "--vectors", str(tmp_path / "dirs.npy"), "--max-new-tokens", "48"]
+    with caplog.at_level("WARNING"):
+        assert main([*base, "--reference", str(world["dataset"]), "--out", str(tmp_path / "raw.jsonl")]) == 0
+    assert sum("outside the training data's range" in r.getMessage() for r in caplog.records) == 2
+    assert main([*base, "--reference", str(world["dataset"]), "--directions", "--strength", "3",
+                 "--out", str(tmp_path / "dirs.jsonl")]) == 0
+    got = [json.loads(line)["explanation"] for line in (tmp_path / "dirs.jsonl").read_text().splitlines()]
+    client = NLAClient(rl["av"], None)
+    want, _ = verbalize_directions(client, dirs, gold, strength=3.0, max_new_tokens=48)
+    assert got == [v.explanation for v in want]
+    assert main([*base, "--directions", "--out", str(tmp_path / "never.jsonl")]) == 2
+    assert not (tmp_path / "never.jsonl").exists()
+
+
+def test_cli_suite_paraphrase_provider_needs_its_key(world, tmp_path, capsys, monkeypatch):
+    from nla.cli import main
+
+    monkeypatch.delenv("NLA_NO_SUCH_KEY", raising=False)
+    rl = json.loads((world["run"] / "rl.stage_done.json").read_text())
+    code = main(["eval", "--suite", "hidden_code", "--av", rl["av"], "--ar", rl["ar"], "--dataset",
+                 str(world["dataset"]), "--max-rows", "4", "--paraphrase-provider", "openai", "--paraphrase-model",
+                 "m", "--paraphrase-key-env", "NLA_NO_SUCH_KEY", "--out", str(tmp_path / "s")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "NLA_NO_SUCH_KEY is not set" in err and not (tmp_path / "s").exists()
+
+
+def test_claims_summary_by_hand():
+    from nla.suite import _claims_summary
+
+    attr = [[Claim('The current word is "x".', 0.5, None, True), Claim("The story is about Felix.", 0.4, True, False),
+             Claim("The scene is set at the beach.", 0.1, False, False)],
+            [Claim("Someone feels sad.", -0.1, False, False), Claim("This is the start of a story.", 0.0, None, False)],
+            []]
+    truths = [["person=felix", "place=park"], ["mood=happy"], []]
+    earlier = [set(), {"mood=sad"}, set()]  # sad was true earlier in row 1's document: a stale claim
+    out = _claims_summary(attr, raw_mean=0.5, grader=WORLD, truths=truths, earlier=earlier)
+    assert (out["rows"], out["claims"], out["n_true"], out["n_false"], out["n_quotation"], out["n_other"]) == \
+        (3, 5, 1, 2, 1, 1)
+    assert out["fve_cost_true"] == pytest.approx(0.8) and out["fve_cost_false"] == pytest.approx(0.0)
+    assert out["fve_cost_quotation"] == pytest.approx(1.0) and out["fve_cost_other"] == pytest.approx(0.0)
+    assert out["fve_cost_false_stale"] == pytest.approx(-0.2) and out["fve_cost_false_invented"] == pytest.approx(0.2)
+    assert out["true_over_false"] is None and out["false_cost_nonpositive"]  # false deletions cost nothing
+    from nla.suite import SuiteReport
+
+    rep = SuiteReport("d", 3, 0, sections={"claims": out})
+    (t,) = [t for t in rep.targets if t["key"] == "true_over_false"]
+    assert t["met"] is True and "(<= 0)" in t["note"]

@@ -50,6 +50,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--baseline-av", help="--suite: the warm-start AV, whose false-claim rate is compared with the "
                                          "pair's")
     p.add_argument("--best-of", default="1,4,8", help="--suite: the N of best-of-N decoding (comma-separated)")
+    p.add_argument("--temperature", type=float, default=0.7, help="--suite: best-of-N's sampling temperature")
+    p.add_argument("--paraphrase-provider", choices=["anthropic", "openai"],
+                   help="--suite: re-phrase the claims the grader cannot through this API (off by default; needs "
+                        "the provider's key in its environment variable)")
+    p.add_argument("--paraphrase-model", help="--suite: the provider's model name")
+    p.add_argument("--paraphrase-base-url", help="--suite: the provider's endpoint (default: its public one)")
+    p.add_argument("--paraphrase-key-env", help="--suite: the environment variable holding the key")
     add_model_args(p)
     p.set_defaults(func=run)
 
@@ -125,13 +132,21 @@ def _run_suite(args: argparse.Namespace, client, parts: list[str], best_of: list
     from nla.datagen.io import write_text_atomic
     from nla.suite import run_suite
 
+    paraphraser = None
+    if args.paraphrase_provider:
+        from nla.datagen.config import ProviderConfig
+        from nla.datagen.providers import provider_paraphraser
+
+        paraphraser = provider_paraphraser(args.paraphrase_provider, ProviderConfig(
+            model=args.paraphrase_model or "", base_url=args.paraphrase_base_url, api_key_env=args.paraphrase_key_env))
     baseline = (NLAClient(args.baseline_av, None, device=args.device, dtype=args.dtype,
                           allow_mixed_provenance=args.allow_mixed_provenance) if args.baseline_av else None)
     if baseline is not None:
         baseline.check_data(args.dataset)
     report = run_suite(client, args.dataset, parts=parts, subject=args.subject, baseline_av=baseline,
                        grader=args.grader, max_rows=args.max_rows, seed=args.seed, batch_size=args.batch_size,
-                       max_new_tokens=args.max_new_tokens, best_of=best_of, n_show=args.samples)
+                       max_new_tokens=args.max_new_tokens, best_of=best_of, n_show=args.samples,
+                       paraphraser=paraphraser, temperature=args.temperature)
     md = report.to_markdown()
     if args.out:
         out = Path(args.out)

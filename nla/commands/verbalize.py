@@ -1,4 +1,10 @@
-"""`nla verbalize --av DIR --vectors (parquet|.npy) [--rows N] [--out jsonl]`: explanations for vectors."""
+"""`nla verbalize --av DIR --vectors (parquet|.npy) [--rows N] [--out jsonl]`: explanations for vectors.
+
+`--reference DATASET` warns for each vector whose norm is far outside that data's (the AV never saw
+such a vector); `--directions` reads the vectors as directions (SAE features, difference-of-means or
+steering vectors) and explains each placed as the AV was trained: the reference data's mean direction
+plus `--strength` of its spread along the direction, at its median norm (``nla.suite``).
+"""
 
 from __future__ import annotations
 
@@ -23,6 +29,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int)
     p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--reference", help="parquet of the AV's training-like vectors: warn for vectors whose norm is far "
+                                       "outside theirs (needed by --directions)")
+    p.add_argument("--directions", action="store_true",
+                   help="the vectors are directions, not activations: explain mean + strength x spread along each")
+    p.add_argument("--strength", type=float, default=4.0,
+                   help="--directions: how far along each direction, in standard deviations of the reference")
     p.add_argument("--skip-bad-rows", action="store_true",
                    help="drop vectors with NaN/Inf, zero or overflowing norms (counted and named) instead of refusing")
     add_model_args(p)
@@ -37,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
     from nla.validation import check_device, check_output_path, drop_bad_rows
 
     check_device(args.device)
+    if args.directions and not args.reference:
+        raise ValueError("--directions: give --reference DATASET (the vectors whose mean and spread place each "
+                         "direction where the AV was trained)")
     if args.out:
         check_output_path(args.out, "--out", is_file=True)
     if args.skip_bad_rows:
@@ -51,9 +66,29 @@ def run(args: argparse.Namespace) -> int:
                        allow_mixed_provenance=args.allow_mixed_provenance)
     if str(args.vectors).endswith(".parquet"):
         client.check_data(args.vectors, width=int(vectors.shape[1]))  # vectors of another subject would be explained as if they were this one's
-    out = client.verbalize(vectors, max_new_tokens=args.max_new_tokens, greedy=not args.sample,
-                           temperature=args.temperature, n_samples=args.n_samples, seed=args.seed,
-                           batch_size=args.batch_size)
+    kw = dict(max_new_tokens=args.max_new_tokens, greedy=not args.sample, temperature=args.temperature,
+              n_samples=args.n_samples, seed=args.seed, batch_size=args.batch_size)
+    if args.reference:
+        import torch
+
+        from nla.suite import norm_warnings, verbalize_directions
+
+        client.check_data(args.reference)
+        reference = torch.from_numpy(load_vectors(args.reference))
+        if reference.shape[1] != vectors.shape[1]:
+            raise ValueError(f"--reference: {args.reference} holds {reference.shape[1]}-d vectors, --vectors "
+                             f"{vectors.shape[1]}-d; give data of the same subject and layer")
+        if args.directions:
+            out, _ = verbalize_directions(client, torch.as_tensor(vectors), reference, strength=args.strength, **kw)
+        else:
+            warnings = norm_warnings(torch.as_tensor(vectors), reference)
+            for w in warnings[:10]:
+                log.warning("%s", w)
+            if len(warnings) > 10:
+                log.warning("... and %d more vectors outside the reference's norms", len(warnings) - 10)
+            out = client.verbalize(vectors, **kw)
+    else:
+        out = client.verbalize(vectors, **kw)
     # Rows are numbered as in the input file, skipped rows included.
     lines = "".join(dumps_json({**v.to_dict(), "row": int(kept[v.row])}, ensure_ascii=False) + "\n" for v in out)
     if args.out:

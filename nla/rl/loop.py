@@ -44,7 +44,7 @@ from nla.metrics import MetricsLogger
 from nla.reward import RewardService, RewardSettings, scorable_items, score_samples
 from nla.rl import algorithms as A
 from nla.rl.backend import build_groups
-from nla.rl.config import RLConfig, save_rl_config
+from nla.rl.config import STEP0_GUARD_TOL, RLConfig, save_rl_config
 from nla.rl.roles import ReconstructorWorker, WorkerGroups
 from nla.rl.types import COMPLETED, TRUNCATED, Rollout
 from nla.threads import adapt_threads, apply_threads
@@ -415,7 +415,8 @@ def rl_step(groups: WorkerGroups, cfg: RLConfig, data: RLData, cursor: DataCurso
     groups.reconstructor.begin_rollout()
     train, everything, m = collect_rollout(groups, cfg, data, cursor, service)
     if guard:
-        m["step0_guard_diff"] = step0_guard(groups, everything, cfg.reward.step0_guard_tol)
+        tol = cfg.reward.step0_guard_tol
+        m["step0_guard_diff"] = step0_guard(groups, everything, STEP0_GUARD_TOL[cfg.dtype] if tol is None else tol)
     m.update(rollout_metrics(everything, baseline))
     m.update(grade_facts(everything, data.facts, data.grader))
     t1 = time.perf_counter()
