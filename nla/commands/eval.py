@@ -62,10 +62,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from nla.client import NLAClient
-    from nla.datagen.io import read_vectors, write_text_atomic
+    from nla.datagen.io import read_vectors
     from nla.evaluation import evaluate_pair
     from nla.validation import check_device, check_output_path
 
@@ -92,12 +91,21 @@ def run(args: argparse.Namespace) -> int:
                            text_explainer_baseline=not args.no_text_explainer, n_show=args.samples,
                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, frozen_ar=frozen,
                            grader=args.grader)
+    return _write_report(report, args.out, "eval")
+
+
+def _write_report(report, out_dir: str | None, name: str) -> int:
+    """``name``.json and ``name``.md into ``out_dir`` (when given); the markdown to stdout."""
+    from pathlib import Path
+
+    from nla.datagen.io import write_text_atomic
+
     md = report.to_markdown()
-    if args.out:
-        out = Path(args.out)
-        write_text_atomic(report.to_json() + "\n", out / "eval.json")
-        write_text_atomic(md, out / "eval.md")
-        log.info("wrote %s and %s", out / "eval.json", out / "eval.md")
+    if out_dir:
+        out = Path(out_dir)
+        write_text_atomic(report.to_json() + "\n", out / f"{name}.json")
+        write_text_atomic(md, out / f"{name}.md")
+        log.info("wrote %s and %s", out / f"{name}.json", out / f"{name}.md")
     print(md)
     return 0
 
@@ -126,10 +134,7 @@ def _best_of(spec: str) -> list[int]:
 
 
 def _run_suite(args: argparse.Namespace, client, parts: list[str], best_of: list[int]) -> int:
-    from pathlib import Path
-
     from nla.client import NLAClient
-    from nla.datagen.io import write_text_atomic
     from nla.suite import run_suite
 
     paraphraser = None
@@ -147,11 +152,4 @@ def _run_suite(args: argparse.Namespace, client, parts: list[str], best_of: list
                        grader=args.grader, max_rows=args.max_rows, seed=args.seed, batch_size=args.batch_size,
                        max_new_tokens=args.max_new_tokens, best_of=best_of, n_show=args.samples,
                        paraphraser=paraphraser, temperature=args.temperature)
-    md = report.to_markdown()
-    if args.out:
-        out = Path(args.out)
-        write_text_atomic(report.to_json() + "\n", out / "suite.json")
-        write_text_atomic(md, out / "suite.md")
-        log.info("wrote %s and %s", out / "suite.json", out / "suite.md")
-    print(md)
-    return 0
+    return _write_report(report, args.out, "suite")
