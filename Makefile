@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast quickstart lint bench clean
+.PHONY: venv test test-fast test-lower-bound quickstart lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,16 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# The suite against the oldest transformers pyproject.toml admits (installed beside the venv's
+# newer one, in .lower/, with the tokenizers and huggingface_hub it requires).
+TRANSFORMERS_LOWER := 5.17.0
+test-lower-bound: $(STAMP)
+	rm -rf .lower
+	$(BIN)/pip install -q --target .lower --no-deps "transformers==$(TRANSFORMERS_LOWER)" \
+		"tokenizers>=0.23.1,<0.24" "huggingface_hub>=1.5,<2"
+	PYTHONPATH=.lower $(BIN)/python -c "import transformers; print('transformers', transformers.__version__)"
+	PYTHONPATH=.lower $(BIN)/python -m pytest -q -p no:cacheprovider
+
 quickstart: $(STAMP)
 	$(BIN)/nla quickstart
 
@@ -29,4 +39,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check nla tests bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .lower build *.egg-info

@@ -13,6 +13,31 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+
+def _transformers_renamed_cache() -> bool:
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).release >= (5, 24)
+
+
+# transformers 5.24 renamed the KV cache of a forward: the ``cache=`` argument and the output's
+# ``.cache`` (``past_key_values`` warns there, removed in 5.40). Before 5.24 a ``cache=`` argument
+# is swallowed by ``**kwargs`` and silently ignored: the next token is then computed without its
+# prefix. So every cached forward goes through ``cache_kwargs`` and ``output_cache``.
+_CACHE_KW = "cache" if _transformers_renamed_cache() else "past_key_values"
+
+
+def cache_kwargs(cache: Any) -> dict[str, Any]:
+    """The forward keyword that passes a KV cache, for the installed transformers."""
+    return {_CACHE_KW: cache}
+
+
+def output_cache(out: Any) -> Any:
+    """The KV cache a forward with ``use_cache=True`` returned."""
+    return getattr(out, _CACHE_KW)
+
+
 # Config attributes that hold one entry per decoder layer and must shrink with the layer count.
 _PER_LAYER_CONFIG_LISTS = ("layer_types", "no_rope_layers", "mlp_layer_types")
 

@@ -36,7 +36,9 @@ class QuickstartPreset:
     eval_fraction: float = 0.25  # of the RL split's documents, held out for evaluation
     eval_max_rows: int | None = None  # None: every held-out row
     max_new_tokens: int = 64
-    suite_max_rows: int | None = 800  # rows of the explanation suite ("Does it explain?"; None: every held-out row)
+    # the explanation suite's settings ("Does it explain?"; nla.suite.run_suite keywords: max_rows, best_of,
+    # strengths; max_rows None: every held-out row)
+    suite: dict[str, Any] = field(default_factory=lambda: dict(max_rows=800))
     probe: dict[str, Any] = field(default_factory=lambda: dict(n_train_docs=800, n_test_docs=150))
 
     def check(self, name: str) -> None:
@@ -69,6 +71,11 @@ class QuickstartPreset:
             if key not in ("n_train_docs", "n_test_docs"):
                 raise ValueError(f"preset {name!r}, stage probe: unknown setting {key!r}; "
                                  "expected n_train_docs, n_test_docs")
+        allowed = ("max_rows", "best_of", "strengths", "temperature", "parts", "seed", "batch_size")
+        for key in self.suite:
+            if key not in allowed:
+                raise ValueError(f"preset {name!r}, stage suite: unknown setting {key!r}; expected one of "
+                                 f"{', '.join(allowed)} (nla.suite.run_suite keywords)")
 
 
 _TRAIN_COMMON = dict(warmup_steps=20, min_lr_ratio=0.1, max_grad_norm=1.0, log_every=10, keep_last=1,
@@ -101,7 +108,8 @@ PRESETS: dict[str, QuickstartPreset] = {
         av=dict(max_steps=400, eval_every=100, save_every=400, smoke_num=2, smoke_max_new_tokens=40, **_AV_COMMON),
         rl=_rl_preset(steps=30, prompts=8, lr=1e-4, ar_lr=1e-4, eval_every=10, eval_max_rows=32, save_every=30),
         eval_max_rows=64,
-        suite_max_rows=48,
+        # tiny: a smoke run of every part (its AR explains little), kept short: fewer rows and samples
+        suite=dict(max_rows=24, best_of=(1, 4), strengths=(4.0,)),
     ),
     "default": QuickstartPreset(
         world="default",
@@ -302,7 +310,7 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
                               **thr},
                   lambda: _evaluate(rl_info["av"], rl_info["ar"], eval_ds, out / "eval_rl", ev_kw, frozen))
     # 7. does it explain? (nla.suite on the RL'd pair; the warm-start AV for the confabulation rates)
-    suite_kw = dict(max_rows=p.suite_max_rows, max_new_tokens=p.max_new_tokens)
+    suite_kw = dict(max_new_tokens=p.max_new_tokens, **p.suite)
     suite = stage("suite", {"av": rl_info["av"], "ar": rl_info["ar"], "baseline_av": av_info["checkpoint"],
                             "dataset": str(eval_ds), "made_by": [_hash(configs["ar"]), _hash(configs["av"]),
                                                                  _hash(configs["rl"])], **suite_kw, **thr},

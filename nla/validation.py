@@ -12,7 +12,8 @@ half-written artifact behind.
 3. Checkpoints: ``config.json`` parses, the weights are safetensors and every safetensors file
    is complete (its header parses and its data section is as long as the header says). nla's
    own saves also record each safetensors file's SHA-256 (``nla_checksums.sha256``), checked at
-   load, which catches a flipped bit; other checkpoints have no such record (safetensors has
+   load, which catches a flipped bit, once per file and machine by default
+   (``NLA_VERIFY_CHECKSUMS``: once | always | off; ``VERIFY_MODES``); other checkpoints have no such record (safetensors has
    no checksum of its own), so for them every floating weight is checked finite at load instead
    (``check_finite_weights``, once per file).
 4. Output paths: the nearest existing folder must accept a file now, not after an hour of work.
@@ -237,6 +238,23 @@ def check_checkpoint(path: str | os.PathLike, what: str, extra: Sequence[str] = 
 CHECKSUM_FILE = "nla_checksums.sha256"
 _verified: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256, so a load hashes once
 
+# How often a recorded SHA-256 is checked (environment variable NLA_VERIFY_CHECKSUMS):
+#   once   (default) once per file and machine: the digest of a file, keyed by its resolved path, size,
+#          mtime and inode, is kept in $NLA_CACHE/verified-checksums.jsonl, so the policy, reference and
+#          rollout copies and every rank of every later run load it without hashing (a 7B model's
+#          ~15 GB took minutes per start, on every rank); a file that changes is hashed again;
+#   always every load of every process hashes (a flipped bit on disk that leaves mtime alone is caught);
+#   off    never hash (the files are still checked complete and well-formed).
+VERIFY_MODES = ("once", "always", "off")
+
+
+def verify_mode() -> str:
+    mode = os.environ.get("NLA_VERIFY_CHECKSUMS", "once").strip().lower() or "once"
+    if mode not in VERIFY_MODES:
+        raise InputError(f"NLA_VERIFY_CHECKSUMS: expected one of {', '.join(VERIFY_MODES)}, found {mode!r}; unset it "
+                         "for the default (once per file)")
+    return mode
+
 
 def _file_key(path: Path) -> tuple[str, int, int]:
     """(resolved path, size, mtime_ns): a file's identity for the once-per-file checks below."""
@@ -244,16 +262,58 @@ def _file_key(path: Path) -> tuple[str, int, int]:
     return str(path.resolve()), st.st_size, st.st_mtime_ns
 
 
-def _sha256(path: Path) -> str:
+def _record_path() -> Path:
+    return Path(os.environ.get("NLA_CACHE", "~/.cache/nla")).expanduser() / "verified-checksums.jsonl"
+
+
+def _disk_key(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+
+
+def _recorded(path: Path) -> str | None:
+    """The digest this machine recorded for ``path`` as it is now (same size, mtime, inode), or None."""
+    try:
+        lines = _record_path().read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    key = _disk_key(path)
+    for line in reversed(lines):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # a torn line of a writer that died: ignore it
+        if isinstance(entry, dict) and entry.get("file") == key and isinstance(entry.get("sha256"), str):
+            return entry["sha256"]
+    return None
+
+
+def _remember(path: Path, digest: str) -> None:
+    """Append ``path``'s digest to the machine's record (one line per write: concurrent ranks may append)."""
+    try:
+        rec = _record_path()
+        rec.parent.mkdir(parents=True, exist_ok=True)
+        with rec.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"file": _disk_key(path), "sha256": digest}) + "\n")
+    except OSError as err:  # a read-only cache costs a hash per process, nothing else
+        logger.debug("cannot record the checksum of %s in %s: %s", path, _record_path(), err)
+
+
+def _sha256(path: Path, *, use_record: bool = False) -> str:
     import hashlib
 
     key = _file_key(path)
     if key not in _verified:
-        h = hashlib.sha256()
-        with path.open("rb") as fh:
-            for block in iter(lambda: fh.read(1 << 24), b""):
-                h.update(block)
-        _verified[key] = h.hexdigest()
+        digest = _recorded(path) if use_record else None
+        if digest is None:
+            h = hashlib.sha256()
+            with path.open("rb") as fh:
+                for block in iter(lambda: fh.read(1 << 24), b""):
+                    h.update(block)
+            digest = h.hexdigest()
+            if use_record:
+                _remember(path, digest)
+        _verified[key] = digest
     return _verified[key]
 
 
@@ -299,10 +359,14 @@ def check_finite_weights(path: str | os.PathLike) -> None:
 
 
 def verify_checksums(directory: str | os.PathLike) -> None:
-    """Compare ``directory``'s safetensors files with the recorded SHA-256s. Without a record (a
-    checkpoint nla did not write), check instead that every weight is finite."""
+    """Compare ``directory``'s safetensors files with the recorded SHA-256s, as often as
+    ``NLA_VERIFY_CHECKSUMS`` says (``VERIFY_MODES``). Without a record (a checkpoint nla did not
+    write), check instead that every weight is finite."""
     d = Path(directory)
     record = d / CHECKSUM_FILE
+    mode = verify_mode()
+    if mode == "off" and record.is_file():
+        return
     if not record.is_file():
         for f in sorted(d.glob("*.safetensors")):
             if f.is_file():
@@ -316,7 +380,9 @@ def verify_checksums(directory: str | os.PathLike) -> None:
         if not f.is_file():
             raise InputError(f"{f}: missing, but {record.name} (line {i + 1}) lists it; the checkpoint is incomplete: "
                              "re-download or re-save it")
-        if _sha256(f) != digest:
+        if mode == "always":
+            _verified.pop(_file_key(f), None)
+        if _sha256(f, use_record=mode == "once") != digest:
             raise InputError(
                 f"{f}: its SHA-256 differs from the one recorded when it was saved ({record.name}); the file is "
                 "corrupted (a flipped bit, a bad copy): re-download or re-save the checkpoint"

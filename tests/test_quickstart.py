@@ -139,3 +139,7 @@ def test_every_preset_builds_each_stages_config_and_a_bad_setting_is_named():
     bad = dataclasses.replace(PRESETS["tiny"], world="huge")
     with pytest.raises(ValueError, match=r"preset 'mine': world: expected one of \[.*'tiny'.*\], found 'huge'"):
         bad.check("mine")
+    bad = dataclasses.replace(PRESETS["tiny"], suite={"max_row": 3})
+    with pytest.raises(ValueError, match=r"preset 'mine', stage suite: unknown setting 'max_row'; expected one of "
+                                         r"max_rows, "):
+        bad.check("mine")

@@ -569,7 +569,8 @@ def test_flipped_bit_in_a_saved_checkpoint_is_caught(pair, capsys, tmp_path, tin
 
     vec = np.random.default_rng(0).standard_normal((8, D)).astype(np.float32)
     ds = write_ar_dataset(tmp_path / "ar.parquet", dataset_sidecar(tiny_tokenizer, pair["av"], D, 1), vec)
-    assert cli(capsys, *_ar_train_args(tmp_path, ds, "--max-steps", "2"))[0] == 0
+    code, lines = cli(capsys, *_ar_train_args(tmp_path, ds, "--max-steps", "2"))
+    assert code == 0, lines
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
     recorded = dict(ln.split("  ")[::-1] for ln in (ckpt / CHECKSUM_FILE).read_text().splitlines())
     assert sorted(recorded) == ["model.safetensors", "value_head.safetensors"]
@@ -810,3 +811,61 @@ def test_a_base_whose_lm_head_is_missing_from_its_files_is_refused(pair, tmp_pat
         _refuse_random_head(model, info, str(base))
     model, info = AutoModelForCausalLM.from_pretrained(pair["av"], output_loading_info=True)
     _refuse_random_head(model, info, str(pair["av"]))  # the whole model passes
+
+
+def test_checksums_are_verified_once_per_file_and_machine(tmp_path, monkeypatch):
+    """Issue 23: a verified file's digest is kept in $NLA_CACHE, so later processes (every copy,
+    every rank) load it without hashing; NLA_VERIFY_CHECKSUMS=always hashes every time, off never."""
+    import hashlib
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+
+    import nla.validation as V
+
+    monkeypatch.setenv("NLA_CACHE", str(tmp_path / "cache"))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    f = ckpt / "model.safetensors"
+    save_file({"w": torch.arange(64, dtype=torch.float32)}, str(f))
+    V.write_checksums(ckpt)
+    V._verified.clear()
+    V.verify_checksums(ckpt)  # hashes once and records it
+    lines = (tmp_path / "cache" / "verified-checksums.jsonl").read_text().splitlines()
+    assert len(lines) == 1 and hashlib.sha256(f.read_bytes()).hexdigest() in lines[0]
+    (tmp_path / "cache" / "verified-checksums.jsonl").write_text(lines[0] + "\n{torn")  # a writer that died
+
+    def no_hash(*a, **k):
+        raise AssertionError("hashed again")
+
+    V._verified.clear()  # a new process
+    monkeypatch.setattr(hashlib, "sha256", no_hash)
+    V.verify_checksums(ckpt)  # once: the machine's record answers
+    monkeypatch.setenv("NLA_VERIFY_CHECKSUMS", "always")
+    with pytest.raises(AssertionError, match="hashed again"):
+        V.verify_checksums(ckpt)
+    monkeypatch.undo()
+    monkeypatch.setenv("NLA_CACHE", str(tmp_path / "cache"))
+    # a bit flipped in place with the mtime kept: only "always" sees it (the documented trade of "once")
+    st = f.stat()
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0x01
+    f.write_bytes(bytes(data))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    V._verified.clear()
+    V.verify_checksums(ckpt)
+    monkeypatch.setenv("NLA_VERIFY_CHECKSUMS", "always")
+    with pytest.raises(V.InputError, match="SHA-256 differs"):
+        V.verify_checksums(ckpt)
+    monkeypatch.setenv("NLA_VERIFY_CHECKSUMS", "off")
+    V.verify_checksums(ckpt)  # off: never hashed
+    # a rewrite changes the mtime: "once" hashes it again and catches it
+    f.write_bytes(bytes(data))
+    monkeypatch.setenv("NLA_VERIFY_CHECKSUMS", "once")
+    V._verified.clear()
+    with pytest.raises(V.InputError, match="SHA-256 differs"):
+        V.verify_checksums(ckpt)
+    monkeypatch.setenv("NLA_VERIFY_CHECKSUMS", "sometimes")
+    with pytest.raises(V.InputError, match="NLA_VERIFY_CHECKSUMS: expected one of once, always, off"):
+        V.verify_checksums(ckpt)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nla.arch import cache_kwargs, output_cache
 from nla.injection import InjectionHook
 from nla.rl import algorithms as A
 from nla.rl.distributed import DataParallel
@@ -83,11 +84,12 @@ def response_logprobs(
                 Lb = int(lengths[idx].max())  # this bucket's columns (its longest row)
                 if Lb < 2:  # nothing after response token 0
                     continue
-                cache = cache_rows(pre.cache, owner[idx])
+                cache = cache_rows(output_cache(pre), owner[idx])
                 attn = torch.cat([torch.ones(len(idx), P, dtype=torch.long, device=device), rmask[idx, : Lb - 1]], 1)
                 real = rmask[idx, 1:Lb].bool()  # [nb, Lb-1]: position j predicts response token j+1
                 with lm_head_on(model, real):
-                    rest = model(input_ids=resp[idx, : Lb - 1], attention_mask=attn, cache=cache, use_cache=True).logits
+                    rest = model(input_ids=resp[idx, : Lb - 1], attention_mask=attn, **cache_kwargs(cache),
+                                 use_cache=True).logits
                 rest = torch.log_softmax(rest.float(), -1)  # [T_b, V]: the real positions only
                 picked.append(rest.gather(-1, resp[idx, 1:Lb][real][:, None]).squeeze(-1))
                 if with_entropy:

@@ -497,6 +497,8 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
             if eval_data is not None and (step % cfg.eval_every == 0 or step == stop):
                 m.update(evaluate(groups, cfg, eval_data, eval_baseline, service))
             m["time_step"] = time.perf_counter() - t0
+            if torch.cuda.is_available() and torch.cuda.is_initialized():  # this process's GPU high-water mark
+                m["gpu_mem_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             if step % cfg.log_every == 0 or step == stop:
                 metrics_log.log(step, **m)
             final.update(m)

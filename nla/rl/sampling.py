@@ -34,6 +34,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from nla.arch import cache_kwargs, output_cache
 from nla.injection import InjectionHook
 
 COMPACT_DIVISOR = 8
@@ -112,7 +113,7 @@ def sample_responses(model: nn.Module, hook: InjectionHook, prompt_ids: Tensor, 
     ids = prompt_ids.to(device).expand(B, P)
     with hook.vectors(vectors.to(device)):
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    cache = out.cache
+    cache = output_cache(out)
     if G > 1:
         cache.batch_repeat_interleave(G)
     logits = out.logits[:, -1].float().repeat_interleave(G, 0)  # [N, V]
@@ -135,7 +136,7 @@ def sample_responses(model: nn.Module, hook: InjectionHook, prompt_ids: Tensor, 
             keep = alive.nonzero(as_tuple=True)[0]
             cache.batch_select_indices(keep)
             rows, nxt, alive = rows[keep], nxt[keep], alive[keep]
-        logits = model(input_ids=nxt[:, None], cache=cache, use_cache=True).logits[:, -1].float()
+        logits = model(input_ids=nxt[:, None], **cache_kwargs(cache), use_cache=True).logits[:, -1].float()
     return tokens[:, :steps]
 
 

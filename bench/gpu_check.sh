@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# The GPU check: the default world's RL on CUDA in bf16 (local backend), as one prepared command
+# on the lent GPU machine (its own python3 and packages, no network, no install step).
+#
+#   bash bench/gpu_check.sh                      # OUT=$OUT or runs/gpu_check; STEPS=20
+#   DEVICE=cpu PRESET=tiny bash bench/gpu_check.sh   # the same flow on a CPU (how it is tested here)
+#
+# What it needs there: python3 with torch, transformers >= 5.0, tokenizers, safetensors, pyarrow,
+# numpy, pyyaml, tqdm and matplotlib. The lent machine's image has all of them (torch 2.11,
+# transformers 5.17; /work/.library/device/KINDS.md), so nothing is installed: nla runs from the
+# working tree (PYTHONPATH). Where one is missing, the preflight names it; prepare it here as
+# wheels (the device README's `pip download --only-binary=:all: --python-version 3.12 ...
+# -d .whl NAME==VERSION`), carry `.whl` and set WHEELS=.whl: they are installed into /tmp/site
+# without network before anything runs.
+#
+# Steps (about 6 minutes on an H200 by estimate; it has not run on one yet: BENCHMARKS.md):
+# 1. `nla quickstart --preset $PRESET` builds the world, the data and the warm-started pair (every
+#    stage on the GPU where it has one) and runs its own RL and evaluations;
+# 2. the RL stage again from its rl_config.yaml for $STEPS steps on $DEVICE in $DTYPE (bf16
+#    where supported);
+# 3. one table: median step time (step 1 dropped: warm-up and the step-0 guard), samples/s,
+#    peak GPU memory, and the final eval FVE; then the quickstart's headline.
+# LoRA (issue 23, item 3) is not built yet: the "with LoRA" run of the issue is left out.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+OUT=${OUT:-runs/gpu_check}
+STEPS=${STEPS:-20}
+PRESET=${PRESET:-default}
+DEVICE=${DEVICE:-cuda}
+export PYTHONUNBUFFERED=1
+if [ -n "${WHEELS:-}" ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+"$PY" - "$DEVICE" <<'PYEOF'
+import importlib, sys
+missing = [m for m in ("torch", "transformers", "tokenizers", "safetensors", "pyarrow", "numpy", "yaml", "tqdm",
+                       "matplotlib") if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"missing packages: {', '.join(missing)}; bring them as wheels (see the top of bench/gpu_check.sh)")
+import torch, transformers
+if sys.argv[1].startswith("cuda") and not torch.cuda.is_available():
+    sys.exit("no CUDA device visible to torch; DEVICE=cpu runs the same flow on the CPU")
+print(f"torch {torch.__version__}, transformers {transformers.__version__}, python {sys.version.split()[0]}")
+PYEOF
+if [ "${DEVICE%%:*}" = cuda ]; then
+  DTYPE=${DTYPE:-$("$PY" -c "import torch; print('bfloat16' if torch.cuda.is_bf16_supported() else 'float32')")}
+  echo "GPU: $("$PY" -c "import torch; print(torch.cuda.get_device_name(0))")"
+else
+  DTYPE=${DTYPE:-float32}
+fi
+echo "preset $PRESET, RL $STEPS steps on $DEVICE in $DTYPE -> $OUT"
+
+T0=$(date +%s)
+"$PY" -m nla.cli quickstart --preset "$PRESET" --out "$OUT/quickstart" --no-progress
+T1=$(date +%s)
+CFG="$OUT/quickstart/rl/rl_config.yaml"
+test -f "$CFG" || { echo "missing $CFG: the quickstart did not reach its RL stage" >&2; exit 1; }
+rm -rf "$OUT/rl"
+"$PY" -m nla.cli rl --config "$CFG" --out "$OUT/rl" --steps "$STEPS" --set device="$DEVICE" --set dtype="$DTYPE" \
+  --set progress=false --set checkpointing.save_every="$STEPS" --set eval_every="$STEPS" --set log_every=1
+T2=$(date +%s)
+
+"$PY" - "$OUT" "$DTYPE" "$DEVICE" "$((T1 - T0))" "$((T2 - T1))" <<'PYEOF'
+import json, statistics, sys
+from pathlib import Path
+
+import yaml
+
+out, dtype, device, qs_s, rl_s = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+cfg = yaml.safe_load((out / "quickstart" / "rl" / "rl_config.yaml").read_text())
+samples = cfg["rollout"]["rollout_batch_size"] * cfg["rollout"]["n_samples_per_prompt"]
+recs = [json.loads(line) for line in (out / "rl" / "rl.jsonl").read_text().splitlines() if line.strip()]
+recs = [r for r in recs if "time_step" in r]
+steady = recs[1:] or recs
+step = statistics.median(r["time_step"] for r in steady)
+gen = statistics.median(r.get("time_generate", float("nan")) for r in steady)
+peak = max((r.get("gpu_mem_peak_gib", float("nan")) for r in recs), default=float("nan"))
+fve = next((r["eval_fve_nrm"] for r in reversed(recs) if "eval_fve_nrm" in r), float("nan"))
+head = json.loads((out / "quickstart" / "report.json").read_text())["headline"]
+print(f"\n| measure ({device}, {dtype}, {len(recs)} RL steps, {samples} samples per step) | value |")
+print("|---|---|")
+for name, v in (("median RL step, s", f"{step:.3f}"), ("median generation per step, s", f"{gen:.3f}"),
+                ("rollout samples/s (whole step)", f"{samples / step:.1f}"),
+                ("peak GPU memory, GiB", f"{peak:.2f}"), ("eval FVE after these steps", f"{fve:.3f}"),
+                ("quickstart wall, s (world, data, warm-starts, its RL, evals)", qs_s),
+                ("this RL run wall, s", rl_s),
+                ("quickstart round-trip FVE warm -> RL", f"{head['round_trip_fve_warmstart']:.3f} -> "
+                                                          f"{head['round_trip_fve_rl']:.3f}"),
+                ("quickstart recall / precision after RL", f"{head['recall_rl']:.3f} / {head['precision_rl']:.3f}")):
+    print(f"| {name} | {v} |")
+PYEOF
