@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from nla import arch
 from nla.provenance import Provenance, check_provenance
 from nla.reconstructor import VALUE_HEAD_FILE, Reconstructor, tokenize_ar_texts
-from nla.reward import Status, failed_mse
+from nla.reward import Status, charge_failures, failed_mse
 from nla.sidecar import SIDECAR_NAME, NLAConfig, SidecarError, load_sidecar, verify_tokenizer
 from nla.threads import adapt_threads
 from nla.validation import check_checkpoint, check_vectors
@@ -393,8 +393,9 @@ class NLAClient:
         verbs = self.verbalize(vec, n_samples=best_of, greedy=False, **kw)
         gold = vec[[v.row for v in verbs]]
         res = self.score([v.explanation for v in verbs], gold, batch_size=kw["batch_size"])
-        mse = torch.where(res.failed, failed_mse(gold, self.ar_sidecar.mse_scale_value()).float(),
-                          res.mse_nrm.nan_to_num(nan=float("inf")))
+        # failed samples at the failure cost; a non-finite prediction (NaN mse) is never chosen
+        mse = charge_failures(res.mse_nrm.nan_to_num(nan=float("inf")), res.failed,
+                              failed_mse(gold, self.ar_sidecar.mse_scale_value()))
         best = mse.view(-1, best_of).argmin(dim=1)  # the first of equal ones
         return [replace(verbs[i * best_of + int(j)], mse_nrm=float(mse[i * best_of + int(j)]))
                 for i, j in enumerate(best)]

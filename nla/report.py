@@ -16,6 +16,7 @@ from nla.evaluation import ROW_FROZEN as FROZEN
 from nla.evaluation import ROW_ORACLE as ORACLE
 from nla.evaluation import ROW_ROUND_TRIP as ROUND_TRIP
 from nla.evaluation import ROW_SHUFFLED as SHUFFLED
+from nla.suite import targets_table
 
 logger = logging.getLogger(__name__)
 
@@ -149,10 +150,7 @@ def suite_section(suite: dict[str, Any] | None) -> list[str]:
     md = ["## Does it explain?", "",
           f"The explanation suite (`nla eval --suite`, {suite['n_rows']} held-out rows; docs/suite.md): whether "
           "the RL'd pair's explanations are a true, causal account of the vector, not only a text the AR can "
-          "rebuild it from.", "", "| test | value | target | met |", "|---|---|---|---|"]
-    for t in suite.get("targets", []):
-        met = "-" if t["met"] is None else "yes" if t["met"] else "**no**"
-        md.append(f"| {t['what']} | {t.get('note') or _f(t['value'])} | {t['target']} | {met} |")
+          "rebuild it from.", "", *targets_table(suite.get("targets", []), _f)]
     c, h, e = s.get("claims"), s.get("hidden_code"), s.get("causal")
     if c:
         md += ["", f"- Deleting one claim costs FVE {_f(c['fve_cost_true'])} when it is true, "

@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "PARTS", "TARGETS", "Claim", "SuiteReport", "attribute_claims", "best_of_n", "causal_edits", "confabulation",
     "direction_inputs", "fact_directions", "fact_kind", "hidden_code_variants", "norm_warnings", "patch_residual",
-    "patched_next_token_logits", "run_suite", "steering_vector", "verbalize_directions",
+    "patched_next_token_logits", "run_suite", "steering_vector", "targets_table", "verbalize_directions",
 ]
 
 PARTS = ("claims", "hidden_code", "causal", "directions", "confabulation", "best_of")
@@ -164,15 +164,21 @@ def attribute_claims(client: NLAClient, texts: Sequence[str | None], vectors: An
     return out
 
 
-def _earlier_truths(truths: list[list[str]], doc_ids: list[int], positions: list[int]) -> list[set[str]]:
-    """Per row, the facts true at the earlier evaluated positions of its document."""
+def _by_document(doc_ids: Sequence[int], positions: Sequence[int]) -> list[list[int]]:
+    """Row indices grouped by document, each group in position order."""
     order: dict[int, list[tuple[int, int]]] = {}
     for i, (d, p) in enumerate(zip(doc_ids, positions, strict=True)):
         order.setdefault(int(d), []).append((int(p), i))
+    return [[i for _, i in sorted(rows)] for rows in order.values()]
+
+
+def _earlier_truths(truths: Sequence[Sequence[str]], doc_ids: Sequence[int], positions: Sequence[int]
+                    ) -> list[set[str]]:
+    """Per row, the facts true at the earlier evaluated positions of its document."""
     out: list[set[str]] = [set() for _ in truths]
-    for rows in order.values():
+    for rows in _by_document(doc_ids, positions):
         seen: set[str] = set()
-        for _, i in sorted(rows):
+        for i in rows:
             out[i] = set(seen)
             seen |= set(truths[i])
     return out
@@ -338,16 +344,11 @@ def steering_vector(client: NLAClient, texts: Sequence[str], norm: float | Tenso
 
 
 def _encode_contexts(tokenizer: Any, contexts: Sequence[str], max_len: int) -> tuple[Tensor, Tensor, Tensor]:
-    from nla.datagen.extract import tokenize_text
+    from nla.datagen.extract import pad_right, tokenize_text
 
     ids = [tokenize_text(tokenizer, c, max_len)[0] for c in contexts]
-    T = max(len(x) for x in ids)
-    input_ids = torch.full((len(ids), T), int(tokenizer.pad_token_id or 0), dtype=torch.long)
-    mask = torch.zeros((len(ids), T), dtype=torch.long)
-    for i, x in enumerate(ids):
-        input_ids[i, : len(x)] = torch.tensor(x)
-        mask[i, : len(x)] = 1
-    return input_ids, mask, torch.tensor([len(x) - 1 for x in ids])
+    input_ids, mask = pad_right(ids, tokenizer.pad_token_id or 0)
+    return input_ids, mask, mask.sum(1) - 1
 
 
 def _fact_token_ids(tokenizer: Any, grader: DatasetGrader, fact: str) -> set[int]:
@@ -571,14 +572,10 @@ def confabulation(texts: Sequence[str | None], truths: Sequence[Sequence[str]], 
         "claims": n_claims, "false_rate": sum(c[1] for c in per_kind.values()) / n_claims if n_claims else None,
         "by_kind": {k: {"claims": c[0], "false_rate": c[1] / c[0]} for k, c in sorted(per_kind.items())}}
     if doc_ids is not None and positions is not None:
-        order: dict[int, list[tuple[int, int]]] = {}
-        for i, (d, p) in enumerate(zip(doc_ids, positions, strict=True)):
-            order.setdefault(int(d), []).append((int(p), i))
         neighbours: dict[int, list[int]] = {}
-        for rows in order.values():
-            rows.sort()
-            for k, (_, i) in enumerate(rows):
-                neighbours[i] = [rows[j][1] for j in (k - 1, k + 1) if 0 <= j < len(rows)]
+        for rows in _by_document(doc_ids, positions):
+            for k, i in enumerate(rows):
+                neighbours[i] = [rows[j] for j in (k - 1, k + 1) if 0 <= j < len(rows)]
         rec, lone = [0, 0], [0, 0]  # [claims, true]
         for i, fs in enumerate(named):
             for f in fs:
@@ -588,7 +585,7 @@ def confabulation(texts: Sequence[str | None], truths: Sequence[Sequence[str]], 
         out["recurring"] = {"claims": rec[0], "true_rate": rec[1] / rec[0] if rec[0] else None}
         out["lone"] = {"claims": lone[0], "true_rate": lone[1] / lone[0] if lone[0] else None}
         # a false claim that was true at an earlier evaluated position of the document: stale, not invented
-        earlier = _earlier_truths([list(t) for t in truths], list(doc_ids), list(positions))
+        earlier = _earlier_truths(truths, doc_ids, positions)
         false = [(i, f) for i, fs in enumerate(named) for f in fs if f not in set(truths[i])]
         stale = sum(f in earlier[i] for i, f in false)
         out["false_stale"] = stale / len(false) if false else None
@@ -670,10 +667,7 @@ class SuiteReport:
     def to_markdown(self) -> str:
         s = self.sections
         lines = [f"# Does it explain? ({self.n_rows} rows of {self.dataset}, seed {self.seed})", ""]
-        lines += ["| test | value | target | met |", "|---|---|---|---|"]
-        for t in self.targets:
-            met = "-" if t["met"] is None else "yes" if t["met"] else "**no**"
-            lines.append(f"| {t['what']} | {t['note'] or _f(t['value'])} | {t['target']} | {met} |")
+        lines += targets_table(self.targets)
         if "claims" in s:
             c = s["claims"]
             lines += ["", "## Claim attribution (FVE lost when one claim is deleted)", "",
@@ -739,6 +733,16 @@ class SuiteReport:
         for part, why in self.skipped.items():
             lines += ["", f"- {part}: not run ({why})"]
         return "\n".join(lines) + "\n"
+
+
+def targets_table(targets: list[dict[str, Any]], fmt: Callable[[Any], str] | None = None) -> list[str]:
+    """Markdown rows of ``SuiteReport.targets`` (or their JSON): test, value (``fmt``), target, met."""
+    fmt = fmt or _f
+    lines = ["| test | value | target | met |", "|---|---|---|---|"]
+    for t in targets:
+        met = "-" if t["met"] is None else "yes" if t["met"] else "**no**"
+        lines.append(f"| {t['what']} | {t.get('note') or fmt(t['value'])} | {t['target']} | {met} |")
+    return lines
 
 
 def _f(x: Any) -> str:

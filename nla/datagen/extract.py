@@ -20,6 +20,7 @@ import json
 import logging
 import os
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,17 @@ def tokenize_text(tokenizer: Any, text: str, max_len: int) -> tuple[list[int], l
     return list(enc["input_ids"]), offsets
 
 
+def pad_right(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists as one right-padded batch: (input_ids [B, T], attention_mask [B, T])."""
+    T = max(len(x) for x in seqs)
+    input_ids = torch.full((len(seqs), T), int(pad_id), dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, x in enumerate(seqs):
+        input_ids[i, : len(x)] = torch.as_tensor(x, dtype=torch.long)
+        mask[i, : len(x)] = 1
+    return input_ids, mask
+
+
 def block_outputs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_index: int) -> torch.Tensor:
     """Output of decoder block ``layer_index`` [B, T, d] (model dtype, model device); later blocks never run."""
     captured: list[torch.Tensor] = []
@@ -208,12 +220,7 @@ def _chunk_rows(
         encoded = [tokenize_text(tokenizer, d.text, max_len) for d in batch]
         lengths = [len(ids) for ids, _ in encoded]
         n_tokens += sum(lengths)
-        T = max(lengths)
-        input_ids = torch.zeros((len(batch), T), dtype=torch.long)  # [B, T], right padded
-        mask = torch.zeros((len(batch), T), dtype=torch.long)
-        for i, (ids, _) in enumerate(encoded):
-            input_ids[i, : len(ids)] = torch.tensor(ids)
-            mask[i, : len(ids)] = 1
+        input_ids, mask = pad_right([ids for ids, _ in encoded], 0)  # [B, T]
         hidden = block_outputs(model, input_ids.to(device), mask.to(device), layer_index)
         hidden = hidden.float().cpu().numpy()  # [B, T, d]
         start = len(cols["doc_id"])  # every column gets this batch's rows from here on

@@ -25,7 +25,7 @@ def recall_slots(model: Any, tokenizer: Any, docs: Sequence[Document], layer: in
     true at p), as columns: ``doc_id``, ``position``, ``context`` (the text up to and including
     token p, as datagen writes it), ``facts`` (true at p, ``"kind=value"``), ``next_fact`` and
     ``vectors`` [N, d] (block ``layer``'s output at p, as datagen extracts it)."""
-    from nla.datagen.extract import block_outputs, tokenize_text
+    from nla.datagen.extract import block_outputs, pad_right, tokenize_text
 
     out: dict[str, Any] = {"doc_id": [], "position": [], "context": [], "facts": [], "next_fact": []}
     vecs = []
@@ -33,12 +33,7 @@ def recall_slots(model: Any, tokenizer: Any, docs: Sequence[Document], layer: in
     for s in range(0, len(docs), batch_size):
         batch = docs[s : s + batch_size]
         enc = [tokenize_text(tokenizer, d.text, max_len) for d in batch]
-        T = max(len(ids) for ids, _ in enc)
-        ids_t = torch.full((len(batch), T), int(tokenizer.pad_token_id or 0), dtype=torch.long)
-        mask = torch.zeros((len(batch), T), dtype=torch.long)
-        for i, (ids, _) in enumerate(enc):
-            ids_t[i, : len(ids)] = torch.tensor(ids)
-            mask[i, : len(ids)] = 1
+        ids_t, mask = pad_right([ids for ids, _ in enc], tokenizer.pad_token_id or 0)
         hidden = block_outputs(model, ids_t.to(device), mask.to(device), layer).float().cpu()
         for i, (doc, (ids, offsets)) in enumerate(zip(batch, enc, strict=True)):
             if offsets is None:
