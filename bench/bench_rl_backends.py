@@ -10,6 +10,13 @@ and the median of the rest is reported, with the time to build the worker groups
     .venv/bin/python bench/bench_rl_backends.py [--steps 6] [--layouts local,1x1,1x2,2x2]
 
 A layout ``PxA`` is the ray backend with P policy ranks and A reconstructor ranks.
+
+``--from-run RUN_DIR`` measures a real RL step instead: the RL stage of a quickstart run
+(``RUN_DIR/rl/rl_config.yaml``: its warm-started AV and AR, its dataset and batch, e.g. the
+default world's 16 prompts x 8 samples), every process at one torch thread, and prints the
+rollout's samples/s and the step time of each layout as ratios against the first layout::
+
+    .venv/bin/python bench/bench_rl_backends.py --from-run runs/quickstart-default --layouts 1x1,2x1,2x2
 """
 
 from __future__ import annotations
@@ -80,16 +87,41 @@ def build_pair(root: Path) -> dict[str, str]:
     return {"av": str(av.checkpoint_dir), "ar": str(ar.checkpoint_dir), "dataset": str(rl_ds)}
 
 
-def measure(pair: dict[str, str], out: Path, layout: str, steps: int, batch: tuple[int, int]) -> dict[str, float]:
-    backend: dict = {"name": "local"}
-    if layout != "local":
-        p, a = (int(x) for x in layout.split("x"))
-        backend = {"name": "ray", "num_policy_workers": p, "num_reconstructor_workers": a}
-    cfg = RLConfig.from_dict(dict(
-        **pair, out_dir=str(out), steps=steps, eval_every=10_000, tensorboard=False, progress=False, seed=0,
-        rollout=dict(rollout_batch_size=batch[0], n_samples_per_prompt=batch[1], max_response_len=24),
-        optimiser=dict(micro_batch_size=16, lr=3e-4), reconstructor=dict(lr=1e-3),
-        checkpointing=dict(save_every=10_000), backend=backend))
+def _backend(layout: str) -> dict:
+    if layout == "local":
+        return {"name": "local"}
+    p, a = (int(x) for x in layout.split("x"))
+    return {"name": "ray", "num_policy_workers": p, "num_reconstructor_workers": a}
+
+
+def run_config(run_dir: Path, out: Path, layout: str, steps: int, prompts: int | None = None) -> RLConfig:
+    """The RL stage of a quickstart run, for ``steps`` steps on ``layout``, one thread per process."""
+    import yaml
+
+    raw = yaml.safe_load((run_dir / "rl" / "rl_config.yaml").read_text())
+    # the run's config names its inputs relative to the quickstart's working directory
+    for section, key in ((None, "av"), (None, "ar"), (None, "dataset"), (None, "eval_dataset"),
+                         ("reconstructor", "replay_dataset")):
+        d = raw if section is None else raw[section]
+        if d.get(key) and not Path(d[key]).is_absolute():
+            d[key] = str(run_dir.parent.parent / d[key])
+    if prompts:
+        raw["rollout"]["rollout_batch_size"] = prompts
+    cfg = RLConfig.from_dict(raw)
+    return cfg.replace(out_dir=str(out), steps=steps, eval_every=10_000, tensorboard=False, progress=False,
+                       threads=1, checkpointing=dict(save_every=10_000), backend=_backend(layout))
+
+
+def measure(pair: dict[str, str] | RLConfig, out: Path, layout: str, steps: int, batch: tuple[int, int]
+            ) -> dict[str, float]:
+    if isinstance(pair, RLConfig):
+        cfg = pair
+    else:
+        cfg = RLConfig.from_dict(dict(
+            **pair, out_dir=str(out), steps=steps, eval_every=10_000, tensorboard=False, progress=False, seed=0,
+            rollout=dict(rollout_batch_size=batch[0], n_samples_per_prompt=batch[1], max_response_len=24),
+            optimiser=dict(micro_batch_size=16, lr=3e-4), reconstructor=dict(lr=1e-3),
+            checkpointing=dict(save_every=10_000), backend=_backend(layout)))
     t0 = time.perf_counter()
     groups = build_groups(cfg)
     t_build = time.perf_counter() - t0
@@ -101,20 +133,50 @@ def measure(pair: dict[str, str], out: Path, layout: str, steps: int, batch: tup
     med = {k: statistics.median(r[k] for r in recs)
            for k in ("time_step", "time_generate", "time_reward", "time_policy", "time_ar")}
     med["build"] = t_build
+    med["samples"] = statistics.median(r["train_groups"] for r in recs) * cfg.rollout.n_samples_per_prompt
     return med
+
+
+def main_from_run(run_dir: Path, layouts: list[str], steps: int, prompts: int | None) -> None:
+    with tempfile.TemporaryDirectory(prefix="nla-bench-rl-") as tmp:
+        rows = {}
+        for lay in layouts:
+            cfg = run_config(run_dir, Path(tmp) / f"run-{lay}", lay, steps, prompts)
+            rows[lay] = measure(cfg, Path(tmp) / f"run-{lay}", lay, steps, (0, 0))
+            print(f"  {lay}: step {rows[lay]['time_step']:.3f} s, generate {rows[lay]['time_generate']:.3f} s",
+                  flush=True)
+    base = rows[layouts[0]]
+    print(f"\nRL step of {run_dir} ({int(base['samples'])} samples/step), median of steps 2..{steps}, "
+          f"one torch thread per process; ratios against {layouts[0]}")
+    head = f"{'layout':<8} {'samples/s':>10} {'vs':>7} {'step s':>8} {'vs':>7} {'gen s':>7} {'reward s':>9} " \
+           f"{'policy s':>9} {'ar s':>7} {'build s':>8}"
+    print(head)
+    print("-" * len(head))
+    for lay, m in rows.items():
+        sps = m["samples"] / m["time_generate"]
+        print(f"{lay:<8} {sps:10.1f} {sps / (base['samples'] / base['time_generate']):6.2f}x {m['time_step']:8.3f} "
+              f"{base['time_step'] / m['time_step']:6.2f}x {m['time_generate']:7.3f} {m['time_reward']:9.3f} "
+              f"{m['time_policy']:9.3f} {m['time_ar']:7.3f} {m['build']:8.2f}")
+    print("samples/s: rollout samples per second of generation; step 'vs': speed-up of the whole step")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--layouts", default="local,1x1,1x2,2x2")
-    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per step (default 4; --from-run: the run's)")
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1, help="torch threads in the driver (actors use 1)")
+    ap.add_argument("--from-run", type=Path, default=None,
+                    help="a quickstart run dir: measure its RL stage (module docstring)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     layouts = args.layouts.split(",")
+    if args.from_run is not None:
+        main_from_run(args.from_run.resolve(), layouts, args.steps, args.prompts)
+        return
+    args.prompts = args.prompts or 4
     with tempfile.TemporaryDirectory(prefix="nla-bench-rl-") as tmp:
         root = Path(tmp)
         pair = build_pair(root)

@@ -201,3 +201,26 @@ def _cluster_nodes(ray_cli, env):
         return ray.nodes()
     finally:
         ray.shutdown()
+
+
+def test_dispatch_table_names_real_role_methods():
+    """Every method the Ray proxies dispatch exists on the local role it stands for (one table, no
+    typos), splits name batch-aligned arguments, and a method the table lacks is refused by name."""
+    import inspect
+
+    from nla.rl.distributed import DISPATCH
+    from nla.rl.ray_backend import RayRole
+    from nla.rl.roles import PolicyWorker, ReconstructorWorker, ReferenceWorker, RolloutWorker, ValueWorker
+
+    classes = {"rollout": RolloutWorker, "policy": PolicyWorker, "reference": ReferenceWorker,
+               "reconstructor": ReconstructorWorker, "value": ValueWorker}
+    assert set(DISPATCH) == set(classes)
+    for role, methods in DISPATCH.items():
+        for name, d in methods.items():
+            assert callable(getattr(classes[role], name, None)), f"{role}.{name}"
+            assert d.rows in ("split", "all") and d.answer in ("cat", "first", "none")
+            if d.share:
+                assert "share" in inspect.signature(getattr(classes[role], name)).parameters
+    role = RayRole(group=None, role="reference")
+    with pytest.raises(AttributeError, match=r"reference.update is not dispatched.*\['logprobs'\]"):
+        role.update

@@ -171,3 +171,38 @@ def test_sample_categorical_frequencies_and_zero_mass():
     one_hot = torch.full((2, 5), float("-inf"))
     one_hot[0, 4] = one_hot[1, 0] = 0.0
     assert S.sample_categorical(one_hot.repeat(500, 1)).view(500, 2).tolist() == [[4, 0]] * 500
+
+
+# ----------------------------------------------------------------------------- split over ranks
+@pytest.mark.parametrize("cuts", [[3], [2, 4], [0, 6], [1, 1, 5]])  # share boundaries in B=6 prompts
+def test_sampling_split_into_shares_draws_the_tokens_of_one_batch(av, tiny_tokenizer, cuts):
+    """Each share of the prompts sampled from the same RNG state (as every generating rank is) gives
+    exactly the tokens of the whole batch in one call, with its rows leaving the batch at other
+    steps; every call advances the global stream by one draw. [0, 6]: an empty first share;
+    [1, 1, 5]: an empty middle one."""
+    model, side, hook, prompt, vectors = av
+    eos, pad = varied_eos(av, tiny_tokenizer), tiny_tokenizer.pad_token_id
+    kw = dict(suppress_ids=[side.injection_token_id], temperature=1.3)
+    torch.manual_seed(7)
+    start = torch.get_rng_state()
+    ref = S.sample_responses(model, hook, prompt, vectors, G, L, eos, pad, **kw)
+    after = torch.get_rng_state()
+    torch.set_rng_state(start)
+    torch.randint(0, 2**62, (1,))
+    assert torch.equal(after, torch.get_rng_state())  # one draw per call, on either path
+    if not S.supports_cache_reuse(model):
+        pytest.skip(f"{model.config.model_type}: HF generate path, shares sample from their own seeds (documented)")
+    ended = (ref == eos).any(1)
+    assert 0 < int(ended.sum()) < ref.shape[0]  # rows leave at different steps: compaction runs
+    bounds = [0, *cuts, B]
+    parts = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        torch.set_rng_state(start)
+        parts.append(S.sample_responses(model, hook, prompt, vectors[a:b], G, L, eos, pad, share=(a, B), **kw))
+        assert torch.equal(torch.get_rng_state(), after)
+        assert parts[-1].shape[0] == (b - a) * G
+    width = max(p.shape[1] for p in parts)
+    got = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=pad) for p in parts])
+    assert torch.equal(got, ref)
+    with pytest.raises(ValueError, match=r"share=\(4, 6\) does not hold 6 prompts"):
+        S.sample_responses(model, hook, prompt, vectors, G, L, eos, pad, share=(4, B), **kw)

@@ -9,6 +9,10 @@ The roles of ``nla.rl.roles`` are written once against a ``DataParallel`` object
   gradients are scaled by W (FSDP averages them over ranks), optimizer state and weights are
   gathered into full, name-keyed state dicts on rank 0, and rank 0 answers.
 
+Which rows each rank of a Ray group receives for each role method, which collective the
+call runs and which rank answers is one table, ``DISPATCH``: the Ray proxies read it and
+nothing else (no rank checks scattered through the backends).
+
 Pure helpers (``rank_rows``, ``micro_chunks``) decide which rows a rank owns and how it
 splits them; every rank of a group must run the *same number* of forwards and backwards,
 because FSDP2 all-gathers parameters in each forward and reduce-scatters gradients in each
@@ -25,6 +29,7 @@ import logging
 import math
 import os
 import socket
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -88,6 +93,23 @@ class DataParallel:
         """Sum metric dicts over the ranks (keys may differ)."""
         return dict(values)
 
+    def gather_counts(self, counts: Tensor) -> Tensor:
+        """Every rank's small integer vector ``counts`` [k] -> [W, k] in rank order (collective)."""
+        return counts.reshape(1, -1).clone()
+
+    def max_count(self, value: int) -> int:
+        """The largest ``value`` over the ranks (collective): e.g. the forward count all ranks must run."""
+        return int(value)
+
+    def copy_full_weights(self, src: nn.Module, dst: nn.Module) -> None:
+        """Copy ``src``'s full weights (sharded or not) into the unsharded module ``dst`` on this rank.
+
+        Sharded, every rank runs it (one all-gather per tensor, in state-dict order) and every
+        rank's ``dst`` ends up with the full weights; the peak extra memory is one tensor.
+        """
+        if src is not dst:
+            load_full_into(dst, src.state_dict())
+
     def full_state_dict(self, module: nn.Module) -> dict[str, Tensor] | None:
         """The module's full weights for saving, on the answering rank; None means "the module's own"."""
         return None
@@ -115,6 +137,30 @@ class RankGroup(DataParallel):
     def sum(self, values: dict[str, float]) -> dict[str, float]:
         return sum_across_ranks(values)
 
+    def gather_counts(self, counts: Tensor) -> Tensor:
+        import torch.distributed as dist
+
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        local = counts.reshape(-1).to(device=dev, dtype=torch.long)
+        out = [torch.empty_like(local) for _ in range(self.world)]
+        dist.all_gather(out, local)
+        return torch.stack(out).cpu()
+
+    def max_count(self, value: int) -> int:
+        return int(self.gather_counts(torch.tensor([value])).max())
+
+    def copy_full_weights(self, src: nn.Module, dst: nn.Module) -> None:
+        from torch.distributed.tensor import DTensor
+
+        target = dst.state_dict()
+        with torch.no_grad():
+            for name, value in src.state_dict().items():
+                full = value.full_tensor() if isinstance(value, DTensor) else value  # collective per tensor
+                if name not in target:
+                    raise RuntimeError(f"weight sync: {name!r} of the sharded model is not in the unsharded copy; "
+                                       "both must be built from the same checkpoint")
+                target[name].copy_(full)
+
     def full_state_dict(self, module: nn.Module) -> dict[str, Tensor] | None:
         return full_state_dict(module)  # collective; empty on ranks other than 0
 
@@ -123,6 +169,73 @@ class RankGroup(DataParallel):
 
     def load_optim_state_dict(self, module: nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         load_full_optimizer_state(module, opt, state)
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """How a remote backend calls one role method on the ranks of its group.
+
+    rows: ``"split"``: each rank receives only its contiguous share (``rank_rows``) of the
+    first ``split_args`` positional arguments (batch-aligned: prompts, reward items);
+    ``"all"``: every rank receives the same arguments (put once in the object store) and reads
+    its own rows from them where the method says so (``DataParallel.my_rows``).
+    answer: ``"cat"``: the ranks' results joined in rank order (a Rollout by ``Rollout.concat``,
+    tensors by ``torch.cat``); ``"first"``: rank 0's result (every rank ran the call, whose
+    collectives need them all); ``"none"``.
+    collective: what the ranks do together during the call (documentation, shown in errors).
+    seeded: the driver's torch RNG state travels to every rank and rank 0's advanced state comes
+    back, so the driver's stream advances as in a local run.
+    share: (split only) each rank is also told ``share=(index of its first row, rows of the
+    whole batch)``.
+    every_rank: (split only) False for a call without collectives: a rank whose share is empty
+    is not called.
+    """
+
+    rows: str
+    answer: str
+    collective: str
+    split_args: int = 1
+    seeded: bool = False
+    share: bool = False
+    every_rank: bool = True
+
+
+# Every role method a remote backend calls, and how. Every rank of the role's group runs every
+# call (FSDP forwards and gathers are collectives).
+DISPATCH: dict[str, dict[str, Dispatch]] = {
+    "rollout": {
+        # each rank samples its prompts' groups; every output row has its own uniforms
+        # (nla.rl.sampling, item 5), so any split samples the whole batch's tokens
+        "generate": Dispatch("split", "cat", "none", split_args=2, seeded=True, share=True, every_rank=False),
+        "sync_weights": Dispatch("all", "none", "all-gather of each policy tensor into every rank's rollout copy"),
+    },
+    "policy": {
+        "update": Dispatch("all", "first", "FSDP forward/backward per micro-batch; metric sums"),
+        "save_model": Dispatch("all", "none", "full state dict gathered to rank 0, which writes"),
+        "optim_state": Dispatch("all", "first", "full optimizer state gathered to rank 0"),
+        "load_optim_state": Dispatch("all", "none", "every rank keeps its shard"),
+    },
+    "reference": {
+        "logprobs": Dispatch("all", "cat", "FSDP forward per micro-batch (each rank its rows)"),
+    },
+    "value": {
+        "values": Dispatch("all", "cat", "FSDP forward per micro-batch (each rank its rows)"),
+        "update": Dispatch("all", "first", "FSDP forward/backward per micro-batch; metric sums"),
+        "save_model": Dispatch("all", "none", "full state dict gathered to rank 0, which writes"),
+        "load_model": Dispatch("all", "none", "every rank loads the full state dict into its shard"),
+        "optim_state": Dispatch("all", "first", "full optimizer state gathered to rank 0"),
+        "load_optim_state": Dispatch("all", "none", "every rank keeps its shard"),
+    },
+    "reconstructor": {
+        "begin_rollout": Dispatch("all", "none", "none"),
+        "mse_batch": Dispatch("split", "cat", "FSDP forwards, as many on every rank (max of the shares)"),
+        "layout_check": Dispatch("all", "first", "FSDP forwards on every row"),
+        "update": Dispatch("all", "first", "FSDP forward/backward per micro-batch; metric sums"),
+        "save_model": Dispatch("all", "none", "full state dict gathered to rank 0, which writes"),
+        "optim_state": Dispatch("all", "first", "full optimizer state gathered to rank 0"),
+        "load_optim_state": Dispatch("all", "none", "every rank keeps its shard"),
+    },
+}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -212,6 +325,6 @@ def sum_across_ranks(values: dict[str, float]) -> dict[str, float]:
 
 
 __all__ = [
-    "DataParallel", "RankGroup", "free_port", "full_optimizer_state", "full_state_dict", "init_group", "load_full_into",
+    "DISPATCH", "DataParallel", "Dispatch", "RankGroup", "free_port", "full_optimizer_state", "full_state_dict", "init_group", "load_full_into",
     "load_full_optimizer_state", "micro_chunks", "rank_rows", "shard_model", "sum_across_ranks",
 ]

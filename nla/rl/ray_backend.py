@@ -8,29 +8,32 @@ and which rank answers.
 
 Layout (DESIGN §4):
 1. **policy group**: ``num_policy_workers`` ``RoleHost`` actors, one placement group. Each
-   hosts an FSDP2 shard of the trained AV (``policy`` role) and of the frozen reference AV
-   (``reference`` role: each rank scores its slice of the rollout); rank 0 also hosts the
-   ``rollout`` role, an *unsharded* copy of the AV: ``generate`` runs there, and
-   ``sync_weights`` gathers the full state dict from the shards into it after every step. A
-   separate copy rather than generating with the FSDP module because HF ``generate`` makes a
-   data-dependent number of forwards, and FSDP forwards are collective: every rank would
-   have to generate.
+   hosts an FSDP2 shard of the trained AV (``policy`` role), of the frozen reference AV
+   (``reference`` role: each rank scores its slice of the rollout) and an *unsharded* copy of
+   the AV (``rollout`` role): each rank generates its share of the prompts, in step with the
+   others (``nla.rl.sampling``: the draws are those of one batch, so any number of generating
+   ranks samples the local run's tokens), and ``sync_weights`` streams the full weights from
+   the shards into every copy after each step. A separate copy rather than generating with the
+   FSDP module because HF-style decoding makes a data-dependent number of forwards, and FSDP
+   forwards are collective.
 2. **reconstructor group**: ``num_reconstructor_workers`` actors, own placement group, own
-   rendezvous. A reward batch goes to *every* AR rank with the same items (collective
-   forward) and rank 0's MSEs are used, so rewards always come from the live, just-updated
-   weights. AR training rows are repartitioned over the AR ranks, whatever the policy world
-   size.
+   rendezvous. A reward batch is split over the AR ranks, each scoring its share with the
+   live, just-updated weights (as many forwards on every rank), the MSEs joined in rank
+   order. AR training rows are repartitioned over the AR ranks, whatever the policy world size.
 3. Gradients: each rank takes its contiguous slice of the batch; its micro-batch loss is
    weighted by its share of the *global* batch (the aggregation mode's
    ``micro_batch_weight``), times W because FSDP averages gradients over ranks. The sum is
    then exactly the local backend's gradient, up to float summation order.
-4. The driver's torch RNG state travels with each ``generate`` call and comes back, so a Ray
-   run samples the same tokens as a local run with the same seed, and resume restores it.
+4. The driver's torch RNG state travels with each ``generate`` call (to every rank) and rank
+   0's advanced state comes back, so a Ray run samples the same tokens as a local run with the
+   same seed, and resume restores it.
 5. Checkpoints: full model state dicts gathered to rank 0 and written there (plain HF dirs,
    as local); optimizer state as one *full* state dict keyed by parameter names (rank 0
    gathers it, every rank loads it and keeps its shard). It is not interchangeable with the
    local backend's id-keyed optimizer state: resume a run on the backend that wrote it.
-6. PPO's value model is not supported on this backend (a clear error at build time).
+6. Which ranks receive which rows of each call, the collective it runs and which rank
+   answers: ``nla.rl.distributed.DISPATCH``, read by ``RayRole``; nothing else decides it.
+7. PPO's value model is not supported on this backend (a clear error at build time).
 
 Failures are loud: a dead actor raises ``RayWorkerError`` naming role and rank and how to
 resume; ``groups.close()`` kills every actor and, when nla started Ray, shuts it down.
@@ -106,20 +109,21 @@ class RoleHost:
         self.roles = build(self.dp, self.device, *args)
 
     def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        args = tuple(self.roles[a.role] if isinstance(a, RoleRef) else a for a in args)
         return getattr(self.roles[role], method)(*args, **kwargs)
 
-    def call_seeded(self, rng_state: Tensor, role: str, method: str, *args: Any) -> tuple[Any, Tensor]:
+    def call_seeded(self, rng_state: Tensor, role: str, method: str, *args: Any, **kwargs: Any
+                    ) -> tuple[Any, Tensor]:
         """``call`` from the driver's torch RNG state; returns the result and the advanced state."""
-        torch.set_rng_state(rng_state)
-        if self.use_cuda:  # sampling draws from the CUDA stream: seed it from the driver's CPU stream
-            torch.cuda.manual_seed(int(torch.randint(0, 2**62, (1,))))
-        return self.call(role, method, *args), torch.get_rng_state()
+        torch.set_rng_state(rng_state)  # sampling seeds itself from this CPU stream (nla.rl.sampling)
+        return self.call(role, method, *args, **kwargs), torch.get_rng_state()
 
-    def pipe(self, src: str, src_method: str, dst: str, dst_method: str) -> None:
-        """``dst.dst_method(src.src_method())`` where this rank hosts ``dst`` (``src`` runs on every rank)."""
-        out = self.call(src, src_method)
-        if dst in self.roles:
-            self.call(dst, dst_method, out)
+
+@dataclass(frozen=True)
+class RoleRef:
+    """An argument naming another role of the same actor (``rollout.sync_weights(policy)``)."""
+
+    role: str
 
 
 def _policy_roles(dp: D.RankGroup, device: torch.device, cfg: RLConfig, policy_dir: str) -> dict[str, Any]:
@@ -141,11 +145,16 @@ class _ActorGroup:
     pids: list[int] = field(default_factory=list)
 
     def call(self, method: str, *args: Any, ranks: list[int] | None = None, **kwargs: Any) -> list[Any]:
-        """Call ``method`` on the given ranks (default all) and wait; a dead actor fails loudly."""
+        """Call ``method`` on the given ranks (default all) with the same arguments and wait."""
         ranks = list(range(len(self.actors))) if ranks is None else ranks
         # Put big arguments once in the object store instead of once per rank.
-        args = tuple(ray.put(a) if isinstance(a, (Rollout, Tensor, list, dict)) else a for a in args)
-        refs = {getattr(self.actors[r], method).remote(*args, **kwargs): r for r in ranks}
+        args = tuple(_put(a) for a in args)
+        return self.call_each(method, {r: args for r in ranks}, {r: kwargs for r in ranks})
+
+    def call_each(self, method: str, args_of: dict[int, tuple], kwargs_of: dict[int, dict[str, Any]]) -> list[Any]:
+        """Call ``method`` on each rank of ``args_of`` with its own arguments; results in rank order.
+        A dead actor fails loudly."""
+        refs = {getattr(self.actors[r], method).remote(*args, **kwargs_of[r]): r for r, args in args_of.items()}
         results: dict[int, Any] = {}
         pending = list(refs)
         while pending:
@@ -162,99 +171,80 @@ class _ActorGroup:
                         f"{type(exc).__name__}. The run stopped; resume from the last checkpoint with "
                         "`nla rl --resume` (same config and out_dir)"
                     ) from None
-        return [results[r] for r in ranks]
+        return [results[r] for r in sorted(args_of)]
 
 
-class _RoleProxy:
-    """Driver-side stand-in for one role of an actor group: every rank runs each call."""
-
-    def __init__(self, group: _ActorGroup, role: str) -> None:
-        self._g, self.role = group, role
-
-    def _each(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """The results of every rank, in rank order."""
-        return self._g.call("call", self.role, method, *args, **kwargs)
-
-    def _answer(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Rank 0's result (every rank ran the call: its collectives need them all)."""
-        return self._each(method, *args, **kwargs)[0]
+def _put(a: Any) -> Any:
+    return ray.put(a) if isinstance(a, (Rollout, Tensor, list, dict)) else a
 
 
-class RayRollout(_RoleProxy):
-    """Generation on policy rank 0 (the unsharded rollout copy)."""
-
-    def __init__(self, policy_group: _ActorGroup, pad_id: int) -> None:
-        super().__init__(policy_group, "rollout")
-        self.pad_id = pad_id
-
-    def generate(self, vectors: Tensor, prompt_rows: Tensor, n_samples: int, max_new_tokens: int,
-                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False) -> Rollout:
-        (out,) = self._g.call("call_seeded", torch.get_rng_state(), self.role, "generate", vectors, prompt_rows,
-                              n_samples, max_new_tokens, temperature, top_p, greedy, ranks=[0])
-        rollout, rng = out
-        torch.set_rng_state(rng)  # the driver's stream advances exactly as in a local run
-        return rollout
-
-    def sync_weights(self, policy: RayPolicy) -> None:
-        """Gather the policy's shards (collective) into rank 0's rollout copy."""
-        self._g.call("pipe", policy.role, "full_weights", self.role, "load_weights")
+def _take(a: Any, rows: Tensor) -> Any:
+    """Rows ``rows`` of a batch-aligned argument (a tensor, or a list such as reward items)."""
+    return a[rows] if isinstance(a, Tensor) else [a[i] for i in rows.tolist()]
 
 
-class _TrainedRoleProxy(_RoleProxy):
-    """Checkpoint calls of a trained role: every rank joins the gathers, rank 0 writes and answers."""
-
-    def save_model(self, directory: Path, **provenance: Any) -> None:
-        # the path must be visible to rank 0 (a shared filesystem on a multi-node cluster).
-        self._each("save_model", str(directory), **provenance)
-
-    def optim_state(self) -> dict[str, Any]:
-        return self._answer("optim_state")
-
-    def load_optim_state(self, state: dict[str, Any]) -> None:
-        self._each("load_optim_state", state)
+def _join(parts: list[Any], pad_id: int) -> Any:
+    """The ranks' results of a ``"cat"`` call joined in rank order."""
+    if isinstance(parts[0], Rollout):
+        return Rollout.concat(parts, pad_id)
+    return torch.cat(parts)
 
 
-class RayPolicy(_TrainedRoleProxy):
-    """The data-parallel AV update over the policy group."""
+class RayRole:
+    """Driver-side stand-in for one role hosted by an actor group.
 
-    def __init__(self, group: _ActorGroup) -> None:
-        super().__init__(group, "policy")
+    Each method of the role is called as ``nla.rl.distributed.DISPATCH[role][method]`` says:
+    which rows each rank receives, whether the driver's RNG travels, and whose answer comes
+    back. Every rank runs every call (the collectives need them all). A method the table does
+    not list is not callable.
+    """
 
-    def update(self, rollout: Rollout, advantages: Tensor, ref_logp: Tensor) -> dict[str, float]:
-        return self._answer("update", rollout, advantages, ref_logp)
-
-
-class RayReference(_RoleProxy):
-    """Each policy rank scores its slice with its reference shard; the slices are contiguous, in rank order."""
-
-    def __init__(self, group: _ActorGroup) -> None:
-        super().__init__(group, "reference")
-
-    def logprobs(self, rollout: Rollout) -> Tensor:
-        return torch.cat(self._each("logprobs", rollout))
-
-
-class RayReconstructor(_TrainedRoleProxy):
-    """Live-AR MSEs for the rewards (every AR rank, rank 0's answer) and the data-parallel AR update."""
-
-    def __init__(self, group: _ActorGroup) -> None:
-        super().__init__(group, "reconstructor")
+    def __init__(self, group: _ActorGroup, role: str, pad_id: int = 0) -> None:
+        self._g, self.role, self.pad_id = group, role, pad_id
 
     @property
     def actors(self) -> list[Any]:
         return self._g.actors
 
-    def begin_rollout(self) -> None:
-        self._each("begin_rollout")
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        table = D.DISPATCH.get(self.role, {})
+        if method not in table:
+            raise AttributeError(f"{self.role}.{method} is not dispatched on the ray backend "
+                                 f"(nla.rl.distributed.DISPATCH lists {sorted(table)})")
+        d = table[method]
+        return lambda *args, **kwargs: self._dispatch(method, d, args, kwargs)
 
-    def mse_batch(self, items: list[tuple[str, Tensor]]) -> Tensor:
-        return self._answer("mse_batch", items)
-
-    def layout_check(self, explanations: list[str], golds: Tensor) -> float:
-        return self._answer("layout_check", explanations, golds)
-
-    def update(self, explanations: list[str], golds: Tensor) -> dict[str, float]:
-        return self._answer("update", explanations, golds)
+    def _dispatch(self, method: str, d: D.Dispatch, args: tuple, kwargs: dict[str, Any]) -> Any:
+        world = len(self._g.actors)
+        args = tuple(RoleRef(a.role) if isinstance(a, RayRole) else a for a in args)
+        kwargs_of: dict[int, dict[str, Any]] = {r: kwargs for r in range(world)}
+        if d.rows == "split":
+            n = len(args[0])
+            head = args[: d.split_args]
+            rest = tuple(_put(a) for a in args[d.split_args:])
+            shares = {r: D.rank_rows(n, world, r) for r in range(world)}
+            if not d.every_rank:  # no collective: a rank without rows is not called
+                shares = {r: rows for r, rows in shares.items() if len(rows) or r == 0}
+            args_of = {r: tuple(_take(a, rows) for a in head) + rest for r, rows in shares.items()}
+            if d.share:  # each rank is told where its rows sit in the whole batch
+                kwargs_of = {r: {**kwargs, "share": (int(rows[0]) if len(rows) else n, n)}
+                             for r, rows in shares.items()}
+        else:
+            shared = tuple(_put(a) for a in args)
+            args_of = {r: shared for r in range(world)}
+        if d.seeded:
+            rng = torch.get_rng_state()
+            out = self._g.call_each("call_seeded", {r: (rng, self.role, method, *a) for r, a in args_of.items()},
+                                    kwargs_of)
+            torch.set_rng_state(out[0][1])  # the driver's stream advances exactly as in a local run
+            results = [res for res, _ in out]
+        else:
+            results = self._g.call_each("call", {r: (self.role, method, *a) for r, a in args_of.items()}, kwargs_of)
+        if d.answer == "cat":
+            return _join(results, self.pad_id)
+        return results[0] if d.answer == "first" else None
 
 
 @dataclass
@@ -383,8 +373,8 @@ def build_ray_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_dir
     logger.info("ray backend: %d policy rank(s), %d reconstructor rank(s), %s", cfg.backend.num_policy_workers,
                 cfg.backend.num_reconstructor_workers, "GPU/NCCL" if use_cuda else "CPU/gloo")
     return RayWorkerGroups(
-        rollout=RayRollout(policy, pad_id), policy=RayPolicy(policy), reference=RayReference(policy),
-        reconstructor=RayReconstructor(recon), value=None, tokenizer=tok, av_sidecar=av_side, ar_sidecar=ar_side,
+        rollout=RayRole(policy, "rollout", pad_id), policy=RayRole(policy, "policy"),
+        reference=RayRole(policy, "reference"), reconstructor=RayRole(recon, "reconstructor"), value=None, tokenizer=tok, av_sidecar=av_side, ar_sidecar=ar_side,
         actor_groups=groups, owns_ray=owns,
     )
 

@@ -18,9 +18,18 @@ tests hold it to under greedy decoding):
    prompt and the vector, so their prefills are identical).
 4. Logits go through HF's own processors in HF's order (suppress the marker token, then
    temperature, then top-p), in fp32. Greedy decoding gives HF's tokens; sampling draws
-   from the same distribution, but not the same tokens for a seed: the draws are made on a
-   batch that shrinks, by inverting the CDF (``sample_categorical``) rather than with
-   ``torch.multinomial`` (18% of the rollout's time on the default world).
+   from the same distribution, but not the same tokens for a seed: each draw inverts the CDF
+   at a uniform of item 5 (``sample_categorical``) rather than calling ``torch.multinomial``
+   (18% of the rollout's time on the default world).
+5. The uniforms of the draws come from a generator of the call's own, seeded by one draw from
+   torch's global stream: at decode step t every output row i of the whole batch has its own
+   uniform (the i-th of that step's ``rand(N)``), whether or not it is still alive and
+   wherever it sits in the (compacted) batch. So a batch split over ranks (``share``: each
+   rank its contiguous rows, no communication) samples exactly the tokens of the whole batch
+   in one process, a CPU and a GPU draw the same uniforms, and the global stream advances by
+   one draw per call however many steps run (the rollout of 2, 3 or more generating ranks
+   equals the local one for a seed, float rounding of the logits aside, which moves a draw
+   only when it lands on a CDF step).
 """
 
 from __future__ import annotations
@@ -80,36 +89,62 @@ def logits_processors(suppress_ids: list[int], temperature: float, top_p: float,
     return procs
 
 
-def sample_categorical(scores: Tensor) -> Tensor:
+def sample_categorical(scores: Tensor, u: Tensor | None = None) -> Tensor:
     """One draw per row from ``softmax(scores)`` [n, V] -> [n], by inverting the CDF.
 
     The same distribution as ``torch.multinomial(softmax(scores), 1)``, about 5x cheaper on CPU
     (a cumulative sum and a binary search instead of multinomial's setup per row). A token of
     probability 0 (suppressed, or cut by top-p) is never drawn: ``right=True`` returns the
     first index whose cumulative mass exceeds ``u``, so it moves past flat steps of the CDF.
+    ``u`` [n, 1]: the uniforms to use (default: ``torch.rand`` drawn here).
     """
     cdf = torch.softmax(scores, -1).cumsum(-1)  # [n, V]
-    u = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
+    if u is None:
+        u = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype)
+    u = u * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_max(cdf.shape[1] - 1)
+
+
+def draw_seed() -> int:
+    """The seed of one sampling call, drawn from torch's global (CPU) stream: one draw per call."""
+    return int(torch.randint(0, 2**62, (1,)))
 
 
 @torch.no_grad()
 def sample_responses(model: nn.Module, hook: InjectionHook, prompt_ids: Tensor, vectors: Tensor, n_samples: int,
                      max_new_tokens: int, eos_id: int, pad_id: int, *, suppress_ids: list[int] = (),
-                     temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False) -> Tensor:
+                     temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+                     share: tuple[int, int] | None = None) -> Tensor:
     """``n_samples`` responses per vector: token ids [N, L] (groups contiguous), ``pad_id`` after EOS.
 
     prompt_ids: [P] the prompt holding one injection site; vectors: [B, d] RAW (the hook
     rescales them). L is the number of decode steps run: ``max_new_tokens``, or fewer when
-    every row has emitted EOS (as HF ``generate`` does). The caller sets eval mode. A model
-    outside ``CACHE_REUSE_MODEL_TYPES`` is sampled by ``hf_generate``.
+    every row has emitted EOS (as HF ``generate`` does). The caller sets eval mode.
+    ``share``: (index of the first of these prompts, prompts of the whole batch) when the batch
+    is split over ranks, each called with the same RNG state (module docstring, item 5); the
+    whole batch is one share. Sampling draws one seed from the global stream; greedy none. A
+    model outside ``CACHE_REUSE_MODEL_TYPES`` is sampled by ``hf_generate`` from that seed
+    (plus the share's first prompt: split over ranks the shares' samples are independent, but
+    not those of the whole batch in one call).
     """
-    if not supports_cache_reuse(model):
-        return hf_generate(model, hook, prompt_ids, vectors, n_samples, max_new_tokens, eos_id, pad_id,
-                           suppress_ids=suppress_ids, temperature=temperature, top_p=top_p, greedy=greedy)
-    device = next(model.parameters()).device
     B, P, G = vectors.shape[0], prompt_ids.shape[0], n_samples
+    first, total = share if share is not None else (0, B)
+    if not 0 <= first <= first + B <= total:
+        raise ValueError(f"sample_responses: share={share} does not hold {B} prompts")
+    seed = None if greedy else draw_seed()
+    if not supports_cache_reuse(model):
+        cuda = [torch.cuda.current_device()] if next(model.parameters()).is_cuda else []
+        with torch.random.fork_rng(devices=cuda, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed + first)  # also seeds every CUDA device
+            return hf_generate(model, hook, prompt_ids, vectors, n_samples, max_new_tokens, eos_id, pad_id,
+                               suppress_ids=suppress_ids, temperature=temperature, top_p=top_p, greedy=greedy)
+    device = next(model.parameters()).device
     N = B * G
+    tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    if N == 0:
+        return tokens[:, :0]
+    uniforms = None if seed is None else torch.Generator().manual_seed(seed)
     ids = prompt_ids.to(device).expand(B, P)
     with hook.vectors(vectors.to(device)):
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
@@ -118,14 +153,17 @@ def sample_responses(model: nn.Module, hook: InjectionHook, prompt_ids: Tensor, 
         cache.batch_repeat_interleave(G)
     logits = out.logits[:, -1].float().repeat_interleave(G, 0)  # [N, V]
     procs = logits_processors(list(suppress_ids), temperature, top_p, greedy, device)
-    tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
     rows = torch.arange(N, device=device)  # [n] the output row of each batch row
     alive = torch.ones(N, dtype=torch.bool, device=device)  # [n] batch rows that have not emitted EOS
     steps = 0
     for t in range(max_new_tokens):
         # These processors read only the scores; HF's interface wants the ids too.
         scores = procs(tokens[:0, :0], logits)
-        nxt = scores.argmax(-1) if greedy else sample_categorical(scores)
+        if uniforms is None:
+            nxt = scores.argmax(-1)
+        else:  # step t's uniforms of every row of the whole batch; this share's live batch rows
+            u = torch.rand(total * G, 1, generator=uniforms)[first * G : (first + B) * G]
+            nxt = sample_categorical(scores, u.to(device)[rows])
         tokens[rows[alive], t] = nxt[alive]
         alive = alive & (nxt != eos_id)
         steps = t + 1
@@ -140,4 +178,4 @@ def sample_responses(model: nn.Module, hook: InjectionHook, prompt_ids: Tensor, 
     return tokens[:, :steps]
 
 
-__all__ = ["CACHE_REUSE_MODEL_TYPES", "COMPACT_DIVISOR", "hf_generate", "supports_cache_reuse", "logits_processors", "sample_categorical", "sample_responses"]
+__all__ = ["CACHE_REUSE_MODEL_TYPES", "COMPACT_DIVISOR", "draw_seed", "hf_generate", "supports_cache_reuse", "logits_processors", "sample_categorical", "sample_responses"]

@@ -69,13 +69,13 @@ def load_av(path: str | Path, device: torch.device, dtype: torch.dtype) -> tuple
 
 def build_policy_roles(cfg: RLConfig, policy_dir: str | Path, dp: DataParallel, device: torch.device, *,
                        rollout_copy: bool) -> dict[str, Any]:
-    """The ``policy`` and ``reference`` roles, and ``rollout`` on the answering rank.
+    """The ``policy``, ``reference`` and ``rollout`` roles of this rank.
 
     ``policy_dir`` holds the starting weights (the warm-started AV, or a checkpoint on
     resume); the reference is always the warm-started AV (``cfg.av``). ``rollout_copy``
     False: the rollout role shares the policy module (local: a weight sync is free); True:
-    it gets its own unsharded copy. Models are sharded by ``dp`` before any role (hooks,
-    optimiser) is built on them.
+    every rank gets its own unsharded copy and generates its share of the prompts. Models are
+    sharded by ``dp`` before any role (hooks, optimiser) is built on them.
     """
     torch.manual_seed(cfg.seed)  # any module init draws from the RNG: every rank builds the same
     dtype = resolve_dtype(cfg.dtype)
@@ -91,9 +91,8 @@ def build_policy_roles(cfg: RLConfig, policy_dir: str | Path, dp: DataParallel, 
                                dp),
         "reference": ReferenceWorker(ref, av_side, cfg.optimiser.micro_batch_size, dp),
     }
-    if dp.answers:
-        rollout_model = load_av(policy_dir, device, dtype)[0] if rollout_copy else model
-        roles["rollout"] = RolloutWorker(rollout_model, tok, av_side, device)
+    rollout_model = load_av(policy_dir, device, dtype)[0] if rollout_copy else model
+    roles["rollout"] = RolloutWorker(rollout_model, tok, av_side, device, dp)
     return roles
 
 

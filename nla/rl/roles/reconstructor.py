@@ -14,6 +14,7 @@ How the step's reward forwards relate to its update is a strategy the role is gi
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -149,9 +150,9 @@ class FusedRewardWindow(RewardWindow):
 
 
 def default_window(ar: nn.Module, dp: DataParallel) -> RewardWindow:
-    """``FusedRewardWindow`` where it computes the plain step: one unsharded AR answering (sharded
-    ranks each score every item, so their backward would repeat it; a one-rank FSDP group is left
-    on the plain path too: untested there) with no dropout; else ``PlainScoring``."""
+    """``FusedRewardWindow`` where it computes the plain step: one unsharded AR answering (a sharded
+    group is left on the plain path, a one-rank FSDP group too: untested there) with no dropout;
+    else ``PlainScoring``."""
     sharded = any(arch.is_sharded(m) for m in ar.modules())
     return FusedRewardWindow() if dp.world == 1 and not sharded and not has_dropout(ar) else PlainScoring()
 
@@ -160,8 +161,8 @@ class ReconstructorWorker(Trainable):
     """The AR: ``mse_nrm`` from its *live* weights, and supervised MSE updates on the same rollouts.
 
     ``mse_batch`` is handed to the reward service as a bound method, so every reward is
-    computed from this very module: no copy, no reload. Sharded, every rank scores the same
-    items (the forward is collective) and the caller reads rank 0's answer. ``window``: how the
+    computed from this very module: no copy, no reload. Sharded, each rank scores its share of
+    the items (``DISPATCH``) in as many forwards as the largest share needs. ``window``: how the
     step's reward forwards relate to its update (``default_window(ar, dp)`` when None).
     """
 
@@ -214,15 +215,23 @@ class ReconstructorWorker(Trainable):
 
         The rows run longest first in sub-batches of ``REWARD_SUB_BATCH`` (left-padded): a
         batch in rollout order was ~25% padding on the default world, sorted sub-batches ~10%.
-        Each row's prediction does not depend on its neighbours (float rounding aside).
+        Each row's prediction does not depend on its neighbours (float rounding aside), so a
+        batch split over AR ranks scores what one rank would.
         """
         exps = [e for e, _ in items]
-        gold = torch.stack([g for _, g in items]).float()
+        d = self.sidecar.d_model or 1
+        gold = torch.stack([g for _, g in items]).float() if items else torch.zeros(0, d)
         order = sorted(range(len(exps)), key=lambda i: -len(exps[i]))
         out = torch.empty(len(exps))
-        for start in range(0, len(order), REWARD_SUB_BATCH):
-            rows = order[start : start + REWARD_SUB_BATCH]
-            out[rows] = self.window.mse_rows(self, [exps[i] for i in rows], gold[rows])
+        forwards = math.ceil(len(order) / REWARD_SUB_BATCH)
+        # Sharded, each rank scores its share of a batch: all run as many forwards (collectives)
+        forwards = self.dp.max_count(forwards) if self.dp.world > 1 else forwards
+        for k in range(forwards):
+            rows = order[k * REWARD_SUB_BATCH : (k + 1) * REWARD_SUB_BATCH]
+            if rows:
+                out[rows] = self.window.mse_rows(self, [exps[i] for i in rows], gold[rows])
+            else:  # a dummy forward, so FSDP's all-gathers pair with the other ranks'
+                self.window.mse_rows(self, [""], torch.ones(1, gold.shape[1]))
         self.window.scored(items)
         return out
 

@@ -1,8 +1,9 @@
 """The rollout role: samples explanations from the current AV weights.
 
 ``generate(vectors, prompt_rows, n_samples, ...) -> Rollout`` and ``sync_weights(policy)``. The
-local backend shares the policy module (a sync is free); a separate copy loads the policy's
-gathered weights.
+local backend shares the policy module (a sync is free). On the Ray backend every policy rank
+hosts its own unsharded copy, generates its share of the prompts (``nla.rl.distributed.DISPATCH``)
+and syncs it from the policy's shards (``DataParallel.copy_full_weights``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch import Tensor, nn
 
 from nla.injection import InjectionHook
 from nla.reward import Status
-from nla.rl.distributed import load_full_into
+from nla.rl.distributed import DataParallel
 from nla.rl.sampling import sample_responses
 from nla.rl.types import Rollout
 from nla.sidecar import NLAConfig, canonical_av_prompt_ids
@@ -45,26 +46,30 @@ def parse_responses(tokenizer: Any, response_ids: Tensor, eos_id: int) -> tuple[
 class RolloutWorker:
     """Samples explanations from the current AV weights (the local backend shares the policy module)."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any, sidecar: NLAConfig, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, tokenizer: Any, sidecar: NLAConfig, device: torch.device,
+                 dp: DataParallel | None = None) -> None:
         self.model, self.tokenizer, self.sidecar, self.device = model, tokenizer, sidecar, device
+        self.dp = dp if dp is not None else DataParallel()
         self.hook = InjectionHook.from_config(model, sidecar)
         self.prompt_ids = torch.tensor(canonical_av_prompt_ids(tokenizer, sidecar.av_messages()), dtype=torch.long)
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
 
     def sync_weights(self, policy: PolicyWorker) -> None:
-        """Make the next rollout use the policy's weights. Local: the module is shared, nothing to copy."""
-        if policy.model is not self.model:
-            self.load_weights(policy.model.state_dict())
-
-    def load_weights(self, state: dict[str, Tensor]) -> None:
-        """Copy a full state dict (e.g. gathered from the policy's shards) into this unsharded copy."""
-        load_full_into(self.model, state)
+        """Make the next rollout use the policy's weights: a shared module needs nothing; a copy gets
+        the policy's full weights (from its shards, collective, on every rank of the group)."""
+        self.dp.copy_full_weights(policy.model, self.model)
 
     @torch.no_grad()
     def generate(self, vectors: Tensor, prompt_rows: Tensor, n_samples: int, max_new_tokens: int,
-                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False) -> Rollout:
-        """``n_samples`` responses per vector [B, d] -> a Rollout of N = B * n_samples (groups contiguous)."""
+                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+                 share: tuple[int, int] | None = None) -> Rollout:
+        """``n_samples`` responses per vector [B, d] -> a Rollout of N = B * n_samples (groups contiguous).
+
+        Split over ranks, ``vectors`` are this rank's share of the prompts, ``share`` = (index of
+        its first prompt, prompts of the whole batch), and every rank calls with the same RNG
+        state: the ranks' rollouts joined in rank order are the rollout of the whole batch
+        (``nla.rl.sampling``, item 5)."""
         B = vectors.shape[0]
         vec = vectors.repeat_interleave(n_samples, 0)
         rows = prompt_rows.repeat_interleave(n_samples, 0)
@@ -78,7 +83,7 @@ class RolloutWorker:
                 self.pad_id, temperature=temperature, top_p=top_p, greedy=greedy,
                 # The AV must never write the marker: a second site in prompt+response would
                 # shift the injection in the log-prob forward (and it is the failure smell).
-                suppress_ids=[self.sidecar.injection_token_id],
+                suppress_ids=[self.sidecar.injection_token_id], share=share,
             ).cpu()
         finally:
             self.model.train(was_training)
