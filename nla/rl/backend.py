@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nla.rl import algorithms as A
 from nla.rl.config import BACKENDS, RLConfig
 from nla.rl.distributed import DataParallel
-from nla.rl.roles import OptimSettings, ValueWorker, WorkerGroups
+from nla.rl.roles import WorkerGroups
 from nla.rl.setup import RLSetupError, build_policy_roles, build_reconstructor_role, load_pair_sidecars
 from nla.train.common import resolve_device
 
@@ -22,15 +21,10 @@ def build_local_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_d
     device, dp = resolve_device(cfg.device), DataParallel()
     av_side, ar_side = load_pair_sidecars(cfg.av, cfg.ar)
     roles = build_policy_roles(cfg, policy_dir or cfg.av, dp, device, rollout_copy=False)
-    value = None
-    if A.get_advantage_estimator(cfg.loss.advantage).needs_values:
-        value = ValueWorker(roles["policy"].model, av_side, OptimSettings.for_value(cfg),
-                            cfg.optimiser.micro_batch_size, clip_eps=cfg.loss.value_clip)
-        value.model.to(device)
     return WorkerGroups(
         rollout=roles["rollout"], policy=roles["policy"], reference=roles["reference"],
         reconstructor=build_reconstructor_role(cfg, ar_dir or cfg.ar, dp, device),
-        value=value, tokenizer=roles["policy"].tokenizer, av_sidecar=av_side, ar_sidecar=ar_side,
+        value=roles.get("value"), tokenizer=roles["policy"].tokenizer, av_sidecar=av_side, ar_sidecar=ar_side,
     )
 
 

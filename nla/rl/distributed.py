@@ -114,6 +114,10 @@ class DataParallel:
         """The module's full weights for saving, on the answering rank; None means "the module's own"."""
         return None
 
+    def load_full_state_dict(self, module: nn.Module, state: dict[str, Tensor]) -> None:
+        """Load a full (unsharded) state dict into the module; sharded, each rank keeps its shard."""
+        module.load_state_dict(state)
+
     def optim_state_dict(self, module: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
         return opt.state_dict()
 
@@ -163,6 +167,11 @@ class RankGroup(DataParallel):
 
     def full_state_dict(self, module: nn.Module) -> dict[str, Tensor] | None:
         return full_state_dict(module)  # collective; empty on ranks other than 0
+
+    def load_full_state_dict(self, module: nn.Module, state: dict[str, Tensor]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True))
 
     def optim_state_dict(self, module: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
         return full_optimizer_state(module, opt)

@@ -33,7 +33,8 @@ Layout (DESIGN §4):
    local backend's id-keyed optimizer state: resume a run on the backend that wrote it.
 6. Which ranks receive which rows of each call, the collective it runs and which rank
    answers: ``nla.rl.distributed.DISPATCH``, read by ``RayRole``; nothing else decides it.
-7. PPO's value model is not supported on this backend (a clear error at build time).
+7. PPO's value model (``value`` role) lives on the policy group: each rank an FSDP2 shard of
+   it, built from the unsharded policy before sharding, computing and training on its rows.
 
 Failures are loud: a dead actor raises ``RayWorkerError`` naming role and rank and how to
 resume; ``groups.close()`` kills every actor and, when nla started Ray, shuts it down.
@@ -345,11 +346,6 @@ def _make_group(role: str, world: int, use_cuda: bool, gpu_fraction: float = 1.0
 def build_ray_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_dir: str | Path | None = None
                      ) -> RayWorkerGroups:
     """Start the policy and reconstructor actor groups; ``policy_dir`` / ``ar_dir`` override the weights (resume)."""
-    if A.get_advantage_estimator(cfg.loss.advantage).needs_values:
-        no_values = sorted(n for n, e in A.ADVANTAGE_ESTIMATORS.items() if not e.needs_values)
-        raise RLSetupError(
-            f"loss.advantage: {cfg.loss.advantage!r} needs the value model, which the ray backend does not run "
-            f"yet; use backend.name: local for it, or loss.advantage: one of {no_values} on ray")
     av_side, ar_side = load_pair_sidecars(cfg.av, cfg.ar)
     owns = _start_ray(cfg)
     use_cuda = cfg.device != "cpu" and _cluster_has_gpus()
@@ -374,7 +370,9 @@ def build_ray_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_dir
                 cfg.backend.num_reconstructor_workers, "GPU/NCCL" if use_cuda else "CPU/gloo")
     return RayWorkerGroups(
         rollout=RayRole(policy, "rollout", pad_id), policy=RayRole(policy, "policy"),
-        reference=RayRole(policy, "reference"), reconstructor=RayRole(recon, "reconstructor"), value=None, tokenizer=tok, av_sidecar=av_side, ar_sidecar=ar_side,
+        reference=RayRole(policy, "reference"), reconstructor=RayRole(recon, "reconstructor"),
+        value=RayRole(policy, "value") if A.get_advantage_estimator(cfg.loss.advantage).needs_values else None,
+        tokenizer=tok, av_sidecar=av_side, ar_sidecar=ar_side,
         actor_groups=groups, owns_ray=owns,
     )
 

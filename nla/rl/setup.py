@@ -15,6 +15,7 @@ import torch
 
 from nla import arch
 from nla.reconstructor import Reconstructor, check_ar_max_length
+from nla.rl.algorithms import get_advantage_estimator
 from nla.rl.config import RLConfig
 from nla.rl.distributed import DataParallel
 from nla.rl.roles import (
@@ -24,6 +25,8 @@ from nla.rl.roles import (
     ReconstructorWorker,
     ReferenceWorker,
     RolloutWorker,
+    ValueModel,
+    ValueWorker,
 )
 from nla.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar, verify_tokenizer
 from nla.train.common import resolve_dtype
@@ -69,7 +72,8 @@ def load_av(path: str | Path, device: torch.device, dtype: torch.dtype) -> tuple
 
 def build_policy_roles(cfg: RLConfig, policy_dir: str | Path, dp: DataParallel, device: torch.device, *,
                        rollout_copy: bool) -> dict[str, Any]:
-    """The ``policy``, ``reference`` and ``rollout`` roles of this rank.
+    """The ``policy``, ``reference`` and ``rollout`` roles of this rank, and ``value`` when the
+    advantage estimator needs values (PPO's GAE).
 
     ``policy_dir`` holds the starting weights (the warm-started AV, or a checkpoint on
     resume); the reference is always the warm-started AV (``cfg.av``). ``rollout_copy``
@@ -84,6 +88,8 @@ def build_policy_roles(cfg: RLConfig, policy_dir: str | Path, dp: DataParallel, 
     verify_tokenizer(av_side, tok)
     ref, _ = load_av(cfg.av, device, dtype)
     ref.eval().requires_grad_(False)
+    # The value model copies the policy's body: from the unsharded policy, before it is sharded.
+    value_model = ValueModel(model).to(device) if get_advantage_estimator(cfg.loss.advantage).needs_values else None
     dp.shard(model, arch.decoder_layers(model))
     dp.shard(ref, arch.decoder_layers(ref))
     roles: dict[str, Any] = {
@@ -93,6 +99,10 @@ def build_policy_roles(cfg: RLConfig, policy_dir: str | Path, dp: DataParallel, 
     }
     rollout_model = load_av(policy_dir, device, dtype)[0] if rollout_copy else model
     roles["rollout"] = RolloutWorker(rollout_model, tok, av_side, device, dp)
+    if value_model is not None:
+        dp.shard(value_model, arch.decoder_layers(value_model.body))
+        roles["value"] = ValueWorker(value_model, av_side, OptimSettings.for_value(cfg), cfg.optimiser.micro_batch_size,
+                                     clip_eps=cfg.loss.value_clip, dp=dp)
     return roles
 
 

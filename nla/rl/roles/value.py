@@ -1,4 +1,4 @@
-"""The value role (PPO only): a scalar value model on the AV's body, trained on GAE returns."""
+"""The value role (PPO only): a scalar value model on the AV's body, trained on GAE returns, on any backend."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from nla import arch
 from nla.injection import InjectionHook
 from nla.rl import algorithms as A
+from nla.rl.distributed import DataParallel
 from nla.rl.kernels import rank_micro_batches
 from nla.rl.roles.trainable import LOCAL, OptimSettings, Trainable
 from nla.rl.types import Rollout
@@ -36,15 +37,20 @@ class ValueModel(nn.Module):
 
 
 class ValueWorker(Trainable):
-    """Values [N, L] for the states before each response token (the vector is injected too). Local only."""
+    """Values [N, L] for the states before each response token (the vector is injected too).
 
-    def __init__(self, policy_model: nn.Module, sidecar: NLAConfig, optim: OptimSettings, micro_batch_size: int,
-                 clip_eps: float | None) -> None:
-        self.model = ValueModel(policy_model)
+    ``model`` is the role's ``ValueModel``, already sharded by ``dp`` where there is more than
+    one rank (``nla.rl.setup.build_policy_roles`` builds it from the unsharded policy, then
+    shards it); each rank computes the values of its rows and updates on them, as the policy does.
+    """
+
+    def __init__(self, model: ValueModel, sidecar: NLAConfig, optim: OptimSettings, micro_batch_size: int,
+                 clip_eps: float | None, dp: DataParallel = LOCAL) -> None:
+        self.model = model
         self.hook = InjectionHook(self.model.body, sidecar.injection_token_id, sidecar.injection_left_neighbor_id,
                                   sidecar.injection_right_neighbor_id, sidecar.injection_scale_value())
         self.micro_batch_size, self.clip_eps = micro_batch_size, clip_eps
-        self._setup_optim(self.model, optim, LOCAL)
+        self._setup_optim(self.model, optim, dp)
 
     def _values(self, rollout: Rollout, idx: Tensor) -> Tensor:
         P, L = rollout.prompt_ids.shape[0], rollout.response_ids.shape[1]
@@ -57,36 +63,47 @@ class ValueWorker(Trainable):
             v = self.model(ids, attn)
         return v[:, P - 1 : P + L - 1]
 
-    def save_model(self, path: Path) -> None:
-        torch.save(self.model.state_dict(), path)
+    def save_model(self, path: str | Path) -> None:
+        """The full value model's state dict (``torch.save``), written by the answering rank."""
+        state = self.dp.full_state_dict(self.model)
+        if self.dp.answers:
+            torch.save(self.model.state_dict() if state is None else state, path)
 
-    def load_model(self, path: Path) -> None:
+    def load_model(self, path: str | Path) -> None:
         from nla.train.common import load_state_file
 
-        self.model.load_state_dict(load_state_file(path, "value model"))
+        self.dp.load_full_state_dict(self.model, load_state_file(Path(path), "value model"))
 
     @torch.no_grad()
     def values(self, rollout: Rollout) -> Tensor:
+        """Values [n_r, L] of this rank's rows (every row locally), in row order."""
         self.model.eval()
-        rows = torch.arange(rollout.n)
-        return torch.cat([self._values(rollout, idx).cpu()
-                          for idx, _ in rank_micro_batches(self.dp, rows, rollout.n, self.micro_batch_size)])
+        mine = self.dp.my_rows(torch.arange(rollout.n))
+        out = [self._values(rollout, idx).cpu() if real else None
+               for idx, real in rank_micro_batches(self.dp, mine, rollout.n, self.micro_batch_size)]
+        kept = [v for v in out if v is not None]
+        return torch.cat(kept) if kept else torch.zeros(0, rollout.response_ids.shape[1])
 
     def update(self, rollout: Rollout, old_values: Tensor, returns: Tensor) -> dict[str, float]:
+        """One value step on GAE returns: each rank its rows, each micro-batch weighted by its
+        share of the batch's response tokens (times W: FSDP averages gradients over ranks)."""
+        dp = self.dp
         self.model.train()
         mask = rollout.response_mask.float()
         agg = A.get_loss_agg("token-mean")
         sums: dict[str, float] = {}
-        for idx, _ in rank_micro_batches(self.dp, torch.arange(rollout.n), rollout.n, self.micro_batch_size):
+        mine = dp.my_rows(torch.arange(rollout.n))
+        for idx, real in rank_micro_batches(dp, mine, rollout.n, self.micro_batch_size):
             v = self._values(rollout, idx)
             m = mask[idx].to(v.device)
             loss, vm = A.value_loss(v, old_values[idx].to(v.device), returns[idx].to(v.device), m,
                                     clip_eps=self.clip_eps, agg=agg.name)
-            w = agg.micro_batch_weight(mask[idx], mask)
-            (loss * w).backward()
-            sums["value_loss"] = sums.get("value_loss", 0.0) + float(loss.detach()) * w
-            for k, val in vm.items():
-                sums[f"value_{k}"] = sums.get(f"value_{k}", 0.0) + float(val) * w
-        sums.update({f"value_{k}": v for k, v in self._step().items()})
-        return sums
-
+            w = agg.micro_batch_weight(mask[idx], mask) if real else 0.0
+            (loss * (w * dp.grad_scale)).backward()
+            if real:
+                sums["value_loss"] = sums.get("value_loss", 0.0) + float(loss.detach()) * w
+                for k, val in vm.items():
+                    sums[f"value_{k}"] = sums.get(f"value_{k}", 0.0) + float(val) * w
+        total = dp.sum(sums)
+        total.update({f"value_{k}": v for k, v in self._step().items()})
+        return total
