@@ -297,9 +297,43 @@ class BackendConfig:
         _positive_ints("backend.", self, "num_policy_workers", "num_reconstructor_workers")
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA for the AV (``nla.lora``, needs peft): ``r`` the rank (0: off, full fine-tuning),
+    ``alpha`` (the adapters' scale is alpha / r), ``dropout``, ``target_modules`` (null: the
+    attention and MLP projections, ``nla.lora.DEFAULT_TARGETS``). On, only the adapters train,
+    the KL reference is the same module with its adapters off (no second copy), and each
+    checkpoint holds the merged AV (a plain HF dir) and ``av_adapter/`` (peft's format).
+    Local backend only."""
+
+    r: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.r) or self.r < 0:
+            _bad("lora.r", "an integer >= 0 (0 = off)", self.r)
+        _positive_floats("lora.", self, "alpha")
+        if not 0.0 <= self.dropout < 1.0:
+            _bad("lora.dropout", "a probability in [0, 1)", self.dropout)
+        if self.target_modules is not None and (
+                not isinstance(self.target_modules, list) or not self.target_modules
+                or not all(isinstance(t, str) and t for t in self.target_modules)):
+            _bad("lora.target_modules", "a non-empty list of module names (e.g. [q_proj, v_proj]) or null",
+                 self.target_modules)
+
+    def settings(self) -> Any:
+        from nla.lora import DEFAULT_TARGETS, LoRASettings
+
+        return LoRASettings(self.r, float(self.alpha), float(self.dropout),
+                            tuple(self.target_modules) if self.target_modules else DEFAULT_TARGETS)
+
+
 SECTIONS: dict[str, type] = {
     "rollout": RolloutConfig, "loss": LossConfig, "optimiser": OptimiserConfig, "reward": RewardConfig,
     "reconstructor": ReconstructorConfig, "checkpointing": CheckpointingConfig, "backend": BackendConfig,
+    "lora": LoRAConfig,
 }
 
 
@@ -347,6 +381,7 @@ class RLConfig:
     reconstructor: ReconstructorConfig = field(default_factory=ReconstructorConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         for name in ("av", "ar", "dataset", "out_dir"):
@@ -380,6 +415,9 @@ class RLConfig:
                  self.reward.overlong_buffer_len)
         if opt.warmup_steps > self.steps:
             _bad("optimiser.warmup_steps", f"an integer in [0, steps={self.steps}]", opt.warmup_steps)
+        if self.lora.r > 0 and self.backend.name != "local":
+            _bad("lora.r", f"0 on backend {self.backend.name!r} (LoRA runs on the local backend only so far)",
+                 self.lora.r)
 
     @property
     def samples_per_step(self) -> int:
@@ -503,6 +541,6 @@ def save_rl_config(cfg: RLConfig, path: str | os.PathLike) -> None:
 
 
 __all__ = [
-    "BACKENDS", "SECTIONS", "BackendConfig", "CheckpointingConfig", "LossConfig", "OptimiserConfig",
+    "BACKENDS", "SECTIONS", "BackendConfig", "CheckpointingConfig", "LoRAConfig", "LossConfig", "OptimiserConfig",
     "RLConfig", "ReconstructorConfig", "RewardConfig", "RolloutConfig", "load_rl_config", "save_rl_config",
 ]

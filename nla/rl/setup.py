@@ -84,6 +84,9 @@ def build_policy_roles(cfg: RLConfig, policy_dir: str | Path, dp: DataParallel, 
     torch.manual_seed(cfg.seed)  # any module init draws from the RNG: every rank builds the same
     dtype = resolve_dtype(cfg.dtype)
     av_side, _ = load_pair_sidecars(cfg.av, cfg.ar)
+    lora = cfg.lora.settings()
+    if lora.enabled:
+        return _lora_policy_roles(cfg, lora, policy_dir, av_side, dp, device, dtype)
     model, tok = load_av(policy_dir, device, dtype)
     verify_tokenizer(av_side, tok)
     ref, _ = load_av(cfg.av, device, dtype)
@@ -104,6 +107,34 @@ def build_policy_roles(cfg: RLConfig, policy_dir: str | Path, dp: DataParallel, 
         roles["value"] = ValueWorker(value_model, av_side, OptimSettings.for_value(cfg), cfg.optimiser.micro_batch_size,
                                      clip_eps=cfg.loss.value_clip, dp=dp)
     return roles
+
+
+def _lora_policy_roles(cfg: RLConfig, lora: Any, policy_dir: str | Path, av_side: Any, dp: DataParallel,
+                       device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """The roles with LoRA (``nla.lora``): one module, the warm-started AV with adapters (from
+    ``policy_dir``'s ``_adapter`` dir on resume); the reference is it with the adapters off and
+    the rollout shares it."""
+    from nla.lora import adapter_dir_for, apply_lora, load_adapter
+
+    if dp.world > 1:
+        raise RLSetupError("lora.r > 0: LoRA runs on one rank (the local backend) so far; set backend.name: local")
+    if get_advantage_estimator(cfg.loss.advantage).needs_values:
+        raise RLSetupError("lora.r > 0 with loss.advantage: gae: the value model would copy the whole AV body; "
+                           "use lora.r: 0 for PPO, or a group estimator (grpo, drgrpo, reinforce_baseline)")
+    model, tok = load_av(cfg.av, device, dtype)
+    verify_tokenizer(av_side, tok)
+    try:
+        apply_lora(model, lora)
+    except ValueError as err:
+        raise RLSetupError(str(err)) from None
+    if Path(policy_dir).resolve() != Path(cfg.av).resolve():  # resume: the policy is base + saved adapter
+        load_adapter(model, adapter_dir_for(policy_dir))
+    return {
+        "policy": PolicyWorker(model, tok, av_side, PolicyLossSettings.from_config(cfg), OptimSettings.for_policy(cfg),
+                               dp),
+        "reference": ReferenceWorker(model, av_side, cfg.optimiser.micro_batch_size, dp, adapters_off=True),
+        "rollout": RolloutWorker(model, tok, av_side, device, dp),
+    }
 
 
 def build_reconstructor_role(cfg: RLConfig, ar_dir: str | Path, dp: DataParallel, device: torch.device

@@ -133,11 +133,17 @@ class PolicyWorker(Trainable):
         return self.dp.full_state_dict(self.model)
 
     def save_model(self, directory: str | Path, **provenance: Any) -> None:
-        """HF dir + tokenizer + AV sidecar (role av) with provenance, written by the answering rank."""
-        state = self.full_weights()
+        """HF dir + tokenizer + AV sidecar (role av) with provenance, written by the answering rank.
+        With LoRA the dir holds the merged AV, and ``<dir>_adapter`` the adapter (``nla.lora``)."""
+        from nla.lora import adapter_dir_for, has_lora, merged_state_dict, save_adapter
+
+        lora = has_lora(self.model)
+        state = merged_state_dict(self.model) if lora else self.full_weights()
         if self.dp.answers:
             directory = Path(directory)
             self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
             self.tokenizer.save_pretrained(directory)
             write_sidecar(directory / SIDECAR_NAME, self.sidecar.replace(kind="nla_model", role="av"), **provenance)
+            if lora:  # the adapter alone too: RL resumes from it on the warm-started base
+                save_adapter(self.model, adapter_dir_for(directory), provenance.get("parent_av", ""))
 

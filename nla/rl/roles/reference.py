@@ -16,16 +16,32 @@ __all__ = ["ReferenceWorker"]
 
 
 class ReferenceWorker:
-    """The frozen warm-started AV: log-probs for the KL term."""
+    """The frozen warm-started AV: log-probs for the KL term.
 
-    def __init__(self, model: nn.Module, sidecar: NLAConfig, micro_batch_size: int, dp: DataParallel = LOCAL
-                 ) -> None:
-        self.model = model.eval().requires_grad_(False)
+    ``adapters_off``: ``model`` is the LoRA policy itself, and the reference is its base with
+    the adapters off (``nla.lora.adapters_off``): no second copy of the weights.
+    """
+
+    def __init__(self, model: nn.Module, sidecar: NLAConfig, micro_batch_size: int, dp: DataParallel = LOCAL,
+                 adapters_off: bool = False) -> None:
+        self.model = model if adapters_off else model.eval().requires_grad_(False)
+        self.adapters_off = adapters_off
         self.hook = InjectionHook.from_config(model, sidecar)
         self.micro_batch_size, self.dp = micro_batch_size, dp
 
     def logprobs(self, rollout: Rollout) -> Tensor:
         """Reference log-probs [n_r, L] of this rank's rows (every row locally)."""
         mine = self.dp.my_rows(torch.arange(rollout.n))
-        return rollout_logprobs(self.model, self.hook, rollout, mine, rollout.n, self.dp, self.micro_batch_size)
+        if not self.adapters_off:
+            return rollout_logprobs(self.model, self.hook, rollout, mine, rollout.n, self.dp, self.micro_batch_size)
+        from nla.lora import adapters_off
+
+        was = self.model.training
+        self.model.eval()
+        try:
+            with adapters_off(self.model):
+                return rollout_logprobs(self.model, self.hook, rollout, mine, rollout.n, self.dp,
+                                        self.micro_batch_size)
+        finally:
+            self.model.train(was)
 

@@ -1,0 +1,201 @@
+"""LoRA for the AV: adapters injected with peft, the reference as the base with adapters off.
+
+``apply_lora(model, settings)`` injects LoRA layers into a plain HF causal LM *in place*
+(``peft.inject_adapter_in_model``), so the module stays the transformers class every other
+part of nla reads (``nla.arch``, the injection hook, the log-prob kernels, HF ``generate``);
+only the adapter weights are trainable. What peft does not do for this use, and is written
+here:
+
+- ``adapters_off(model)``: a context in which every LoRA layer computes its base layer only
+  (``BaseTunerLayer.enable_adapters(False)``): the frozen reference of the KL term, with no
+  second copy of the weights;
+- ``merged_state_dict(model)``: the plain HF state dict of base + adapters (``W + B A *
+  scale`` per adapted layer, computed out of place, so saving never rounds the base weights),
+  which a checkpoint writes as an ordinary HF dir that ``NLAClient`` and ``nla eval`` load
+  unchanged;
+- ``save_adapter`` / ``load_adapter``: the adapter alone, in peft's own format
+  (``adapter_config.json`` + ``adapter_model.safetensors``, keys ``base_model.model.*``), so
+  ``peft.PeftModel.from_pretrained(base, dir)`` also reads it; RL resumes from it on top of
+  the warm-started AV (the reference must stay that base).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["DEFAULT_TARGETS", "LoRASettings", "adapter_dir_for", "adapters_off", "apply_lora", "has_lora",
+           "held_state_bytes", "load_adapter", "merged_state_dict", "save_adapter"]
+
+# The linear projections of a Llama / Qwen2 / Gemma block (attention and MLP).
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER_PREFIX = "base_model.model."  # peft's PeftModel key prefix in adapter_model.safetensors
+
+
+@dataclass(frozen=True)
+class LoRASettings:
+    """LoRA rank ``r`` (0: off, full fine-tuning), ``alpha`` (scale = alpha / r), ``dropout``
+    and the module names to adapt."""
+
+    r: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+    def peft_config(self) -> Any:
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                          target_modules=list(self.target_modules), bias="none")
+
+
+def adapter_dir_for(model_dir: str | Path) -> Path:
+    """Where a checkpoint keeps the adapter of the merged model in ``model_dir``: ``<dir>_adapter``
+    beside it (``checkpoints/step_N/av`` -> ``checkpoints/step_N/av_adapter``)."""
+    model_dir = Path(model_dir)
+    return model_dir.with_name(model_dir.name + "_adapter")
+
+
+def _peft() -> Any:
+    try:
+        import peft
+    except ImportError:
+        raise ImportError("lora.r > 0 needs peft: install it with `pip install 'nla[lora]'`") from None
+    return peft
+
+
+def _lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, m in model.named_modules():
+        if isinstance(m, BaseTunerLayer):
+            yield name, m
+
+
+def has_lora(model: nn.Module) -> bool:
+    """Whether LoRA layers were injected into ``model``."""
+    try:
+        return any(True for _ in _lora_layers(model))
+    except ImportError:
+        return False
+
+
+def apply_lora(model: nn.Module, settings: LoRASettings) -> nn.Module:
+    """Inject ``settings``' adapters into ``model`` in place; only they stay trainable. Returns ``model``."""
+    peft = _peft()
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in settings.target_modules if t not in present]
+    if missing:
+        raise ValueError(f"lora.target_modules: {missing} are not modules of {type(model).__name__} "
+                         f"(it has e.g. {sorted(n for n in present if n.endswith('proj'))[:8]}); name its linear layers")
+    peft.inject_adapter_in_model(settings.peft_config(), model)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    model.nla_lora = settings  # what a checkpoint of this model records
+    return model
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Every LoRA layer of ``model`` computes its base layer only inside the block (the reference)."""
+    layers = [m for _, m in _lora_layers(model)]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.enable_adapters(True)  # (also marks the adapters trainable again, as they were)
+
+
+def _plain_key(key: str) -> str | None:
+    """A LoRA model's state-dict key as the plain model's (None for adapter weights)."""
+    if ".lora_" in key:
+        return None
+    return key.replace(".base_layer.", ".")
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The plain HF state dict of ``model`` with every adapter merged in (out of place)."""
+    state = model.state_dict()
+    out = {k2: v for k, v in state.items() if (k2 := _plain_key(k)) is not None}
+    for name, m in _lora_layers(model):
+        key = f"{name}.weight"
+        for adapter in m.active_adapters:
+            if adapter in getattr(m, "lora_A", {}):
+                out[key] = out[key] + m.get_delta_weight(adapter).to(out[key].dtype)
+    return out
+
+
+def save_adapter(model: nn.Module, directory: str | Path, base_model: str | Path) -> Path:
+    """The adapter weights and config in peft's format (``PeftModel.from_pretrained`` reads it)."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    settings: LoRASettings = model.nla_lora
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {ADAPTER_PREFIX + k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(model).items()}
+    save_file(state, str(directory / "adapter_model.safetensors"))
+    config = settings.peft_config()
+    config.base_model_name_or_path = str(base_model)
+    config.save_pretrained(str(directory))
+    (directory / "nla_lora.json").write_text(json.dumps({**asdict(settings), "base_model": str(base_model)}, indent=1))
+    return directory
+
+
+def load_adapter(model: nn.Module, directory: str | Path) -> None:
+    """Load adapter weights written by ``save_adapter`` into ``model`` (already ``apply_lora``'d)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    path = Path(directory) / "adapter_model.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no LoRA adapter here; resume a LoRA run from a checkpoint it wrote")
+    state = {k.removeprefix(ADAPTER_PREFIX): v for k, v in load_file(str(path)).items()}
+    result = set_peft_model_state_dict(model, state)
+    unexpected = list(getattr(result, "unexpected_keys", []) or [])
+    if unexpected:
+        raise ValueError(f"{path}: adapter weights {unexpected[:4]} do not match this model's LoRA layers "
+                         "(another lora.r / target_modules?)")
+
+
+def held_state_bytes(modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict[str, int]:
+    """Bytes held for training: distinct parameter storages of ``modules`` (a module shared by two
+    roles counts once), buffers, gradients held now, the optimizers' state tensors and the
+    trainable part. ``total`` counts a gradient per trainable value (what the step holds at
+    its peak; a finished step has set them to None)."""
+    seen: set[int] = set()
+    sizes = {"params": 0, "buffers": 0, "grads": 0}
+
+    def count(t: Tensor, kind: str) -> None:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            sizes[kind] += t.numel() * t.element_size()
+
+    for mod in modules:
+        for p in mod.parameters():
+            count(p, "params")
+            if p.grad is not None:
+                count(p.grad, "grads")
+        for b in mod.buffers():
+            count(b, "buffers")
+    opt = sum(v.numel() * v.element_size() for o in optimizers for s in o.state.values() for v in s.values()
+              if isinstance(v, Tensor) and v.numel() > 1)
+    distinct = {id(p): p for mod in modules for p in mod.parameters() if p.requires_grad}
+    trainable = sum(p.numel() * p.element_size() for p in distinct.values())
+    return {**sizes, "optimizer": opt, "trainable": trainable,
+            "total": sizes["params"] + sizes["buffers"] + max(sizes["grads"], trainable) + opt}
