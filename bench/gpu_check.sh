@@ -13,14 +13,15 @@
 # -d .whl NAME==VERSION`), carry `.whl` and set WHEELS=.whl: they are installed into /tmp/site
 # without network before anything runs.
 #
-# Steps (about 6 minutes on an H200 by estimate; it has not run on one yet: BENCHMARKS.md):
+# Steps (about 7 minutes on an H200 by estimate; it has not run on one yet: BENCHMARKS.md):
 # 1. `nla quickstart --preset $PRESET` builds the world, the data and the warm-started pair (every
 #    stage on the GPU where it has one) and runs its own RL and evaluations;
 # 2. the RL stage again from its rl_config.yaml for $STEPS steps on $DEVICE in $DTYPE (bf16
 #    where supported);
-# 3. one table: median step time (step 1 dropped: warm-up and the step-0 guard), samples/s,
-#    peak GPU memory, and the final eval FVE; then the quickstart's headline.
-# LoRA (issue 23, item 3) is not built yet: the "with LoRA" run of the issue is left out.
+# 3. the same RL run with LoRA on the AV (lora.r=16, lr 2e-3: nla.lora, needs peft, which the
+#    image has; LORA=0 skips it);
+# 4. one table, a column per run: median step time (step 1 dropped: warm-up and the step-0
+#    guard), samples/s, peak GPU memory, and the final eval FVE; then the quickstart's headline.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -28,6 +29,7 @@ OUT=${OUT:-runs/gpu_check}
 STEPS=${STEPS:-20}
 PRESET=${PRESET:-default}
 DEVICE=${DEVICE:-cuda}
+LORA=${LORA:-1}
 export PYTHONUNBUFFERED=1
 if [ -n "${WHEELS:-}" ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl
@@ -35,10 +37,11 @@ if [ -n "${WHEELS:-}" ]; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
-"$PY" - "$DEVICE" <<'PYEOF'
+"$PY" - "$DEVICE" "$LORA" <<'PYEOF'
 import importlib, sys
 missing = [m for m in ("torch", "transformers", "tokenizers", "safetensors", "pyarrow", "numpy", "yaml", "tqdm",
-                       "matplotlib") if importlib.util.find_spec(m) is None]
+                       "matplotlib") + (("peft",) if sys.argv[2] == "1" else ())
+           if importlib.util.find_spec(m) is None]
 if missing:
     sys.exit(f"missing packages: {', '.join(missing)}; bring them as wheels (see the top of bench/gpu_check.sh)")
 import torch, transformers
@@ -59,37 +62,52 @@ T0=$(date +%s)
 T1=$(date +%s)
 CFG="$OUT/quickstart/rl/rl_config.yaml"
 test -f "$CFG" || { echo "missing $CFG: the quickstart did not reach its RL stage" >&2; exit 1; }
-rm -rf "$OUT/rl"
-"$PY" -m nla.cli rl --config "$CFG" --out "$OUT/rl" --steps "$STEPS" --set device="$DEVICE" --set dtype="$DTYPE" \
-  --set progress=false --set checkpointing.save_every="$STEPS" --set eval_every="$STEPS" --set log_every=1
+rm -rf "$OUT/rl" "$OUT/rl_lora"
+RL_ARGS=(--steps "$STEPS" --set device="$DEVICE" --set dtype="$DTYPE" --set progress=false
+         --set checkpointing.save_every="$STEPS" --set eval_every="$STEPS" --set log_every=1)
+"$PY" -m nla.cli rl --config "$CFG" --out "$OUT/rl" "${RL_ARGS[@]}"
 T2=$(date +%s)
+RUNS="rl"
+if [ "$LORA" = 1 ]; then
+  "$PY" -m nla.cli rl --config "$CFG" --out "$OUT/rl_lora" "${RL_ARGS[@]}" --set lora.r=16 --set optimiser.lr=2e-3
+  RUNS="rl rl_lora"
+fi
+T3=$(date +%s)
 
-"$PY" - "$OUT" "$DTYPE" "$DEVICE" "$((T1 - T0))" "$((T2 - T1))" <<'PYEOF'
+"$PY" - "$OUT" "$DTYPE" "$DEVICE" "$((T1 - T0))" "$((T2 - T1))" "$((T3 - T2))" $RUNS <<'PYEOF'
 import json, statistics, sys
 from pathlib import Path
 
 import yaml
 
-out, dtype, device, qs_s, rl_s = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+out, dtype, device = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+qs_s, rl_s, lora_s, runs = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7:]
 cfg = yaml.safe_load((out / "quickstart" / "rl" / "rl_config.yaml").read_text())
 samples = cfg["rollout"]["rollout_batch_size"] * cfg["rollout"]["n_samples_per_prompt"]
-recs = [json.loads(line) for line in (out / "rl" / "rl.jsonl").read_text().splitlines() if line.strip()]
-recs = [r for r in recs if "time_step" in r]
-steady = recs[1:] or recs
-step = statistics.median(r["time_step"] for r in steady)
-gen = statistics.median(r.get("time_generate", float("nan")) for r in steady)
-peak = max((r.get("gpu_mem_peak_gib", float("nan")) for r in recs), default=float("nan"))
-fve = next((r["eval_fve_nrm"] for r in reversed(recs) if "eval_fve_nrm" in r), float("nan"))
+
+
+def measures(run: str) -> dict[str, str]:
+    recs = [json.loads(line) for line in (out / run / "rl.jsonl").read_text().splitlines() if line.strip()]
+    recs = [r for r in recs if "time_step" in r]
+    steady = recs[1:] or recs
+    step = statistics.median(r["time_step"] for r in steady)
+    gen = statistics.median(r.get("time_generate", float("nan")) for r in steady)
+    peak = max((r.get("gpu_mem_peak_gib", float("nan")) for r in recs), default=float("nan"))
+    fve = next((r["eval_fve_nrm"] for r in reversed(recs) if "eval_fve_nrm" in r), float("nan"))
+    return {"RL steps": str(len(recs)), "median RL step, s": f"{step:.3f}",
+            "median generation per step, s": f"{gen:.3f}", "rollout samples/s (whole step)": f"{samples / step:.1f}",
+            "peak GPU memory, GiB": f"{peak:.2f}", "eval FVE after these steps": f"{fve:.3f}",
+            "run wall, s": str(rl_s if run == "rl" else lora_s)}
+
+
+cols = {run: measures(run) for run in runs}
+names = {"rl": "full fine-tuning", "rl_lora": "LoRA r=16"}
+print(f"\n| measure ({device}, {dtype}, {samples} samples per step) | " + " | ".join(names[r] for r in runs) + " |")
+print("|---|" + "---|" * len(runs))
+for key in cols[runs[0]]:
+    print(f"| {key} | " + " | ".join(cols[r][key] for r in runs) + " |")
 head = json.loads((out / "quickstart" / "report.json").read_text())["headline"]
-print(f"\n| measure ({device}, {dtype}, {len(recs)} RL steps, {samples} samples per step) | value |")
-print("|---|---|")
-for name, v in (("median RL step, s", f"{step:.3f}"), ("median generation per step, s", f"{gen:.3f}"),
-                ("rollout samples/s (whole step)", f"{samples / step:.1f}"),
-                ("peak GPU memory, GiB", f"{peak:.2f}"), ("eval FVE after these steps", f"{fve:.3f}"),
-                ("quickstart wall, s (world, data, warm-starts, its RL, evals)", qs_s),
-                ("this RL run wall, s", rl_s),
-                ("quickstart round-trip FVE warm -> RL", f"{head['round_trip_fve_warmstart']:.3f} -> "
-                                                          f"{head['round_trip_fve_rl']:.3f}"),
-                ("quickstart recall / precision after RL", f"{head['recall_rl']:.3f} / {head['precision_rl']:.3f}")):
-    print(f"| {name} | {v} |")
+print(f"\nquickstart wall {qs_s} s (world, data, warm-starts, its RL, evals); round-trip FVE warm -> RL "
+      f"{head['round_trip_fve_warmstart']:.3f} -> {head['round_trip_fve_rl']:.3f}; recall / precision after RL "
+      f"{head['recall_rl']:.3f} / {head['precision_rl']:.3f}")
 PYEOF
