@@ -137,6 +137,21 @@ def measure(pair: dict[str, str] | RLConfig, out: Path, layout: str, steps: int,
     return med
 
 
+TIMES_HEAD = f"{'gen s':>7} {'reward s':>9} {'policy s':>9} {'ar s':>7} {'build s':>8}"
+
+
+def _times(m: dict[str, float]) -> str:
+    return (f"{m['time_generate']:7.3f} {m['time_reward']:9.3f} {m['time_policy']:9.3f} {m['time_ar']:7.3f} "
+            f"{m['build']:8.2f}")
+
+
+def _table(head: str, lines: list[str]) -> None:
+    print(head)
+    print("-" * len(head))
+    for line in lines:
+        print(line)
+
+
 def main_from_run(run_dir: Path, layouts: list[str], steps: int, prompts: int | None) -> None:
     with tempfile.TemporaryDirectory(prefix="nla-bench-rl-") as tmp:
         rows = {}
@@ -148,15 +163,12 @@ def main_from_run(run_dir: Path, layouts: list[str], steps: int, prompts: int | 
     base = rows[layouts[0]]
     print(f"\nRL step of {run_dir} ({int(base['samples'])} samples/step), median of steps 2..{steps}, "
           f"one torch thread per process; ratios against {layouts[0]}")
-    head = f"{'layout':<8} {'samples/s':>10} {'vs':>7} {'step s':>8} {'vs':>7} {'gen s':>7} {'reward s':>9} " \
-           f"{'policy s':>9} {'ar s':>7} {'build s':>8}"
-    print(head)
-    print("-" * len(head))
+    lines = []
     for lay, m in rows.items():
         sps = m["samples"] / m["time_generate"]
-        print(f"{lay:<8} {sps:10.1f} {sps / (base['samples'] / base['time_generate']):6.2f}x {m['time_step']:8.3f} "
-              f"{base['time_step'] / m['time_step']:6.2f}x {m['time_generate']:7.3f} {m['time_reward']:9.3f} "
-              f"{m['time_policy']:9.3f} {m['time_ar']:7.3f} {m['build']:8.2f}")
+        lines.append(f"{lay:<8} {sps:10.1f} {sps / (base['samples'] / base['time_generate']):6.2f}x "
+                     f"{m['time_step']:8.3f} {base['time_step'] / m['time_step']:6.2f}x " + _times(m))
+    _table(f"{'layout':<8} {'samples/s':>10} {'vs':>7} {'step s':>8} {'vs':>7} " + TIMES_HEAD, lines)
     print("samples/s: rollout samples per second of generation; step 'vs': speed-up of the whole step")
 
 
@@ -185,13 +197,8 @@ def main() -> None:
     base = rows.get("local", next(iter(rows.values())))["time_step"]
     print(f"\nRL step time, median of steps 2..{args.steps}, {args.prompts}x{args.samples} samples/step, "
           f"{torch.get_num_threads()} driver thread(s), world tiny model (d={D})")
-    head = f"{'layout':<8} {'step s':>8} {'vs local':>9} {'gen s':>7} {'reward s':>9} {'policy s':>9} {'ar s':>7} " \
-           f"{'build s':>8}"
-    print(head)
-    print("-" * len(head))
-    for lay, m in rows.items():
-        print(f"{lay:<8} {m['time_step']:8.3f} {m['time_step'] / base:8.2f}x {m['time_generate']:7.3f} "
-              f"{m['time_reward']:9.3f} {m['time_policy']:9.3f} {m['time_ar']:7.3f} {m['build']:8.2f}")
+    _table(f"{'layout':<8} {'step s':>8} {'vs local':>9} " + TIMES_HEAD,
+           [f"{lay:<8} {m['time_step']:8.3f} {m['time_step'] / base:8.2f}x " + _times(m) for lay, m in rows.items()])
     print("layout PxA = ray backend with P policy ranks (FSDP2) and A reconstructor ranks; build = actor "
           "start + model load + sharding (local: model load)")
 

@@ -119,11 +119,14 @@ def test_rl_with_lora_holds_one_av_trains_adapters_and_resumes(pair, tmp_path): 
     after; only the adapters move; the checkpoint is a plain merged HF dir + av_adapter/, and a
     resumed run continues from the adapter."""
     full = tmp_path / "full"
-    run_rl(_cfg(pair, full, steps=2))
+    full_cfg = _cfg(pair, full, steps=2)
+    full_groups = build_groups(full_cfg)
+    run_rl(full_cfg, groups=full_groups)
     lora_cfg = _cfg(pair, tmp_path / "lora", steps=2, lora=dict(r=4, alpha=8.0), optimiser=dict(lr=3e-3))
     groups = build_groups(lora_cfg)
     assert groups.reference.model is groups.policy.model is groups.rollout.model  # one AV in memory
     res = run_rl(lora_cfg, groups=groups)
+    _held_state_falls(full_groups, groups)
     a = [r for r in read_metrics(full / "rl.jsonl") if "reward_mean" in r]
     b = [r for r in read_metrics(tmp_path / "lora" / "rl.jsonl") if "reward_mean" in r]
     assert b[0]["reward_mean"] == pytest.approx(a[0]["reward_mean"], rel=1e-6)  # same tokens at step 1
@@ -146,17 +149,14 @@ def test_rl_with_lora_holds_one_av_trains_adapters_and_resumes(pair, tmp_path): 
     resumed.close()
 
 
-def test_lora_holds_far_less_training_state(pair, tmp_path):  # noqa: F811
-    """Held parameters + gradients + optimizer state of the AV roles after one step: full
-    fine-tuning holds the policy, a reference copy, their gradients and Adam's two moments;
+def _held_state_falls(full_groups, lora_groups) -> None:
+    """Held parameters + gradients + optimizer state of the AV roles after the runs: full
+    fine-tuning holds the policy, a reference copy, a gradient per value and Adam's two moments;
     LoRA one AV plus small adapters (the ratio is measured in bench/bench_lora_memory.py)."""
-    def held(cfg):
-        g = build_groups(cfg)
-        run_rl(cfg, groups=g)
+    def held(g):
         return held_state_bytes([g.policy.model, g.reference.model, g.rollout.model], [g.policy.opt])
 
-    full = held(_cfg(pair, tmp_path / "f", steps=1))
-    lora = held(_cfg(pair, tmp_path / "l", steps=1, lora=dict(r=4)))
+    full, lora = held(full_groups), held(lora_groups)
     p = full["trainable"]  # one AV's parameters
     assert full["params"] == 2 * p  # policy + reference copy (the rollout shares the policy)
     assert full["optimizer"] == 2 * p  # Adam's two moments per trained value
