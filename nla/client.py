@@ -202,10 +202,20 @@ class NLAClient:
             from transformers import AutoModelForCausalLM
 
             path = Path(av)
+            from nla.lora import is_adapter_dir, load_merged
+
+            if is_adapter_dir(path):  # a LoRA adapter (nla.lora): its base AV with the adapter merged in
+                try:
+                    av_model, path = load_merged(path, dt)
+                except FileNotFoundError as err:
+                    raise NLAClientError(str(err)) from None
+                av_model = av_model.to(dev).eval()
+                check_checkpoint(path, "av")
             av_side = explicit or load_checkpoint_sidecar(path, "av")
-            check_checkpoint(path, "av")
+            if av_model is None:
+                check_checkpoint(path, "av")
+                av_model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, use_safetensors=True).to(dev).eval()
             av_tok = _checkpoint_tokenizer(path, "av")
-            av_model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, use_safetensors=True).to(dev).eval()
         ar_model = ar_tok = ar_side = None
         if ar is not None:
             path = Path(ar)

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["DEFAULT_TARGETS", "LoRASettings", "adapter_dir_for", "adapters_off", "apply_lora", "has_lora",
-           "held_state_bytes", "load_adapter", "merged_state_dict", "save_adapter"]
+           "held_state_bytes", "is_adapter_dir", "load_adapter", "load_merged", "merged_state_dict", "save_adapter"]
 
 # The linear projections of a Llama / Qwen2 / Gemma block (attention and MLP).
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -150,10 +150,32 @@ def save_adapter(model: nn.Module, directory: str | Path, base_model: str | Path
     state = {ADAPTER_PREFIX + k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(model).items()}
     save_file(state, str(directory / "adapter_model.safetensors"))
     config = settings.peft_config()
-    config.base_model_name_or_path = str(base_model)
+    base = str(Path(base_model).resolve()) if str(base_model) else ""
+    config.base_model_name_or_path = base
     config.save_pretrained(str(directory))
-    (directory / "nla_lora.json").write_text(json.dumps({**asdict(settings), "base_model": str(base_model)}, indent=1))
+    (directory / "nla_lora.json").write_text(json.dumps({**asdict(settings), "base_model": base}, indent=1))
     return directory
+
+
+def is_adapter_dir(directory: str | Path) -> bool:
+    """Whether ``directory`` is an adapter written by ``save_adapter`` (``nla_lora.json`` + peft files)."""
+    d = Path(directory)
+    return (d / "nla_lora.json").is_file() and (d / "adapter_config.json").is_file()
+
+
+def load_merged(directory: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Path]:
+    """The plain AV of an adapter dir: its recorded base with the adapter merged in (peft's
+    ``merge_and_unload``), and the base's path (whose sidecar and tokenizer the AV uses)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    meta = json.loads((Path(directory) / "nla_lora.json").read_text())
+    base = Path(meta.get("base_model") or "")
+    if not str(base) or not (base / "config.json").is_file():
+        raise FileNotFoundError(f"{directory}: the adapter's base AV {str(base)!r} (nla_lora.json base_model) is "
+                                "not a checkpoint dir here; load the merged AV dir beside the adapter instead")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, use_safetensors=True)
+    return PeftModel.from_pretrained(model, str(directory)).merge_and_unload(), base
 
 
 def load_adapter(model: nn.Module, directory: str | Path) -> None:

@@ -143,6 +143,17 @@ def test_rl_with_lora_holds_one_av_trains_adapters_and_resumes(pair, tmp_path): 
     moved = [k for k, v in merged.state_dict().items() if not torch.equal(v, base[k])]
     assert moved and all(any(t in k for t in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                               "down_proj")) for k in moved)
+    # NLAClient loads the adapter dir (its base + the adapter) as it loads the merged dir
+    from nla.client import NLAClient, NLAClientError
+
+    vec = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    by_merged = NLAClient(ckpt / "av").verbalize(vec, greedy=True, max_new_tokens=12)
+    by_adapter = NLAClient(adapter_dir_for(ckpt / "av")).verbalize(vec, greedy=True, max_new_tokens=12)
+    assert [v.text for v in by_adapter] == [v.text for v in by_merged]
+    meta = adapter_dir_for(ckpt / "av") / "nla_lora.json"
+    meta.write_text(meta.read_text().replace(json.loads(meta.read_text())["base_model"], "/nonexistent/av"))
+    with pytest.raises(NLAClientError, match="the adapter's base AV '/nonexistent/av'.*merged AV dir"):
+        NLAClient(adapter_dir_for(ckpt / "av"))
     # resume: 3 steps in total from the step-2 checkpoint, with the adapter (not a fresh one)
     resumed = build_groups(lora_cfg.replace(steps=3), ckpt / "av", ckpt / "ar")
     torch.testing.assert_close(merged_state_dict(resumed.policy.model), merged.state_dict(), rtol=0, atol=1e-6)
