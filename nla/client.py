@@ -201,9 +201,9 @@ class NLAClient:
         if av is not None:
             from transformers import AutoModelForCausalLM
 
-            path = Path(av)
             from nla.lora import is_adapter_dir, load_merged
 
+            path = Path(av)
             if is_adapter_dir(path):  # a LoRA adapter (nla.lora): its base AV with the adapter merged in
                 try:
                     av_model, path = load_merged(path, dt)

@@ -93,10 +93,6 @@ class DataParallel:
         """Sum metric dicts over the ranks (keys may differ)."""
         return dict(values)
 
-    def gather_counts(self, counts: Tensor) -> Tensor:
-        """Every rank's small integer vector ``counts`` [k] -> [W, k] in rank order (collective)."""
-        return counts.reshape(1, -1).clone()
-
     def max_count(self, value: int) -> int:
         """The largest ``value`` over the ranks (collective): e.g. the forward count all ranks must run."""
         return int(value)
@@ -141,17 +137,13 @@ class RankGroup(DataParallel):
     def sum(self, values: dict[str, float]) -> dict[str, float]:
         return sum_across_ranks(values)
 
-    def gather_counts(self, counts: Tensor) -> Tensor:
+    def max_count(self, value: int) -> int:
         import torch.distributed as dist
 
         dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-        local = counts.reshape(-1).to(device=dev, dtype=torch.long)
-        out = [torch.empty_like(local) for _ in range(self.world)]
-        dist.all_gather(out, local)
-        return torch.stack(out).cpu()
-
-    def max_count(self, value: int) -> int:
-        return int(self.gather_counts(torch.tensor([value])).max())
+        t = torch.tensor([value], dtype=torch.long, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
 
     def copy_full_weights(self, src: nn.Module, dst: nn.Module) -> None:
         from torch.distributed.tensor import DTensor
@@ -191,7 +183,7 @@ class Dispatch:
     answer: ``"cat"``: the ranks' results joined in rank order (a Rollout by ``Rollout.concat``,
     tensors by ``torch.cat``); ``"first"``: rank 0's result (every rank ran the call, whose
     collectives need them all); ``"none"``.
-    collective: what the ranks do together during the call (documentation, shown in errors).
+    collective: what the ranks do together during the call (documentation; docs/ray.md's table).
     seeded: the driver's torch RNG state travels to every rank and rank 0's advanced state comes
     back, so the driver's stream advances as in a local run.
     share: (split only) each rank is also told ``share=(index of its first row, rows of the

@@ -10,9 +10,9 @@ Layout (DESIGN §4):
 1. **policy group**: ``num_policy_workers`` ``RoleHost`` actors, one placement group. Each
    hosts an FSDP2 shard of the trained AV (``policy`` role), of the frozen reference AV
    (``reference`` role: each rank scores its slice of the rollout) and an *unsharded* copy of
-   the AV (``rollout`` role): each rank generates its share of the prompts, in step with the
-   others (``nla.rl.sampling``: the draws are those of one batch, so any number of generating
-   ranks samples the local run's tokens), and ``sync_weights`` streams the full weights from
+   the AV (``rollout`` role): each rank generates its share of the prompts on its own, with no
+   collective (``nla.rl.sampling``, item 5: every output row has its own uniforms, so any number
+   of generating ranks samples the local run's tokens), and ``sync_weights`` streams the full weights from
    the shards into every copy after each step. A separate copy rather than generating with the
    FSDP module because HF-style decoding makes a data-dependent number of forwards, and FSDP
    forwards are collective.

@@ -85,20 +85,23 @@ def build_policy_roles(cfg: RLConfig, policy_dir: str | Path, dp: DataParallel, 
     dtype = resolve_dtype(cfg.dtype)
     av_side, _ = load_pair_sidecars(cfg.av, cfg.ar)
     lora = cfg.lora.settings()
-    if lora.enabled:
-        return _lora_policy_roles(cfg, lora, policy_dir, av_side, dp, device, dtype)
-    model, tok = load_av(policy_dir, device, dtype)
-    verify_tokenizer(av_side, tok)
-    ref, _ = load_av(cfg.av, device, dtype)
-    ref.eval().requires_grad_(False)
+    if lora.enabled:  # one module: the reference is it with the adapters off, the rollout shares it
+        model, tok = _lora_policy(cfg, lora, policy_dir, av_side, dp, device, dtype)
+        ref = model
+    else:
+        model, tok = load_av(policy_dir, device, dtype)
+        verify_tokenizer(av_side, tok)
+        ref, _ = load_av(cfg.av, device, dtype)
+        ref.eval().requires_grad_(False)
     # The value model copies the policy's body: from the unsharded policy, before it is sharded.
     value_model = ValueModel(model).to(device) if get_advantage_estimator(cfg.loss.advantage).needs_values else None
     dp.shard(model, arch.decoder_layers(model))
-    dp.shard(ref, arch.decoder_layers(ref))
+    if ref is not model:
+        dp.shard(ref, arch.decoder_layers(ref))
     roles: dict[str, Any] = {
         "policy": PolicyWorker(model, tok, av_side, PolicyLossSettings.from_config(cfg), OptimSettings.for_policy(cfg),
                                dp),
-        "reference": ReferenceWorker(ref, av_side, cfg.optimiser.micro_batch_size, dp),
+        "reference": ReferenceWorker(ref, av_side, cfg.optimiser.micro_batch_size, dp, adapters_off=ref is model),
     }
     rollout_model = load_av(policy_dir, device, dtype)[0] if rollout_copy else model
     roles["rollout"] = RolloutWorker(rollout_model, tok, av_side, device, dp)
@@ -109,11 +112,10 @@ def build_policy_roles(cfg: RLConfig, policy_dir: str | Path, dp: DataParallel, 
     return roles
 
 
-def _lora_policy_roles(cfg: RLConfig, lora: Any, policy_dir: str | Path, av_side: Any, dp: DataParallel,
-                       device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    """The roles with LoRA (``nla.lora``): one module, the warm-started AV with adapters (from
-    ``policy_dir``'s ``_adapter`` dir on resume); the reference is it with the adapters off and
-    the rollout shares it."""
+def _lora_policy(cfg: RLConfig, lora: Any, policy_dir: str | Path, av_side: Any, dp: DataParallel,
+                 device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+    """The LoRA policy (``nla.lora``): the warm-started AV with adapters (from ``policy_dir``'s
+    ``_adapter`` dir on resume), and its tokenizer."""
     from nla.lora import adapter_dir_for, apply_lora, load_adapter
 
     if dp.world > 1:
@@ -129,12 +131,7 @@ def _lora_policy_roles(cfg: RLConfig, lora: Any, policy_dir: str | Path, av_side
         raise RLSetupError(str(err)) from None
     if Path(policy_dir).resolve() != Path(cfg.av).resolve():  # resume: the policy is base + saved adapter
         load_adapter(model, adapter_dir_for(policy_dir))
-    return {
-        "policy": PolicyWorker(model, tok, av_side, PolicyLossSettings.from_config(cfg), OptimSettings.for_policy(cfg),
-                               dp),
-        "reference": ReferenceWorker(model, av_side, cfg.optimiser.micro_batch_size, dp, adapters_off=True),
-        "rollout": RolloutWorker(model, tok, av_side, device, dp),
-    }
+    return model, tok
 
 
 def build_reconstructor_role(cfg: RLConfig, ar_dir: str | Path, dp: DataParallel, device: torch.device

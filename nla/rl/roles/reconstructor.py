@@ -219,8 +219,7 @@ class ReconstructorWorker(Trainable):
         batch split over AR ranks scores what one rank would.
         """
         exps = [e for e, _ in items]
-        d = self.sidecar.d_model or 1
-        gold = torch.stack([g for _, g in items]).float() if items else torch.zeros(0, d)
+        gold = torch.stack([g for _, g in items]).float() if items else torch.zeros(0, self.sidecar.d_model)
         order = sorted(range(len(exps)), key=lambda i: -len(exps[i]))
         out = torch.empty(len(exps))
         forwards = math.ceil(len(order) / REWARD_SUB_BATCH)

@@ -79,10 +79,12 @@ class ValueWorker(Trainable):
         """Values [n_r, L] of this rank's rows (every row locally), in row order."""
         self.model.eval()
         mine = self.dp.my_rows(torch.arange(rollout.n))
-        out = [self._values(rollout, idx).cpu() if real else None
-               for idx, real in rank_micro_batches(self.dp, mine, rollout.n, self.micro_batch_size)]
-        kept = [v for v in out if v is not None]
-        return torch.cat(kept) if kept else torch.zeros(0, rollout.response_ids.shape[1])
+        out = [torch.zeros(0, rollout.response_ids.shape[1])]
+        for idx, real in rank_micro_batches(self.dp, mine, rollout.n, self.micro_batch_size):
+            v = self._values(rollout, idx).cpu()  # a dummy micro-batch runs too: FSDP forwards are collective
+            if real:
+                out.append(v)
+        return torch.cat(out)
 
     def update(self, rollout: Rollout, old_values: Tensor, returns: Tensor) -> dict[str, float]:
         """One value step on GAE returns: each rank its rows, each micro-batch weighted by its
