@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from nla import arch
+from nla.injection import get_adapter
 from nla.provenance import Provenance, check_provenance
 from nla.reconstructor import VALUE_HEAD_FILE, Reconstructor, tokenize_ar_texts
 from nla.reward import Status, charge_failures, failed_mse
@@ -199,8 +200,7 @@ class NLAClient:
         explicit = load_sidecar(sidecar) if sidecar is not None else None
         av_model = av_tok = av_side = None
         if av is not None:
-            from transformers import AutoModelForCausalLM
-
+            from nla.injection import load_av_model
             from nla.lora import is_adapter_dir, load_merged
 
             path = Path(av)
@@ -214,7 +214,10 @@ class NLAClient:
             av_side = explicit or load_checkpoint_sidecar(path, "av")
             if av_model is None:
                 check_checkpoint(path, "av")
-                av_model = AutoModelForCausalLM.from_pretrained(path, dtype=dt, use_safetensors=True).to(dev).eval()
+                try:
+                    av_model = load_av_model(path, av_side, dtype=dt).to(dev).eval()  # + its injection adapter
+                except (FileNotFoundError, ValueError) as err:
+                    raise NLAClientError(str(err)) from None
             av_tok = _checkpoint_tokenizer(path, "av")
         ar_model = ar_tok = ar_side = None
         if ar is not None:
@@ -270,11 +273,17 @@ class NLAClient:
                 continue
             verify_tokenizer(side, tok)
             width = arch.hidden_size(model.config)
-            if width != side.d_model:
+            if width != side.own_width:
+                key = "model.hidden_size" if side.model_width is not None else "d_model"
                 raise NLAClientError(
-                    f"d_model: the {role.upper()} sidecar says {side.d_model} but the {role.upper()} model has width "
+                    f"{key}: the {role.upper()} sidecar says {side.own_width} but the {role.upper()} model has width "
                     f"{width}; the sidecar does not belong to this checkpoint"
                 )
+            if role == "av" and side.own_width != side.d_model and get_adapter(model) is None:
+                raise NLAClientError(
+                    f"the AV has width {width} but reads {side.d_model}-d vectors: it needs its injection adapter "
+                    "(injection_adapter in the sidecar, nla_injection_adapter.safetensors); load it with "
+                    "nla.injection.load_av_model")
         if av_side is not None and ar_side is not None and av_side.d_model != ar_side.d_model:
             raise NLAClientError(
                 f"d_model: the AV sidecar says {av_side.d_model} but the AR sidecar says {ar_side.d_model}; the two "

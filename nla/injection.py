@@ -8,6 +8,14 @@ writes in its own response (or one that appears in a document) is not mistaken f
 prompt's marker. Sites are filled in row-major order, so a packed ``[1, T]`` sequence
 holding several prompts takes its vectors in prompt order, exactly like a padded ``[B, S]``
 batch with one prompt per row.
+
+An AV may carry a learned :class:`InjectionAdapter` (an affine map from the subject's width to
+its own embedding width; DESIGN's future work "a learned injection adapter", and what lets a
+model of another width explain the subject). It is a submodule of the AV (attribute
+``nla_injection_adapter``), so optimisers, sharding, weight syncs and copies carry it with the
+rest of the weights; it is saved beside the HF files (``nla_injection_adapter.safetensors``,
+recorded in the sidecar's ``injection_adapter`` block), never inside them, so the HF dir stays
+a plain causal LM.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +32,124 @@ from torch import Tensor, nn
 from nla.vectors import normalize_activation
 
 logger = logging.getLogger(__name__)
+
+ADAPTER_ATTR = "nla_injection_adapter"  # the adapter's submodule name on the AV
+ADAPTER_FILE = "nla_injection_adapter.safetensors"
+
+
+class InjectionAdapter(nn.Module):
+    """``v -> W v + b``: a vector of the subject's width ``d_in`` (already rescaled to
+    ``injection_scale``) to the AV's embedding width ``d_out``.
+
+    Initialised so that training starts from today's fixed-scale injection: the identity
+    when the widths are equal; otherwise a seeded random map with orthonormal rows (or
+    columns), times ``sqrt(d_in / d_out)`` when it narrows, so a typical vector keeps its norm.
+    """
+
+    def __init__(self, d_in: int, d_out: int, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.d_in, self.d_out = int(d_in), int(d_out)
+        self.proj = nn.Linear(self.d_in, self.d_out, bias=True, dtype=dtype)
+        with torch.no_grad():
+            self.proj.weight.copy_(adapter_init(self.d_in, self.d_out, seed).to(dtype))
+            self.proj.bias.zero_()
+
+    def forward(self, v: Tensor) -> Tensor:
+        if v.shape[-1] != self.d_in:
+            raise ValueError(f"injection adapter: vectors of width {v.shape[-1]}, expected {self.d_in} (the subject's "
+                             "d_model this AV was trained for); extract them from that subject and layer")
+        return self.proj(v.to(dtype=self.proj.weight.dtype, device=self.proj.weight.device))
+
+    def describe(self) -> dict[str, Any]:
+        """The sidecar's ``injection_adapter`` block."""
+        return {"kind": "affine", "d_in": self.d_in, "d_out": self.d_out, "file": ADAPTER_FILE}
+
+
+def adapter_init(d_in: int, d_out: int, seed: int = 0) -> Tensor:
+    """The starting weight [d_out, d_in] of :class:`InjectionAdapter` (see there)."""
+    if d_in == d_out:
+        return torch.eye(d_out)
+    g = torch.Generator().manual_seed(int(seed))
+    q, _ = torch.linalg.qr(torch.randn(max(d_in, d_out), min(d_in, d_out), generator=g))  # orthonormal columns
+    w = q.T if d_out < d_in else q  # [d_out, d_in]: orthonormal rows when narrowing, columns when widening
+    return w * (d_in / d_out) ** 0.5 if d_out < d_in else w
+
+
+def get_adapter(model: nn.Module) -> InjectionAdapter | None:
+    """The AV's injection adapter, or None (``model`` may be a causal LM or an FSDP-wrapped one)."""
+    adapter = getattr(model, ADAPTER_ATTR, None)
+    return adapter if isinstance(adapter, InjectionAdapter) else None
+
+
+def attach_adapter(model: nn.Module, adapter: InjectionAdapter) -> InjectionAdapter:
+    """Register ``adapter`` on ``model`` (moved to the model's device) before hooks and optimisers are built."""
+    if get_adapter(model) is not None:
+        raise ValueError("attach_adapter: the AV already carries an injection adapter")
+    width = model.get_input_embeddings().weight.shape[-1]
+    if adapter.d_out != width:
+        raise ValueError(f"injection adapter: maps to width {adapter.d_out}, but the AV's embeddings have width {width}")
+    param = next(model.parameters())
+    model.add_module(ADAPTER_ATTR, adapter.to(device=param.device))
+    return adapter
+
+
+def split_adapter_state(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """A full AV state dict -> (the plain HF part, the adapter's own keys ``proj.weight`` / ``proj.bias``)."""
+    prefix = ADAPTER_ATTR + "."
+    plain = {k: v for k, v in state.items() if not k.startswith(prefix)}
+    own = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+    return plain, own
+
+
+def save_adapter_file(adapter_state: dict[str, Tensor], directory: str | Path) -> Path:
+    """Write the adapter's weights (``proj.weight`` [d_out, d_in], ``proj.bias`` [d_out]) into ``directory``."""
+    from safetensors.torch import save_file
+
+    path = Path(directory) / ADAPTER_FILE
+    save_file({k: v.detach().cpu().contiguous() for k, v in adapter_state.items()}, str(path))
+    return path
+
+
+def load_adapter_file(directory: str | Path, sidecar: Any, *, dtype: torch.dtype = torch.float32) -> InjectionAdapter:
+    """The adapter the sidecar's ``injection_adapter`` block names, from ``directory``."""
+    from safetensors.torch import load_file
+
+    spec = sidecar.injection_adapter
+    path = Path(directory) / spec["file"]
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the sidecar's injection_adapter names this file but it is missing; the AV "
+                                "cannot read vectors without it. Restore the checkpoint dir as it was written")
+    state = load_file(str(path))
+    adapter = InjectionAdapter(spec["d_in"], spec["d_out"], dtype=dtype)
+    want = {k: tuple(v.shape) for k, v in adapter.proj.state_dict().items()}
+    found = {k.removeprefix("proj."): tuple(v.shape) for k, v in state.items()}
+    if want != found:
+        raise ValueError(f"{path}: adapter weights {found}, expected {want} (injection_adapter d_in "
+                         f"{spec['d_in']}, d_out {spec['d_out']}); the file does not belong to this sidecar")
+    adapter.proj.load_state_dict({k.removeprefix("proj."): v for k, v in state.items()})
+    return adapter
+
+
+def save_av_weights(model: nn.Module, directory: str | Path, state_dict: dict[str, Tensor] | None = None) -> None:
+    """``model.save_pretrained`` (safetensors) of the plain HF part, and the injection adapter's file
+    beside it when the AV has one. ``state_dict``: the full weights to write (gathered or merged)."""
+    adapter = get_adapter(model)
+    if adapter is None:
+        model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
+        return
+    plain, own = split_adapter_state(model.state_dict() if state_dict is None else state_dict)
+    model.save_pretrained(directory, state_dict=plain, safe_serialization=True)
+    save_adapter_file(own, directory)
+
+
+def load_av_model(path: str | Path, sidecar: Any, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """An AV checkpoint dir as a causal LM, with its injection adapter attached when the sidecar has one."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, use_safetensors=True)
+    if sidecar is not None and sidecar.injection_adapter is not None:
+        attach_adapter(model, load_adapter_file(path, sidecar, dtype=dtype))
+    return model
 
 
 def find_injection_sites(input_ids: Tensor, inj_id: int, left_id: int, right_id: int) -> Tensor:
@@ -93,8 +220,11 @@ class InjectionHook:
     Outside a ``vectors`` block the hook does nothing.
     """
 
-    def __init__(self, model: nn.Module, inj_id: int, left_id: int, right_id: int, scale: float | None) -> None:
+    def __init__(self, model: nn.Module, inj_id: int, left_id: int, right_id: int, scale: float | None,
+                 adapter: InjectionAdapter | None = None) -> None:
         self.inj_id, self.left_id, self.right_id, self.scale = inj_id, left_id, right_id, scale
+        # the learned map to the AV's width (None: inject the rescaled vector as it is)
+        self.adapter = adapter if adapter is not None else get_adapter(model)
         self._vectors: Tensor | None = None
         self._forwards = 0
         self._applied = 0
@@ -119,6 +249,9 @@ class InjectionHook:
             raise RuntimeError("InjectionHook.vectors: blocks cannot be nested; leave the current block first")
         if v.ndim == 1:
             v = v.unsqueeze(0)
+        if self.adapter is not None and v.shape[-1] != self.adapter.d_in:
+            raise ValueError(f"injection: vectors of width {v.shape[-1]}, but this AV reads {self.adapter.d_in}-d vectors "
+                             "(its injection adapter's d_in, the subject's d_model); extract them from that subject")
         self._vectors = normalize_activation(v, self.scale)
         self._forwards = self._applied = 0
         ok = False
@@ -147,7 +280,8 @@ class InjectionHook:
             return None
         self._applied += 1
         out = output if output.ndim == 3 else output.unsqueeze(0)
-        injected = inject_at_marked_positions(ids, out, self._vectors, self.inj_id, self.left_id, self.right_id)
+        vectors = self._vectors if self.adapter is None else self.adapter(self._vectors)
+        injected = inject_at_marked_positions(ids, out, vectors, self.inj_id, self.left_id, self.right_id)
         return injected if output.ndim == 3 else injected.squeeze(0)
 
     @property

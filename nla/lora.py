@@ -174,8 +174,15 @@ def load_merged(directory: str | Path, dtype: torch.dtype = torch.float32) -> tu
     if not str(base) or not (base / "config.json").is_file():
         raise FileNotFoundError(f"{directory}: the adapter's base AV {str(base)!r} (nla_lora.json base_model) is "
                                 "not a checkpoint dir here; load the merged AV dir beside the adapter instead")
+    from nla.injection import attach_adapter, load_adapter_file
+    from nla.sidecar import SIDECAR_NAME, load_sidecar
+
     model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, use_safetensors=True)
-    return PeftModel.from_pretrained(model, str(directory)).merge_and_unload(), base
+    merged = PeftModel.from_pretrained(model, str(directory)).merge_and_unload()
+    side = load_sidecar(base) if (base / SIDECAR_NAME).is_file() else None
+    if side is not None and side.injection_adapter is not None:  # frozen under LoRA: the base AV's own
+        attach_adapter(merged, load_adapter_file(base, side, dtype=dtype))
+    return merged, base
 
 
 def load_adapter(model: nn.Module, directory: str | Path) -> None:

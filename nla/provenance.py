@@ -50,7 +50,10 @@ class Provenance:
     def of(cls, label: str, side: Any) -> Provenance:
         """From an ``NLAConfig``."""
         marker = None
-        if getattr(side, "injection_char", None) is not None and getattr(side, "injection_token_id", None) is not None:
+        # A part that is another model than the subject (model.base_model, a cross-model pair) records
+        # its own tokenizer's marker id: not the subject's tokenizer, so not compared.
+        own = getattr(side, "model_base", None) is not None
+        if not own and getattr(side, "injection_char", None) is not None and getattr(side, "injection_token_id", None) is not None:
             marker = (side.injection_char, int(side.injection_token_id))
         return cls(label, side.base_model, side.layer_index, side.d_model, marker)
 

@@ -207,7 +207,8 @@ def split_rl_for_eval(rl_path: Path, out_dir: Path, eval_fraction: float, seed: 
 
 
 def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart", *, backend: str = "local",
-                   progress: bool = True, threads: int | None = None, seed: int = 0) -> Path:
+                   progress: bool = True, threads: int | None = None, seed: int = 0, pair_world: str | None = None,
+                   injection_adapter: str = "none") -> Path:
     """Run every stage; returns the path of ``report.md``.
 
     threads: torch CPU threads of every stage (None: ``nla.threads.resolve_threads``'s fixed
@@ -215,6 +216,11 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     each stage's config and part of its cache key (torch's results depend on it).
     seed: one seed for every stage: the world's stories and subject, datagen's positions, split
     and explanations, both warm-starts, RL and the held-out split. 0 is the preset as published.
+    pair_world: a world preset (e.g. "default-d64") whose model, trained on the same stories, is
+        the AV's and AR's base instead of the subject: a cross-model pair explaining the subject's
+        vectors through a learned injection adapter (the AR's head maps its width to the subject's).
+    injection_adapter: "affine" gives a same-model AV the learned adapter instead of the fixed
+        scale ("none"); a cross-model pair always has one.
     """
     from nla.datagen.config import DatagenConfig
     from nla.datagen.pipeline import run as run_datagen
@@ -225,9 +231,14 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     from nla.train.av import train_av
     from nla.train.config import ARTrainConfig, AVTrainConfig
     from nla.world import build_world
+    from nla.world.build import WORLD_PRESETS
 
     if preset not in PRESETS:
         raise ValueError(f"preset: expected one of {sorted(PRESETS)}, found {preset!r}")
+    if pair_world is not None and pair_world not in WORLD_PRESETS:
+        raise ValueError(f"pair_world: expected one of {sorted(WORLD_PRESETS)}, found {pair_world!r}")
+    if injection_adapter not in ("none", "affine"):
+        raise ValueError(f"injection_adapter: expected 'none' or 'affine', found {injection_adapter!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed: expected an integer >= 0, found {seed!r}")
     p = PRESETS[preset]
@@ -282,10 +293,20 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     stage("datagen", dg_cfg, lambda: {"summary": run_datagen(DatagenConfig.from_dict(dg_cfg))})
     datagen = out / "datagen"
     rl_train, eval_ds = split_rl_for_eval(datagen / "rl.parquet", datagen, p.eval_fraction, seed=seed)
-    # 3. AR and AV warm-start
-    ar_cfg = dict(dataset=str(datagen / "ar_sft.parquet"), out_dir=str(out / "ar"), progress=progress, **p.ar, **sd, **thr)
+    # 3. AR and AV warm-start (from another world model when the pair is cross-model)
+    pair: dict[str, Any] = {}
+    if pair_world is not None:
+        pair_cfg = seeded_config(pair_world, seed)
+        pw = stage("pair_world", {"preset": pair_world, **sd, **thr}, lambda: _world(build_world, pair_cfg, progress))
+        pair = {"base_model": pw["subject_dir"], "injection_adapter": "affine"}
+    elif injection_adapter != "none":
+        pair = {"injection_adapter": injection_adapter}
+    ar_pair = {k: v for k, v in pair.items() if k == "base_model"}
+    ar_cfg = dict(dataset=str(datagen / "ar_sft.parquet"), out_dir=str(out / "ar"), progress=progress, **p.ar, **sd,
+                  **ar_pair, **thr)
     ar_info = stage("ar", ar_cfg, lambda: _train(train_ar, ARTrainConfig(**ar_cfg)))
-    av_cfg = dict(dataset=str(datagen / "av_sft.parquet"), out_dir=str(out / "av"), progress=progress, **p.av, **sd, **thr)
+    av_cfg = dict(dataset=str(datagen / "av_sft.parquet"), out_dir=str(out / "av"), progress=progress, **p.av, **sd,
+                  **pair, **thr)
     av_info = stage("av", av_cfg, lambda: _train(train_av, AVTrainConfig(**av_cfg)))
     # 4. eval of the warm-started pair
     ev_kw = dict(max_rows=p.eval_max_rows, max_new_tokens=p.max_new_tokens)
@@ -321,7 +342,32 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
 
     return write_report(out, preset=preset, seed=seed, threads=threads, stages=stages, configs=configs, world=world_info, probe=probe_info,
                         warm_eval=warm["report"], rl_eval=after["report"], ar_info=ar_info, av_info=av_info,
-                        rl_info=rl_info, suite=suite["report"])
+                        rl_info=rl_info, suite=suite["report"], pair=pair_summary(av_info["checkpoint"],
+                                                                                 ar_info["checkpoint"]))
+
+
+def pair_summary(av: str | Path, ar: str | Path) -> dict[str, Any]:
+    """What the report says of the pair: each model's base, width and parameter count, and the AV's
+    injection (the fixed scale, or the learned adapter's shape)."""
+    from safetensors import safe_open
+
+    from nla.sidecar import load_sidecar
+
+    out: dict[str, Any] = {}
+    for role, path in (("av", Path(av)), ("ar", Path(ar))):
+        side = load_sidecar(path)
+        n = 0
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as fh:
+                for k in fh.keys():
+                    shape = fh.get_slice(k).get_shape()
+                    n += int(np.prod(shape)) if shape else 1
+        out[role] = {"base_model": side.model_base or side.base_model, "width": side.own_width,
+                     "subject_width": side.d_model, "parameters": n, "cross_model": side.model_base is not None}
+        if role == "av":
+            out[role]["injection"] = ("fixed scale" if side.injection_adapter is None else
+                                      f"learned affine {side.d_model} -> {side.own_width}")
+    return out
 
 
 def _world(build_world, preset, progress: bool) -> dict[str, Any]:

@@ -148,14 +148,19 @@ class Reconstructor(nn.Module):
     """Truncated subject model + identity-initialised value head. ``forward -> [B, T, d]``."""
 
     def __init__(self, base: nn.Module, value_head: nn.Linear | None = None, tokenizer: Any = None,
-                 sidecar: NLAConfig | None = None) -> None:
+                 sidecar: NLAConfig | None = None, out_dim: int | None = None) -> None:
         super().__init__()
         self.base = base
         d = arch.hidden_size(base.config)
         if value_head is None:
-            value_head = nn.Linear(d, d, bias=False)
+            # out_dim: the subject's width when the AR is another model (a cross-model pair); the head
+            # then starts as a norm-keeping random map (nla.injection.adapter_init), not the identity.
+            from nla.injection import adapter_init
+
+            out = d if out_dim is None else int(out_dim)
+            value_head = nn.Linear(d, out, bias=False)
             with torch.no_grad():
-                value_head.weight.copy_(torch.eye(d, dtype=value_head.weight.dtype))
+                value_head.weight.copy_(adapter_init(d, out).to(value_head.weight.dtype))
         self.value_head = value_head
         self.tokenizer = tokenizer
         self.sidecar = sidecar
@@ -175,8 +180,11 @@ class Reconstructor(nn.Module):
 
     @classmethod
     def from_base(cls, base: str | os.PathLike | nn.Module, layer_index: int, tokenizer: Any = None,
-                  sidecar: NLAConfig | None = None, **load_kwargs: Any) -> Reconstructor:
+                  sidecar: NLAConfig | None = None, out_dim: int | None = None, **load_kwargs: Any) -> Reconstructor:
         """Build an AR from a subject model (path, hub name or instance) keeping blocks 0..``layer_index``.
+
+        ``out_dim``: the width of the vectors it predicts when ``base`` is another model than the
+        subject (its head maps its own width to the subject's); None: the base's own width.
 
         A path/name loads only K+1 blocks (``AutoModel`` with a truncated config: the rest is
         never allocated). An instance is deep-copied first, so training the AR never changes it.
@@ -203,7 +211,7 @@ class Reconstructor(nn.Module):
             inner = arch.base_model(inner)
             if tokenizer is None:
                 tokenizer = _maybe_tokenizer(base)
-        return cls(inner, tokenizer=tokenizer, sidecar=sidecar)
+        return cls(inner, tokenizer=tokenizer, sidecar=sidecar, out_dim=out_dim)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """Values at every position [B, T, d] (fp32 head input is the model dtype)."""
@@ -335,12 +343,15 @@ class Reconstructor(nn.Module):
         inner = arch.base_model(AutoModel.from_pretrained(path, use_safetensors=True, **load_kwargs))
         weight = load_file(str(head_file))["weight"]
         d = arch.hidden_size(inner.config)
-        if tuple(weight.shape) != (d, d):
-            raise ValueError(f"{head_file}: value head weight has shape {tuple(weight.shape)}, expected ({d}, {d})")
-        head = nn.Linear(d, d, bias=False, dtype=weight.dtype)
+        sidecar = load_sidecar(path) if (path / SIDECAR_NAME).is_file() else None
+        # [subject width, own width]: square unless the AR is another model than the subject
+        out = sidecar.d_model if sidecar is not None else (d if weight.ndim != 2 else int(weight.shape[0]))
+        if tuple(weight.shape) != (out, d):
+            raise ValueError(f"{head_file}: value head weight has shape {tuple(weight.shape)}, expected ({out}, {d}) "
+                             f"(the subject's d_model, the AR's own width); the head does not belong to this checkpoint")
+        head = nn.Linear(d, out, bias=False, dtype=weight.dtype)
         with torch.no_grad():
             head.weight.copy_(weight)
-        sidecar = load_sidecar(path) if (path / SIDECAR_NAME).is_file() else None
         n_blocks = arch.num_layers(inner.config)
         if sidecar is not None and sidecar.layer_index is not None and sidecar.layer_index + 1 != n_blocks:
             # The sidecar records K (ar.num_hidden_layers or extraction.layer_index); the AR keeps K+1 blocks.

@@ -175,10 +175,23 @@ def suite_section(suite: dict[str, Any] | None) -> list[str]:
     return md + [""]
 
 
+def pair_lines(pair: dict[str, Any] | None) -> list[str]:
+    """The pair's models (their bases, widths, parameters, the AV's injection), as a table."""
+    if not pair:
+        return []
+    rows = ["## The pair", "", "| | base model | width | subject width | parameters | injection |", "|---|---|---|---|---|---|"]
+    for role in ("av", "ar"):
+        r = pair.get(role)
+        if r:
+            rows.append(f"| {role.upper()} | `{Path(str(r['base_model'])).name}`{' (another model)' if r['cross_model'] else ''} "
+                        f"| {r['width']} | {r['subject_width']} | {r['parameters']:,} | {r.get('injection', '-')} |")
+    return [*rows, ""]
+
+
 def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | None = None, stages: list, configs: dict[str, Any], world: dict[str, Any],
                  warm_eval: dict[str, Any], rl_eval: dict[str, Any], ar_info: dict[str, Any],
                  av_info: dict[str, Any], rl_info: dict[str, Any], probe: dict[str, Any] | None = None,
-                 suite: dict[str, Any] | None = None) -> Path:
+                 suite: dict[str, Any] | None = None, pair: dict[str, Any] | None = None) -> Path:
     """Write ``report.md`` and ``report.json`` (+ copy curve PNGs beside them); returns report.md."""
     plots = {}
     for name, src in (("world_loss", world.get("loss_curve_png")), ("ar_curves", out / "ar" / "ar_curves.png"),
@@ -208,6 +221,8 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
         "by_kind_rl": kind_summary(rl_eval),
         **suite_headline(suite),
     }
+    if pair:
+        headline["pair"] = pair
     probe = probe or {}
     if probe.get("layers"):
         at = [r for r in probe["layers"] if r["layer"] == probe.get("default_layer")]
@@ -231,6 +246,7 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
           f"{_f(headline['frozen_ar_fve_rl'])}; degenerate explanations {_f(headline['degenerate_warmstart'], 2)} → "
           f"{_f(headline['degenerate_rl'], 2)}.", "",
           *ceiling_line(headline),
+          *pair_lines(pair),
           "## Evaluation (held-out documents)", "",
           f"{warm_eval['n_rows']} rows, d_model {warm_eval['d_model']}; FVE = 1 − MSE / MSE of predicting the raw mean "
           f"of normalised golds ({warm_eval['baseline_raw_mean_mse']:.4f}). Fact recall/precision grade the "

@@ -110,6 +110,12 @@ class NLAConfig:
     mse_scale: norm both vectors are rescaled to before MSE; default "sqrt_d_model"; None = raw.
     base_model: name or path of the subject model (provenance).
     training: free-form provenance (lr, batch, step, parents).
+    model_base / model_width: the AV's or AR's own base model and hidden size when it is not the
+        subject (a cross-model pair; ``model.base_model`` / ``model.hidden_size``, nla's keys, not in
+        the published layout); None: the model is (a copy of) the subject, of width ``d_model``.
+    injection_adapter: the AV's learned affine map from the subject's ``d_model`` to its own
+        embedding width (``nla.injection.InjectionAdapter``): ``{kind: affine, d_in, d_out, file}``;
+        None: the vector is injected as it is (after ``injection_scale``).
 
     The AV fields come all together or not at all, the AR fields likewise. Role "av" needs the AV
     fields, role "ar" the AR fields, a dataset both; a model sidecar without a role needs one set.
@@ -130,6 +136,9 @@ class NLAConfig:
     mse_scale: float | str | None = SQRT_D_MODEL
     base_model: str | None = None
     training: dict = field(default_factory=dict, hash=False)
+    model_base: str | None = None
+    model_width: int | None = None
+    injection_adapter: dict | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -174,6 +183,31 @@ class NLAConfig:
         if not isinstance(self.training, Mapping):
             raise ValueError(f"NLAConfig.training: expected a mapping, found {type(self.training).__name__}")
         object.__setattr__(self, "training", dict(self.training))
+        self._check_own_model()
+
+    def _check_own_model(self) -> None:
+        w = self.model_width
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"NLAConfig.model_width (model.hidden_size): expected a positive int, found {w!r}")
+        if self.model_base is not None and not isinstance(self.model_base, str):
+            raise ValueError(f"NLAConfig.model_base (model.base_model): expected a path or name, found {self.model_base!r}")
+        a = self.injection_adapter
+        if a is None:
+            return
+        if not isinstance(a, Mapping):
+            raise ValueError(f"NLAConfig.injection_adapter: expected a mapping {{kind, d_in, d_out, file}}, found {a!r}")
+        if a.get("kind") != "affine":
+            raise ValueError(f"NLAConfig.injection_adapter.kind: expected 'affine', found {a.get('kind')!r}")
+        expect = {"d_in": self.d_model, "d_out": self.own_width}
+        for key, want in expect.items():
+            if a.get(key) != want:
+                raise ValueError(
+                    f"NLAConfig.injection_adapter.{key}: expected {want} (d_in: the subject's d_model, d_out: the AV's "
+                    f"own width, model.hidden_size or d_model), found {a.get(key)!r}; the sidecar does not describe "
+                    "one checkpoint")
+        if not isinstance(a.get("file"), str) or not a["file"]:
+            raise ValueError(f"NLAConfig.injection_adapter.file: expected a file name, found {a.get('file')!r}")
+        object.__setattr__(self, "injection_adapter", dict(a))
 
     def _check_groups(self) -> None:
         for label, names in (("AV", AV_FIELDS), ("AR", AR_FIELDS)):
@@ -235,6 +269,11 @@ class NLAConfig:
         return self.layer_index
 
     # -- derived values ---------------------------------------------------------------------------
+    @property
+    def own_width(self) -> int:
+        """The checkpoint's own hidden size: ``model_width`` for a cross-model pair, else ``d_model``."""
+        return self.model_width if self.model_width is not None else self.d_model
+
     def injection_scale_value(self) -> float | None:
         return resolve_scale(self.injection_scale, self.d_model)
 
@@ -562,6 +601,9 @@ def load_sidecar(path: str | os.PathLike) -> NLAConfig:
             mse_scale=SQRT_D_MODEL if mse_scale is _MISSING else mse_scale,
             base_model=None if base is _MISSING else base,
             training={} if training is _MISSING or training is None else training,
+            model_base=opt(("model", "base_model")),
+            model_width=opt(("model", "hidden_size")),
+            injection_adapter=opt(("injection_adapter",)),
         )
     except SidecarError:
         raise
@@ -654,6 +696,12 @@ def sidecar_document(cfg: NLAConfig, **provenance: Any) -> dict:
     doc["prompt_template_sha256"] = {k: template_digest(v) for k, v in templates.items()}
     if cfg.role == "ar" and cfg.layer_index is not None:
         doc["ar"] = {"num_hidden_layers": cfg.layer_index}  # K, as the published AR sidecars record it
+    # nla's keys for a cross-model pair (the published layout has none; its readers ignore them).
+    own = {k: v for k, v in (("base_model", cfg.model_base), ("hidden_size", cfg.model_width)) if v is not None}
+    if own:
+        doc["model"] = own
+    if cfg.injection_adapter is not None:
+        doc["injection_adapter"] = dict(cfg.injection_adapter)
     doc["training"] = _plain({**cfg.training, **provenance})
     return doc
 

@@ -23,6 +23,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "the held-out split (default 0; BENCHMARKS.md reports seeds 0-2)")
     p.add_argument("--threads", type=threads_flag, default=None,
                    help=f"torch CPU threads of every stage ({THREADS_HELP})")
+    from nla.world.build import WORLD_PRESETS
+
+    p.add_argument("--pair-world", default=None, choices=sorted(WORLD_PRESETS),
+                   help="explain the subject with another world model trained on the same stories (e.g. default-d64, "
+                        "half the width): the AV and AR start from it, the AV reads the vectors through a learned "
+                        "injection adapter (docs/cross-model.md)")
+    p.add_argument("--injection-adapter", default="none", choices=["none", "affine"],
+                   help="affine: the same-model AV learns an affine injection adapter instead of the fixed scale")
     p.set_defaults(func=run)
 
 
@@ -30,10 +38,13 @@ def run(args: argparse.Namespace) -> int:
     from nla.quickstart import run_quickstart
     from nla.validation import check_output_path
 
-    default_out = f"runs/quickstart-{args.preset}" + (f"-seed{args.seed}" if args.seed else "")
+    default_out = (f"runs/quickstart-{args.preset}" + (f"-pair-{args.pair_world}" if args.pair_world else "")
+                   + ("-adapter" if args.injection_adapter != "none" and not args.pair_world else "")
+                   + (f"-seed{args.seed}" if args.seed else ""))
     out = str(check_output_path(args.out or default_out, "--out"))
     report = run_quickstart(args.preset, out, backend=args.backend, progress=not args.no_progress,
-                            threads=args.threads, seed=args.seed)
+                            threads=args.threads, seed=args.seed, pair_world=args.pair_world,
+                            injection_adapter=args.injection_adapter)
     head = json.loads((report.parent / "report.json").read_text())["headline"]
     print("\n== nla quickstart: done ==", file=sys.stderr)
     print(f"round-trip FVE (held-out): warm-start {head['round_trip_fve_warmstart']:.3f} -> "

@@ -62,10 +62,11 @@ def load_pair_sidecars(av_dir: str | Path, ar_dir: str | Path) -> tuple[NLAConfi
 
 
 def load_av(path: str | Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM
+    from nla.injection import load_av_model
 
     check_checkpoint(path, "av")  # complete safetensors, recorded checksums
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True).to(device)
+    side = load_sidecar(path) if (Path(path) / SIDECAR_NAME).is_file() else None
+    model = load_av_model(path, side, dtype=dtype).to(device)  # with its injection adapter, if it has one
     tok = arch.load_tokenizer(path)
     return model, tok
 

@@ -24,7 +24,7 @@ import torch
 from nla import arch
 from nla.datagen.io import read_parquet, read_vectors
 from nla.reconstructor import Reconstructor, check_ar_max_length, reconstruction_loss, tokenize_ar_texts
-from nla.sidecar import NLAConfig, resolve_sidecar
+from nla.sidecar import NLAConfig, derive_token_ids, resolve_sidecar
 from nla.threads import apply_threads
 from nla.train.common import (
     LoopSpec,
@@ -135,6 +135,23 @@ def _resolve_sidecar_and_base(cfg: Any) -> tuple[NLAConfig, str]:
     return side, check_model_source(str(base), "base_model")
 
 
+def own_model(base: str, side: NLAConfig) -> str | None:
+    """``base`` when it is not the subject the dataset was extracted from (a cross-model pair: the
+    checkpoint records it as ``model.base_model``); None when ``base`` is the subject, a copy of it,
+    or an nla checkpoint of it (which passes its own ``model_base`` on)."""
+    from nla.provenance import same_subject
+    from nla.sidecar import SIDECAR_NAME, load_sidecar
+
+    if side.base_model is None or same_subject(str(base), str(side.base_model)):
+        return None
+    path = Path(base)
+    if (path / SIDECAR_NAME).is_file():
+        mine = load_sidecar(path)
+        if mine.kind == "nla_model" and mine.base_model and same_subject(str(mine.base_model), str(side.base_model)):
+            return mine.model_base
+    return str(path.resolve()) if path.is_dir() else str(base)
+
+
 def _check_d_model(side: NLAConfig, model_d: int, vectors: np.ndarray, where: str) -> None:
     if model_d != side.d_model:
         raise ARTrainError(
@@ -158,14 +175,24 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
     apply_threads(cfg.threads)
     resume_from = find_resume_checkpoint(cfg.out_dir) if resume else None
+    own = own_model(base, side)  # another model reading the subject's vectors: its head maps to d_model
     if resume_from is not None:
         model = Reconstructor.from_pretrained(resume_from)
     else:
         layer = cfg.layer_index if cfg.layer_index is not None else side.need_layer("building the AR from the base model")
-        model = Reconstructor.from_base(base, layer)
+        model = Reconstructor.from_base(base, layer, out_dim=side.d_model if own is not None else None)
     if model.tokenizer is None:
         raise ARTrainError(f"base_model: no tokenizer files in {base}; save the tokenizer beside the model")
-    _check_d_model(side, arch.hidden_size(model.config), train_vec, base)
+    width = arch.hidden_size(model.config)
+    if own is not None:
+        try:  # the AR template's tail ids are its own tokenizer's
+            side = side.replace(**derive_token_ids(model.tokenizer, None, None, side.ar_template))
+        except ValueError as err:
+            raise ARTrainError(f"base_model: {base}'s tokenizer cannot hold the AR template: {err}") from None
+        side = side.replace(model_base=own, model_width=width if width != side.d_model else None)
+        _check_d_model(side, side.d_model, train_vec, base)  # the vectors against the subject's width
+    else:
+        _check_d_model(side, width, train_vec, base)
     model.to(device=device, dtype=dtype)
     tok = model.tokenizer
     texts = _text_column(train_tab, "prompt", cfg.dataset)

@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 
 from nla import arch
-from nla.injection import InjectionHook
-from nla.sidecar import NLAConfig, canonical_av_prompt_ids, verify_tokenizer, write_sidecar
+from nla.injection import InjectionAdapter, InjectionHook, attach_adapter, load_adapter_file, save_av_weights
+from nla.sidecar import NLAConfig, canonical_av_prompt_ids, derive_token_ids, verify_tokenizer, write_sidecar
 from nla.templates import AV_PLACEHOLDER
 from nla.threads import apply_threads
-from nla.train.ar import _resolve_sidecar_and_base, load_split
+from nla.train.ar import _resolve_sidecar_and_base, load_split, own_model
 from nla.train.common import (
     LoopSpec,
     TrainResult,
@@ -191,6 +191,30 @@ def _refuse_random_head(model: Any, info: dict[str, Any], src: str) -> None:
         )
 
 
+def _injection_adapter(cfg: AVTrainConfig, side: NLAConfig, model: Any, src: str) -> InjectionAdapter | None:
+    """Attach the AV's injection adapter: the one ``src`` was saved with (resume, or an AV checkpoint
+    as the base), else a new one when ``injection_adapter: affine`` or the widths differ."""
+    from nla.sidecar import SIDECAR_NAME, load_sidecar
+
+    d = arch.hidden_size(model.config)
+    saved = load_sidecar(src) if (Path(src) / SIDECAR_NAME).is_file() else None
+    if saved is not None and saved.kind == "nla_model" and saved.injection_adapter is not None:
+        adapter = load_adapter_file(src, saved)
+    elif cfg.injection_adapter == "affine" or d != side.d_model:
+        if cfg.injection_adapter != "affine":
+            raise AVTrainError(
+                f"injection_adapter: the base model {src} has width {d} but the dataset's vectors have d_model "
+                f"{side.d_model}; a model of another width reads them through a learned map: set injection_adapter: "
+                "affine (or --set injection_adapter=affine), or use the subject the dataset was extracted from")
+        adapter = InjectionAdapter(side.d_model, d, seed=cfg.seed)
+    else:
+        return None
+    if adapter.d_in != side.d_model:
+        raise AVTrainError(f"injection_adapter: {src}'s adapter reads {adapter.d_in}-d vectors, the dataset holds "
+                           f"{side.d_model}-d ones; start from a base trained on this subject")
+    return attach_adapter(model, adapter)
+
+
 def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
     """Warm-start the verbalizer on ``cfg.dataset`` (``av_sft.parquet``). See module docstring."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -211,16 +235,23 @@ def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
     if resume_from is None:
         check_av_base(Path(base))
     tok = AutoTokenizer.from_pretrained(src)
+    own = own_model(base, side)
+    if own is not None:  # another model explains the subject: the marker's ids are its own tokenizer's
+        try:
+            side = side.replace(**derive_token_ids(tok, side.injection_char, side.av_template, side.ar_template))
+        except ValueError as err:
+            raise AVTrainError(f"base_model: {base}'s tokenizer cannot hold the AV prompt: {err}") from None
     verify_tokenizer(side, tok)
     model, info = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, use_safetensors=True,
                                                        output_loading_info=True)
     _refuse_random_head(model, info, src)
+    if train_vec.shape[1] != side.d_model:
+        raise AVTrainError(f"activation_vector: vectors have {train_vec.shape[1]} dims, the sidecar's d_model is "
+                           f"{side.d_model}; the sidecar does not belong to this dataset")
+    adapter = _injection_adapter(cfg, side, model, src)
     d = arch.hidden_size(model.config)
-    if d != side.d_model:
-        raise AVTrainError(f"d_model: the sidecar says {side.d_model} but the model at {src} has width {d}; "
-                           "use the base model the dataset was extracted from")
-    if train_vec.shape[1] != d:
-        raise AVTrainError(f"activation_vector: vectors have {train_vec.shape[1]} dims, the model has d_model {d}")
+    side = side.replace(model_base=own, model_width=d if d != side.d_model else None,
+                        injection_adapter=None if adapter is None else adapter.describe())
     model.to(device)
     hook = InjectionHook.from_config(model, side)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -285,7 +316,7 @@ def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
         return {"smoke_flagged": flagged, "smoke_checked": n, "smoke_sample": texts[0][:200]}
 
     def save_model(directory: Path, step: int) -> dict[str, Any]:
-        model.save_pretrained(directory, safe_serialization=True)
+        save_av_weights(model, directory)  # + nla_injection_adapter.safetensors when the AV has one
         tok.save_pretrained(directory)
         meta = side.replace(kind="nla_model", role="av", base_model=side.base_model or base)
         write_sidecar(directory, meta, lr=cfg.lr, batch_size=cfg.batch_size, step=step,

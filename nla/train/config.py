@@ -154,6 +154,10 @@ class AVTrainConfig(_TrainBase):
         computed from the attention mask, so both give the same loss.
     smoke_num / smoke_max_new_tokens: the injection smoke check decodes this many held-out
         vectors greedily at every save.
+    injection_adapter: "none" (inject the rescaled vector as it is, the published way) or
+        "affine": a learned ``W v + b`` from the subject's width to the AV's
+        (``nla.injection.InjectionAdapter``), trained with the AV. A ``base_model`` of another
+        width than the subject (a cross-model pair) needs "affine".
     """
 
     out_dir: str = "runs/train_av"
@@ -161,6 +165,7 @@ class AVTrainConfig(_TrainBase):
     padding_side: str = "right"
     smoke_num: int = 3
     smoke_max_new_tokens: int = 40
+    injection_adapter: str = "none"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -176,6 +181,8 @@ class AVTrainConfig(_TrainBase):
             if not ok:
                 _bad("injection_scale", "a positive number, 'sqrt_d_model' or null (use the sidecar's)",
                      self.injection_scale)
+        if self.injection_adapter not in ("none", "affine"):
+            _bad("injection_adapter", "'none' or 'affine'", self.injection_adapter)
         if not isinstance(self.smoke_num, int) or self.smoke_num < 0:
             _bad("smoke_num", "an integer >= 0", self.smoke_num)
         _positive_int("smoke_max_new_tokens", self.smoke_max_new_tokens)

@@ -140,6 +140,9 @@ WORLD_PRESETS: dict[str, WorldConfig] = {
     # 600 steps without it read them at chance (bench/BENCHMARKS: "What the world's vectors hold").
     "default": WorldConfig(name="default", n_layers=4, train_steps=1200, lr=3e-3, warmup_steps=50, default_layer=2),
 }
+# A second world model on the same stories (same seed, corpus and tokenizer) at half the width: the
+# base of a cross-model pair that explains the default subject's vectors (nla quickstart --pair-world).
+WORLD_PRESETS["default-d64"] = dataclasses.replace(WORLD_PRESETS["default"], name="default-d64", d_model=64, d_ff=172)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from nla.injection import InjectionHook
+from nla.injection import InjectionHook, save_av_weights
 from nla.rl import algorithms as A
 from nla.rl.config import RLConfig
 from nla.rl.distributed import DataParallel
@@ -141,7 +141,7 @@ class PolicyWorker(Trainable):
         state = merged_state_dict(self.model) if lora else self.full_weights()
         if self.dp.answers:
             directory = Path(directory)
-            self.model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+            save_av_weights(self.model, directory, state)  # the injection adapter's file too, when the AV has one
             self.tokenizer.save_pretrained(directory)
             write_sidecar(directory / SIDECAR_NAME, self.sidecar.replace(kind="nla_model", role="av"), **provenance)
             if lora:  # the adapter alone too: RL resumes from it on the warm-started base

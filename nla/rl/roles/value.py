@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from nla import arch
-from nla.injection import InjectionHook
+from nla.injection import InjectionHook, get_adapter
 from nla.rl import algorithms as A
 from nla.rl.distributed import DataParallel
 from nla.rl.kernels import rank_micro_batches
@@ -26,6 +26,8 @@ class ValueModel(nn.Module):
     def __init__(self, policy_model: nn.Module) -> None:
         super().__init__()
         self.body = copy.deepcopy(arch.base_model(policy_model))
+        adapter = get_adapter(policy_model)  # a cross-model AV's injection map, trained with the values
+        self.adapter = copy.deepcopy(adapter) if adapter is not None else None
         d = arch.hidden_size(self.body.config)
         self.head = nn.Linear(d, 1)
         nn.init.zeros_(self.head.weight)
@@ -48,7 +50,8 @@ class ValueWorker(Trainable):
                  clip_eps: float | None, dp: DataParallel = LOCAL) -> None:
         self.model = model
         self.hook = InjectionHook(self.model.body, sidecar.injection_token_id, sidecar.injection_left_neighbor_id,
-                                  sidecar.injection_right_neighbor_id, sidecar.injection_scale_value())
+                                  sidecar.injection_right_neighbor_id, sidecar.injection_scale_value(),
+                                  adapter=self.model.adapter)
         self.micro_batch_size, self.clip_eps = micro_batch_size, clip_eps
         self._setup_optim(self.model, optim, dp)
 

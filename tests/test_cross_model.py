@@ -1,0 +1,280 @@
+"""Explain one model with another (nla.injection.InjectionAdapter; the AR's head to the subject's
+width): the adapter's start by hand, the hook's injection against W v + b, the sidecar round trip,
+and a tiny cross-model pair (a 32-wide AV/AR reading the 64-wide tiny world subject's vectors)
+trained end to end: warm-starts, RL, NLAClient, a wrong-width vector refused."""
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from test_rl_loop import WORDS, _class_vectors
+from train_helpers import dataset_sidecar, write_av_dataset
+
+from nla.datagen.io import vectors_to_arrow
+from nla.injection import (
+    ADAPTER_FILE,
+    InjectionAdapter,
+    InjectionHook,
+    adapter_init,
+    attach_adapter,
+    get_adapter,
+    load_adapter_file,
+)
+from nla.sidecar import SidecarError, load_sidecar, write_sidecar
+from nla.train.ar import ARTrainError, train_ar
+from nla.train.av import AVTrainError, train_av
+from nla.train.config import ARTrainConfig, AVTrainConfig
+
+D_SUBJECT, D_PAIR = 64, 32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(single_thread):
+    """Every test here runs single-threaded (see conftest.single_thread)."""
+
+
+def test_adapter_start_by_hand():
+    torch.testing.assert_close(adapter_init(5, 5), torch.eye(5), rtol=0, atol=0)
+    narrow = adapter_init(8, 4, seed=3)  # rows orthonormal, times sqrt(8 / 4)
+    assert narrow.shape == (4, 8)
+    torch.testing.assert_close(narrow @ narrow.T, 2.0 * torch.eye(4), rtol=0, atol=1e-5)
+    wide = adapter_init(4, 8, seed=3)  # columns orthonormal: every vector keeps its norm exactly
+    assert wide.shape == (8, 4)
+    torch.testing.assert_close(wide.T @ wide, torch.eye(4), rtol=0, atol=1e-5)
+    torch.testing.assert_close(adapter_init(8, 4, seed=3), narrow, rtol=0, atol=0)  # seeded
+    a = InjectionAdapter(6, 6)
+    v = torch.randn(3, 6)
+    torch.testing.assert_close(a(v), v, rtol=0, atol=0)  # same width: starts as the fixed-scale injection
+    with pytest.raises(ValueError, match="vectors of width 5, expected 6"):
+        a(torch.randn(2, 5))
+
+
+def test_hook_injects_the_adapted_vector(tiny_model_dir, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from nla.sidecar import canonical_av_prompt_ids
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()  # width 32
+    side = dataset_sidecar(tiny_tokenizer, tiny_model_dir("llama"), 48, 1, injection_scale=3.0)
+    adapter = InjectionAdapter(48, 32, seed=1)
+    with torch.no_grad():
+        adapter.proj.bias.copy_(torch.arange(32.0) / 10)
+    attach_adapter(model, adapter)
+    assert get_adapter(model) is adapter and any(n.startswith("nla_injection_adapter.") for n, _ in
+                                                  model.named_parameters())
+    hook = InjectionHook.from_config(model, side)
+    ids = torch.tensor([canonical_av_prompt_ids(tiny_tokenizer, side.av_messages())])
+    site = int((ids[0] == side.injection_token_id).nonzero()[0, 0])
+    v = torch.randn(1, 48)
+    want = adapter.proj.weight @ (v[0] * 3.0 / v[0].norm()) + adapter.proj.bias  # W (scale v / |v|) + b
+    with torch.no_grad(), hook.vectors(v):
+        out_a = model(input_ids=ids).logits
+    with torch.no_grad():  # the same forward with the embedding written by hand
+        e = model.get_input_embeddings()(ids).clone()
+        e[0, site] = want
+        out_b = model(inputs_embeds=e).logits
+    torch.testing.assert_close(out_a, out_b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="vectors of width 32, but this AV reads 48-d vectors"):
+        with hook.vectors(torch.randn(1, 32)):
+            pass
+    with pytest.raises(ValueError, match="already carries an injection adapter"):
+        attach_adapter(model, InjectionAdapter(48, 32))
+    with pytest.raises(ValueError, match="maps to width 16"):
+        attach_adapter(AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")), InjectionAdapter(48, 16))
+
+
+def test_sidecar_records_both_models_and_the_adapter(tiny_tokenizer, tiny_model_dir, tmp_path):
+    side = dataset_sidecar(tiny_tokenizer, tiny_model_dir("llama"), 48, 1, injection_scale=3.0)
+    adapter = InjectionAdapter(48, 32).describe()
+    av = side.replace(kind="nla_model", role="av", model_base="/models/small", model_width=32,
+                      injection_adapter=adapter)
+    write_sidecar(tmp_path, av)
+    text = (tmp_path / "nla_meta.yaml").read_text()
+    assert "model:\n  base_model: /models/small\n  hidden_size: 32\n" in text
+    assert "injection_adapter:\n  kind: affine\n  d_in: 48\n  d_out: 32\n  file: nla_injection_adapter.safetensors" in text
+    back = load_sidecar(tmp_path)
+    assert (back.model_base, back.model_width, back.injection_adapter, back.own_width, back.d_model) == (
+        "/models/small", 32, adapter, 32, 48)
+    # a same-model sidecar writes neither block (the published layout, key for key)
+    write_sidecar(tmp_path / "plain", side.replace(kind="nla_model", role="av"))
+    plain = (tmp_path / "plain" / "nla_meta.yaml").read_text()
+    assert "injection_adapter" not in plain and "\nmodel:" not in plain
+    (tmp_path / "nla_meta.yaml").write_text(text.replace("d_in: 48", "d_in: 40"))
+    with pytest.raises(SidecarError, match=r"injection_adapter.d_in: expected 48 .*found 40"):
+        load_sidecar(tmp_path)
+    (tmp_path / "nla_meta.yaml").write_text(text.replace("kind: affine", "kind: mlp"))
+    with pytest.raises(SidecarError, match="injection_adapter.kind: expected 'affine', found 'mlp'"):
+        load_sidecar(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def cross_pair(tmp_path_factory):
+    """The tiny world subject (width 64) explained by a 32-wide Llama with the subject's tokenizer
+    (random weights: the pair learns everything in its warm-starts)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from nla.arch import load_tokenizer
+    from nla.world import build_world
+
+    root = tmp_path_factory.mktemp("cross")
+    subject = build_world("tiny", progress=False).subject_dir
+    tok = load_tokenizer(subject)
+    torch.manual_seed(0)
+    small = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=len(tok), hidden_size=D_PAIR, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id))
+    small_dir = root / "small"
+    small.save_pretrained(small_dir)
+    tok.save_pretrained(small_dir)
+    side = dataset_sidecar(tok, subject, D_SUBJECT, 1, injection_scale=8.0)
+    vec, cls = _class_vectors(64, seed=1)
+    texts = [f"the {WORDS[c]} is happy" for c in cls]
+    av_ds = write_av_dataset(root / "av_sft.parquet", side, vec, texts)
+    ar_ds = root / "ar_sft.parquet"
+    pq.write_table(pa.table({"activation_vector": vectors_to_arrow(vec), "doc_id": pa.array(range(64), pa.int64()),
+                             "prompt": pa.array([side.ar_text(t) for t in texts]), "explanation": pa.array(texts)}),
+                   ar_ds)
+    write_sidecar(ar_ds, side)
+    common = dict(warmup_steps=5, log_every=50, save_every=1000, eval_fraction=0.25, tensorboard=False,
+                  progress=False)
+    av = train_av(AVTrainConfig(dataset=str(av_ds), out_dir=str(root / "av"), base_model=str(small_dir),
+                                injection_adapter="affine", max_steps=200, batch_size=8, lr=1e-2, eval_every=200,
+                                smoke_num=1, smoke_max_new_tokens=8, **common))
+    ar = train_ar(ARTrainConfig(dataset=str(ar_ds), out_dir=str(root / "ar"), base_model=str(small_dir),
+                                max_steps=150, batch_size=16, lr=3e-3, eval_every=150, **common))
+    rl_vec, _ = _class_vectors(32, seed=2)
+    rl_ds = root / "rl.parquet"
+    pq.write_table(pa.table({"activation_vector": vectors_to_arrow(rl_vec),
+                             "doc_id": pa.array(range(32), pa.int64())}), rl_ds)
+    write_sidecar(rl_ds, side)
+    return {"av": av, "ar": ar, "small": small_dir, "subject": subject, "dataset": str(rl_ds), "root": root,
+            "av_ds": av_ds, "ar_ds": ar_ds}
+
+
+def test_cross_model_warm_starts_record_both_models(cross_pair):
+    av_dir, ar_dir = cross_pair["av"].checkpoint_dir, cross_pair["ar"].checkpoint_dir
+    av, ar = load_sidecar(av_dir), load_sidecar(ar_dir)
+    small = str(cross_pair["small"].resolve())
+    assert (av.d_model, av.model_width, av.model_base, av.base_model) == (D_SUBJECT, D_PAIR, small,
+                                                                          str(cross_pair["subject"]))
+    assert av.injection_adapter == {"kind": "affine", "d_in": D_SUBJECT, "d_out": D_PAIR, "file": ADAPTER_FILE}
+    assert (ar.d_model, ar.model_width, ar.model_base, ar.injection_adapter) == (D_SUBJECT, D_PAIR, small, None)
+    # the adapter trained with the AV (it started as the seeded norm-keeping map), and sits beside the HF files
+    trained = load_adapter_file(av_dir, av)
+    assert not torch.allclose(trained.proj.weight, adapter_init(D_SUBJECT, D_PAIR, seed=0), atol=1e-3)
+    from safetensors import safe_open
+
+    with safe_open(str(av_dir / "model.safetensors"), "pt") as fh:
+        assert not any("injection_adapter" in k for k in fh.keys())  # a plain causal LM
+    # the AR's head maps its own width to the subject's: [64, 32]
+    from safetensors.torch import load_file
+
+    assert tuple(load_file(str(ar_dir / "value_head.safetensors"))["weight"].shape) == (D_SUBJECT, D_PAIR)
+    # the AV reads its vector: the held-out loss with the vectors rolled by one row is higher
+    m = cross_pair["av"].metrics
+    assert m["eval_vector_gap"] > 0.05, m
+
+
+def test_cross_model_pair_loads_in_the_client_and_refuses_wrong_widths(cross_pair):
+    from nla.client import NLAClient
+
+    client = NLAClient(cross_pair["av"].checkpoint_dir, cross_pair["ar"].checkpoint_dir)
+    assert client.d_model == D_SUBJECT
+    vec, cls = _class_vectors(8, seed=3)
+    out = client.verbalize(torch.from_numpy(vec), greedy=True, max_new_tokens=16)
+    assert len(out) == 8
+    named = sum(WORDS[c] in o.text for o, c in zip(out, cls, strict=True))
+    assert named >= 6, [o.text for o in out]  # the small AV names each vector's class word
+    pred = client.reconstruct(["the cat is happy"])
+    assert tuple(pred.shape) == (1, D_SUBJECT)
+    with pytest.raises(ValueError, match="vectors: have d=32 but the AV sidecar's d_model is 64"):
+        client.verbalize(torch.randn(2, D_PAIR), greedy=True, max_new_tokens=4)
+    with pytest.raises(ValueError, match="64"):
+        client.score(["the cat is happy"], torch.randn(1, D_PAIR))
+
+
+def test_a_wider_base_without_the_adapter_is_refused(cross_pair, tmp_path):
+    with pytest.raises(AVTrainError, match="injection_adapter: the base model .* has width 32 but the dataset's "
+                                           "vectors have d_model 64.*set injection_adapter: affine"):
+        train_av(AVTrainConfig(dataset=str(cross_pair["av_ds"]), out_dir=str(tmp_path / "av"),
+                               base_model=str(cross_pair["small"]), max_steps=1, warmup_steps=0, tensorboard=False,
+                               progress=False))
+    with pytest.raises(ValueError, match="injection_adapter.*'none' or 'affine'"):
+        AVTrainConfig(dataset="x", injection_adapter="linear")
+    # a same-model AR keeps the width check
+    with pytest.raises(ARTrainError, match="d_model: the sidecar says 48"):
+        side = load_sidecar(cross_pair["ar_ds"]).replace(d_model=48, base_model=str(cross_pair["small"]))
+        ds = tmp_path / "ar48.parquet"
+        pq.write_table(pa.table({"activation_vector": vectors_to_arrow(np.ones((4, 48), np.float32)),
+                                 "prompt": pa.array([side.ar_text("the cat is happy")] * 4)}), ds)
+        write_sidecar(ds, side)
+        train_ar(ARTrainConfig(dataset=str(ds), out_dir=str(tmp_path / "ar"), max_steps=1, warmup_steps=0, eval_fraction=0.0,
+                               tensorboard=False, progress=False))
+
+
+def test_cross_model_rl_trains_the_adapter_and_keeps_the_reference(cross_pair, tmp_path):
+    from nla.metrics import read_metrics
+    from nla.rl.backend import build_groups
+    from nla.rl.config import RLConfig
+    from nla.rl.loop import run_rl
+
+    cfg = RLConfig.from_dict(dict(
+        av=str(cross_pair["av"].checkpoint_dir), ar=str(cross_pair["ar"].checkpoint_dir),
+        dataset=cross_pair["dataset"], out_dir=str(tmp_path / "rl"), steps=3, eval_every=1000, tensorboard=False,
+        progress=False, seed=0, rollout=dict(rollout_batch_size=4, n_samples_per_prompt=4, max_response_len=24),
+        optimiser=dict(micro_batch_size=16, lr=1e-3), reconstructor=dict(lr=1e-3), checkpointing=dict(save_every=3)))
+    groups = build_groups(cfg)
+    start = get_adapter(groups.policy.model).proj.weight.detach().clone()
+    res = run_rl(cfg, groups=groups)
+    rows = [r for r in read_metrics(tmp_path / "rl" / "rl.jsonl") if "reward_mean" in r]
+    assert len(rows) == 3 and all(math.isfinite(r["reward_mean"]) for r in rows)
+    moved = get_adapter(groups.policy.model).proj.weight.detach()
+    assert not torch.equal(moved, start)  # the adapter is a policy parameter
+    torch.testing.assert_close(get_adapter(groups.reference.model).proj.weight, start, rtol=0, atol=0)
+    av = res.checkpoint_dir / "av"
+    assert (av / ADAPTER_FILE).is_file() and load_sidecar(av).injection_adapter is not None
+    torch.testing.assert_close(load_adapter_file(av, load_sidecar(av)).proj.weight, moved, rtol=0, atol=0)
+    groups.close()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_cross_model_pair_on_ray_matches_local(cross_pair, tmp_path):
+    """The adapter is one more policy weight: sharded with the root module on 2 policy ranks, synced
+    into each rank's rollout copy, saved beside the HF files; same seed -> the local run's rewards,
+    losses and trained adapter, to float summation order (as tests/test_rl_ray.py)."""
+    import ray
+
+    from nla.metrics import read_metrics
+    from nla.rl.backend import build_groups
+    from nla.rl.config import RLConfig
+    from nla.rl.loop import run_rl
+
+    def cfg(out, **kw):
+        return RLConfig.from_dict(dict(
+            av=str(cross_pair["av"].checkpoint_dir), ar=str(cross_pair["ar"].checkpoint_dir),
+            dataset=cross_pair["dataset"], out_dir=str(out), steps=2, eval_every=1000, tensorboard=False,
+            progress=False, seed=0, rollout=dict(rollout_batch_size=4, n_samples_per_prompt=4, max_response_len=24),
+            optimiser=dict(micro_batch_size=16, lr=1e-3), reconstructor=dict(lr=1e-3),
+            checkpointing=dict(save_every=2), **kw))
+
+    local = cfg(tmp_path / "local")
+    run_rl(local, groups=build_groups(local))
+    res = run_rl(cfg(tmp_path / "ray", backend=dict(name="ray", num_policy_workers=2, num_reconstructor_workers=1)))
+    assert not ray.is_initialized()
+    a = [r for r in read_metrics(tmp_path / "local" / "rl.jsonl") if "reward_mean" in r]
+    b = [r for r in read_metrics(tmp_path / "ray" / "rl.jsonl") if "reward_mean" in r]
+    assert len(a) == len(b) == 2
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("reward_mean", "policy_loss", "kl", "ar_loss"):
+            assert ra[key] == pytest.approx(rb[key], abs=1e-4), (ra["step"], key)
+    side = load_sidecar(res.checkpoint_dir / "av")
+    wa = load_adapter_file(tmp_path / "local" / "checkpoints" / res.checkpoint_dir.name / "av", side)
+    wb = load_adapter_file(res.checkpoint_dir / "av", side)
+    torch.testing.assert_close(wa.proj.weight, wb.proj.weight, atol=1e-4, rtol=1e-3)
+    start = load_adapter_file(cross_pair["av"].checkpoint_dir, side)
+    assert not torch.allclose(wb.proj.weight, start.proj.weight, atol=1e-6)
