@@ -17,6 +17,12 @@ default world's 16 prompts x 8 samples), every process at one torch thread, and 
 rollout's samples/s and the step time of each layout as ratios against the first layout::
 
     .venv/bin/python bench/bench_rl_backends.py --from-run runs/quickstart-default --layouts 1x1,2x1,2x2
+
+Several runs side by side (e.g. the same-model pair against a cross-model one, issue 24), in
+rounds taken in turn so the machine's drift hits every row alike::
+
+    .venv/bin/python bench/bench_rl_backends.py --from-run runs/quickstart-default \
+        runs/quickstart-default-pair-default-d64 --layouts local --repeat 2
 """
 
 from __future__ import annotations
@@ -131,7 +137,7 @@ def measure(pair: dict[str, str] | RLConfig, out: Path, layout: str, steps: int,
         groups.close()
     recs = [r for r in read_metrics(out / "rl.jsonl") if "time_step" in r][1:]  # drop the warm-up step
     med = {k: statistics.median(r[k] for r in recs)
-           for k in ("time_step", "time_generate", "time_reward", "time_policy", "time_ar")}
+           for k in ("time_step", "time_generate", "time_reward", "time_policy", "time_ar", "response_len")}
     med["build"] = t_build
     med["samples"] = statistics.median(r["train_groups"] for r in recs) * cfg.rollout.n_samples_per_prompt
     return med
@@ -152,23 +158,34 @@ def _table(head: str, lines: list[str]) -> None:
         print(line)
 
 
-def main_from_run(run_dir: Path, layouts: list[str], steps: int, prompts: int | None) -> None:
+def main_from_run(run_dirs: list[Path], layouts: list[str], steps: int, prompts: int | None,
+                  repeat: int = 1) -> None:
+    """Every (run, layout) pair, ``repeat`` rounds in turn (A, B, A, B: drift hits both alike);
+    each row is the median over its rounds, ratios against the first row."""
     with tempfile.TemporaryDirectory(prefix="nla-bench-rl-") as tmp:
-        rows = {}
-        for lay in layouts:
-            cfg = run_config(run_dir, Path(tmp) / f"run-{lay}", lay, steps, prompts)
-            rows[lay] = measure(cfg, Path(tmp) / f"run-{lay}", lay, steps, (0, 0))
-            print(f"  {lay}: step {rows[lay]['time_step']:.3f} s, generate {rows[lay]['time_generate']:.3f} s",
-                  flush=True)
-    base = rows[layouts[0]]
-    print(f"\nRL step of {run_dir} ({int(base['samples'])} samples/step), median of steps 2..{steps}, "
-          f"one torch thread per process; ratios against {layouts[0]}")
+        rounds: dict[tuple[Path, str], list[dict[str, float]]] = {}
+        for r in range(repeat):
+            for run_dir in run_dirs:
+                for lay in layouts:
+                    out = Path(tmp) / f"run-{len(rounds)}-{r}-{lay}"
+                    m = measure(run_config(run_dir, out, lay, steps, prompts), out, lay, steps, (0, 0))
+                    rounds.setdefault((run_dir, lay), []).append(m)
+                    print(f"  {run_dir.name} {lay} (round {r + 1}): step {m['time_step']:.3f} s, generate "
+                          f"{m['time_generate']:.3f} s", flush=True)
+    rows = {key: {k: statistics.median(m[k] for m in ms) for k in ms[0]} for key, ms in rounds.items()}
+    first = next(iter(rows))
+    base = rows[first]
+    print(f"\nRL step ({int(base['samples'])} samples/step), median of steps 2..{steps} and of {repeat} round(s), "
+          f"one torch thread per process; ratios against {first[0].name} {first[1]}")
     lines = []
-    for lay, m in rows.items():
+    for (run_dir, lay), m in rows.items():
         sps = m["samples"] / m["time_generate"]
-        lines.append(f"{lay:<8} {sps:10.1f} {sps / (base['samples'] / base['time_generate']):6.2f}x "
-                     f"{m['time_step']:8.3f} {base['time_step'] / m['time_step']:6.2f}x " + _times(m))
-    _table(f"{'layout':<8} {'samples/s':>10} {'vs':>7} {'step s':>8} {'vs':>7} " + TIMES_HEAD, lines)
+        label = f"{run_dir.name} {lay}" if len(run_dirs) > 1 else lay
+        lines.append(f"{label:<48} {sps:10.1f} {sps / (base['samples'] / base['time_generate']):6.2f}x "
+                     f"{m['time_step']:8.3f} {base['time_step'] / m['time_step']:6.2f}x " + _times(m)
+                     + f" {m['response_len']:8.1f}")
+    _table(f"{'run / layout':<48} {'samples/s':>10} {'vs':>7} {'step s':>8} {'vs':>7} " + TIMES_HEAD
+           + f" {'resp len':>8}", lines)
     print("samples/s: rollout samples per second of generation; step 'vs': speed-up of the whole step")
 
 
@@ -179,14 +196,15 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=None, help="prompts per step (default 4; --from-run: the run's)")
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1, help="torch threads in the driver (actors use 1)")
-    ap.add_argument("--from-run", type=Path, default=None,
-                    help="a quickstart run dir: measure its RL stage (module docstring)")
+    ap.add_argument("--from-run", type=Path, nargs="+", default=None,
+                    help="quickstart run dir(s): measure their RL stage (module docstring); several: side by side")
+    ap.add_argument("--repeat", type=int, default=1, help="--from-run: rounds in turn over runs and layouts")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     layouts = args.layouts.split(",")
     if args.from_run is not None:
-        main_from_run(args.from_run.resolve(), layouts, args.steps, args.prompts)
+        main_from_run([p.resolve() for p in args.from_run], layouts, args.steps, args.prompts, args.repeat)
         return
     args.prompts = args.prompts or 4
     with tempfile.TemporaryDirectory(prefix="nla-bench-rl-") as tmp:

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from nla import arch
 from nla.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar, write_sidecar
 from nla.validation import check_checkpoint
-from nla.vectors import mse_nrm
+from nla.vectors import mse_nrm, normalize_activation
 
 logger = logging.getLogger(__name__)
 
@@ -295,6 +295,33 @@ class Reconstructor(nn.Module):
         r = x[rows, idx][:, None] + attn.o_proj(a.transpose(1, 2).reshape(B, 1, -1))
         r = r + last.mlp(last.post_attention_layernorm(r))
         return self.value_head(r[:, 0].to(self.value_head.weight.dtype))
+
+    @torch.no_grad()
+    def read_features(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """The value head's input [B, d] at each row's last real token (block K's output)."""
+        position_ids = (attention_mask.long().cumsum(1) - 1).clamp_min(0)
+        hidden = self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           use_cache=False).last_hidden_state
+        idx = last_token_index(attention_mask)
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), idx]
+
+    @torch.no_grad()
+    def fit_head(self, features: Tensor, gold: Tensor, scale: float | None, ridge: float = 1e-3) -> float:
+        """Set the value head to the ridge regression of the normalised golds on ``features``.
+
+        ``W = argmin ||F W^T - G||^2 + lam ||W||^2`` with ``G`` = ``gold`` [N, d_out] rescaled to
+        ``scale`` (the loss compares normalised vectors) and ``lam = ridge * trace(F^T F) / d_in``:
+        a linear probe of the base's own features, the start of a cross-model AR (the identity,
+        a same-model AR's start, has no meaning between two widths; linear probing before
+        fine-tuning, Kumar et al. 2022). In float64. Returns the mean ``mse_nrm`` of the fit.
+        """
+        f = features.double().cpu()
+        g = normalize_activation(gold.float(), scale).double().cpu()
+        gram = f.T @ f
+        lam = ridge * float(torch.trace(gram)) / gram.shape[0]
+        w = torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), f.T @ g).T  # [d_out, d_in]
+        self.value_head.weight.copy_(w.to(self.value_head.weight.dtype))
+        return float(mse_nrm((f @ w.T).float(), gold.float(), scale).mean())
 
     def save_pretrained(self, directory: str | os.PathLike, sidecar: NLAConfig | None = None, *,
                         state_dict: dict[str, Tensor] | None = None, **provenance: Any) -> Path:

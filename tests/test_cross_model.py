@@ -52,6 +52,22 @@ def test_adapter_start_by_hand():
         a(torch.randn(2, 5))
 
 
+def test_fit_head_recovers_a_linear_map(tiny_model_dir):
+    """Golds that are an exact linear map of the features (norms already at the scale, so
+    normalising changes nothing): the ridge fit with a vanishing penalty is that map, mse ~ 0."""
+    from nla.reconstructor import Reconstructor
+
+    ar = Reconstructor.from_base(tiny_model_dir("llama"), 1, out_dim=48)  # width 32 -> 48
+    assert tuple(ar.value_head.weight.shape) == (48, 32)
+    g = torch.Generator().manual_seed(0)
+    a = adapter_init(32, 48, seed=4)  # [48, 32], orthonormal columns: |A f| = |f|
+    f = torch.randn(200, 32, generator=g)
+    f = f * (5.0 / f.norm(dim=1, keepdim=True))
+    mse = ar.fit_head(f, f @ a.T, scale=5.0, ridge=1e-12)
+    assert mse < 1e-8
+    torch.testing.assert_close(ar.value_head.weight, a, rtol=0, atol=1e-5)
+
+
 def test_hook_injects_the_adapted_vector(tiny_model_dir, tiny_tokenizer):
     from transformers import AutoModelForCausalLM
 

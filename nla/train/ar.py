@@ -164,6 +164,23 @@ def _check_d_model(side: NLAConfig, model_d: int, vectors: np.ndarray, where: st
         )
 
 
+HEAD_FIT_ROWS = 4096  # training rows the cross-model head's ridge fit reads (seeded subset)
+
+
+def _fit_cross_model_head(model: Reconstructor, tok: Any, texts: list[str], gold: torch.Tensor, scale: float | None,
+                          cfg: ARTrainConfig, device: torch.device, baseline: float) -> None:
+    """Start a cross-model AR's head as the ridge probe of its base's features (``Reconstructor.fit_head``)."""
+    rng = np.random.default_rng([cfg.seed, 4099])
+    idx = np.sort(rng.permutation(len(texts))[:HEAD_FIT_ROWS])
+    feats = []
+    for s in range(0, len(idx), cfg.micro):
+        enc = tokenize_ar_texts(tok, [texts[i] for i in idx[s : s + cfg.micro]], cfg.max_length)
+        feats.append(model.read_features(enc["input_ids"].to(device), enc["attention_mask"].to(device)).float().cpu())
+    mse = model.fit_head(torch.cat(feats), gold[torch.from_numpy(idx)], scale)
+    logger.info("AR: cross-model head fitted by ridge regression on %d rows: fve_nrm %.4f before training",
+                len(idx), 1.0 - mse / baseline)
+
+
 def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
     """Warm-start the reconstructor on ``cfg.dataset`` (``ar_sft.parquet``). See module docstring."""
     seed_everything(cfg.seed)
@@ -202,6 +219,8 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
         baselines = check_spread(gold_all, scale, f"dataset {cfg.dataset}")
     except ValueError as err:
         raise ARTrainError(str(err)) from None
+    if own is not None and resume_from is None:
+        _fit_cross_model_head(model, tok, texts, gold_all, scale, cfg, device, baselines.raw_mean)
     logger.info("AR: %d train / %d eval rows, K=%d, mse_scale=%s, raw-mean baseline %.4f (normalised-mean %.4f)",
                 len(texts), len(eval_texts), model.layer_index, scale, baselines.raw_mean, baselines.normalized_mean)
     checked = {"suffix": False}
