@@ -60,6 +60,21 @@ class InjectionAdapter(nn.Module):
                              "d_model this AV was trained for); extract them from that subject and layer")
         return self.proj(v.to(dtype=self.proj.weight.dtype, device=self.proj.weight.device))
 
+    @torch.no_grad()
+    def fit(self, source: Tensor, target: Tensor, ridge: float = 1e-3) -> float:
+        """Set ``W, b`` to the ridge regression of ``target`` [N, d_out] on ``source`` [N, d_in]
+        (both centred, ``lam = ridge * trace(S^T S) / d_in``; float64). Returns the fit's R^2."""
+        s, t = source.double().cpu(), target.double().cpu()
+        sm, tm = s.mean(0), t.mean(0)
+        sc, tc = s - sm, t - tm
+        gram = sc.T @ sc
+        lam = ridge * float(torch.trace(gram)) / gram.shape[0]
+        w = torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), sc.T @ tc).T  # [d_out, d_in]
+        self.proj.weight.copy_(w.to(self.proj.weight.dtype))
+        self.proj.bias.copy_((tm - w @ sm).to(self.proj.bias.dtype))
+        resid = ((sc @ w.T - tc) ** 2).sum()
+        return float(1.0 - resid / (tc**2).sum().clamp_min(1e-30))
+
     def describe(self) -> dict[str, Any]:
         """The sidecar's ``injection_adapter`` block."""
         return {"kind": "affine", "d_in": self.d_in, "d_out": self.d_out, "file": ADAPTER_FILE}

@@ -52,6 +52,19 @@ def test_adapter_start_by_hand():
         a(torch.randn(2, 5))
 
 
+def test_adapter_fit_recovers_an_affine_map():
+    g = torch.Generator().manual_seed(1)
+    a, c = torch.randn(6, 10, generator=g), torch.randn(6, generator=g)
+    src = torch.randn(300, 10, generator=g)
+    adapter = InjectionAdapter(10, 6)
+    r2 = adapter.fit(src, src @ a.T + c, ridge=1e-12)
+    assert r2 == pytest.approx(1.0, abs=1e-9)
+    torch.testing.assert_close(adapter.proj.weight, a, rtol=0, atol=1e-5)
+    torch.testing.assert_close(adapter.proj.bias, c, rtol=0, atol=1e-5)
+    noisy = adapter.fit(src, torch.randn(300, 6, generator=g), ridge=1e-12)
+    assert noisy < 0.1  # unrelated targets: little explained
+
+
 def test_fit_head_recovers_a_linear_map(tiny_model_dir):
     """Golds that are an exact linear map of the features (norms already at the scale, so
     normalising changes nothing): the ridge fit with a vanishing penalty is that map, mse ~ 0."""
@@ -150,6 +163,10 @@ def cross_pair(tmp_path_factory):
     vec, cls = _class_vectors(64, seed=1)
     texts = [f"the {WORDS[c]} is happy" for c in cls]
     av_ds = write_av_dataset(root / "av_sft.parquet", side, vec, texts)
+    # the text each vector was read at (what datagen writes as `context`): the adapter's start is
+    # fitted as the translation from the subject's vectors to the small model's own on these
+    table = pq.read_table(av_ds)
+    pq.write_table(table.append_column("context", pa.array([f"the {WORDS[c]}" for c in cls])), av_ds)
     ar_ds = root / "ar_sft.parquet"
     pq.write_table(pa.table({"activation_vector": vectors_to_arrow(vec), "doc_id": pa.array(range(64), pa.int64()),
                              "prompt": pa.array([side.ar_text(t) for t in texts]), "explanation": pa.array(texts)}),
@@ -193,6 +210,37 @@ def test_cross_model_warm_starts_record_both_models(cross_pair):
     # the AV reads its vector: the held-out loss with the vectors rolled by one row is higher
     m = cross_pair["av"].metrics
     assert m["eval_vector_gap"] > 0.05, m
+
+
+def test_translation_start_fits_the_small_models_own_vectors(cross_pair):
+    """The cross-model adapter's start: the ridge map from the subject's vectors to the small
+    model's own layer-1 vectors at the end of each row's context (targets at the injection norm
+    times sqrt(32 / 64)); it explains part of them, unlike the seeded random start."""
+    from transformers import AutoModelForCausalLM
+
+    from nla.arch import load_tokenizer
+    from nla.datagen.extract import block_outputs, pad_right, tokenize_text
+    from nla.train.av import _fit_translation
+    from nla.vectors import normalize_activation
+
+    small = AutoModelForCausalLM.from_pretrained(cross_pair["small"])
+    tok = load_tokenizer(cross_pair["small"])
+    table = pq.read_table(cross_pair["av_ds"])
+    contexts = table.column("context").to_pylist()
+    vec = np.stack(table.column("activation_vector").to_numpy(zero_copy_only=False)).astype(np.float32)
+    side = load_sidecar(cross_pair["av_ds"])
+    adapter = InjectionAdapter(D_SUBJECT, D_PAIR)
+    cfg = AVTrainConfig(dataset="x", batch_size=16)
+    _fit_translation(adapter, small, tok, contexts, vec, side, cfg)
+    ids, mask = pad_right([tokenize_text(tok, c, 512)[0] for c in contexts], tok.pad_token_id)
+    h = block_outputs(small, ids, mask, 1).float()
+    own = normalize_activation(h[torch.arange(len(contexts)), mask.sum(1) - 1], 8.0 * (32 / 64) ** 0.5)
+    with torch.no_grad():
+        pred = adapter(normalize_activation(torch.from_numpy(vec), 8.0))
+        start = InjectionAdapter(D_SUBJECT, D_PAIR)(normalize_activation(torch.from_numpy(vec), 8.0))
+    resid = ((pred - own) ** 2).sum() / ((own - own.mean(0)) ** 2).sum()
+    assert float(resid) < 0.5  # four classes, one context each: the map explains most of it
+    assert float(((start - own) ** 2).sum() / ((own - own.mean(0)) ** 2).sum()) > 1.0
 
 
 def test_cross_model_pair_loads_in_the_client_and_refuses_wrong_widths(cross_pair):

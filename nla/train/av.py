@@ -191,9 +191,58 @@ def _refuse_random_head(model: Any, info: dict[str, Any], src: str) -> None:
         )
 
 
-def _injection_adapter(cfg: AVTrainConfig, side: NLAConfig, model: Any, src: str) -> InjectionAdapter | None:
+TRANSLATION_ROWS = 4096  # training rows whose contexts the cross-model adapter's start is fitted on
+
+
+def _fit_translation(adapter: InjectionAdapter, model: Any, tok: Any, contexts: list[str], vectors: np.ndarray,
+                     side: NLAConfig, cfg: AVTrainConfig) -> None:
+    """Start a cross-model adapter as the ridge translation from the subject's layer-K vectors to the
+    AV base's own vectors at the same depth on the same text (each row's ``context``, the text up to
+    the vector's token): the AV then starts as a same-model NLA of its own base, whose fixed-scale
+    injection of its own residual is what the published recipe trains. Both sides at the
+    injection norm (the AV's at that norm times sqrt(d_av / d_subject), ``sqrt_d_model``'s ratio)."""
+    from nla.datagen.extract import block_outputs, tokenize_text
+    from nla.reconstructor import last_token_index
+    from nla.vectors import normalize_activation
+
+    k = side.need_layer("fitting the cross-model injection adapter")
+    own_layers = arch.num_layers(model.config)
+    subject_layers = None
+    if side.base_model and (Path(side.base_model) / "config.json").is_file():
+        from transformers import AutoConfig
+
+        subject_layers = arch.num_layers(AutoConfig.from_pretrained(side.base_model))
+    # the same relative depth in the AV's base (the same K when both have as many blocks)
+    k_own = min(own_layers - 1, round(k * own_layers / subject_layers)) if subject_layers else min(k, own_layers - 1)
+    rng = np.random.default_rng([cfg.seed, 4111])
+    idx = np.sort(rng.permutation(len(contexts))[:TRANSLATION_ROWS])
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    feats = []
+    model.eval()
+    for s in range(0, len(idx), cfg.micro):
+        from nla.datagen.extract import pad_right
+
+        seqs = [tokenize_text(tok, contexts[i], cfg.max_length * 4)[0] for i in idx[s : s + cfg.micro]]
+        ids, mask = pad_right(seqs, pad)
+        h = block_outputs(model, ids, mask, k_own).float()
+        feats.append(h[torch.arange(h.shape[0]), last_token_index(mask)])
+    model.train()
+    scale = side.injection_scale_value()
+    d_in, d_out = adapter.d_in, adapter.d_out
+    src = normalize_activation(torch.from_numpy(np.ascontiguousarray(vectors[idx])).float(), scale)
+    tgt = normalize_activation(torch.cat(feats), None if scale is None else scale * (d_out / d_in) ** 0.5)
+    r2 = adapter.fit(src, tgt)
+    logger.info("AV: cross-model injection adapter fitted as the translation from the subject's layer %d to the "
+                "base's layer %d on %d contexts (R^2 %.3f)", k, k_own, len(idx), r2)
+
+
+def _injection_adapter(cfg: AVTrainConfig, side: NLAConfig, model: Any, src: str, tok: Any = None,
+                       contexts: list[str] | None = None, vectors: np.ndarray | None = None
+                       ) -> InjectionAdapter | None:
     """Attach the AV's injection adapter: the one ``src`` was saved with (resume, or an AV checkpoint
-    as the base), else a new one when ``injection_adapter: affine`` or the widths differ."""
+    as the base), else a new one when ``injection_adapter: affine`` or the widths differ (fitted as
+    the translation between the two models when the rows carry their ``context``; else the seeded
+    norm-keeping map of ``nla.injection.adapter_init``)."""
     from nla.sidecar import SIDECAR_NAME, load_sidecar
 
     d = arch.hidden_size(model.config)
@@ -207,6 +256,8 @@ def _injection_adapter(cfg: AVTrainConfig, side: NLAConfig, model: Any, src: str
                 f"{side.d_model}; a model of another width reads them through a learned map: set injection_adapter: "
                 "affine (or --set injection_adapter=affine), or use the subject the dataset was extracted from")
         adapter = InjectionAdapter(side.d_model, d, seed=cfg.seed)
+        if d != side.d_model and contexts is not None:
+            _fit_translation(adapter, model, tok, contexts, vectors, side, cfg)
     else:
         return None
     if adapter.d_in != side.d_model:
@@ -248,7 +299,8 @@ def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
     if train_vec.shape[1] != side.d_model:
         raise AVTrainError(f"activation_vector: vectors have {train_vec.shape[1]} dims, the sidecar's d_model is "
                            f"{side.d_model}; the sidecar does not belong to this dataset")
-    adapter = _injection_adapter(cfg, side, model, src)
+    contexts = train_tab.column("context").to_pylist() if "context" in train_tab.column_names else None
+    adapter = _injection_adapter(cfg, side, model, src, tok, contexts, train_vec)
     d = arch.hidden_size(model.config)
     side = side.replace(model_base=own, model_width=d if d != side.d_model else None,
                         injection_adapter=None if adapter is None else adapter.describe())
