@@ -47,7 +47,8 @@ def write_shifted(src: Path, how: str, out: Path) -> Path:
 
 def rl_pair(run: Path) -> tuple[Path, Path]:
     info = json.loads((run / "rl.stage_done.json").read_text())
-    return Path(info["av"]), Path(info["ar"])
+    # a run's paths are relative to the directory the quickstart ran in (two levels up)
+    return tuple(p if p.is_absolute() else run.resolve().parent.parent / p for p in (Path(info["av"]), Path(info["ar"])))
 
 
 def main(argv: list[str] | None = None) -> int:

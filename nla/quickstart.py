@@ -208,7 +208,7 @@ def split_rl_for_eval(rl_path: Path, out_dir: Path, eval_fraction: float, seed: 
 
 def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart", *, backend: str = "local",
                    progress: bool = True, threads: int | None = None, seed: int = 0, pair_world: str | None = None,
-                   injection_adapter: str = "none") -> Path:
+                   injection_adapter: str = "none", pair_roles: str = "both") -> Path:
     """Run every stage; returns the path of ``report.md``.
 
     threads: torch CPU threads of every stage (None: ``nla.threads.resolve_threads``'s fixed
@@ -221,6 +221,9 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
         vectors through a learned injection adapter (the AR's head maps its width to the subject's).
     injection_adapter: "affine" gives a same-model AV the learned adapter instead of the fixed
         scale ("none"); a cross-model pair always has one.
+    pair_roles: with ``pair_world``, "both" (the AV and the AR start from it) or "av" (only the
+        AV: a small verbalizer with the subject's own AR, whose reading is the expensive part to
+        lose: BENCHMARKS.md, "Explain one model with another").
     """
     from nla.datagen.config import DatagenConfig
     from nla.datagen.pipeline import run as run_datagen
@@ -237,6 +240,8 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
         raise ValueError(f"preset: expected one of {sorted(PRESETS)}, found {preset!r}")
     if pair_world is not None and pair_world not in WORLD_PRESETS:
         raise ValueError(f"pair_world: expected one of {sorted(WORLD_PRESETS)}, found {pair_world!r}")
+    if pair_roles not in ("both", "av"):
+        raise ValueError(f"pair_roles: expected 'both' or 'av', found {pair_roles!r}")
     if injection_adapter not in ("none", "affine"):
         raise ValueError(f"injection_adapter: expected 'none' or 'affine', found {injection_adapter!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -301,7 +306,7 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
         pair = {"base_model": pw["subject_dir"], "injection_adapter": "affine"}
     elif injection_adapter != "none":
         pair = {"injection_adapter": injection_adapter}
-    ar_pair = {k: v for k, v in pair.items() if k == "base_model"}
+    ar_pair = {k: v for k, v in pair.items() if k == "base_model" and pair_roles == "both"}
     ar_cfg = dict(dataset=str(datagen / "ar_sft.parquet"), out_dir=str(out / "ar"), progress=progress, **p.ar, **sd,
                   **ar_pair, **thr)
     ar_info = stage("ar", ar_cfg, lambda: _train(train_ar, ARTrainConfig(**ar_cfg)))

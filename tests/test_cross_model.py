@@ -342,3 +342,28 @@ def test_cross_model_pair_on_ray_matches_local(cross_pair, tmp_path):
     torch.testing.assert_close(wa.proj.weight, wb.proj.weight, atol=1e-4, rtol=1e-3)
     start = load_adapter_file(cross_pair["av"].checkpoint_dir, side)
     assert not torch.allclose(wb.proj.weight, start.proj.weight, atol=1e-6)
+
+
+def test_cross_model_ppo_value_model_reads_the_vector_through_its_adapter_copy(cross_pair, tmp_path):
+    from nla.metrics import read_metrics
+    from nla.rl.backend import build_groups
+    from nla.rl.config import RLConfig
+    from nla.rl.loop import run_rl
+
+    cfg = RLConfig.from_dict(dict(
+        av=str(cross_pair["av"].checkpoint_dir), ar=str(cross_pair["ar"].checkpoint_dir),
+        dataset=cross_pair["dataset"], out_dir=str(tmp_path / "ppo"), steps=2, eval_every=1000, tensorboard=False,
+        progress=False, seed=0, rollout=dict(rollout_batch_size=4, n_samples_per_prompt=4, max_response_len=16),
+        optimiser=dict(micro_batch_size=16, lr=1e-3), loss=dict(advantage="gae", gamma=1.0, lam=0.95),
+        checkpointing=dict(save_every=1000)))
+    groups = build_groups(cfg)
+    value = groups.value.model
+    assert value.adapter is not None and value.adapter is not get_adapter(groups.policy.model)
+    assert groups.value.hook.adapter is value.adapter
+    start = value.adapter.proj.weight.detach().clone()
+    run_rl(cfg, groups=groups)
+    row = next(r for r in read_metrics(tmp_path / "ppo" / "rl.jsonl") if "value_loss" in r)
+    assert math.isfinite(row["value_loss"]) and row["value_loss"] > 0
+    # trained with the values (from step 2: the zero-initialised head passes no gradient back at step 1)
+    assert not torch.equal(value.adapter.proj.weight.detach(), start)
+    groups.close()

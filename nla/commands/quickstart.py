@@ -29,6 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="explain the subject with another world model trained on the same stories (e.g. default-d64, "
                         "half the width): the AV and AR start from it, the AV reads the vectors through a learned "
                         "injection adapter (docs/cross-model.md)")
+    p.add_argument("--pair-roles", default="both", choices=["both", "av"],
+                   help="with --pair-world: both roles start from it, or only the AV (the subject's own AR reads)")
     p.add_argument("--injection-adapter", default="none", choices=["none", "affine"],
                    help="affine: the same-model AV learns an affine injection adapter instead of the fixed scale")
     p.set_defaults(func=run)
@@ -39,12 +41,13 @@ def run(args: argparse.Namespace) -> int:
     from nla.validation import check_output_path
 
     default_out = (f"runs/quickstart-{args.preset}" + (f"-pair-{args.pair_world}" if args.pair_world else "")
+                   + ("-av" if args.pair_world and args.pair_roles == "av" else "")
                    + ("-adapter" if args.injection_adapter != "none" and not args.pair_world else "")
                    + (f"-seed{args.seed}" if args.seed else ""))
     out = str(check_output_path(args.out or default_out, "--out"))
     report = run_quickstart(args.preset, out, backend=args.backend, progress=not args.no_progress,
                             threads=args.threads, seed=args.seed, pair_world=args.pair_world,
-                            injection_adapter=args.injection_adapter)
+                            injection_adapter=args.injection_adapter, pair_roles=args.pair_roles)
     head = json.loads((report.parent / "report.json").read_text())["headline"]
     print("\n== nla quickstart: done ==", file=sys.stderr)
     print(f"round-trip FVE (held-out): warm-start {head['round_trip_fve_warmstart']:.3f} -> "
