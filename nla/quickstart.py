@@ -347,8 +347,9 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
 
     return write_report(out, preset=preset, seed=seed, threads=threads, stages=stages, configs=configs, world=world_info, probe=probe_info,
                         warm_eval=warm["report"], rl_eval=after["report"], ar_info=ar_info, av_info=av_info,
-                        rl_info=rl_info, suite=suite["report"], pair=pair_summary(av_info["checkpoint"],
-                                                                                 ar_info["checkpoint"]))
+                        rl_info=rl_info, suite=suite["report"],
+                        # the pair's models, for a cross-model or adapter run (the default's report is as it was)
+                        pair=pair_summary(av_info["checkpoint"], ar_info["checkpoint"]) if pair else None)
 
 
 def pair_summary(av: str | Path, ar: str | Path) -> dict[str, Any]:
