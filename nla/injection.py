@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from nla.vectors import normalize_activation
+from nla.vectors import normalize_activation, ridge_solve
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +67,7 @@ class InjectionAdapter(nn.Module):
         s, t = source.double().cpu(), target.double().cpu()
         sm, tm = s.mean(0), t.mean(0)
         sc, tc = s - sm, t - tm
-        gram = sc.T @ sc
-        lam = ridge * float(torch.trace(gram)) / gram.shape[0]
-        w = torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), sc.T @ tc).T  # [d_out, d_in]
+        w = ridge_solve(sc, tc, ridge)  # [d_out, d_in]
         self.proj.weight.copy_(w.to(self.proj.weight.dtype))
         self.proj.bias.copy_((tm - w @ sm).to(self.proj.bias.dtype))
         resid = ((sc @ w.T - tc) ** 2).sum()

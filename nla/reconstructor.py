@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from nla import arch
 from nla.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar, write_sidecar
 from nla.validation import check_checkpoint
-from nla.vectors import mse_nrm, normalize_activation
+from nla.vectors import mse_nrm, normalize_activation, ridge_solve
 
 logger = logging.getLogger(__name__)
 
@@ -316,10 +316,7 @@ class Reconstructor(nn.Module):
         fine-tuning, Kumar et al. 2022). In float64. Returns the mean ``mse_nrm`` of the fit.
         """
         f = features.double().cpu()
-        g = normalize_activation(gold.float(), scale).double().cpu()
-        gram = f.T @ f
-        lam = ridge * float(torch.trace(gram)) / gram.shape[0]
-        w = torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), f.T @ g).T  # [d_out, d_in]
+        w = ridge_solve(f, normalize_activation(gold.float(), scale), ridge)  # [d_out, d_in]
         self.value_head.weight.copy_(w.to(self.value_head.weight.dtype))
         return float(mse_nrm((f @ w.T).float(), gold.float(), scale).mean())
 

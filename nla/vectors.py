@@ -160,3 +160,13 @@ def _check_pair(pred: Tensor, gold: Tensor) -> None:
         raise ValueError(
             f"pred and gold must have the same shape [B, d], found {tuple(pred.shape)} vs {tuple(gold.shape)}"
         )
+
+
+def ridge_solve(x: Tensor, y: Tensor, ridge: float = 1e-3) -> Tensor:
+    """``W`` [d_out, d_in] minimising ``||x W^T - y||^2 + lam ||W||^2`` for ``x`` [N, d_in], ``y``
+    [N, d_out], with ``lam = ridge * trace(x^T x) / d_in`` (scale-free); in float64, on the CPU.
+    (The starts of a cross-model pair: ``InjectionAdapter.fit``, ``Reconstructor.fit_head``.)"""
+    x, y = x.double().cpu(), y.double().cpu()
+    gram = x.T @ x
+    lam = ridge * float(torch.trace(gram)) / gram.shape[0]
+    return torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), x.T @ y).T

@@ -201,7 +201,7 @@ def _fit_translation(adapter: InjectionAdapter, model: Any, tok: Any, contexts: 
     the vector's token): the AV then starts as a same-model NLA of its own base, whose fixed-scale
     injection of its own residual is what the published recipe trains. Both sides at the
     injection norm (the AV's at that norm times sqrt(d_av / d_subject), ``sqrt_d_model``'s ratio)."""
-    from nla.datagen.extract import block_outputs, tokenize_text
+    from nla.datagen.extract import block_outputs, pad_right, tokenize_text
     from nla.reconstructor import last_token_index
     from nla.vectors import normalize_activation
 
@@ -220,8 +220,6 @@ def _fit_translation(adapter: InjectionAdapter, model: Any, tok: Any, contexts: 
     feats = []
     model.eval()
     for s in range(0, len(idx), cfg.micro):
-        from nla.datagen.extract import pad_right
-
         seqs = [tokenize_text(tok, contexts[i], cfg.max_length * 4)[0] for i in idx[s : s + cfg.micro]]
         ids, mask = pad_right(seqs, pad)
         h = block_outputs(model, ids, mask, k_own).float()
