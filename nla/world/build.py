@@ -143,6 +143,10 @@ WORLD_PRESETS: dict[str, WorldConfig] = {
 # A second world model on the same stories (same seed, corpus and tokenizer) at half the width: the
 # base of a cross-model pair that explains the default subject's vectors (nla quickstart --pair-world).
 WORLD_PRESETS["default-d64"] = dataclasses.replace(WORLD_PRESETS["default"], name="default-d64", d_model=64, d_ff=172)
+# ... and at twice the width: a larger AV/AR than the subject, which separates what the cross-model
+# machinery (adapter, head) costs from what a weaker model costs.
+WORLD_PRESETS["default-d256"] = dataclasses.replace(WORLD_PRESETS["default"], name="default-d256", d_model=256,
+                                                    d_ff=688)
 
 
 @dataclass(frozen=True)
