@@ -31,12 +31,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["DEFAULT_TARGETS", "LoRASettings", "adapter_dir_for", "adapters_off", "apply_lora", "has_lora",
+__all__ = ["DEFAULT_TARGETS", "LORA_SUBDIR", "LoRASettings", "adapter_dir_for", "adapters_off", "apply_lora",
+           "apply_sft_lora", "has_lora",
            "held_state_bytes", "is_adapter_dir", "load_adapter", "load_merged", "merged_state_dict", "save_adapter"]
 
 # The linear projections of a Llama / Qwen2 / Gemma block (attention and MLP).
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_PREFIX = "base_model.model."  # peft's PeftModel key prefix in adapter_model.safetensors
+LORA_SUBDIR = "lora_adapter"  # a warm-start checkpoint's adapter: checkpoints/step_N/lora_adapter/
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,21 @@ def apply_lora(model: nn.Module, settings: LoRASettings) -> nn.Module:
     return model
 
 
+def apply_sft_lora(model: nn.Module, settings: LoRASettings, resume_from: str | Path | None = None,
+                   train: list[nn.Module] = ()) -> nn.Module:
+    """LoRA for a warm-start (``nla train av`` / ``nla train ar``): ``apply_lora``, the modules in
+    ``train`` (parts that start new, such as the AR's head or the AV's injection adapter) left
+    trainable in full, and on resume the adapter of ``resume_from``'s ``LORA_SUBDIR`` loaded
+    (``model`` must then hold the run's base weights, not the checkpoint's merged ones)."""
+    apply_lora(model, settings)
+    for module in train:
+        for p in module.parameters():
+            p.requires_grad_(True)
+    if resume_from is not None:
+        load_adapter(model, Path(resume_from) / LORA_SUBDIR)
+    return model
+
+
 @contextlib.contextmanager
 def adapters_off(model: nn.Module) -> Iterator[None]:
     """Every LoRA layer of ``model`` computes its base layer only inside the block (the reference)."""
@@ -139,8 +156,11 @@ def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
-def save_adapter(model: nn.Module, directory: str | Path, base_model: str | Path) -> Path:
-    """The adapter weights and config in peft's format (``PeftModel.from_pretrained`` reads it)."""
+def save_adapter(model: nn.Module, directory: str | Path, base_model: str | Path,
+                 nla_dir: str | Path | None = None) -> Path:
+    """The adapter weights and config in peft's format (``PeftModel.from_pretrained`` reads it).
+    ``nla_dir``: the checkpoint whose sidecar, tokenizer and injection adapter go with this
+    adapter (a warm-start's own dir); None: the base's (RL, whose base is the warm-started AV)."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
@@ -153,7 +173,11 @@ def save_adapter(model: nn.Module, directory: str | Path, base_model: str | Path
     base = str(Path(base_model).resolve()) if str(base_model) else ""
     config.base_model_name_or_path = base
     config.save_pretrained(str(directory))
-    (directory / "nla_lora.json").write_text(json.dumps({**asdict(settings), "base_model": base}, indent=1))
+    meta = {**asdict(settings), "base_model": base}
+    if nla_dir is not None:  # ".." for a checkpoint's own adapter, so the run dir can move
+        home = Path(nla_dir).resolve()
+        meta["nla_dir"] = ".." if home == directory.resolve().parent else str(home)
+    (directory / "nla_lora.json").write_text(json.dumps(meta, indent=1))
     return directory
 
 
@@ -165,7 +189,8 @@ def is_adapter_dir(directory: str | Path) -> bool:
 
 def load_merged(directory: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Path]:
     """The plain AV of an adapter dir: its recorded base with the adapter merged in (peft's
-    ``merge_and_unload``), and the base's path (whose sidecar and tokenizer the AV uses)."""
+    ``merge_and_unload``), and the dir whose sidecar, tokenizer and injection adapter the AV
+    uses (``nla_dir`` when recorded, a warm-start's checkpoint; else the base)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -177,12 +202,16 @@ def load_merged(directory: str | Path, dtype: torch.dtype = torch.float32) -> tu
     from nla.injection import attach_adapter, load_adapter_file
     from nla.sidecar import SIDECAR_NAME, load_sidecar
 
+    home = (Path(directory) / meta["nla_dir"]).resolve() if meta.get("nla_dir") else base
+    if not (home / SIDECAR_NAME).is_file():
+        raise FileNotFoundError(f"{directory}: the checkpoint this adapter belongs to, {str(home)!r} (nla_lora.json), "
+                                f"has no {SIDECAR_NAME}; load the merged AV dir beside the adapter instead")
     model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, use_safetensors=True)
     merged = PeftModel.from_pretrained(model, str(directory)).merge_and_unload()
-    side = load_sidecar(base) if (base / SIDECAR_NAME).is_file() else None
-    if side is not None and side.injection_adapter is not None:  # frozen under LoRA: the base AV's own
-        attach_adapter(merged, load_adapter_file(base, side, dtype=dtype))
-    return merged, base
+    side = load_sidecar(home)
+    if side.injection_adapter is not None:  # RL: frozen, the base AV's own; a warm-start: the one it trained
+        attach_adapter(merged, load_adapter_file(home, side, dtype=dtype))
+    return merged, home
 
 
 def load_adapter(model: nn.Module, directory: str | Path) -> None:

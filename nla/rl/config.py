@@ -30,7 +30,7 @@ from nla.configcheck import check_config_types
 from nla.graders import available_graders
 from nla.rl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
 from nla.threads import check_threads
-from nla.train.config import parse_overrides, read_config_file, save_config
+from nla.train.config import LoRAConfig, parse_overrides, read_config_file, save_config
 
 # The one registry of backend names: config validation reads it, and the dispatcher
 # (``nla.rl.backend.BACKEND_BUILDERS``) has one builder per name.
@@ -295,39 +295,6 @@ class BackendConfig:
     def __post_init__(self) -> None:
         _one_of("backend.name", BACKENDS, self.name)
         _positive_ints("backend.", self, "num_policy_workers", "num_reconstructor_workers")
-
-
-@dataclass(frozen=True)
-class LoRAConfig:
-    """LoRA for the AV (``nla.lora``, needs peft): ``r`` the rank (0: off, full fine-tuning),
-    ``alpha`` (the adapters' scale is alpha / r), ``dropout``, ``target_modules`` (null: the
-    attention and MLP projections, ``nla.lora.DEFAULT_TARGETS``). On, only the adapters train,
-    the KL reference is the same module with its adapters off (no second copy), and each
-    checkpoint holds the merged AV (a plain HF dir) and ``av_adapter/`` (peft's format).
-    Local backend only."""
-
-    r: int = 0
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: list[str] | None = None
-
-    def __post_init__(self) -> None:
-        if not _is_int(self.r) or self.r < 0:
-            _bad("lora.r", "an integer >= 0 (0 = off)", self.r)
-        _positive_floats("lora.", self, "alpha")
-        if not 0.0 <= self.dropout < 1.0:
-            _bad("lora.dropout", "a probability in [0, 1)", self.dropout)
-        if self.target_modules is not None and (
-                not isinstance(self.target_modules, list) or not self.target_modules
-                or not all(isinstance(t, str) and t for t in self.target_modules)):
-            _bad("lora.target_modules", "a non-empty list of module names (e.g. [q_proj, v_proj]) or null",
-                 self.target_modules)
-
-    def settings(self) -> Any:
-        from nla.lora import DEFAULT_TARGETS, LoRASettings
-
-        return LoRASettings(self.r, float(self.alpha), float(self.dropout),
-                            tuple(self.target_modules) if self.target_modules else DEFAULT_TARGETS)
 
 
 SECTIONS: dict[str, type] = {

@@ -193,11 +193,22 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
     apply_threads(cfg.threads)
     resume_from = find_resume_checkpoint(cfg.out_dir) if resume else None
     own = own_model(base, side)  # another model reading the subject's vectors: its head maps to d_model
-    if resume_from is not None:
+    lora = cfg.lora.settings()
+    if resume_from is not None and not lora.enabled:
         model = Reconstructor.from_pretrained(resume_from)
     else:
         layer = cfg.layer_index if cfg.layer_index is not None else side.need_layer("building the AR from the base model")
         model = Reconstructor.from_base(base, layer, out_dim=side.d_model if own is not None else None)
+        if resume_from is not None:  # LoRA resumes as base + the saved adapter; the head trains in full
+            from safetensors.torch import load_file
+
+            from nla.reconstructor import VALUE_HEAD_FILE
+
+            model.value_head.weight.data.copy_(load_file(str(resume_from / VALUE_HEAD_FILE))["weight"])
+    if lora.enabled:
+        from nla.lora import apply_sft_lora
+
+        apply_sft_lora(model, lora, resume_from, train=[model.value_head])
     if model.tokenizer is None:
         raise ARTrainError(f"base_model: no tokenizer files in {base}; save the tokenizer beside the model")
     width = arch.hidden_size(model.config)
@@ -255,8 +266,15 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
 
     def save_model(directory: Path, step: int) -> dict[str, Any]:
         meta = side.replace(kind="nla_model", role="ar", base_model=side.base_model or base)
+        if lora.enabled:
+            from nla.lora import LORA_SUBDIR, merged_state_dict, save_adapter
+
+            state = merged_state_dict(model)
         model.save_pretrained(directory, sidecar=meta, lr=cfg.lr, batch_size=cfg.batch_size, step=step,
-                              parent_dataset=str(Path(cfg.dataset).resolve()), stage="ar_warm_start")
+                              parent_dataset=str(Path(cfg.dataset).resolve()), stage="ar_warm_start",
+                              state_dict=state if lora.enabled else None)
+        if lora.enabled:  # base + adapter, for --resume (the checkpoint itself holds the merged AR)
+            save_adapter(model, directory / LORA_SUBDIR, base)
         return {}
 
     spec = LoopSpec(name="ar", model=model, n_train=len(texts), micro_loss=micro_loss, evaluate=evaluate,

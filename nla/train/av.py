@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from nla import arch
 from nla.injection import InjectionAdapter, InjectionHook, attach_adapter, load_adapter_file, save_av_weights
+from nla.lora import LORA_SUBDIR, apply_sft_lora, merged_state_dict, save_adapter
 from nla.sidecar import NLAConfig, canonical_av_prompt_ids, derive_token_ids, verify_tokenizer, write_sidecar
 from nla.templates import AV_PLACEHOLDER
 from nla.threads import apply_threads
@@ -291,9 +292,12 @@ def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
         except ValueError as err:
             raise AVTrainError(f"base_model: {base}'s tokenizer cannot hold the AV prompt: {err}") from None
     verify_tokenizer(side, tok)
-    model, info = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, use_safetensors=True,
+    lora = cfg.lora.settings()
+    # A LoRA run resumes as base + its saved adapter (the checkpoint's weights are merged ones).
+    weights = base if lora.enabled and resume_from is not None else src
+    model, info = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype, use_safetensors=True,
                                                        output_loading_info=True)
-    _refuse_random_head(model, info, src)
+    _refuse_random_head(model, info, weights)
     if train_vec.shape[1] != side.d_model:
         raise AVTrainError(f"activation_vector: vectors have {train_vec.shape[1]} dims, the sidecar's d_model is "
                            f"{side.d_model}; the sidecar does not belong to this dataset")
@@ -302,6 +306,8 @@ def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
     d = arch.hidden_size(model.config)
     side = side.replace(model_base=own, model_width=d if d != side.d_model else None,
                         injection_adapter=None if adapter is None else adapter.describe())
+    if lora.enabled:
+        apply_sft_lora(model, lora, resume_from, train=[] if adapter is None else [adapter])
     model.to(device)
     hook = InjectionHook.from_config(model, side)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -366,11 +372,14 @@ def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
         return {"smoke_flagged": flagged, "smoke_checked": n, "smoke_sample": texts[0][:200]}
 
     def save_model(directory: Path, step: int) -> dict[str, Any]:
-        save_av_weights(model, directory)  # + nla_injection_adapter.safetensors when the AV has one
+        # + nla_injection_adapter.safetensors when the AV has one; base + LoRA merged under LoRA
+        save_av_weights(model, directory, merged_state_dict(model) if lora.enabled else None)
         tok.save_pretrained(directory)
         meta = side.replace(kind="nla_model", role="av", base_model=side.base_model or base)
         write_sidecar(directory, meta, lr=cfg.lr, batch_size=cfg.batch_size, step=step,
                       parent_dataset=str(Path(cfg.dataset).resolve()), stage="av_warm_start")
+        if lora.enabled:  # the adapter alone, in peft's format: resume reads it; NLAClient loads it too
+            save_adapter(model, directory / LORA_SUBDIR, base, nla_dir=directory)
         with torch.no_grad():
             return smoke(step)
 

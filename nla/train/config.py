@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,6 +20,46 @@ from nla.threads import check_threads
 from nla.validation import load_yaml
 
 _DEVICES_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA (``nla.lora``, needs peft), the ``lora`` block of the AV's and AR's warm-start and of
+    RL: ``r`` the rank (0: off, full fine-tuning), ``alpha`` (the adapters' scale is alpha / r),
+    ``dropout``, ``target_modules`` (null: the attention and MLP projections,
+    ``nla.lora.DEFAULT_TARGETS``). On, only the adapters train (and, in a warm-start, the parts
+    that start new: the AR's head, the AV's injection adapter); every checkpoint is the merged
+    model (a plain HF dir with its sidecar) with the adapter beside it in peft's format."""
+
+    r: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 0:
+            _lora_bad("r", "an integer >= 0 (0 = off)", self.r)
+        if not (isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool) and self.alpha > 0
+                and math.isfinite(self.alpha)):
+            _lora_bad("alpha", "a positive finite number", self.alpha)
+        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
+            _lora_bad("dropout", "a probability in [0, 1)", self.dropout)
+        if self.target_modules is not None and (
+                not isinstance(self.target_modules, list) or not self.target_modules
+                or not all(isinstance(t, str) and t for t in self.target_modules)):
+            _lora_bad("target_modules", "a non-empty list of module names (e.g. [q_proj, v_proj]) or null",
+                      self.target_modules)
+
+    def settings(self) -> Any:
+        from nla.lora import DEFAULT_TARGETS, LoRASettings
+
+        return LoRASettings(self.r, float(self.alpha), float(self.dropout),
+                            tuple(self.target_modules) if self.target_modules else DEFAULT_TARGETS)
+
+
+def _lora_bad(name: str, expected: str, found: Any) -> None:
+    raise ValueError(f"lora.{name}: expected {expected}, found {found!r}; fix the config's lora block or "
+                     f"--set lora.{name}=...")
 
 
 @dataclass(frozen=True)
@@ -45,6 +85,8 @@ class _TrainBase:
     eval_max_rows: cap on held-out rows scored at each evaluation.
     threads: torch CPU threads (null: ``$OMP_NUM_THREADS``, else every core, fixed for the run;
         ``"auto"``: follows the machine's load and gives up reproducibility; ``nla.threads``).
+    lora: :class:`LoRAConfig` (``lora: {r: 8}`` in YAML, ``--set lora.r=8``); r = 0, full
+        fine-tuning, is the default.
     """
 
     dataset: str = ""
@@ -75,9 +117,18 @@ class _TrainBase:
     threads: int | str | None = None
     tensorboard: bool = True
     progress: bool = True
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
+        if isinstance(self.lora, dict):
+            valid = {f.name for f in fields(LoRAConfig)}
+            unknown = sorted(set(self.lora) - valid)
+            if unknown:
+                raise ValueError(f"config field 'lora': unknown key(s) {unknown}; valid keys: {sorted(valid)}")
+            object.__setattr__(self, "lora", LoRAConfig(**self.lora))
+        elif not isinstance(self.lora, LoRAConfig):
+            _bad("lora", "a mapping such as {r: 8} (or --set lora.r=8)", self.lora)
         if not self.dataset:
             _bad("dataset", "a path to the training parquet", self.dataset)
         if not self.out_dir:
@@ -253,7 +304,14 @@ def load_config(
     data: dict[str, Any] = read_config_file(path, f"{cls.__name__} config") if path is not None else {}
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
-    data.update(overrides or {})
+    for key, value in (overrides or {}).items():
+        block, dot, sub = key.partition(".")
+        if dot and block == "lora":  # --set lora.r=8 updates only that key of the block
+            inner = data.get("lora")
+            data["lora"] = {**(dataclasses.asdict(inner) if isinstance(inner, LoRAConfig) else inner or {}),
+                            sub: value}
+        else:
+            data[key] = value
     return config_from_dict(cls, data)
 
 
@@ -262,5 +320,5 @@ def save_config(cfg: Any, path: str | os.PathLike) -> None:
     Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
 
 
-__all__ = ["ARTrainConfig", "AVTrainConfig", "config_from_dict", "load_config", "parse_overrides", "read_config_file",
+__all__ = ["ARTrainConfig", "AVTrainConfig", "LoRAConfig", "config_from_dict", "load_config", "parse_overrides", "read_config_file",
            "save_config"]
