@@ -7,9 +7,11 @@ held-out vectors removed: what a difference of means looks like) and offset (the
 once more), and is graded against the same rows' ground truth. FVE is against the shifted
 vector (mse_nrm normalises both sides, so a scaled vector's gold is the same direction).
 
-    python bench/shifted_vectors.py RUN [RUN ...] [--max-rows 400]
+    python bench/shifted_vectors.py RUN [RUN ...] [--max-rows 400] [--pair NAME=AV,AR ...]
 
 RUN: a quickstart run directory (runs/quickstart-default, runs/quickstart-default-adapter, ...).
+--pair: any other AV and AR checkpoints (a warm-start, an `nla rl` run of your own), scored on
+the first RUN's held-out rows (or --eval's parquet).
 """
 
 from __future__ import annotations
@@ -53,10 +55,28 @@ def rl_pair(run: Path) -> tuple[Path, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("runs", nargs="*", type=Path)
+    ap.add_argument("--pair", action="append", default=[], metavar="NAME=AV,AR",
+                    help="another pair: a name, its AV and AR checkpoint dirs")
+    ap.add_argument("--eval", type=Path, default=None, help="held-out parquet for --pair (default: the first RUN's)")
     ap.add_argument("--max-rows", type=int, default=400)
     ap.add_argument("--json", type=Path, default=None, help="also write the table here")
     args = ap.parse_args(argv)
+    pairs: list[tuple[str, Path, Path, Path]] = []
+    for run in args.runs:
+        av, ar = rl_pair(run)
+        pairs.append((run.name, av, ar, run / "datagen" / "eval.parquet"))
+    for spec in args.pair:
+        name, eq, rest = spec.partition("=")
+        paths = rest.split(",")
+        if not eq or len(paths) != 2 or not name:
+            ap.error(f"--pair {spec!r}: expected NAME=AV_DIR,AR_DIR")
+        eval_ds = args.eval or (args.runs[0] / "datagen" / "eval.parquet" if args.runs else None)
+        if eval_ds is None:
+            ap.error("--pair needs --eval PARQUET (or a RUN whose held-out rows to use)")
+        pairs.append((name, Path(paths[0]), Path(paths[1]), eval_ds))
+    if not pairs:
+        ap.error("give at least one RUN or --pair")
     from nla.client import NLAClient
     from nla.evaluation import ROW_ROUND_TRIP, evaluate_pair
     from nla.threads import apply_threads, resolve_threads
@@ -64,9 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_threads(resolve_threads(None))
     results: dict[str, dict[str, dict[str, float | None]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for run in args.runs:
-            av, ar = rl_pair(run)
-            eval_ds = run / "datagen" / "eval.parquet"
+        for run, av, ar, eval_ds in pairs:
             client = NLAClient(av, ar)
             results[str(run)] = {}
             for how in SHIFTS:
@@ -78,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[str(run)][how] = {"fve": row.get("fve"), "recall": faith.get("recall"),
                                           "precision": faith.get("precision")}
                 r = results[str(run)][how]
-                print(f"{run.name:40s} {how:8s} fve {r['fve']:.3f} recall {r['recall']:.3f} "
+                print(f"{run:40s} {how:8s} fve {r['fve']:.3f} recall {r['recall']:.3f} "
                       f"precision {r['precision']:.3f}", file=sys.stderr, flush=True)
     print(f"| run | {' | '.join(SHIFTS)} |")
     print("|---|" + "---|" * len(SHIFTS))

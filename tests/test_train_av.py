@@ -136,3 +136,55 @@ def test_missing_dataset_named(tmp_path, tiny_tokenizer, tiny_model_dir):
     with pytest.raises(FileNotFoundError, match="absent.parquet"):
         train_av(_cfg(tmp_path / "absent.parquet", tmp_path / "r", sidecar=str(ds) + ".nla_meta.yaml"))
     assert IGNORE_INDEX == -100
+
+
+def test_mean_shift_augment_adds_a_multiple_of_the_mean_per_row(tmp_path, tiny_tokenizer, tiny_model_dir, monkeypatch):
+    """Each training row's injected vector is v + a * mean(train vectors), |a| <= m, a new a per row."""
+    from nla.train.ar import load_split
+
+    ds = _av_data(tmp_path, tiny_tokenizer, tiny_model_dir("llama"), injection_scale=5.0, n=24)
+    cfg = _cfg(ds, tmp_path / "run", max_steps=3, batch_size=8, warmup_steps=0, eval_every=3,
+               mean_shift_augment=0.5, smoke_num=0)
+    _, train_vec, _, _ = load_split(cfg, "prompt")
+    train = torch.from_numpy(train_vec).double()
+    mean = train.mean(0)
+    seen = []
+    real = InjectionHook.vectors
+
+    def spy(self, v):
+        seen.append(v.detach().double().clone())
+        return real(self, v)
+
+    monkeypatch.setattr(InjectionHook, "vectors", spy)
+    train_av(cfg)
+    coeffs = []
+    for v in torch.cat(seen[:3]):  # the three steps' micro-batches come before the evaluation's
+        diff = v - train  # [rows, d]: v minus every training row
+        a = diff @ mean / (mean @ mean)  # the multiple of the mean each row would need
+        resid = (diff - a[:, None] * mean).abs().amax(1)
+        row = int(resid.argmin())
+        assert float(resid[row]) < 1e-4  # v is one training row plus a multiple of the mean
+        assert abs(float(a[row])) <= 0.5 + 1e-6
+        coeffs.append(round(float(a[row]), 6))
+    assert len(coeffs) == 24 and len(set(coeffs)) == 24  # a fresh draw per row (and the draws are not all 0)
+    with pytest.raises(ValueError, match="'mean_shift_augment': expected a number >= 0"):
+        _cfg(ds, tmp_path / "bad", mean_shift_augment=-1)
+
+
+def test_mean_shift_augment_resumes_exactly(tmp_path, tiny_tokenizer, tiny_model_dir):
+    from safetensors.torch import load_file
+
+    ds = _av_data(tmp_path, tiny_tokenizer, tiny_model_dir("llama"), injection_scale=5.0, n=24)
+    kw = dict(max_steps=6, batch_size=4, save_every=3, eval_every=3, warmup_steps=2, log_every=1,
+              mean_shift_augment=1.0, smoke_num=0)
+    straight = train_av(_cfg(ds, tmp_path / "a", **kw))
+    train_av(_cfg(ds, tmp_path / "b", stop_after_steps=3, **kw))
+    resumed = train_av(_cfg(ds, tmp_path / "b", **kw), resume=True)
+    la = [r["loss"] for r in read_metrics(tmp_path / "a" / "av.jsonl") if "loss" in r]
+    lb = [r["loss"] for r in read_metrics(tmp_path / "b" / "av.jsonl") if "loss" in r]
+    assert len(la) == 6
+    np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-7)
+    wa = load_file(straight.checkpoint_dir / "model.safetensors")
+    wb = load_file(resumed.checkpoint_dir / "model.safetensors")
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6)

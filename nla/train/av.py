@@ -321,9 +321,15 @@ def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
     eval_v = torch.from_numpy(np.ascontiguousarray(eval_vec))
     logger.info("AV: %d train / %d eval rows, injection_scale=%s", len(train_ex), len(eval_ex), side.injection_scale)
 
+    mean = train_v.double().mean(0).float()  # the offset mean_shift_augment varies
+
     def micro_loss(idx: np.ndarray) -> tuple[torch.Tensor, dict[str, float]]:
         batch = collate([train_ex[i] for i in idx], pad_id, cfg.padding_side)
-        with hook.vectors(train_v[torch.from_numpy(idx)].to(device)):
+        vecs = train_v[torch.from_numpy(idx)]
+        if cfg.mean_shift_augment > 0:  # torch's RNG: a resumed run restores it and draws the same a
+            a = (torch.rand(len(idx), 1) * 2 - 1) * cfg.mean_shift_augment
+            vecs = vecs + a * mean
+        with hook.vectors(vecs.to(device)):
             nll, m = token_losses(model, batch, device)
         loss = (nll * m).sum() / m.sum().clamp_min(1)
         return loss, {"response_tokens": float(m.sum())}

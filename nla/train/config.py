@@ -209,6 +209,11 @@ class AVTrainConfig(_TrainBase):
         "affine": a learned ``W v + b`` from the subject's width to the AV's
         (``nla.injection.InjectionAdapter``), trained with the AV. A ``base_model`` of another
         width than the subject (a cross-model pair) needs "affine".
+    mean_shift_augment: m >= 0; each training row's vector gets ``a * mean`` added, ``a``
+        drawn uniformly from [-m, m] per row and step (``mean``: the training vectors' mean),
+        its response unchanged, so the AV learns to name the same facts when a vector's offset
+        differs from the training data's (steering vectors, differences of means: m = 1 spans
+        the centred vector, a = -1, and twice the offset, a = +1). 0: off, the published recipe.
     """
 
     out_dir: str = "runs/train_av"
@@ -217,6 +222,7 @@ class AVTrainConfig(_TrainBase):
     smoke_num: int = 3
     smoke_max_new_tokens: int = 40
     injection_adapter: str = "none"
+    mean_shift_augment: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -234,6 +240,10 @@ class AVTrainConfig(_TrainBase):
                      self.injection_scale)
         if self.injection_adapter not in ("none", "affine"):
             _bad("injection_adapter", "'none' or 'affine'", self.injection_adapter)
+        if not (isinstance(self.mean_shift_augment, (int, float)) and not isinstance(self.mean_shift_augment, bool)
+                and math.isfinite(self.mean_shift_augment) and self.mean_shift_augment >= 0):
+            _bad("mean_shift_augment", "a number >= 0 (0: off; 1: from the centred vector to twice the offset)",
+                 self.mean_shift_augment)
         if not isinstance(self.smoke_num, int) or self.smoke_num < 0:
             _bad("smoke_num", "an integer >= 0", self.smoke_num)
         _positive_int("smoke_max_new_tokens", self.smoke_max_new_tokens)
