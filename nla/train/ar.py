@@ -20,10 +20,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from nla import arch
 from nla.datagen.io import read_parquet, read_vectors
-from nla.reconstructor import Reconstructor, check_ar_max_length, reconstruction_loss, tokenize_ar_texts
+from nla.lora import LORA_SUBDIR, apply_sft_lora, merged_state_dict, save_adapter
+from nla.reconstructor import (
+    VALUE_HEAD_FILE,
+    Reconstructor,
+    check_ar_max_length,
+    reconstruction_loss,
+    tokenize_ar_texts,
+)
 from nla.sidecar import NLAConfig, derive_token_ids, resolve_sidecar
 from nla.threads import apply_threads
 from nla.train.common import (
@@ -200,14 +208,8 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
         layer = cfg.layer_index if cfg.layer_index is not None else side.need_layer("building the AR from the base model")
         model = Reconstructor.from_base(base, layer, out_dim=side.d_model if own is not None else None)
         if resume_from is not None:  # LoRA resumes as base + the saved adapter; the head trains in full
-            from safetensors.torch import load_file
-
-            from nla.reconstructor import VALUE_HEAD_FILE
-
             model.value_head.weight.data.copy_(load_file(str(resume_from / VALUE_HEAD_FILE))["weight"])
     if lora.enabled:
-        from nla.lora import apply_sft_lora
-
         apply_sft_lora(model, lora, resume_from, train=[model.value_head])
     if model.tokenizer is None:
         raise ARTrainError(f"base_model: no tokenizer files in {base}; save the tokenizer beside the model")
@@ -266,13 +268,9 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
 
     def save_model(directory: Path, step: int) -> dict[str, Any]:
         meta = side.replace(kind="nla_model", role="ar", base_model=side.base_model or base)
-        if lora.enabled:
-            from nla.lora import LORA_SUBDIR, merged_state_dict, save_adapter
-
-            state = merged_state_dict(model)
         model.save_pretrained(directory, sidecar=meta, lr=cfg.lr, batch_size=cfg.batch_size, step=step,
                               parent_dataset=str(Path(cfg.dataset).resolve()), stage="ar_warm_start",
-                              state_dict=state if lora.enabled else None)
+                              state_dict=merged_state_dict(model) if lora.enabled else None)
         if lora.enabled:  # base + adapter, for --resume (the checkpoint itself holds the merged AR)
             save_adapter(model, directory / LORA_SUBDIR, base)
         return {}

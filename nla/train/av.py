@@ -321,7 +321,7 @@ def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
     eval_v = torch.from_numpy(np.ascontiguousarray(eval_vec))
     logger.info("AV: %d train / %d eval rows, injection_scale=%s", len(train_ex), len(eval_ex), side.injection_scale)
 
-    mean = train_v.double().mean(0).float()  # the offset mean_shift_augment varies
+    mean = train_v.double().mean(0).float() if cfg.mean_shift_augment > 0 else None  # the offset it varies
 
     def micro_loss(idx: np.ndarray) -> tuple[torch.Tensor, dict[str, float]]:
         batch = collate([train_ex[i] for i in idx], pad_id, cfg.padding_side)
