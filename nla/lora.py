@@ -12,7 +12,8 @@ here:
 - ``merged_state_dict(model)``: the plain HF state dict of base + adapters (``W + B A *
   scale`` per adapted layer, computed out of place, so saving never rounds the base weights),
   which a checkpoint writes as an ordinary HF dir that ``NLAClient`` and ``nla eval`` load
-  unchanged;
+  unchanged; ``merged_items`` is the same merge on (name, tensor) pairs, for a sharded model
+  whose weights are gathered one tensor at a time (the Ray backend's rollout copies and saves);
 - ``save_adapter`` / ``load_adapter``: the adapter alone, in peft's own format
   (``adapter_config.json`` + ``adapter_model.safetensors``, keys ``base_model.model.*``), so
   ``peft.PeftModel.from_pretrained(base, dir)`` also reads it; RL resumes from it on top of
@@ -23,7 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,9 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["DEFAULT_TARGETS", "LORA_SUBDIR", "LoRASettings", "adapter_dir_for", "adapters_off", "apply_lora",
-           "apply_sft_lora", "has_lora",
-           "held_state_bytes", "is_adapter_dir", "load_adapter", "load_merged", "merged_state_dict", "save_adapter"]
+__all__ = ["DEFAULT_TARGETS", "LORA_SUBDIR", "LoRASettings", "adapter_dir_for", "adapter_state", "adapters_off",
+           "apply_lora", "apply_sft_lora", "has_lora", "held_state_bytes", "is_adapter_dir", "load_adapter",
+           "load_merged", "lora_scaling", "merged_items", "merged_state_dict", "save_adapter"]
 
 # The linear projections of a Llama / Qwen2 / Gemma block (attention and MLP).
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -136,39 +138,76 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
             m.enable_adapters(True)  # (also marks the adapters trainable again, as they were)
 
 
-def _plain_key(key: str) -> str | None:
-    """A LoRA model's state-dict key as the plain model's (None for adapter weights)."""
-    if ".lora_" in key:
-        return None
-    return key.replace(".base_layer.", ".")
+_LORA_PART = re.compile(r"^(?P<layer>.+)\.(?:(?P<w>base_layer)\.weight|lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight)$")
+
+
+def lora_scaling(model: nn.Module) -> float:
+    """The factor on ``B @ A`` of ``model``'s adapters: ``alpha / r`` (peft's ``LoraLayer.scaling``)."""
+    settings: LoRASettings = model.nla_lora
+    return settings.alpha / settings.r
+
+
+def merged_items(items: Iterable[tuple[str, Tensor]], scaling: float) -> Iterator[tuple[str, Tensor]]:
+    """A LoRA model's (name, full tensor) pairs as the plain model's, adapters merged in.
+
+    Streams: a layer's ``base_layer.weight``, ``lora_A`` and ``lora_B`` are held until all three
+    have passed, then ``W + (B @ A) * scaling`` is yielded under the plain name (peft's
+    ``get_delta_weight`` for a Linear, out of place); every other tensor passes at once under its
+    plain name (``.base_layer.`` dropped). So a sharded model's weights can be gathered one
+    tensor at a time (``RankGroup.copy_full_weights``) with at most one layer's parts held.
+    peft merges a module it holds; gathered tensors have no module, hence this.
+    """
+    pending: dict[str, dict[str, Tensor]] = {}
+    for key, value in items:
+        m = _LORA_PART.match(key)
+        if m is None:
+            if ".lora_" in key:
+                raise ValueError(f"LoRA merge: {key!r} is not a Linear layer's lora_A / lora_B weight; "
+                                 "adapt only linear layers (lora.target_modules)")
+            yield key.replace(".base_layer.", "."), value
+            continue
+        parts = pending.setdefault(m["layer"], {})
+        parts["W" if m["w"] else m["ab"]] = value
+        if len(parts) == 3:
+            del pending[m["layer"]]
+            w, a, b = parts["W"], parts["A"], parts["B"]
+            delta = (b.float() @ a.float()) * scaling if w.dtype in (torch.float16, torch.bfloat16) else (b @ a) * scaling
+            yield f"{m['layer']}.weight", w + delta.to(w.dtype)
+    if pending:
+        raise ValueError(f"LoRA merge: layers {sorted(pending)[:4]} lack their base weight, lora_A or lora_B")
 
 
 @torch.no_grad()
-def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The plain HF state dict of ``model`` with every adapter merged in (out of place)."""
-    state = model.state_dict()
-    out = {k2: v for k, v in state.items() if (k2 := _plain_key(k)) is not None}
-    for name, m in _lora_layers(model):
-        key = f"{name}.weight"
-        for adapter in m.active_adapters:
-            if adapter in getattr(m, "lora_A", {}):
-                out[key] = out[key] + m.get_delta_weight(adapter).to(out[key].dtype)
+def merged_state_dict(model: nn.Module, state: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """The plain HF state dict of ``model`` with every adapter merged in (out of place).
+    ``state``: the model's full state dict when it is sharded (gathered on the writing rank)."""
+    return dict(merged_items((model.state_dict() if state is None else state).items(), lora_scaling(model)))
+
+
+def adapter_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The adapter weights of a LoRA model's (full) state dict under peft's file keys
+    (``base_model.model.<layer>.lora_A.weight``: the adapter name dropped, as
+    ``peft.get_peft_model_state_dict`` names them)."""
+    out = {}
+    for key, value in state.items():
+        m = _LORA_PART.match(key)
+        if m is not None and m["ab"]:
+            out[f"{ADAPTER_PREFIX}{m['layer']}.lora_{m['ab']}.weight"] = value.detach().contiguous().cpu()
     return out
 
 
 def save_adapter(model: nn.Module, directory: str | Path, base_model: str | Path,
-                 nla_dir: str | Path | None = None) -> Path:
+                 nla_dir: str | Path | None = None, state: dict[str, Tensor] | None = None) -> Path:
     """The adapter weights and config in peft's format (``PeftModel.from_pretrained`` reads it).
     ``nla_dir``: the checkpoint whose sidecar, tokenizer and injection adapter go with this
-    adapter (a warm-start's own dir); None: the base's (RL, whose base is the warm-started AV)."""
-    from peft import get_peft_model_state_dict
+    adapter (a warm-start's own dir); None: the base's (RL, whose base is the warm-started AV).
+    ``state``: the model's full state dict when it is sharded (as for ``merged_state_dict``)."""
     from safetensors.torch import save_file
 
     settings: LoRASettings = model.nla_lora
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {ADAPTER_PREFIX + k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(model).items()}
-    save_file(state, str(directory / "adapter_model.safetensors"))
+    save_file(adapter_state(model.state_dict() if state is None else state), str(directory / "adapter_model.safetensors"))
     config = settings.peft_config()
     base = str(Path(base_model).resolve()) if str(base_model) else ""
     config.base_model_name_or_path = base

@@ -11,10 +11,12 @@ from transformers import AutoModelForCausalLM
 from nla.lora import (
     LoRASettings,
     adapter_dir_for,
+    adapter_state,
     adapters_off,
     apply_lora,
     held_state_bytes,
     load_adapter,
+    merged_items,
     merged_state_dict,
     save_adapter,
 )
@@ -79,6 +81,37 @@ def test_merged_state_dict_is_a_plain_checkpoint_of_the_adapted_model(lora_llama
         torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_merge_streams_tensor_by_tensor_as_peft_merges(lora_llama):
+    """``merged_items`` (what a sharded policy's gathered tensors go through) against peft's own
+    ``merge_and_unload`` on the same adapters, in any tensor order; the adapter keys as peft's
+    ``get_peft_model_state_dict`` names them; bad parts refused by name."""
+    from peft import PeftModel, get_peft_model_state_dict
+
+    base, model, plain = lora_llama
+    state = model.state_dict()
+    by_peft = PeftModel(AutoModelForCausalLM.from_pretrained(base).eval(),
+                        LoRASettings(r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj")).peft_config())
+    by_peft.base_model.model.load_state_dict(state)
+    want = by_peft.merge_and_unload().state_dict()
+    reverse = dict(merged_items(reversed(list(state.items())), 8.0 / 4))  # lora_B before its base weight
+    assert set(reverse) == set(plain)
+    for k, v in want.items():
+        torch.testing.assert_close(reverse[k], v, rtol=0, atol=1e-6)
+    # one layer held at a time: a layer's merged weight leaves as soon as its three parts passed
+    q = "model.layers.0.self_attn.q_proj"
+    out = merged_items(((k, state[k]) for k in [f"{q}.base_layer.weight", f"{q}.lora_A.default.weight",
+                                                  f"{q}.lora_B.default.weight"]), 2.0)
+    assert next(out)[0] == f"{q}.weight"
+    assert adapter_state(state).keys() == {"base_model.model." + k for k in get_peft_model_state_dict(model)}
+    bf16 = {k: v.to(torch.bfloat16) for k, v in state.items()}
+    torch.testing.assert_close(dict(merged_items(bf16.items(), 2.0))[f"{q}.weight"],
+                               want[f"{q}.weight"].to(torch.bfloat16), rtol=0, atol=1e-2)
+    with pytest.raises(ValueError, match=r"layers \['model.layers.0.self_attn.q_proj'\] lack their base weight"):
+        dict(merged_items([(f"{q}.lora_A.default.weight", state[f"{q}.lora_A.default.weight"])], 2.0))
+    with pytest.raises(ValueError, match=r"'embed.lora_embedding_A.default' is not a Linear layer"):
+        dict(merged_items([("embed.lora_embedding_A.default", torch.zeros(2))], 2.0))
+
+
 def test_adapter_dir_round_trips_and_peft_reads_it(lora_llama, tmp_path):
     from peft import PeftModel
 
@@ -107,8 +140,6 @@ def test_config_refuses_bad_lora_fields(pair, tmp_path):  # noqa: F811
         _cfg(pair, tmp_path, lora=dict(r=-1))
     with pytest.raises(ValueError, match=r"lora.dropout"):
         _cfg(pair, tmp_path, lora=dict(r=4, dropout=1.0))
-    with pytest.raises(ValueError, match=r"lora.r: expected 0 on backend 'ray'"):
-        _cfg(pair, tmp_path, lora=dict(r=4), backend=dict(name="ray"))
     with pytest.raises(ValueError, match="lora.r > 0 with loss.advantage: gae"):
         build_groups(_cfg(pair, tmp_path, lora=dict(r=4), loss=dict(advantage="gae")))
 

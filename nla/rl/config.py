@@ -382,9 +382,6 @@ class RLConfig:
                  self.reward.overlong_buffer_len)
         if opt.warmup_steps > self.steps:
             _bad("optimiser.warmup_steps", f"an integer in [0, steps={self.steps}]", opt.warmup_steps)
-        if self.lora.r > 0 and self.backend.name != "local":
-            _bad("lora.r", f"0 on backend {self.backend.name!r} (LoRA runs on the local backend only so far)",
-                 self.lora.r)
 
     @property
     def samples_per_step(self) -> int:

@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,7 +105,7 @@ class DataParallel:
         rank's ``dst`` ends up with the full weights; the peak extra memory is one tensor.
         """
         if src is not dst:
-            load_full_into(dst, src.state_dict())
+            load_full_into(dst, dict(_plain_items(src, src.state_dict().items())))
 
     def full_state_dict(self, module: nn.Module) -> dict[str, Tensor] | None:
         """The module's full weights for saving, on the answering rank; None means "the module's own"."""
@@ -149,9 +150,10 @@ class RankGroup(DataParallel):
         from torch.distributed.tensor import DTensor
 
         target = dst.state_dict()
+        gathered = ((name, value.full_tensor() if isinstance(value, DTensor) else value)  # collective per tensor
+                    for name, value in src.state_dict().items())
         with torch.no_grad():
-            for name, value in src.state_dict().items():
-                full = value.full_tensor() if isinstance(value, DTensor) else value  # collective per tensor
+            for name, full in _plain_items(src, gathered):
                 if name not in target:
                     raise RuntimeError(f"weight sync: {name!r} of the sharded model is not in the unsharded copy; "
                                        "both must be built from the same checkpoint")
@@ -298,6 +300,14 @@ def load_full_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, stat
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(model, opt, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+
+
+def _plain_items(src: nn.Module, items: Iterable[tuple[str, Tensor]]) -> Iterable[tuple[str, Tensor]]:
+    """``src``'s (name, full tensor) pairs as a plain model's: a LoRA policy's adapters merged in
+    (``nla.lora.merged_items``), so the rollout copy is the plain AV."""
+    from nla.lora import has_lora, lora_scaling, merged_items
+
+    return merged_items(items, lora_scaling(src)) if has_lora(src) else items
 
 
 def load_full_into(target: nn.Module, state: dict[str, Tensor]) -> None:

@@ -119,8 +119,6 @@ def _lora_policy(cfg: RLConfig, lora: Any, policy_dir: str | Path, av_side: Any,
     ``_adapter`` dir on resume), and its tokenizer."""
     from nla.lora import adapter_dir_for, apply_lora, load_adapter
 
-    if dp.world > 1:
-        raise RLSetupError("lora.r > 0: LoRA runs on one rank (the local backend) so far; set backend.name: local")
     if get_advantage_estimator(cfg.loss.advantage).needs_values:
         raise RLSetupError("lora.r > 0 with loss.advantage: gae: the value model would copy the whole AV body; "
                            "use lora.r: 0 for PPO, or a group estimator (grpo, drgrpo, reinforce_baseline)")

@@ -138,12 +138,13 @@ class PolicyWorker(Trainable):
         from nla.lora import adapter_dir_for, has_lora, merged_state_dict, save_adapter
 
         lora = has_lora(self.model)
-        state = merged_state_dict(self.model) if lora else self.full_weights()
+        full = self.full_weights()  # None locally: the module's own
+        state = merged_state_dict(self.model, full) if lora else full
         if self.dp.answers:
             directory = Path(directory)
             save_av_weights(self.model, directory, state)  # the injection adapter's file too, when the AV has one
             self.tokenizer.save_pretrained(directory)
             write_sidecar(directory / SIDECAR_NAME, self.sidecar.replace(kind="nla_model", role="av"), **provenance)
             if lora:  # the adapter alone too: RL resumes from it on the warm-started base
-                save_adapter(self.model, adapter_dir_for(directory), provenance.get("parent_av", ""))
+                save_adapter(self.model, adapter_dir_for(directory), provenance.get("parent_av", ""), state=full)
 
