@@ -140,6 +140,8 @@ def test_config_refuses_bad_lora_fields(pair, tmp_path):  # noqa: F811
         _cfg(pair, tmp_path, lora=dict(r=-1))
     with pytest.raises(ValueError, match=r"lora.dropout"):
         _cfg(pair, tmp_path, lora=dict(r=4, dropout=1.0))
+    with pytest.raises(ValueError, match=r"reconstructor.lora_r: expected an integer >= 0"):
+        _cfg(pair, tmp_path, reconstructor=dict(lora_r=-2))
     with pytest.raises(ValueError, match="lora.r > 0 with loss.advantage: gae"):
         build_groups(_cfg(pair, tmp_path, lora=dict(r=4), loss=dict(advantage="gae")))
 
@@ -148,12 +150,13 @@ def test_rl_with_lora_holds_one_av_trains_adapters_and_resumes(pair, tmp_path): 
     """Same seed, same first rollout as full fine-tuning (B starts at 0: the adapted AV is the
     warm start); the KL to the reference (the same module, adapters off) is 0 at step 1 and not
     after; only the adapters move; the checkpoint is a plain merged HF dir + av_adapter/, and a
-    resumed run continues from the adapter."""
+    resumed run continues from the adapter. The AR too (``reconstructor.lora_r``)."""
     full = tmp_path / "full"
     full_cfg = _cfg(pair, full, steps=2)
     full_groups = build_groups(full_cfg)
     run_rl(full_cfg, groups=full_groups)
-    lora_cfg = _cfg(pair, tmp_path / "lora", steps=2, lora=dict(r=4, alpha=8.0), optimiser=dict(lr=3e-3))
+    lora_cfg = _cfg(pair, tmp_path / "lora", steps=2, lora=dict(r=4, alpha=8.0), optimiser=dict(lr=3e-3),
+                    reconstructor=dict(lora_r=4))
     groups = build_groups(lora_cfg)
     assert groups.reference.model is groups.policy.model is groups.rollout.model  # one AV in memory
     res = run_rl(lora_cfg, groups=groups)
@@ -161,6 +164,8 @@ def test_rl_with_lora_holds_one_av_trains_adapters_and_resumes(pair, tmp_path): 
     a = [r for r in read_metrics(full / "rl.jsonl") if "reward_mean" in r]
     b = [r for r in read_metrics(tmp_path / "lora" / "rl.jsonl") if "reward_mean" in r]
     assert b[0]["reward_mean"] == pytest.approx(a[0]["reward_mean"], rel=1e-6)  # same tokens at step 1
+    assert b[0]["ar_loss"] == pytest.approx(a[0]["ar_loss"], rel=1e-6)  # the LoRA AR starts as the warm start
+    _lora_ar_checks(pair, full_groups, groups, res.checkpoint_dir)
     assert b[0]["kl"] == pytest.approx(0.0, abs=1e-7)
     assert b[1]["kl"] > 1e-6  # step 2: the adapters moved the policy away from the reference
     base = AutoModelForCausalLM.from_pretrained(pair["av"]).state_dict()
@@ -188,7 +193,38 @@ def test_rl_with_lora_holds_one_av_trains_adapters_and_resumes(pair, tmp_path): 
     # resume: 3 steps in total from the step-2 checkpoint, with the adapter (not a fresh one)
     resumed = build_groups(lora_cfg.replace(steps=3), ckpt / "av", ckpt / "ar")
     torch.testing.assert_close(merged_state_dict(resumed.policy.model), merged.state_dict(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(merged_state_dict(resumed.reconstructor.ar),
+                               merged_state_dict(groups.reconstructor.ar), rtol=0, atol=1e-6)
     resumed.close()
+
+
+def _lora_ar_checks(pair, full_groups, groups, ckpt) -> None:  # noqa: F811  (the fixture, passed on)
+    """The AR under ``reconstructor.lora_r``: only its adapters and head moved; Adam holds state for
+    those alone; the checkpoint is a plain AR dir (merged) that predicts as the live adapted AR,
+    with ``ar_adapter/`` beside it."""
+    from nla.reconstructor import Reconstructor
+
+    ar = groups.reconstructor.ar
+    warm = Reconstructor.from_pretrained(pair["ar"]).state_dict()
+    for name, p in ar.named_parameters():
+        if "lora_" in name:
+            assert p.requires_grad
+        elif name == "value_head.weight":
+            assert p.requires_grad and not torch.equal(p.detach(), warm[name])  # the head trains in full
+        else:
+            assert not p.requires_grad
+            torch.testing.assert_close(p.detach(), warm[name.replace(".base_layer.", ".")], rtol=0, atol=0)
+    full_held = held_state_bytes([full_groups.reconstructor.ar], [full_groups.reconstructor.opt])
+    lora_held = held_state_bytes([ar], [groups.reconstructor.opt])
+    assert lora_held["optimizer"] == 2 * lora_held["trainable"] < 0.2 * full_held["optimizer"]
+    saved = Reconstructor.from_pretrained(ckpt / "ar")
+    assert not any(".lora_" in k or "base_layer" in k for k in saved.state_dict())
+    assert (adapter_dir_for(ckpt / "ar") / "adapter_model.safetensors").is_file()
+    texts = ["the cat is happy", "the dog is sad"]
+    enc = groups.reconstructor.encode(texts, "left")
+    with torch.no_grad():
+        torch.testing.assert_close(saved.predict(enc["input_ids"], enc["attention_mask"]),
+                                   ar.predict(enc["input_ids"], enc["attention_mask"]), rtol=1e-5, atol=1e-5)
 
 
 def _held_state_falls(full_groups, lora_groups) -> None:

@@ -200,10 +200,11 @@ def test_two_rank_ppo_on_ray_matches_local_ppo(pair, tmp_path):  # noqa: F811
 @pytest.mark.ray
 @pytest.mark.slow
 def test_two_rank_lora_on_ray_matches_local_lora(pair, tmp_path):  # noqa: F811
-    """LoRA on 2 policy ranks: the adapters FSDP-sharded with the frozen base, the reference the
-    same shards with adapters off, every rank's rollout copy the merged AV (nla.lora.merged_items
-    on the gathered tensors). Same seed -> the local LoRA run's rewards, losses and KL; the same
-    merged checkpoint and adapter; after a last sync, each rank's copy writes the local policy's
+    """LoRA on 2 policy ranks and 2 AR ranks: the adapters FSDP-sharded with the frozen base, the
+    reference the same shards with adapters off, every rank's rollout copy the merged AV
+    (nla.lora.merged_items on the gathered tensors), the AR's adapters and head trained on its
+    shards. Same seed -> the local LoRA run's rewards, losses and KL; the same merged checkpoints
+    and adapters; after a last sync, each rank's copy writes the local policy's
     greedy explanations, which the adapters changed from the warm start's (2 of these 8)."""
     from safetensors.torch import load_file
 
@@ -211,7 +212,8 @@ def test_two_rank_lora_on_ray_matches_local_lora(pair, tmp_path):  # noqa: F811
     from nla.rl.backend import build_groups
 
     # a high lr, so two steps move the adapters enough to change greedy explanations
-    lora = dict(lora=dict(r=4, alpha=8.0), optimiser=dict(lr=3e-2), steps=2, checkpointing=dict(save_every=2))
+    lora = dict(lora=dict(r=4, alpha=8.0), optimiser=dict(lr=3e-2), steps=2, checkpointing=dict(save_every=2),
+                reconstructor=dict(lora_r=4))
     local = tmp_path / "local"
     cfg_local = _cfg(pair, local, **lora)
     local_groups = build_groups(cfg_local)
@@ -223,7 +225,7 @@ def test_two_rank_lora_on_ray_matches_local_lora(pair, tmp_path):  # noqa: F811
     assert want != start  # the adapters changed what the AV writes: a stale or unmerged copy would fail below
     remote = tmp_path / "ray"
     cfg_remote = _cfg(pair, remote, **lora, backend=dict(name="ray", num_policy_workers=2,
-                                                        num_reconstructor_workers=1))
+                                                        num_reconstructor_workers=2))
     groups = build_groups(cfg_remote)
     try:
         res = run_rl(cfg_remote, groups=groups)
@@ -240,17 +242,18 @@ def test_two_rank_lora_on_ray_matches_local_lora(pair, tmp_path):  # noqa: F811
             assert ra[key] == pytest.approx(rb[key], abs=1e-4), (ra["step"], key)
         assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-3)
     assert b[0]["kl"] == pytest.approx(0.0, abs=1e-7) and b[1]["kl"] > 1e-6  # the reference is the base
-    ckpt_local = local / "checkpoints" / res.checkpoint_dir.name / "av"
-    for name in ("model.safetensors",):
-        wa, wb = load_file(str(ckpt_local / name)), load_file(str(res.checkpoint_dir / "av" / name))
-        assert wa.keys() == wb.keys() and not any(".lora_" in k or "base_layer" in k for k in wb)
-        for k in wa:
-            torch.testing.assert_close(wa[k], wb[k], atol=1e-4, rtol=1e-3)
-    aa = load_file(str(adapter_dir_for(ckpt_local) / "adapter_model.safetensors"))
-    ab = load_file(str(adapter_dir_for(res.checkpoint_dir / "av") / "adapter_model.safetensors"))
-    assert aa.keys() == ab.keys() and len(ab) > 0
-    for k in aa:
-        torch.testing.assert_close(aa[k], ab[k], atol=1e-4, rtol=1e-3)
+    for role, files in (("av", ("model.safetensors",)), ("ar", ("model.safetensors", "value_head.safetensors"))):
+        ckpt_local = local / "checkpoints" / res.checkpoint_dir.name / role
+        for name in files:  # merged: plain HF weights, as the local run's
+            wa, wb = load_file(str(ckpt_local / name)), load_file(str(res.checkpoint_dir / role / name))
+            assert wa.keys() == wb.keys() and not any(".lora_" in k or "base_layer" in k for k in wb)
+            for k in wa:
+                torch.testing.assert_close(wa[k], wb[k], atol=1e-4, rtol=1e-3)
+        aa = load_file(str(adapter_dir_for(ckpt_local) / "adapter_model.safetensors"))
+        ab = load_file(str(adapter_dir_for(res.checkpoint_dir / role) / "adapter_model.safetensors"))
+        assert aa.keys() == ab.keys() and len(ab) > 0
+        for k in aa:
+            torch.testing.assert_close(aa[k], ab[k], atol=1e-4, rtol=1e-3)
 
 
 # ----------------------------------------------------------------------------- an existing cluster

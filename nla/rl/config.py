@@ -252,17 +252,24 @@ class ReconstructorConfig:
     parquet with ``explanation`` and ``activation_vector``, e.g. the AR warm-start split), so
     that they are ``replay_fraction`` of its rows. The AR keeps reading honest English instead
     of drifting toward whatever the AV writes. 0 = off.
+
+    lora_r: LoRA rank for the AR's body (0 = off: the AR trains in full). On, only the
+    adapters and the linear head train; alpha, dropout and target modules are the ``lora``
+    block's (the AV's adapters are on only when ``lora.r > 0``).
     """
 
     lr: float | None = None
     max_length: int = 256
     replay_dataset: str | None = None
     replay_fraction: float = 0.0
+    lora_r: int = 0
 
     def __post_init__(self) -> None:
         if self.lr is not None:
             _positive_floats("reconstructor.", self, "lr")
         _positive_ints("reconstructor.", self, "max_length")
+        if not _is_int(self.lora_r) or self.lora_r < 0:
+            _bad("reconstructor.lora_r", "an integer >= 0 (0 = off: the AR trains in full)", self.lora_r)
         if not 0.0 <= self.replay_fraction < 1.0:
             _bad("reconstructor.replay_fraction", "a share in [0, 1) (0 = off)", self.replay_fraction)
         if self.replay_fraction > 0 and not self.replay_dataset:

@@ -139,7 +139,8 @@ def build_reconstructor_role(cfg: RLConfig, ar_dir: str | Path, dp: DataParallel
     torch.manual_seed(cfg.seed)
     dtype = resolve_dtype(cfg.dtype)
     _, ar_side = load_pair_sidecars(cfg.av, cfg.ar)
-    ar = Reconstructor.from_pretrained(ar_dir, dtype=dtype).to(device)
+    ar = (_lora_reconstructor(cfg, ar_dir, dtype) if cfg.reconstructor.lora_r > 0
+          else Reconstructor.from_pretrained(ar_dir, dtype=dtype)).to(device)
     tok = ar.tokenizer if ar.tokenizer is not None else arch.load_tokenizer(cfg.av)
     verify_tokenizer(ar_side, tok)
     dp.shard(ar, arch.decoder_layers(ar.base))
@@ -149,6 +150,30 @@ def build_reconstructor_role(cfg: RLConfig, ar_dir: str | Path, dp: DataParallel
         raise RLSetupError(str(err)) from None
     return ReconstructorWorker(ar, tok, ar_side, OptimSettings.for_reconstructor(cfg), cfg.reconstructor.max_length,
                                cfg.optimiser.micro_batch_size, device, dp)
+
+
+def _lora_reconstructor(cfg: RLConfig, ar_dir: str | Path, dtype: torch.dtype) -> Reconstructor:
+    """The LoRA AR (``reconstructor.lora_r``): the warm-started AR with adapters on its body and
+    its head trained in full; on resume (``ar_dir`` a checkpoint), the base + the checkpoint's
+    adapter (``<ar>_adapter``) and head, so the run continues exactly."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file
+
+    from nla.lora import adapter_dir_for, apply_lora, load_adapter
+    from nla.reconstructor import VALUE_HEAD_FILE
+
+    ar = Reconstructor.from_pretrained(cfg.ar, dtype=dtype)
+    try:
+        apply_lora(ar, replace(cfg.lora.settings(), r=cfg.reconstructor.lora_r))
+    except ValueError as err:
+        raise RLSetupError(str(err).replace("lora.target_modules", "lora.target_modules (the AR's)")) from None
+    ar.value_head.requires_grad_(True)
+    if Path(ar_dir).resolve() != Path(cfg.ar).resolve():  # resume
+        load_adapter(ar, adapter_dir_for(ar_dir))
+        with torch.no_grad():
+            ar.value_head.weight.copy_(load_file(str(Path(ar_dir) / VALUE_HEAD_FILE))["weight"].to(dtype))
+    return ar
 
 
 __all__ = ["RLSetupError", "build_policy_roles", "build_reconstructor_role", "load_av", "load_pair_sidecars"]

@@ -241,9 +241,17 @@ class ReconstructorWorker(Trainable):
         return float(((reward_mse / train_mse.clamp_min(1e-12)) - 1).abs().max())
 
     def save_model(self, directory: str | Path, **provenance: Any) -> None:
-        state = self.dp.full_state_dict(self.ar)
+        """HF dir + head + sidecar (role ar), written by the answering rank. With LoRA
+        (``reconstructor.lora_r``) the dir holds the merged AR, and ``<dir>_adapter`` the adapter."""
+        from nla.lora import adapter_dir_for, has_lora, merged_state_dict, save_adapter
+
+        lora = has_lora(self.ar)
+        full = self.dp.full_state_dict(self.ar)  # None locally: the module's own
+        state = merged_state_dict(self.ar, full) if lora else full
         if self.dp.answers:
             self.ar.save_pretrained(directory, self.sidecar, state_dict=state, **provenance)
+            if lora:  # the adapter alone too: RL resumes from it on the warm-started AR
+                save_adapter(self.ar, adapter_dir_for(directory), provenance.get("parent_ar", ""), state=full)
 
     def update(self, explanations: list[str], golds: Tensor) -> dict[str, float]:
         """One supervised step: mean ``mse_nrm`` over all rows (right-padded layout, this rank's share).
