@@ -143,3 +143,25 @@ def test_every_preset_builds_each_stages_config_and_a_bad_setting_is_named():
     with pytest.raises(ValueError, match=r"preset 'mine', stage suite: unknown setting 'max_row'; expected one of "
                                          r"max_rows, "):
         bad.check("mine")
+
+
+def test_a_cross_model_pair_warm_starts_longer_and_the_default_is_unchanged():
+    import dataclasses
+
+    from nla.quickstart import PRESETS
+
+    default = PRESETS["default"]
+    ar, av = default.warm_start_settings(None)
+    assert ar == default.ar and av == default.av and (ar["max_steps"], av["max_steps"]) == (800, 1500)
+    ar, av = default.warm_start_settings("default-d64")
+    assert (ar["max_steps"], ar["save_every"], av["max_steps"], av["save_every"]) == (2400, 2400, 3000, 3000)
+    assert av["lr"] == 2e-3 and ar["lr"] == default.ar["lr"]  # only the lengths change
+    ar, av = default.warm_start_settings("default-d64", "av")  # the subject's own AR: its recipe as it is
+    assert (ar["max_steps"], av["max_steps"]) == (800, 3000)
+    assert PRESETS["tiny"].warm_start_settings("tiny") == (PRESETS["tiny"].ar, PRESETS["tiny"].av)
+    bad = dataclasses.replace(default, cross_model={"rl": {"steps": 3}})
+    with pytest.raises(ValueError, match=r"preset 'mine', cross_model: unknown stage 'rl'; expected ar, av"):
+        bad.check("mine")
+    bad = dataclasses.replace(default, cross_model={"av": {"max_step": 3}})
+    with pytest.raises(ValueError, match=r"preset 'mine', stage cross_model av: .*'max_step'"):
+        bad.check("mine")
