@@ -42,6 +42,31 @@ def _wait_gone(pids: list[int], seconds: float = 20.0) -> list[int]:
     return left
 
 
+_STEP_KEYS = ("reward_mean", "policy_loss", "pg_loss", "kl", "ar_loss", "response_len")
+
+
+def _same_steps(local, remote, steps: int, keys=_STEP_KEYS, grad_key: str = "grad_norm"):
+    """The local and the Ray run's step records, asserted equal: ``keys`` to 1e-4 absolute (float
+    summation order: FSDP reduce-scatters gradients over 2 ranks where the local backend sums in
+    one pass, ~1e-7 relative per step, amplified by Adam's normalisation of tiny gradients; a
+    mis-normalised gradient changes policy_loss at the 1e-2 level) and ``grad_key`` to 1e-3 relative."""
+    a = [r for r in read_metrics(local / "rl.jsonl") if "reward_mean" in r]
+    b = [r for r in read_metrics(remote / "rl.jsonl") if "reward_mean" in r]
+    assert len(a) == len(b) == steps
+    for ra, rb in zip(a, b, strict=True):
+        for key in keys:
+            assert ra[key] == pytest.approx(rb[key], abs=1e-4), (ra["step"], key)
+        assert ra[grad_key] == pytest.approx(rb[grad_key], rel=1e-3)
+    return a, b
+
+
+def _same_tensors(wa: dict, wb: dict) -> None:
+    """Two saved state dicts: the same keys, the same values to the tolerance of ``_same_steps``."""
+    assert wa.keys() == wb.keys() and len(wa) > 0
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-4, rtol=1e-3)
+
+
 # ----------------------------------------------------------------------------- pure partition helpers
 @pytest.mark.parametrize("n,world,mbs", [(16, 2, 16), (9, 2, 4), (3, 2, 1), (1, 3, 2), (24, 3, 5)])
 def test_partition_uses_every_row_once_with_equal_micro_counts(n, world, mbs):
@@ -77,28 +102,15 @@ def test_ray_matches_local_rewards_and_losses(pair, tmp_path):  # noqa: F811
     res = run_rl(_cfg(pair, remote, steps=3, checkpointing=dict(save_every=3),
                       backend=dict(name="ray", num_policy_workers=2, num_reconstructor_workers=2)))
     assert not ray.is_initialized()  # nla started Ray, so closing the groups shut it down
-    a = [r for r in read_metrics(local / "rl.jsonl") if "reward_mean" in r]
-    b = [r for r in read_metrics(remote / "rl.jsonl") if "reward_mean" in r]
-    assert len(a) == len(b) == 3
-    # Same seed -> same sampled tokens (the driver RNG travels with generate), so rewards and
-    # losses agree up to float summation order: FSDP reduce-scatters gradients over 2 ranks
-    # where the local backend sums in one pass (~1e-7 relative per step, amplified by Adam's
-    # normalisation of tiny gradients over 3 steps). 1e-4 absolute is far below any real
-    # difference (a mis-normalised gradient changes policy_loss at the 1e-2 level).
-    for ra, rb in zip(a, b, strict=True):
-        for key in ("reward_mean", "policy_loss", "pg_loss", "kl", "ar_loss", "response_len"):
-            assert ra[key] == pytest.approx(rb[key], abs=1e-4), (ra["step"], key)
-        assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-3)
+    # Same seed -> same sampled tokens (the driver RNG travels with generate): same rewards and losses
+    a, b = _same_steps(local, remote, 3)
     # step 1: same weights, same AR math; the local AR runs its last block at the read token
     # only (Reconstructor._predict_last_block), the sharded one the whole block: float rounding
     assert a[0]["reward_mean"] == pytest.approx(b[0]["reward_mean"], rel=1e-6)
     from safetensors.torch import load_file
 
-    wa = load_file(str(local / "checkpoints" / res.checkpoint_dir.name / "av" / "model.safetensors"))
-    wb = load_file(str(res.checkpoint_dir / "av" / "model.safetensors"))
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], atol=1e-4, rtol=1e-3)
+    _same_tensors(load_file(str(local / "checkpoints" / res.checkpoint_dir.name / "av" / "model.safetensors")),
+                  load_file(str(res.checkpoint_dir / "av" / "model.safetensors")))
 
 
 # ----------------------------------------------------------------------------- live AR, failures, cleanup
@@ -178,23 +190,13 @@ def test_two_rank_ppo_on_ray_matches_local_ppo(pair, tmp_path):  # noqa: F811
     res = run_rl(_cfg(pair, remote, **ppo, backend=dict(name="ray", num_policy_workers=2,
                                                         num_reconstructor_workers=1)))
     assert not ray.is_initialized()
-    a = [r for r in read_metrics(local / "rl.jsonl") if "reward_mean" in r]
-    b = [r for r in read_metrics(remote / "rl.jsonl") if "reward_mean" in r]
-    assert len(a) == len(b) == 2
-    for ra, rb in zip(a, b, strict=True):
-        for key in ("reward_mean", "policy_loss", "pg_loss", "kl", "ar_loss", "value_loss", "explained_variance"):
-            assert ra[key] == pytest.approx(rb[key], abs=1e-4), (ra["step"], key)
-        assert ra["value_grad_norm"] == pytest.approx(rb["value_grad_norm"], rel=1e-3)
+    a, _ = _same_steps(local, remote, 2, keys=("reward_mean", "policy_loss", "pg_loss", "kl", "ar_loss", "value_loss",
+                                               "explained_variance"), grad_key="value_grad_norm")
     assert a[0]["value_loss"] > 0  # the zero-initialised head predicts 0: a real loss, not a vacuous match
-    va = torch.load(local / "checkpoints" / res.checkpoint_dir.name / "value_model.pt")
-    vb = torch.load(res.checkpoint_dir / "value_model.pt")
-    assert va.keys() == vb.keys()
-    for k in va:
-        torch.testing.assert_close(va[k], vb[k], atol=1e-4, rtol=1e-3)
-    wa = load_file(str(local / "checkpoints" / res.checkpoint_dir.name / "av" / "model.safetensors"))
-    wb = load_file(str(res.checkpoint_dir / "av" / "model.safetensors"))
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], atol=1e-4, rtol=1e-3)
+    _same_tensors(torch.load(local / "checkpoints" / res.checkpoint_dir.name / "value_model.pt"),
+                  torch.load(res.checkpoint_dir / "value_model.pt"))
+    _same_tensors(load_file(str(local / "checkpoints" / res.checkpoint_dir.name / "av" / "model.safetensors")),
+                  load_file(str(res.checkpoint_dir / "av" / "model.safetensors")))
 
 
 @pytest.mark.ray
@@ -234,26 +236,16 @@ def test_two_rank_lora_on_ray_matches_local_lora(pair, tmp_path):  # noqa: F811
     finally:
         groups.close()
     assert got == want
-    a = [r for r in read_metrics(local / "rl.jsonl") if "reward_mean" in r]
-    b = [r for r in read_metrics(remote / "rl.jsonl") if "reward_mean" in r]
-    assert len(a) == len(b) == 2
-    for ra, rb in zip(a, b, strict=True):
-        for key in ("reward_mean", "policy_loss", "pg_loss", "kl", "ar_loss", "response_len"):
-            assert ra[key] == pytest.approx(rb[key], abs=1e-4), (ra["step"], key)
-        assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-3)
+    _, b = _same_steps(local, remote, 2)
     assert b[0]["kl"] == pytest.approx(0.0, abs=1e-7) and b[1]["kl"] > 1e-6  # the reference is the base
     for role, files in (("av", ("model.safetensors",)), ("ar", ("model.safetensors", "value_head.safetensors"))):
         ckpt_local = local / "checkpoints" / res.checkpoint_dir.name / role
         for name in files:  # merged: plain HF weights, as the local run's
-            wa, wb = load_file(str(ckpt_local / name)), load_file(str(res.checkpoint_dir / role / name))
-            assert wa.keys() == wb.keys() and not any(".lora_" in k or "base_layer" in k for k in wb)
-            for k in wa:
-                torch.testing.assert_close(wa[k], wb[k], atol=1e-4, rtol=1e-3)
-        aa = load_file(str(adapter_dir_for(ckpt_local) / "adapter_model.safetensors"))
-        ab = load_file(str(adapter_dir_for(res.checkpoint_dir / role) / "adapter_model.safetensors"))
-        assert aa.keys() == ab.keys() and len(ab) > 0
-        for k in aa:
-            torch.testing.assert_close(aa[k], ab[k], atol=1e-4, rtol=1e-3)
+            wb = load_file(str(res.checkpoint_dir / role / name))
+            assert not any(".lora_" in k or "base_layer" in k for k in wb)
+            _same_tensors(load_file(str(ckpt_local / name)), wb)
+        _same_tensors(load_file(str(adapter_dir_for(ckpt_local) / "adapter_model.safetensors")),
+                      load_file(str(adapter_dir_for(res.checkpoint_dir / role) / "adapter_model.safetensors")))
 
 
 # ----------------------------------------------------------------------------- an existing cluster
