@@ -9,9 +9,7 @@ and the median of the rest is reported, with the time to build the worker groups
 
     .venv/bin/python bench/bench_rl_backends.py [--steps 6] [--layouts local,1x1,1x2,2x2]
 
-A layout ``PxA`` is the ray backend with P policy ranks and A reconstructor ranks; ``PxAk`` the same
-with ``backend.reshard_after_forward: false`` (each block's gathered weights kept from its forward
-to its backward: one all-gather per block and micro-batch fewer).
+A layout ``PxA`` is the ray backend with P policy ranks and A reconstructor ranks.
 
 ``--from-run RUN_DIR`` measures a real RL step instead: the RL stage of a quickstart run
 (``RUN_DIR/rl/rl_config.yaml``: its warm-started AV and AR, its dataset and batch, e.g. the
@@ -96,12 +94,10 @@ def build_pair(root: Path) -> dict[str, str]:
 
 
 def _backend(layout: str) -> dict:
-    """``local``, or ``PxA`` (ray), ``PxAk``: the same with backend.reshard_after_forward false."""
     if layout == "local":
         return {"name": "local"}
-    keep = layout.endswith("k")
-    p, a = (int(x) for x in layout.removesuffix("k").split("x"))
-    return {"name": "ray", "num_policy_workers": p, "num_reconstructor_workers": a, "reshard_after_forward": not keep}
+    p, a = (int(x) for x in layout.split("x"))
+    return {"name": "ray", "num_policy_workers": p, "num_reconstructor_workers": a}
 
 
 def run_config(run_dir: Path, out: Path, layout: str, steps: int, prompts: int | None = None) -> RLConfig:

@@ -41,9 +41,6 @@ def test_backend_names_come_from_one_registry():
     assert set(BACKEND_BUILDERS) == set(BACKENDS)
     with pytest.raises(ValueError, match=r"backend.name: expected one of \['local', 'ray'\], found 'slurm'"):
         cfg_of(backend=dict(name="slurm"))
-    with pytest.raises(ValueError, match=r"reshard_after_forward: expected true or false, found .no..*--set backend.reshard_after_forward="):
-        cfg_of(backend=dict(name="ray", reshard_after_forward="no"))
-    assert cfg_of(backend=dict(name="ray")).backend.reshard_after_forward is True  # FSDP2's own default
 
 
 def test_yaml_round_trip_is_one_to_one(tmp_path):

@@ -226,9 +226,8 @@ def test_two_rank_lora_on_ray_matches_local_lora(pair, tmp_path):  # noqa: F811
     local_groups.close()
     assert want != start  # the adapters changed what the AV writes: a stale or unmerged copy would fail below
     remote = tmp_path / "ray"
-    # (and each block's gathered weights kept from forward to backward: the same numbers)
     cfg_remote = _cfg(pair, remote, **lora, backend=dict(name="ray", num_policy_workers=2,
-                                                        num_reconstructor_workers=2, reshard_after_forward=False))
+                                                        num_reconstructor_workers=2))
     groups = build_groups(cfg_remote)
     try:
         res = run_rl(cfg_remote, groups=groups)

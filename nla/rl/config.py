@@ -292,25 +292,16 @@ class CheckpointingConfig:
 
 @dataclass(frozen=True)
 class BackendConfig:
-    """Where the roles run: ``name`` from ``BACKENDS``; Ray's cluster address and group sizes.
-
-    reshard_after_forward (Ray, FSDP2): free each block's gathered weights after its forward
-    and gather them again for the backward (true: the least memory), or keep them until the
-    backward (false: one all-gather per block and micro-batch fewer, a block's full weights
-    held per rank). Either computes the same numbers.
-    """
+    """Where the roles run: ``name`` from ``BACKENDS``; Ray's cluster address and group sizes."""
 
     name: str = "local"
     ray_address: str | None = None
     num_policy_workers: int = 1
     num_reconstructor_workers: int = 1
-    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         _one_of("backend.name", BACKENDS, self.name)
         _positive_ints("backend.", self, "num_policy_workers", "num_reconstructor_workers")
-        if not isinstance(self.reshard_after_forward, bool):
-            _bad("backend.reshard_after_forward", "true or false", self.reshard_after_forward)
 
 
 SECTIONS: dict[str, type] = {

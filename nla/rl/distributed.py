@@ -127,14 +127,13 @@ class RankGroup(DataParallel):
 
     optim_format = "full_fqn"
 
-    def __init__(self, rank: int, world: int, mesh: Any = None, reshard_after_forward: bool = True) -> None:
+    def __init__(self, rank: int, world: int, mesh: Any = None) -> None:
         if world <= 0 or not 0 <= rank < world:
             raise ValueError(f"RankGroup: need 0 <= rank < world, found rank={rank}, world={world}")
         self.rank, self.world, self.mesh = rank, world, mesh
-        self.reshard_after_forward = reshard_after_forward
 
     def shard(self, model: nn.Module, layers: nn.ModuleList) -> nn.Module:
-        return shard_model(model, layers, self.mesh, self.reshard_after_forward)
+        return shard_model(model, layers, self.mesh)
 
     def sum(self, values: dict[str, float]) -> dict[str, float]:
         return sum_across_ranks(values)
@@ -272,14 +271,12 @@ def init_group(rank: int, world: int, master_addr: str, master_port: int, use_cu
     return init_device_mesh("cuda" if use_cuda else "cpu", (world,))
 
 
-def shard_model(model: nn.Module, layers: nn.ModuleList, mesh: Any, reshard_after_forward: bool = True) -> nn.Module:
-    """FSDP2: shard each decoder block, then the root (embeddings, head, value head).
-    ``reshard_after_forward``: the blocks' (``backend.reshard_after_forward``); FSDP2 keeps the
-    root's gathered until the backward either way."""
+def shard_model(model: nn.Module, layers: nn.ModuleList, mesh: Any) -> nn.Module:
+    """FSDP2: shard each decoder block, then the root (embeddings, head, value head)."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 

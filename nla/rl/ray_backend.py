@@ -101,9 +101,9 @@ class RoleHost:
         ip = ray.util.get_node_ip_address()
         return ip, D.free_port(ip)
 
-    def init_group(self, master_addr: str, master_port: int, reshard_after_forward: bool = True) -> None:
+    def init_group(self, master_addr: str, master_port: int) -> None:
         mesh = D.init_group(self.rank, self.world, master_addr, master_port, self.use_cuda, COLLECTIVE_TIMEOUT_S)
-        self.dp = D.RankGroup(self.rank, self.world, mesh, reshard_after_forward)
+        self.dp = D.RankGroup(self.rank, self.world, mesh)
 
     def setup(self, build: Callable[..., dict[str, Any]], *args: Any) -> None:
         """``self.roles = build(dp, device, *args)`` (a module-level builder, e.g. ``_policy_roles``)."""
@@ -323,8 +323,8 @@ def actor_threads(cfg: RLConfig) -> int:
                            + cfg.backend.num_reconstructor_workers)
 
 
-def _make_group(role: str, world: int, use_cuda: bool, gpu_fraction: float = 1.0, threads: int = 1,
-                reshard_after_forward: bool = True) -> _ActorGroup:
+def _make_group(role: str, world: int, use_cuda: bool, gpu_fraction: float = 1.0, threads: int = 1
+                ) -> _ActorGroup:
     bundle = {"GPU": gpu_fraction, "CPU": 1} if use_cuda else {"CPU": CPU_ACTOR_CPUS}
     pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK", name=f"nla-{role}")
     ray.get(pg.ready(), timeout=600)
@@ -339,7 +339,7 @@ def _make_group(role: str, world: int, use_cuda: bool, gpu_fraction: float = 1.0
     group = _ActorGroup(role, actors, pg)
     group.pids = group.call("pid")
     addr, port = group.call("rendezvous_address", ranks=[0])[0]
-    group.call("init_group", addr, port, reshard_after_forward)
+    group.call("init_group", addr, port)
     return group
 
 
@@ -353,11 +353,9 @@ def build_ray_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_dir
     try:
         frac = _gpu_fraction(cfg) if use_cuda else 0.0
         threads = actor_threads(cfg)
-        policy = _make_group("policy", cfg.backend.num_policy_workers, use_cuda, frac, threads,
-                             cfg.backend.reshard_after_forward)
+        policy = _make_group("policy", cfg.backend.num_policy_workers, use_cuda, frac, threads)
         groups.append(policy)
-        recon = _make_group("reconstructor", cfg.backend.num_reconstructor_workers, use_cuda, frac, threads,
-                            cfg.backend.reshard_after_forward)
+        recon = _make_group("reconstructor", cfg.backend.num_reconstructor_workers, use_cuda, frac, threads)
         groups.append(recon)
         # Both groups load their models at once (each setup blocks on its own collectives only).
         refs = [a.setup.remote(_policy_roles, cfg, str(policy_dir or cfg.av)) for a in policy.actors]
