@@ -95,8 +95,12 @@ def has_lora(model: nn.Module) -> bool:
         return False
 
 
-def apply_lora(model: nn.Module, settings: LoRASettings) -> nn.Module:
-    """Inject ``settings``' adapters into ``model`` in place; only they stay trainable. Returns ``model``."""
+def apply_lora(model: nn.Module, settings: LoRASettings, *, train: list[nn.Module] = (),
+               adapter_dir: str | Path | None = None) -> nn.Module:
+    """Inject ``settings``' adapters into ``model`` in place; only they stay trainable, and the
+    modules in ``train`` in full (parts that start new: the AR's head, a warm-start's injection
+    adapter). ``adapter_dir``: load the adapter weights ``save_adapter`` wrote there (a resume;
+    ``model`` must hold the run's base weights, not a checkpoint's merged ones). Returns ``model``."""
     peft = _peft()
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     missing = [t for t in settings.target_modules if t not in present]
@@ -106,23 +110,20 @@ def apply_lora(model: nn.Module, settings: LoRASettings) -> nn.Module:
     peft.inject_adapter_in_model(settings.peft_config(), model)
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
+    for module in train:
+        module.requires_grad_(True)
     model.nla_lora = settings  # what a checkpoint of this model records
+    if adapter_dir is not None:
+        load_adapter(model, adapter_dir)
     return model
 
 
 def apply_sft_lora(model: nn.Module, settings: LoRASettings, resume_from: str | Path | None = None,
                    train: list[nn.Module] = ()) -> nn.Module:
-    """LoRA for a warm-start (``nla train av`` / ``nla train ar``): ``apply_lora``, the modules in
-    ``train`` (parts that start new, such as the AR's head or the AV's injection adapter) left
-    trainable in full, and on resume the adapter of ``resume_from``'s ``LORA_SUBDIR`` loaded
-    (``model`` must then hold the run's base weights, not the checkpoint's merged ones)."""
-    apply_lora(model, settings)
-    for module in train:
-        for p in module.parameters():
-            p.requires_grad_(True)
-    if resume_from is not None:
-        load_adapter(model, Path(resume_from) / LORA_SUBDIR)
-    return model
+    """LoRA for a warm-start (``nla train av`` / ``nla train ar``): ``apply_lora``, on resume with
+    the adapter of the checkpoint ``resume_from``'s ``LORA_SUBDIR``."""
+    return apply_lora(model, settings, train=train,
+                      adapter_dir=None if resume_from is None else Path(resume_from) / LORA_SUBDIR)
 
 
 @contextlib.contextmanager

@@ -351,6 +351,12 @@ class Reconstructor(nn.Module):
             raise
         return target
 
+    @torch.no_grad()
+    def load_head(self, directory: str | os.PathLike) -> None:
+        """Set the head from a checkpoint's ``VALUE_HEAD_FILE`` (a LoRA run resumes as its base's
+        body + the saved adapter + this head)."""
+        self.value_head.weight.copy_(load_file(str(Path(directory) / VALUE_HEAD_FILE))["weight"])
+
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, **load_kwargs: Any) -> Reconstructor:
         """Load a directory written by :meth:`save_pretrained` (safetensors only, nothing unpickled)."""

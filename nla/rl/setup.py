@@ -117,19 +117,18 @@ def _lora_policy(cfg: RLConfig, lora: Any, policy_dir: str | Path, av_side: Any,
                  device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
     """The LoRA policy (``nla.lora``): the warm-started AV with adapters (from ``policy_dir``'s
     ``_adapter`` dir on resume), and its tokenizer."""
-    from nla.lora import adapter_dir_for, apply_lora, load_adapter
+    from nla.lora import adapter_dir_for, apply_lora
 
     if get_advantage_estimator(cfg.loss.advantage).needs_values:
         raise RLSetupError("lora.r > 0 with loss.advantage: gae: the value model would copy the whole AV body; "
                            "use lora.r: 0 for PPO, or a group estimator (grpo, drgrpo, reinforce_baseline)")
     model, tok = load_av(cfg.av, device, dtype)
     verify_tokenizer(av_side, tok)
+    resume = Path(policy_dir).resolve() != Path(cfg.av).resolve()  # the policy is base + the saved adapter
     try:
-        apply_lora(model, lora)
+        apply_lora(model, lora, adapter_dir=adapter_dir_for(policy_dir) if resume else None)
     except ValueError as err:
         raise RLSetupError(str(err)) from None
-    if Path(policy_dir).resolve() != Path(cfg.av).resolve():  # resume: the policy is base + saved adapter
-        load_adapter(model, adapter_dir_for(policy_dir))
     return model, tok
 
 
@@ -158,21 +157,17 @@ def _lora_reconstructor(cfg: RLConfig, ar_dir: str | Path, dtype: torch.dtype) -
     adapter (``<ar>_adapter``) and head, so the run continues exactly."""
     from dataclasses import replace
 
-    from safetensors.torch import load_file
-
-    from nla.lora import adapter_dir_for, apply_lora, load_adapter
-    from nla.reconstructor import VALUE_HEAD_FILE
+    from nla.lora import adapter_dir_for, apply_lora
 
     ar = Reconstructor.from_pretrained(cfg.ar, dtype=dtype)
+    resume = Path(ar_dir).resolve() != Path(cfg.ar).resolve()
     try:
-        apply_lora(ar, replace(cfg.lora.settings(), r=cfg.reconstructor.lora_r))
+        apply_lora(ar, replace(cfg.lora.settings(), r=cfg.reconstructor.lora_r), train=[ar.value_head],
+                   adapter_dir=adapter_dir_for(ar_dir) if resume else None)
     except ValueError as err:
         raise RLSetupError(str(err).replace("lora.target_modules", "lora.target_modules (the AR's)")) from None
-    ar.value_head.requires_grad_(True)
-    if Path(ar_dir).resolve() != Path(cfg.ar).resolve():  # resume
-        load_adapter(ar, adapter_dir_for(ar_dir))
-        with torch.no_grad():
-            ar.value_head.weight.copy_(load_file(str(Path(ar_dir) / VALUE_HEAD_FILE))["weight"].to(dtype))
+    if resume:
+        ar.load_head(ar_dir)
     return ar
 
 

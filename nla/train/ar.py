@@ -20,13 +20,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from nla import arch
 from nla.datagen.io import read_parquet, read_vectors
 from nla.lora import LORA_SUBDIR, apply_sft_lora, merged_state_dict, save_adapter
 from nla.reconstructor import (
-    VALUE_HEAD_FILE,
     Reconstructor,
     check_ar_max_length,
     reconstruction_loss,
@@ -208,7 +206,7 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
         layer = cfg.layer_index if cfg.layer_index is not None else side.need_layer("building the AR from the base model")
         model = Reconstructor.from_base(base, layer, out_dim=side.d_model if own is not None else None)
         if resume_from is not None:  # LoRA resumes as base + the saved adapter; the head trains in full
-            model.value_head.weight.data.copy_(load_file(str(resume_from / VALUE_HEAD_FILE))["weight"])
+            model.load_head(resume_from)
     if lora.enabled:
         apply_sft_lora(model, lora, resume_from, train=[model.value_head])
     if model.tokenizer is None:
