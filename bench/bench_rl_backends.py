@@ -9,7 +9,9 @@ and the median of the rest is reported, with the time to build the worker groups
 
     .venv/bin/python bench/bench_rl_backends.py [--steps 6] [--layouts local,1x1,1x2,2x2]
 
-A layout ``PxA`` is the ray backend with P policy ranks and A reconstructor ranks.
+A layout ``PxA`` is the ray backend with P policy ranks and A reconstructor ranks, each group
+FSDP2-sharded; ``PxAr`` the same with ``backend.sharding: replicate`` (every rank the whole
+model, one gradient all-reduce per optimiser step).
 
 ``--from-run RUN_DIR`` measures a real RL step instead: the RL stage of a quickstart run
 (``RUN_DIR/rl/rl_config.yaml``: its warm-started AV and AR, its dataset and batch, e.g. the
@@ -94,10 +96,12 @@ def build_pair(root: Path) -> dict[str, str]:
 
 
 def _backend(layout: str) -> dict:
+    """``local``, ``PxA`` (Ray, FSDP2) or ``PxAr`` (Ray, ``backend.sharding: replicate``)."""
     if layout == "local":
         return {"name": "local"}
-    p, a = (int(x) for x in layout.split("x"))
-    return {"name": "ray", "num_policy_workers": p, "num_reconstructor_workers": a}
+    sharding = "replicate" if layout.endswith("r") else "fsdp"
+    p, a = (int(x) for x in layout.rstrip("r").split("x"))
+    return {"name": "ray", "num_policy_workers": p, "num_reconstructor_workers": a, "sharding": sharding}
 
 
 def run_config(run_dir: Path, out: Path, layout: str, steps: int, prompts: int | None = None) -> RLConfig:
@@ -217,8 +221,8 @@ def main() -> None:
           f"{torch.get_num_threads()} driver thread(s), world tiny model (d={D})")
     _table(f"{'layout':<8} {'step s':>8} {'vs local':>9} " + TIMES_HEAD,
            [f"{lay:<8} {m['time_step']:8.3f} {m['time_step'] / base:8.2f}x " + _times(m) for lay, m in rows.items()])
-    print("layout PxA = ray backend with P policy ranks (FSDP2) and A reconstructor ranks; build = actor "
-          "start + model load + sharding (local: model load)")
+    print("layout PxA = ray backend with P policy ranks and A reconstructor ranks (FSDP2; PxAr: replicated); "
+          "build = actor start + model load + sharding (local: model load)")
 
 
 if __name__ == "__main__":

@@ -112,6 +112,26 @@ def test_ray_matches_local_rewards_and_losses(pair, tmp_path):  # noqa: F811
     _same_tensors(load_file(str(local / "checkpoints" / res.checkpoint_dir.name / "av" / "model.safetensors")),
                   load_file(str(res.checkpoint_dir / "av" / "model.safetensors")))
 
+    # backend.sharding: replicate: every rank the whole model, one gradient all-reduce per step,
+    # generation from the policy itself: the same run again
+    replicated = tmp_path / "ray-replicate"
+    res_r = run_rl(_cfg(pair, replicated, steps=3, checkpointing=dict(save_every=3),
+                        backend=dict(name="ray", num_policy_workers=2, num_reconstructor_workers=2,
+                                     sharding="replicate")))
+    assert not ray.is_initialized()
+    _same_steps(local, replicated, 3)
+    for role in ("av", "ar"):
+        _same_tensors(load_file(str(local / "checkpoints" / res.checkpoint_dir.name / role / "model.safetensors")),
+                      load_file(str(res_r.checkpoint_dir / role / "model.safetensors")))
+    # the optimizer state is FSDP's name-keyed full format, so a run resumes under either sharding
+    states = [torch.load(r.checkpoint_dir / "rl_state.pt", weights_only=False) for r in (res, res_r)]
+    for role in ("policy", "reconstructor"):
+        sharded, whole = (st[role] for st in states)
+        assert sharded["format"] == whole["format"] == "full_fqn"
+        assert sharded["optimizer"]["state"].keys() == whole["optimizer"]["state"].keys()
+        for k, st in sharded["optimizer"]["state"].items():
+            _same_tensors(st, whole["optimizer"]["state"][k])
+
 
 # ----------------------------------------------------------------------------- live AR, failures, cleanup
 @pytest.mark.ray

@@ -39,6 +39,12 @@ BACKENDS: dict[str, str] = {
     "ray": "each role a group of Ray actors with torch.distributed and FSDP2 (pip install 'nla[ray]')",
 }
 
+# backend.sharding: how a Ray group of several ranks holds its model (``BackendConfig``).
+SHARDINGS: dict[str, str] = {
+    "fsdp": "FSDP2: each rank holds a shard; blocks all-gathered per forward and backward",
+    "replicate": "each rank holds the whole model; one gradient all-reduce per optimiser step",
+}
+
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -292,15 +298,24 @@ class CheckpointingConfig:
 
 @dataclass(frozen=True)
 class BackendConfig:
-    """Where the roles run: ``name`` from ``BACKENDS``; Ray's cluster address and group sizes."""
+    """Where the roles run: ``name`` from ``BACKENDS``; Ray's cluster address and group sizes.
+
+    sharding (Ray): how a group of several ranks holds its model. ``fsdp`` (FSDP2): each rank
+    holds a shard, blocks are all-gathered per forward and backward (the memory of one model
+    spread over the ranks). ``replicate``: each rank holds the whole model and the ranks
+    all-reduce the gradients once per optimiser step; much less traffic, for models that fit
+    on every device (``nla.rl.distributed.Replicas``). Either computes the same step.
+    """
 
     name: str = "local"
     ray_address: str | None = None
     num_policy_workers: int = 1
     num_reconstructor_workers: int = 1
+    sharding: str = "fsdp"
 
     def __post_init__(self) -> None:
         _one_of("backend.name", BACKENDS, self.name)
+        _one_of("backend.sharding", SHARDINGS, self.sharding)
         _positive_ints("backend.", self, "num_policy_workers", "num_reconstructor_workers")
 
 

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nla.rl.config import SHARDINGS
+
 logger = logging.getLogger(__name__)
 
 
@@ -97,6 +99,10 @@ class DataParallel:
     def max_count(self, value: int) -> int:
         """The largest ``value`` over the ranks (collective): e.g. the forward count all ranks must run."""
         return int(value)
+
+    def reduce_gradients(self, module: nn.Module) -> None:
+        """Combine the ranks' accumulated gradients before the optimiser step: nothing to do in
+        one process, nor under FSDP (its backward reduce-scatters); ``Replicas`` all-reduces."""
 
     def copy_full_weights(self, src: nn.Module, dst: nn.Module) -> None:
         """Copy ``src``'s full weights (sharded or not) into the unsharded module ``dst`` on this rank.
@@ -172,6 +178,85 @@ class RankGroup(DataParallel):
 
     def load_optim_state_dict(self, module: nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         load_full_optimizer_state(module, opt, state)
+
+
+class Replicas(RankGroup):
+    """Rank ``rank`` of a group whose ranks each hold the *whole* model (``backend.sharding:
+    replicate``): data parallelism without sharding.
+
+    Forwards and backwards run no collective: each rank accumulates the gradients of its own
+    micro-batches, and ``reduce_gradients`` sums them over the ranks in one all-reduce per
+    optimiser step (a flat buffer) before clipping, so every rank steps the same AdamW on the
+    same summed gradient and the replicas stay equal. FSDP2 all-gathers every block in each
+    forward and again in each backward, and reduce-scatters in each backward: on a small model
+    over gloo that traffic is most of a policy update (BENCHMARKS "RL step: local vs Ray
+    backend"). The price is memory: every rank holds the model, its gradients and AdamW's state.
+
+    Why our own all-reduce and not torch's ``DistributedDataParallel``: DDP wraps the module
+    (the roles hold and hook the model itself) and reduces after every backward unless each
+    accumulation step runs under its ``no_sync`` context; the roles accumulate K micro-batches
+    and need exactly one reduction per optimiser step. torch's composable ``replicate`` is a
+    private API (``torch.distributed._composable``).
+
+    Optimizer state is saved in the ``full_fqn`` format (name-keyed, as FSDP's), so a run
+    resumes under either sharding.
+    """
+
+    @property
+    def grad_scale(self) -> float:
+        return 1.0  # gradients are summed over the ranks, not averaged
+
+    def shard(self, model: nn.Module, layers: nn.ModuleList) -> nn.Module:
+        """Nothing is sharded; rank 0's weights are broadcast so every replica starts equal
+        (every rank loaded the same checkpoint; the broadcast also covers fresh adapter inits)."""
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(t.data, src=0)
+        return model
+
+    def reduce_gradients(self, module: nn.Module) -> None:
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            return
+        # A parameter no micro-batch reached has no gradient on this rank: zeros, so the flat
+        # buffers of every rank have the same layout.
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat)  # SUM
+        for p, g in zip(params, _unflatten_dense_tensors(flat, grads), strict=True):
+            p.grad = g
+
+    def copy_full_weights(self, src: nn.Module, dst: nn.Module) -> None:
+        DataParallel.copy_full_weights(self, src, dst)  # this rank holds the full weights
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, Tensor] | None:
+        return None  # the module's own (every rank holds it; rank 0 writes)
+
+    def load_full_state_dict(self, module: nn.Module, state: dict[str, Tensor]) -> None:
+        module.load_state_dict(state)
+
+    def optim_state_dict(self, module: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(module, opt, options=StateDictOptions(full_state_dict=True))
+
+    def load_optim_state_dict(self, module: nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(module, opt, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+
+
+def rank_group(sharding: str, rank: int, world: int, mesh: Any = None) -> RankGroup:
+    """The data-parallel group of ``backend.sharding``: ``"fsdp"`` (FSDP2, each rank holds a
+    shard) or ``"replicate"`` (each rank holds the whole model; one gradient all-reduce per step)."""
+    if sharding not in SHARDINGS:
+        raise ValueError(f"backend.sharding: expected one of {sorted(SHARDINGS)}, found {sharding!r}")
+    return (RankGroup if sharding == "fsdp" else Replicas)(rank, world, mesh)
 
 
 @dataclass(frozen=True)
@@ -336,6 +421,7 @@ def sum_across_ranks(values: dict[str, float]) -> dict[str, float]:
 
 
 __all__ = [
-    "DISPATCH", "DataParallel", "Dispatch", "RankGroup", "free_port", "full_optimizer_state", "full_state_dict", "init_group", "load_full_into",
-    "load_full_optimizer_state", "micro_chunks", "rank_rows", "shard_model", "sum_across_ranks",
+    "DISPATCH", "DataParallel", "Dispatch", "RankGroup", "Replicas", "free_port", "full_optimizer_state",
+    "full_state_dict", "init_group", "load_full_into", "load_full_optimizer_state", "micro_chunks", "rank_group",
+    "rank_rows", "shard_model", "sum_across_ranks",
 ]

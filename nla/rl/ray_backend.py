@@ -35,6 +35,11 @@ Layout (DESIGN §4):
    answers: ``nla.rl.distributed.DISPATCH``, read by ``RayRole``; nothing else decides it.
 7. PPO's value model (``value`` role) lives on the policy group: each rank an FSDP2 shard of
    it, built from the unsharded policy before sharding, computing and training on its rows.
+8. ``backend.sharding: replicate`` (``nla.rl.distributed.Replicas``): each rank holds the whole
+   model instead of a shard (1, 3, 5 and 7 less the sharding): forwards and backwards run no
+   collective, the ranks all-reduce their summed gradients once per optimiser step (no factor
+   W), every rank generates from the policy model itself (no rollout copy, no sync), and the
+   optimizer state is the same name-keyed full state dict, so a run resumes under either.
 
 Failures are loud: a dead actor raises ``RayWorkerError`` naming role and rank and how to
 resume; ``groups.close()`` kills every actor and, when nla started Ray, shuts it down.
@@ -101,9 +106,9 @@ class RoleHost:
         ip = ray.util.get_node_ip_address()
         return ip, D.free_port(ip)
 
-    def init_group(self, master_addr: str, master_port: int) -> None:
+    def init_group(self, master_addr: str, master_port: int, sharding: str = "fsdp") -> None:
         mesh = D.init_group(self.rank, self.world, master_addr, master_port, self.use_cuda, COLLECTIVE_TIMEOUT_S)
-        self.dp = D.RankGroup(self.rank, self.world, mesh)
+        self.dp = D.rank_group(sharding, self.rank, self.world, mesh)
 
     def setup(self, build: Callable[..., dict[str, Any]], *args: Any) -> None:
         """``self.roles = build(dp, device, *args)`` (a module-level builder, e.g. ``_policy_roles``)."""
@@ -128,7 +133,9 @@ class RoleRef:
 
 
 def _policy_roles(dp: D.RankGroup, device: torch.device, cfg: RLConfig, policy_dir: str) -> dict[str, Any]:
-    return build_policy_roles(cfg, policy_dir, dp, device, rollout_copy=True)
+    # A sharded policy cannot generate token by token (a collective per decode step): each rank
+    # samples from its own unsharded copy. A replica generates from the model itself, as locally.
+    return build_policy_roles(cfg, policy_dir, dp, device, rollout_copy=not isinstance(dp, D.Replicas))
 
 
 def _reconstructor_roles(dp: D.RankGroup, device: torch.device, cfg: RLConfig, ar_dir: str) -> dict[str, Any]:
@@ -323,8 +330,8 @@ def actor_threads(cfg: RLConfig) -> int:
                            + cfg.backend.num_reconstructor_workers)
 
 
-def _make_group(role: str, world: int, use_cuda: bool, gpu_fraction: float = 1.0, threads: int = 1
-                ) -> _ActorGroup:
+def _make_group(role: str, world: int, use_cuda: bool, gpu_fraction: float = 1.0, threads: int = 1,
+                sharding: str = "fsdp") -> _ActorGroup:
     bundle = {"GPU": gpu_fraction, "CPU": 1} if use_cuda else {"CPU": CPU_ACTOR_CPUS}
     pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK", name=f"nla-{role}")
     ray.get(pg.ready(), timeout=600)
@@ -339,7 +346,7 @@ def _make_group(role: str, world: int, use_cuda: bool, gpu_fraction: float = 1.0
     group = _ActorGroup(role, actors, pg)
     group.pids = group.call("pid")
     addr, port = group.call("rendezvous_address", ranks=[0])[0]
-    group.call("init_group", addr, port)
+    group.call("init_group", addr, port, sharding)
     return group
 
 
@@ -353,9 +360,10 @@ def build_ray_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_dir
     try:
         frac = _gpu_fraction(cfg) if use_cuda else 0.0
         threads = actor_threads(cfg)
-        policy = _make_group("policy", cfg.backend.num_policy_workers, use_cuda, frac, threads)
+        sharding = cfg.backend.sharding
+        policy = _make_group("policy", cfg.backend.num_policy_workers, use_cuda, frac, threads, sharding)
         groups.append(policy)
-        recon = _make_group("reconstructor", cfg.backend.num_reconstructor_workers, use_cuda, frac, threads)
+        recon = _make_group("reconstructor", cfg.backend.num_reconstructor_workers, use_cuda, frac, threads, sharding)
         groups.append(recon)
         # Both groups load their models at once (each setup blocks on its own collectives only).
         refs = [a.setup.remote(_policy_roles, cfg, str(policy_dir or cfg.av)) for a in policy.actors]
@@ -366,8 +374,8 @@ def build_ray_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_dir
         raise
     tok = arch.load_tokenizer(policy_dir or cfg.av)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    logger.info("ray backend: %d policy rank(s), %d reconstructor rank(s), %s", cfg.backend.num_policy_workers,
-                cfg.backend.num_reconstructor_workers, "GPU/NCCL" if use_cuda else "CPU/gloo")
+    logger.info("ray backend: %d policy rank(s), %d reconstructor rank(s), %s, %s", cfg.backend.num_policy_workers,
+                cfg.backend.num_reconstructor_workers, "GPU/NCCL" if use_cuda else "CPU/gloo", cfg.backend.sharding)
     return RayWorkerGroups(
         rollout=RayRole(policy, "rollout", pad_id), policy=RayRole(policy, "policy"),
         reference=RayRole(policy, "reference"), reconstructor=RayRole(recon, "reconstructor"),

@@ -65,6 +65,7 @@ class Trainable:
     def _step(self) -> dict[str, float]:
         """Clip and step (the norm is global on sharded gradients); a non-finite gradient skips the step."""
         lr = self.opt.param_groups[0]["lr"]
+        self.dp.reduce_gradients(self._module)  # replicated ranks: one all-reduce of the accumulated gradients
         stepped, grad_norm = optimizer_step_guarded(self._module, self.opt, self.sched, self.max_grad_norm)
         self.skipped_steps += 0 if stepped else 1
         return {"grad_norm": grad_norm, "lr": lr, "skipped_steps": float(self.skipped_steps)}
