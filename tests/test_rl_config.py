@@ -43,6 +43,22 @@ def test_backend_names_come_from_one_registry():
         cfg_of(backend=dict(name="slurm"))
 
 
+def test_backend_sharding_is_fsdp_or_replicate():
+    from nla.rl.distributed import RankGroup, Replicas, rank_group
+
+    assert cfg_of().backend.sharding == "fsdp"
+    assert cfg_of(backend=dict(name="ray", sharding="replicate")).backend.sharding == "replicate"
+    with pytest.raises(ValueError, match=r"backend.sharding: expected one of \['fsdp', 'replicate'\], found 'ddp'"):
+        cfg_of(backend=dict(name="ray", sharding="ddp"))
+    # the group each name builds: FSDP averages gradients (losses x W), replicas sum them (x 1)
+    fsdp, whole = rank_group("fsdp", 1, 2), rank_group("replicate", 1, 2)
+    assert type(fsdp) is RankGroup and isinstance(whole, Replicas)
+    assert (fsdp.grad_scale, whole.grad_scale) == (2.0, 1.0)
+    assert fsdp.optim_format == whole.optim_format == "full_fqn"  # resumable under either
+    with pytest.raises(ValueError, match=r"backend.sharding: expected one of \['fsdp', 'replicate'\], found 'ddp'"):
+        rank_group("ddp", 0, 2)
+
+
 def test_yaml_round_trip_is_one_to_one(tmp_path):
     # Every section is a mapping in the file; save -> load gives the same frozen object.
     cfg = cfg_of(steps=7, rollout=dict(rollout_batch_size=3, n_samples_per_prompt=2), loss=dict(kl_coef=0.05),

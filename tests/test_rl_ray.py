@@ -182,8 +182,10 @@ def test_live_ar_dead_worker_and_resume(pair, tmp_path):  # noqa: F811
     assert not ray.is_initialized()
     assert _wait_gone(pids) == []  # no actor process outlives close()
 
-    # 3. resume from the step-2 checkpoint on fresh actors finishes the run
-    res = run_rl(cfg, resume=True)
+    # 3. resume from the step-2 checkpoint on fresh actors finishes the run, here with replicated
+    # AR ranks: the FSDP run's name-keyed optimizer state loads into whole models
+    res = run_rl(cfg.replace(backend=dict(name="ray", num_policy_workers=1, num_reconstructor_workers=2,
+                                          sharding="replicate")), resume=True)
     recs = [r for r in read_metrics(tmp_path / "run" / "rl.jsonl") if "reward_mean" in r]
     assert [r["step"] for r in recs][-2:] == [3, 4]
     assert res.metrics["step"] == 4
