@@ -20,7 +20,7 @@ def build_local_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_d
     """All roles in-process. ``policy_dir`` / ``ar_dir`` override the starting weights (resume)."""
     device, dp = resolve_device(cfg.device), DataParallel()
     av_side, ar_side = load_pair_sidecars(cfg.av, cfg.ar)
-    roles = build_policy_roles(cfg, policy_dir or cfg.av, dp, device, rollout_copy=False)
+    roles = build_policy_roles(cfg, policy_dir or cfg.av, dp, device)
     return WorkerGroups(
         rollout=roles["rollout"], policy=roles["policy"], reference=roles["reference"],
         reconstructor=build_reconstructor_role(cfg, ar_dir or cfg.ar, dp, device),

@@ -69,6 +69,9 @@ class DataParallel:
     rank: int = 0
     world: int = 1
     optim_format: str = "local"
+    # Whether the models are sharded over the ranks: then no rank can generate alone (each
+    # decode step would be a collective) and every policy rank samples from an unsharded copy.
+    shards: bool = False
 
     @property
     def answers(self) -> bool:
@@ -132,6 +135,7 @@ class RankGroup(DataParallel):
     """Rank ``rank`` of a ``world``-rank torch.distributed group whose models are FSDP2-sharded."""
 
     optim_format = "full_fqn"
+    shards = True
 
     def __init__(self, rank: int, world: int, mesh: Any = None) -> None:
         if world <= 0 or not 0 <= rank < world:
@@ -202,6 +206,8 @@ class Replicas(RankGroup):
     resumes under either sharding.
     """
 
+    shards = False
+
     @property
     def grad_scale(self) -> float:
         return 1.0  # gradients are summed over the ranks, not averaged
@@ -231,24 +237,11 @@ class Replicas(RankGroup):
         for p, g in zip(params, _unflatten_dense_tensors(flat, grads), strict=True):
             p.grad = g
 
-    def copy_full_weights(self, src: nn.Module, dst: nn.Module) -> None:
-        DataParallel.copy_full_weights(self, src, dst)  # this rank holds the full weights
-
-    def full_state_dict(self, module: nn.Module) -> dict[str, Tensor] | None:
-        return None  # the module's own (every rank holds it; rank 0 writes)
-
-    def load_full_state_dict(self, module: nn.Module, state: dict[str, Tensor]) -> None:
-        module.load_state_dict(state)
-
-    def optim_state_dict(self, module: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        return get_optimizer_state_dict(module, opt, options=StateDictOptions(full_state_dict=True))
-
-    def load_optim_state_dict(self, module: nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        set_optimizer_state_dict(module, opt, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+    # This rank holds the full weights: copied, saved and loaded as in one process. The
+    # optimizer state stays RankGroup's (name-keyed, gathered on rank 0).
+    copy_full_weights = DataParallel.copy_full_weights
+    full_state_dict = DataParallel.full_state_dict
+    load_full_state_dict = DataParallel.load_full_state_dict
 
 
 def rank_group(sharding: str, rank: int, world: int, mesh: Any = None) -> RankGroup:

@@ -133,9 +133,7 @@ class RoleRef:
 
 
 def _policy_roles(dp: D.RankGroup, device: torch.device, cfg: RLConfig, policy_dir: str) -> dict[str, Any]:
-    # A sharded policy cannot generate token by token (a collective per decode step): each rank
-    # samples from its own unsharded copy. A replica generates from the model itself, as locally.
-    return build_policy_roles(cfg, policy_dir, dp, device, rollout_copy=not isinstance(dp, D.Replicas))
+    return build_policy_roles(cfg, policy_dir, dp, device)
 
 
 def _reconstructor_roles(dp: D.RankGroup, device: torch.device, cfg: RLConfig, ar_dir: str) -> dict[str, Any]:

@@ -71,16 +71,17 @@ def load_av(path: str | Path, device: torch.device, dtype: torch.dtype) -> tuple
     return model, tok
 
 
-def build_policy_roles(cfg: RLConfig, policy_dir: str | Path, dp: DataParallel, device: torch.device, *,
-                       rollout_copy: bool) -> dict[str, Any]:
+def build_policy_roles(cfg: RLConfig, policy_dir: str | Path, dp: DataParallel, device: torch.device
+                       ) -> dict[str, Any]:
     """The ``policy``, ``reference`` and ``rollout`` roles of this rank, and ``value`` when the
     advantage estimator needs values (PPO's GAE).
 
     ``policy_dir`` holds the starting weights (the warm-started AV, or a checkpoint on
-    resume); the reference is always the warm-started AV (``cfg.av``). ``rollout_copy``
-    False: the rollout role shares the policy module (local: a weight sync is free); True:
-    every rank gets its own unsharded copy and generates its share of the prompts. Models are
-    sharded by ``dp`` before any role (hooks, optimiser) is built on them.
+    resume); the reference is always the warm-started AV (``cfg.av``). Where ``dp`` holds whole
+    models (local, replicated ranks) the rollout role shares the policy module (a weight sync is
+    free); where it shards them (``dp.shards``) every rank gets its own unsharded copy and
+    generates its share of the prompts. Models are sharded by ``dp`` before any role (hooks,
+    optimiser) is built on them.
     """
     torch.manual_seed(cfg.seed)  # any module init draws from the RNG: every rank builds the same
     dtype = resolve_dtype(cfg.dtype)
@@ -104,7 +105,7 @@ def build_policy_roles(cfg: RLConfig, policy_dir: str | Path, dp: DataParallel, 
                                dp),
         "reference": ReferenceWorker(ref, av_side, cfg.optimiser.micro_batch_size, dp, adapters_off=ref is model),
     }
-    rollout_model = load_av(policy_dir, device, dtype)[0] if rollout_copy else model
+    rollout_model = load_av(policy_dir, device, dtype)[0] if dp.shards else model
     roles["rollout"] = RolloutWorker(rollout_model, tok, av_side, device, dp)
     if value_model is not None:
         dp.shard(value_model, arch.decoder_layers(value_model.body))
