@@ -20,6 +20,15 @@ rollout's samples/s and the step time of each layout as ratios against the first
 
     .venv/bin/python bench/bench_rl_backends.py --from-run runs/quickstart-default --layouts 1x1,2x1,2x2
 
+``--rollout-only CALLS`` times the rollout alone (issue 23's "rollout samples/s with 2 policy
+ranks / 1 rank"): each layout's groups generate the same batch (the first ``--prompts`` rows of
+the run's RL set, seed k for call k, so every layout samples the same tokens) ``CALLS`` times,
+the first call dropped, in rounds taken in turn; no RL step runs between calls, so the policy
+and its response lengths do not drift as they do from step to step::
+
+    .venv/bin/python bench/bench_rl_backends.py --from-run runs/quickstart-default \
+        --layouts 1x1r,2x2r --prompts 128 --rollout-only 6 --repeat 3
+
 Several runs side by side (e.g. the same-model pair against a cross-model one, issue 24), in
 rounds taken in turn so the machine's drift hits every row alike::
 
@@ -147,6 +156,56 @@ def measure(pair: dict[str, str] | RLConfig, out: Path, layout: str, steps: int,
     return med
 
 
+def measure_rollout(cfg: RLConfig, calls: int) -> list[dict[str, float]]:
+    """``calls`` rollouts of the same batch on ``cfg``'s backend: seconds, samples and response
+    tokens of each call after the first (the warm-up)."""
+    from nla.rl.loop import RLData
+
+    data = RLData.load(cfg.dataset)
+    rows = torch.arange(min(cfg.rollout.rollout_batch_size, len(data.vectors)))
+    ro = cfg.rollout
+    groups = build_groups(cfg)
+    out = []
+    try:
+        for k in range(calls):
+            torch.manual_seed(k)
+            t0 = time.perf_counter()
+            r = groups.rollout.generate(data.vectors[rows], rows, ro.n_samples_per_prompt, ro.max_response_len,
+                                        ro.temperature, ro.top_p)
+            dt = time.perf_counter() - t0
+            if k:
+                out.append({"seconds": dt, "samples": float(r.n), "tokens": float(r.response_mask.sum())})
+    finally:
+        groups.close()
+    return out
+
+
+def main_rollout_only(run_dir: Path, layouts: list[str], prompts: int | None, calls: int, repeat: int) -> None:
+    """Rollout samples/s of each layout, ``repeat`` rounds in turn; medians over every timed call."""
+    if calls < 2:
+        raise SystemExit(f"--rollout-only {calls}: give at least 2 calls (the first is a warm-up, dropped)")
+    per: dict[str, list[dict[str, float]]] = {lay: [] for lay in layouts}
+    with tempfile.TemporaryDirectory(prefix="nla-bench-rollout-") as tmp:
+        for r in range(repeat):
+            for lay in layouts:
+                calls_ = measure_rollout(run_config(run_dir, Path(tmp) / f"{lay}-{r}", lay, 1, prompts), calls)
+                per[lay] += calls_
+                sps = [c["samples"] / c["seconds"] for c in calls_]
+                print(f"  {lay} (round {r + 1}): samples/s " + " ".join(f"{v:.1f}" for v in sps), flush=True)
+    base = statistics.median(c["samples"] / c["seconds"] for c in per[layouts[0]])
+    n = int(per[layouts[0]][0]["samples"])
+    print(f"\nrollout alone ({n} samples per call), median of {repeat} round(s) x {calls - 1} timed call(s), "
+          f"one torch thread per process; ratios against {layouts[0]}")
+    lines = []
+    for lay, cs in per.items():
+        sps = [c["samples"] / c["seconds"] for c in cs]
+        med = statistics.median(sps)
+        tokens = statistics.mean(c["tokens"] / c["samples"] for c in cs)
+        lines.append(f"{lay:<8} {med:10.1f} {med / base:6.2f}x {min(sps):8.1f} {max(sps):8.1f} {tokens:9.2f}")
+    _table(f"{'layout':<8} {'samples/s':>10} {'vs':>7} {'min':>8} {'max':>8} {'resp len':>9}", lines)
+    print("resp len: mean response tokens per sample (equal across layouts: the same tokens are sampled)")
+
+
 TIMES_HEAD = f"{'gen s':>7} {'reward s':>9} {'policy s':>9} {'ar s':>7} {'build s':>8}"
 
 
@@ -203,10 +262,17 @@ def main() -> None:
     ap.add_argument("--from-run", type=Path, nargs="+", default=None,
                     help="quickstart run dir(s): measure their RL stage (module docstring); several: side by side")
     ap.add_argument("--repeat", type=int, default=1, help="--from-run: rounds in turn over runs and layouts")
+    ap.add_argument("--rollout-only", type=int, default=None, metavar="CALLS",
+                    help="--from-run: time CALLS rollouts of one batch per layout and round, no RL step")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     layouts = args.layouts.split(",")
+    if args.rollout_only is not None:
+        if args.from_run is None or len(args.from_run) != 1:
+            raise SystemExit("--rollout-only needs --from-run with one run directory")
+        main_rollout_only(args.from_run[0].resolve(), layouts, args.prompts, args.rollout_only, args.repeat)
+        return
     if args.from_run is not None:
         main_from_run([p.resolve() for p in args.from_run], layouts, args.steps, args.prompts, args.repeat)
         return

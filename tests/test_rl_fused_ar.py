@@ -15,6 +15,7 @@ import pytest
 import torch
 from train_helpers import dataset_sidecar, explanations
 
+from nla import arch
 from nla.arch import load_tokenizer
 from nla.reconstructor import Reconstructor
 from nla.rl.roles import OptimSettings, ReconstructorWorker, has_dropout
@@ -179,3 +180,93 @@ def test_reward_sub_batches_equal_one_padded_batch(tiny_model_dir, monkeypatch):
         monkeypatch.setattr(W, "REWARD_SUB_BATCH", sub)
         got = w.mse_batch(list(zip(texts, golds, strict=True)))
         torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- replicated ranks
+def _replica_rank(rank: int, world: int, port: int, base: str, out: str) -> None:
+    """One rank of a real 2-process gloo group of ``Replicas``: fused AR workers (one of whose
+    windows holds a text the update does not, on rank 1) and a plain one score their shares of
+    each reward call (as ``DISPATCH`` splits them) and update on every row."""
+    import torch.distributed as dist
+
+    from nla.rl.distributed import Replicas, init_group, rank_rows
+
+    torch.set_num_threads(1)
+    init_group(rank, world, "127.0.0.1", port, use_cuda=False, timeout_s=120)
+    try:
+        tok = load_tokenizer(base)
+        dp = Replicas(rank, world)
+        workers = {}
+        for name in ("fused", "mismatch", "plain"):
+            torch.manual_seed(0)
+            ar = Reconstructor.from_base(base, D_LAYER, tokenizer=tok)
+            dp.shard(ar, arch.decoder_layers(ar.base))  # rank 0's weights on every rank
+            side = dataset_sidecar(tok, base, d_model=ar.config.hidden_size, layer_index=D_LAYER)
+            optim = OptimSettings(lr=1e-3, weight_decay=0.0, warmup_steps=0, total_steps=10, max_grad_norm=1e9)
+            workers[name] = ReconstructorWorker(ar, tok, side, optim, max_length=64, micro_batch_size=3,
+                                                device=torch.device("cpu"), dp=dp)
+        fused, plain = workers["fused"], workers["plain"]
+        assert fused.fuse_reward and workers["mismatch"].fuse_reward  # replicated ranks fuse
+        plain.fuse_reward = False
+        texts, golds = _data(fused.ar.config.hidden_size, 13, 4)
+        calls = [(0, 5), (5, 13)]  # two reward calls over the 13 rollout rows; 4 replay rows follow
+        res: dict = {}
+        for name, w in workers.items():
+            seen: dict[str, torch.Tensor] = {}  # the gradients the optimiser steps on: after the all-reduce
+            real_step = w.opt.step
+
+            def step(*a, _w=w, _seen=seen, _real=real_step, **kw):
+                _seen.update({n: p.grad.clone() for n, p in _w.ar.named_parameters() if p.grad is not None})
+                return _real(*a, **kw)
+
+            w.opt.step = step
+            w.begin_rollout()
+            rewards = []
+            for a, b in calls:
+                mine = (torch.arange(a, b)[rank_rows(b - a, world, rank)]).tolist()
+                items = [(texts[i], golds[i]) for i in mine]
+                if name == "mismatch" and rank == 1 and a == 5:
+                    items[0] = ("the cat is happy", items[0][1])  # not the update's row
+                rewards.append(w.mse_batch(items))
+            m = w.update(texts, golds)
+            res[name] = {"rewards": torch.cat(rewards), "metrics": m, "grads": seen,
+                         "state": {k: v.clone() for k, v in w.ar.state_dict().items()}}
+        torch.save(res, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_replicated_ranks_fuse_and_equal_the_plain_step(tiny_model_dir, tmp_path):
+    """2 replicated ranks (a real gloo group): each backpropagates its share of every reward call,
+    the update skips those rows and the all-reduce sums the shares: rewards bit for bit the plain
+    path's on that rank, the gradient and the stepped weights the one-process plain step's.
+    A window that does not match the update (one text on rank 1) is dropped on every rank: had it
+    been kept, rank 1's gradient would hold that text's and the step would not be the plain one."""
+    import torch.multiprocessing as mp
+
+    from nla.rl.distributed import free_port
+
+    base = tiny_model_dir("llama")
+    mp.spawn(_replica_rank, args=(2, free_port(), str(base), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    # the reference: one process, plain path, every row
+    torch.manual_seed(0)
+    ref = _worker(tiny_model_dir, "llama", 3)
+    texts, golds = _data(ref.ar.config.hidden_size, 13, 4)
+    g_ref = _grads_at_step(ref)
+    m_ref = ref.update(texts, golds)
+    for rank, r in enumerate(ranks):
+        assert torch.equal(r["fused"]["rewards"], r["plain"]["rewards"])
+        if rank == 0:
+            assert torch.equal(r["mismatch"]["rewards"], r["plain"]["rewards"])
+        for name in ("fused", "mismatch", "plain"):
+            m = r[name]["metrics"]
+            assert m["ar_rows"] == 17.0
+            assert m["ar_loss"] == pytest.approx(m_ref["ar_loss"], rel=1e-5)
+            assert m["ar_grad_norm"] == pytest.approx(m_ref["ar_grad_norm"], rel=1e-4)
+            _assert_same_grads(g_ref, r[name]["grads"])
+            for (k, a), b in zip(ref.ar.state_dict().items(), r[name]["state"].values(), strict=True):
+                torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=k)
+    # the replicas stay equal, bit for bit
+    for k, v in ranks[0]["fused"]["state"].items():
+        assert torch.equal(v, ranks[1]["fused"]["state"][k]), k

@@ -103,6 +103,10 @@ class DataParallel:
         """The largest ``value`` over the ranks (collective): e.g. the forward count all ranks must run."""
         return int(value)
 
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (a picklable object), in rank order, on every rank (collective)."""
+        return [value]
+
     def reduce_gradients(self, module: nn.Module) -> None:
         """Combine the ranks' accumulated gradients before the optimiser step: nothing to do in
         one process, nor under FSDP (its backward reduce-scatters); ``Replicas`` all-reduces."""
@@ -147,6 +151,13 @@ class RankGroup(DataParallel):
 
     def sum(self, values: dict[str, float]) -> dict[str, float]:
         return sum_across_ranks(values)
+
+    def gather(self, value: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, value)
+        return out
 
     def max_count(self, value: int) -> int:
         import torch.distributed as dist

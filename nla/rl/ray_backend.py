@@ -38,8 +38,10 @@ Layout (DESIGN §4):
 8. ``backend.sharding: replicate`` (``nla.rl.distributed.Replicas``): each rank holds the whole
    model instead of a shard (1, 3, 5 and 7 less the sharding): forwards and backwards run no
    collective, the ranks all-reduce their summed gradients once per optimiser step (no factor
-   W), every rank generates from the policy model itself (no rollout copy, no sync), and the
-   optimizer state is the same name-keyed full state dict, so a run resumes under either.
+   W), every rank generates from the policy model itself (no rollout copy, no sync), the AR
+   ranks' reward forwards are their update's forwards (``FusedRewardWindow``: each rank
+   backpropagates its share of the rewards), and the optimizer state is the same name-keyed
+   full state dict, so a run resumes under either.
 
 Failures are loud: a dead actor raises ``RayWorkerError`` naming role and rank and how to
 resume; ``groups.close()`` kills every actor and, when nla started Ray, shuts it down.

@@ -13,6 +13,7 @@ How the step's reward forwards relate to its update is a strategy the role is gi
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from pathlib import Path
@@ -94,23 +95,28 @@ class FusedRewardWindow(RewardWindow):
     scales the sum to the mean and steps. The reward values are those of the plain path (the
     same forward, read the same way); the gradient is the plain update's to float tolerance
     (the reward layout is left-padded, the training layout right-padded: the step-0 guard holds
-    them equal). Exact only when training mode computes what eval mode does (no dropout) and one
-    unsharded AR answers (``default_window``). Calls outside a window (evaluation, tests) take
-    the plain no-grad path.
+    them equal). Exact only when training mode computes what eval mode does (no dropout) and the
+    AR is not sharded (``default_window``). Calls outside a window (evaluation, tests) take the
+    plain no-grad path.
+
+    Over replicated ranks (``Replicas``) each rank scores, and so backpropagates, its share of
+    every reward call (``DISPATCH``: contiguous, in rank order); the update then skips the rows
+    the ranks' windows hold together, and the one gradient all-reduce of the step sums the
+    shares (each scaled to the global mean), as the plain step sums its micro-batches.
     """
 
     name = "fused"
 
     def __init__(self) -> None:
-        self._items: list[tuple[str, Tensor]] | None = None
+        self._calls: list[list[tuple[str, Tensor]]] | None = None  # this rank's items of each reward call
         self._mse_sum = 0.0
 
     def open(self, worker: ReconstructorWorker) -> None:
-        self._items, self._mse_sum = [], 0.0
+        self._calls, self._mse_sum = [], 0.0
         worker.opt.zero_grad(set_to_none=True)
 
     def mse_rows(self, worker: ReconstructorWorker, explanations: list[str], gold: Tensor) -> Tensor:
-        if self._items is None:
+        if self._calls is None:
             return super().mse_rows(worker, explanations, gold)
         # The same forward as the plain path (reward layout), with autograd on, in training mode
         # (which computes what eval mode does: no dropout).
@@ -129,18 +135,30 @@ class FusedRewardWindow(RewardWindow):
         return mse_nrm(pred.detach().float().cpu(), gold, worker.scale)  # exactly the plain path's value
 
     def scored(self, items: list[tuple[str, Tensor]]) -> None:
-        if self._items is not None:
-            self._items.extend(items)
+        if self._calls is not None:
+            self._calls.append(list(items))
 
     def close(self, worker: ReconstructorWorker, explanations: list[str], golds: Tensor) -> tuple[int, float]:
-        """How many leading rows of the update this window already backpropagated (0 when there was
-        no window, or when its items are not the update's first rows), and their summed MSE."""
-        window, self._items = self._items, None
-        if not window:
+        """How many leading rows of the update the ranks' windows already backpropagated (0 when there
+        was no window, or when their items are not the update's first rows), and this rank's share
+        of their summed MSE. Collective over the group when it has several ranks."""
+        calls, self._calls = self._calls, None
+        if calls is None:
             return 0, 0.0
-        k = len(window)
-        same = k <= len(explanations) and all(
-            e == explanations[i] and torch.equal(g.float(), golds[i].float()) for i, (e, g) in enumerate(window))
+        # The windows' rows in the update's order: reward call by reward call, each call's items
+        # in rank order (every rank is called with its share, possibly empty). Compared by
+        # digest so that the ranks exchange a few bytes per row, not the texts and vectors.
+        per_rank = worker.dp.gather([[_row_digest(e, g) for e, g in call] for call in calls])
+        n_calls = {len(r) for r in per_rank}
+        order = [d for c in range(len(calls)) for r in per_rank for d in r[c]] if len(n_calls) == 1 else None
+        if not order:
+            if order is None:
+                logger.warning("AR update: the ranks' reward windows hold different numbers of calls (%s); "
+                               "their gradients are dropped and every row is recomputed", sorted(n_calls))
+                worker.opt.zero_grad(set_to_none=True)
+            return 0, 0.0
+        k = len(order)
+        same = k <= len(explanations) and order == [_row_digest(explanations[i], golds[i]) for i in range(k)]
         if not same:
             logger.warning("AR update: the %d samples scored since begin_rollout are not the update's first rows; "
                            "their gradients are dropped and every row is recomputed", k)
@@ -149,12 +167,19 @@ class FusedRewardWindow(RewardWindow):
         return k, self._mse_sum
 
 
+def _row_digest(explanation: str, gold: Tensor) -> bytes:
+    """A 16-byte digest of one (explanation, gold vector) row: the text and the vector's fp32 bytes."""
+    h = hashlib.blake2b(explanation.encode(), digest_size=16)
+    h.update(gold.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.digest()
+
+
 def default_window(ar: nn.Module, dp: DataParallel) -> RewardWindow:
-    """``FusedRewardWindow`` where it computes the plain step: one unsharded AR answering (a sharded
-    group is left on the plain path, a one-rank FSDP group too: untested there) with no dropout;
-    else ``PlainScoring``."""
-    sharded = any(arch.is_sharded(m) for m in ar.modules())
-    return FusedRewardWindow() if dp.world == 1 and not sharded and not has_dropout(ar) else PlainScoring()
+    """``FusedRewardWindow`` where it computes the plain step: an unsharded AR (one process, or
+    replicated ranks; an FSDP group, even of one rank, is left on the plain path: its forwards
+    are collectives) with no dropout; else ``PlainScoring``."""
+    sharded = dp.shards or any(arch.is_sharded(m) for m in ar.modules())
+    return FusedRewardWindow() if not sharded and not has_dropout(ar) else PlainScoring()
 
 
 class ReconstructorWorker(Trainable):
@@ -223,8 +248,9 @@ class ReconstructorWorker(Trainable):
         order = sorted(range(len(exps)), key=lambda i: -len(exps[i]))
         out = torch.empty(len(exps))
         forwards = math.ceil(len(order) / REWARD_SUB_BATCH)
-        # Sharded, each rank scores its share of a batch: all run as many forwards (collectives)
-        forwards = self.dp.max_count(forwards) if self.dp.world > 1 else forwards
+        # Sharded, each rank scores its share of a batch: all run as many forwards (collectives);
+        # replicated ranks' forwards are their own.
+        forwards = self.dp.max_count(forwards) if self.dp.world > 1 and self.dp.shards else forwards
         for k in range(forwards):
             rows = order[k * REWARD_SUB_BATCH : (k + 1) * REWARD_SUB_BATCH]
             if rows:
@@ -276,7 +302,7 @@ class ReconstructorWorker(Trainable):
         # Micro-batches of texts of similar length pad less; the loss is a mean over rows, so
         # each micro-batch's weight (its share of rows) keeps the step the same on any order.
         mine = mine[torch.sort(torch.tensor([-len(explanations[i]) for i in mine.tolist()]), stable=True).indices]
-        # (A window covering every row leaves nothing to run: it exists on one rank only.)
+        # (Windows covering every row leave nothing to run, on every rank alike.)
         chunks = rank_micro_batches(dp, mine, n - done, self.micro_batch_size) if done < n else ()
         for idx, real in chunks:
             enc = self.encode([explanations[i] for i in idx.tolist()], "right")
