@@ -150,21 +150,20 @@ class FusedRewardWindow(RewardWindow):
         # digest so that the ranks exchange a few bytes per row, not the texts and vectors.
         per_rank = worker.dp.gather([[_row_digest(e, g) for e, g in call] for call in calls])
         n_calls = {len(r) for r in per_rank}
-        order = [d for c in range(len(calls)) for r in per_rank for d in r[c]] if len(n_calls) == 1 else None
-        if not order:
-            if order is None:
-                logger.warning("AR update: the ranks' reward windows hold different numbers of calls (%s); "
-                               "their gradients are dropped and every row is recomputed", sorted(n_calls))
-                worker.opt.zero_grad(set_to_none=True)
-            return 0, 0.0
+        if len(n_calls) != 1:
+            return _drop_window(worker, f"the ranks' reward windows hold different numbers of calls ({sorted(n_calls)})")
+        order = [d for c in range(len(calls)) for r in per_rank for d in r[c]]
         k = len(order)
-        same = k <= len(explanations) and order == [_row_digest(explanations[i], golds[i]) for i in range(k)]
-        if not same:
-            logger.warning("AR update: the %d samples scored since begin_rollout are not the update's first rows; "
-                           "their gradients are dropped and every row is recomputed", k)
-            worker.opt.zero_grad(set_to_none=True)
-            return 0, 0.0
+        if k and not (k <= len(explanations)
+                      and order == [_row_digest(explanations[i], golds[i]) for i in range(k)]):
+            return _drop_window(worker, f"the {k} samples scored since begin_rollout are not the update's first rows")
         return k, self._mse_sum
+
+
+def _drop_window(worker: ReconstructorWorker, why: str) -> tuple[int, float]:
+    logger.warning("AR update: %s; their gradients are dropped and every row is recomputed", why)
+    worker.opt.zero_grad(set_to_none=True)
+    return 0, 0.0
 
 
 def _row_digest(explanation: str, gold: Tensor) -> bytes:
