@@ -190,10 +190,14 @@ class StageRecord:
 
 def _hash(obj: Any) -> str:
     # "progress" (bars on or off) is left out: it changes nothing a stage computes. "threads" stays
-    # in: torch's CPU results change with the thread count (nla.threads).
+    # in: torch's CPU results change with the thread count (nla.threads), and so do the CPU kernels
+    # torch runs (nla.numerics): a stage done with other kernels is done again.
     if isinstance(obj, dict) and "progress" in obj:
         obj = {k: v for k, v in obj.items() if k != "progress"}
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    from nla.numerics import cpu_kernels
+
+    blob = {"config": obj, "cpu_kernels": cpu_kernels()}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def _cached_stage(out: Path, name: str, config: dict[str, Any]) -> dict[str, Any] | None:

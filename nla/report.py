@@ -16,6 +16,7 @@ from nla.evaluation import ROW_FROZEN as FROZEN
 from nla.evaluation import ROW_ORACLE as ORACLE
 from nla.evaluation import ROW_ROUND_TRIP as ROUND_TRIP
 from nla.evaluation import ROW_SHUFFLED as SHUFFLED
+from nla.numerics import cpu_kernels
 from nla.suite import targets_table
 
 logger = logging.getLogger(__name__)
@@ -208,6 +209,7 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
         "preset": preset,
         "seed": seed,
         "threads": threads,
+        "cpu_kernels": cpu_kernels(),
         "round_trip_fve_warmstart": fve_warm,
         "round_trip_fve_rl": fve_rl,
         "rl_improved_fve": fve_rl > fve_warm,
@@ -234,7 +236,8 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
                                                     ("RL", rl_info))
              for w in (info.get("metrics", {}).get("stuck_warnings") or [])]
     kinds = kind_table(warm_eval, rl_eval, probe)
-    md = [f"# NLA quickstart report (preset `{preset}`, seed {seed}, {threads} torch threads)", "",
+    md = [f"# NLA quickstart report (preset `{preset}`, seed {seed}, {threads} torch threads, "
+          f"{headline['cpu_kernels']} CPU kernels)", "",
           *(["> **Warning: a stage looked stuck.**", "", *stuck, ""] if stuck else []),
           f"Round-trip FVE on held-out vectors: **{_f(fve_warm)}** after warm-start → **{_f(fve_rl)}** after RL "
           f"({'improved' if fve_rl > fve_warm else 'did not improve'}). "

@@ -47,6 +47,11 @@ def test_report_has_every_section_with_finite_numbers(run_dir):
     warm = {r["name"]: r for r in rep["eval_warmstart"]["rows"]}
     assert warm["AV → frozen warm-start AR"]["fve"] == pytest.approx(warm["AV → AR round trip"]["fve"], abs=1e-6)
     assert rep["headline"]["probe_mean_top1"] > rep["headline"]["probe_mean_chance"]
+    # the kernels torch ran are on record (nla.numerics): the pinned AVX2 ones on an x86 CPU that has them
+    from nla.numerics import cpu_kernels
+
+    assert rep["headline"]["cpu_kernels"] == cpu_kernels()
+    assert f"{cpu_kernels()} CPU kernels)" in md.splitlines()[0]
     for png in rep["plots"].values():
         assert (run_dir / png).stat().st_size > 1000
 

@@ -35,6 +35,7 @@ from typing import Any
 import yaml
 
 from nla.configcheck import check_config_types
+from nla.numerics import cpu_kernels
 from nla.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE
 from nla.validation import load_yaml
 from nla.world.explain import TextExplainer
@@ -219,8 +220,16 @@ def build_world(
     config = resolve_config(preset_or_config)
     root = world_dir(config, out)
     if (root / "summary.json").exists() and not force:
-        logger.info("world %s: using cached build %s", config.name, root)
-        return load_world(root)
+        cached = load_world(root)
+        built_with = cached.summary.get("cpu_kernels")
+        if built_with == cpu_kernels():
+            logger.info("world %s: using cached build %s", config.name, root)
+            return cached
+        # Other CPU kernels give other bits (nla.numerics); a build from before they were
+        # recorded may have run either, so it is built again too.
+        logger.warning("world %s: the cached build %s ran %s CPU kernels, this process runs %s; building it again",
+                       config.name, root, built_with or "unrecorded", cpu_kernels())
+        force = True
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = root.parent / f".tmp-{root.name}-{uuid.uuid4().hex[:8]}"
     try:
@@ -357,6 +366,7 @@ def _build_into(config: WorldConfig, tmp: Path, progress: bool) -> None:
         "tokens_per_second": result.tokens / max(result.seconds, 1e-9),
         "build_seconds": time.perf_counter() - t_start,
         "torch_threads": torch.get_num_threads(),
+        "cpu_kernels": cpu_kernels(),  # nla.numerics: which CPU kernels torch ran (AVX2 unless overridden)
         "injection_token_id": inj,
         "injection_left_neighbor_id": left,
         "injection_right_neighbor_id": right,
