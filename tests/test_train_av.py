@@ -188,3 +188,39 @@ def test_mean_shift_augment_resumes_exactly(tmp_path, tiny_tokenizer, tiny_model
     wb = load_file(resumed.checkpoint_dir / "model.safetensors")
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6)
+
+
+def test_injection_adapter_lr_scale_trains_the_adapter_in_its_own_group(tmp_path, tiny_tokenizer, tiny_model_dir):
+    """injection_adapter_lr_scale=10: the adapter's AdamW group runs at 10x lr; 1 (the default) keeps
+    the one group of the published recipe; a bad value names the field."""
+    from nla.injection import ADAPTER_ATTR
+    from nla.train import common
+
+    ds = _av_data(tmp_path, tiny_tokenizer, tiny_model_dir("llama"), injection_scale=5.0, n=16)
+    seen = []
+    real = common.build_optimizer
+
+    def spy(model, *a, **kw):
+        opt = real(model, *a, **kw)
+        seen.append((model, opt))
+        return opt
+
+    common.build_optimizer = spy
+    try:
+        kw = dict(max_steps=2, eval_every=2, warmup_steps=0, smoke_num=0, injection_adapter="affine", lr=1e-3)
+        train_av(_cfg(ds, tmp_path / "scaled", injection_adapter_lr_scale=10.0, **kw))
+        train_av(_cfg(ds, tmp_path / "plain", **kw))
+    finally:
+        common.build_optimizer = real
+    (model, opt), (_, plain) = seen
+    adapter_ids = {id(p) for p in getattr(model, ADAPTER_ATTR).parameters()}
+    assert len(adapter_ids) == 2  # proj.weight, proj.bias
+    assert len(opt.param_groups) == 2
+    assert {id(p) for p in opt.param_groups[1]["params"]} == adapter_ids
+    assert not adapter_ids & {id(p) for p in opt.param_groups[0]["params"]}
+    # the schedule's initial lr of each group (warmup 0, cosine over 2 steps)
+    assert [g["initial_lr"] for g in opt.param_groups] == [pytest.approx(1e-3), pytest.approx(1e-2)]
+    assert len(plain.param_groups) == 1
+    for bad in (0, -1.0, True, float("nan")):
+        with pytest.raises(ValueError, match="'injection_adapter_lr_scale': expected a positive number"):
+            _cfg(ds, tmp_path / "bad", injection_adapter_lr_scale=bad)

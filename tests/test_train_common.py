@@ -192,3 +192,42 @@ def test_atomic_dir_names_a_failed_save_and_keeps_the_old_checkpoint(tmp_path):
             torch.save({"w": torch.zeros(1000)}, d / "state.pt")
     assert (final / "a.txt").read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["step_00000002"]
+
+
+def test_build_optimizer_lr_scales_put_a_submodule_in_its_own_group():
+    """lr_scales={"head": 10}: the head's parameters train at 10x lr and the schedule scales both groups.
+
+    Derived by hand: AdamW's first step (weight decay 0) moves each value by lr * g / (|g| + eps),
+    i.e. by lr for any nonzero gradient, so the head moves ten times as far as the body."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("body", torch.nn.Linear(3, 3))
+    model.add_module("head", torch.nn.Linear(3, 1))
+    opt = build_optimizer(model, lr=0.01, lr_scales={"head": 10.0})
+    assert [g["lr"] for g in opt.param_groups] == [0.01, pytest.approx(0.1)]
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 2]
+    assert all(p is q for p, q in zip(opt.param_groups[1]["params"], model.head.parameters(), strict=True))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    for n, p in model.named_parameters():
+        moved = (p.detach() - before[n]).abs()
+        want = 0.1 if n.startswith("head.") else 0.01
+        torch.testing.assert_close(moved, torch.full_like(moved, want), rtol=1e-4, atol=0)
+    sched = warmup_cosine(build_optimizer(model, lr=1.0, lr_scales={"head": 4.0}), warmup=2, total=10)
+    sched.step()  # warmup step 1 of 2: half of each group's lr
+    assert [g["lr"] for g in sched.optimizer.param_groups] == [pytest.approx(0.5), pytest.approx(2.0)]
+
+
+def test_build_optimizer_lr_scales_of_one_and_bad_values():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    plain = build_optimizer(model, lr=0.1)
+    same = build_optimizer(model, lr=0.1, lr_scales={"1": 1.0})  # factor 1: the one group, same order
+    assert len(same.param_groups) == 1
+    assert [id(p) for p in same.param_groups[0]["params"]] == [id(p) for p in plain.param_groups[0]["params"]]
+    with pytest.raises(ValueError, match=r"lr_scales\['1'\] must be a positive finite number, found 0"):
+        build_optimizer(model, lr=0.1, lr_scales={"1": 0.0})
+    with pytest.raises(ValueError, match="lr_scales names 'adapter', which holds no trainable parameter"):
+        build_optimizer(model, lr=0.1, lr_scales={"adapter": 2.0})
+    with pytest.raises(ValueError, match="params must be a module"):
+        build_optimizer(list(model.parameters()), lr=0.1, lr_scales={"1": 2.0})

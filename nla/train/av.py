@@ -30,7 +30,14 @@ import torch
 import torch.nn.functional as F
 
 from nla import arch
-from nla.injection import InjectionAdapter, InjectionHook, attach_adapter, load_adapter_file, save_av_weights
+from nla.injection import (
+    ADAPTER_ATTR,
+    InjectionAdapter,
+    InjectionHook,
+    attach_adapter,
+    load_adapter_file,
+    save_av_weights,
+)
 from nla.lora import LORA_SUBDIR, apply_sft_lora, merged_state_dict, save_adapter
 from nla.sidecar import NLAConfig, canonical_av_prompt_ids, derive_token_ids, verify_tokenizer, write_sidecar
 from nla.templates import AV_PLACEHOLDER
@@ -391,7 +398,8 @@ def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
 
     spec = LoopSpec(name="av", model=model, n_train=len(train_ex), micro_loss=micro_loss, evaluate=evaluate,
                     save_model=save_model, plot_keys=["loss", "eval_loss", "eval_loss_shuffled", "eval_vector_gap"],
-                    resume_from=resume_from)
+                    resume_from=resume_from,
+                    lr_scales=None if adapter is None else {ADAPTER_ATTR: cfg.injection_adapter_lr_scale})
     try:
         return run_training_loop(cfg, spec)
     finally:

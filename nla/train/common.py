@@ -47,16 +47,39 @@ def build_optimizer(
     lr: float,
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.999),
+    lr_scales: dict[str, float] | None = None,
 ) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters (``requires_grad``) of ``params``."""
-    if isinstance(params, nn.Module):
-        params = params.parameters()
-    trainable = [p for p in params if p.requires_grad]
-    if not trainable:
-        raise ValueError("build_optimizer: no trainable parameters (all have requires_grad=False)")
+    """AdamW over the trainable parameters (``requires_grad``) of ``params``.
+
+    lr_scales: (``params`` a module) ``{submodule name: factor}``: that submodule's parameters
+        form their own group at ``lr * factor`` (the schedule scales every group alike); the
+        rest stay in the first group, at ``lr``."""
     if not (lr > 0 and math.isfinite(lr)):
         raise ValueError(f"build_optimizer: lr must be a positive finite number, found {lr!r}")
-    return torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, betas=tuple(betas))
+    scales = {k: v for k, v in (lr_scales or {}).items() if v != 1.0}
+    if scales and not isinstance(params, nn.Module):
+        raise ValueError("build_optimizer: lr_scales names submodules, so params must be a module")
+    if isinstance(params, nn.Module):
+        named = [(n, p) for n, p in params.named_parameters() if p.requires_grad]
+    else:
+        named = [("", p) for p in params if p.requires_grad]
+    if not named:
+        raise ValueError("build_optimizer: no trainable parameters (all have requires_grad=False)")
+    for name, factor in scales.items():
+        if not (factor > 0 and math.isfinite(factor)):
+            raise ValueError(f"build_optimizer: lr_scales[{name!r}] must be a positive finite number, found {factor!r}")
+    groups: list[dict[str, Any]] = [{"params": []}]
+    extra = {name: {"params": [], "lr": lr * factor} for name, factor in scales.items()}
+    for n, p in named:
+        owner = next((name for name in extra if n == name or n.startswith(name + ".")), None)
+        (groups[0] if owner is None else extra[owner])["params"].append(p)
+    for name, group in extra.items():
+        if not group["params"]:
+            raise ValueError(f"build_optimizer: lr_scales names {name!r}, which holds no trainable parameter")
+    groups += list(extra.values())
+    if not groups[0]["params"]:
+        groups.pop(0)
+    return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=tuple(betas))
 
 
 def warmup_cosine(
@@ -465,6 +488,7 @@ class LoopSpec:
     save_model: Callable[[Path, int], dict[str, Any]]
     plot_keys: list[str]
     resume_from: Path | None = None
+    lr_scales: dict[str, float] | None = None  # build_optimizer's: submodules trained at lr x factor
 
 
 def checkpoints_root(out_dir: str | os.PathLike) -> Path:
@@ -509,7 +533,7 @@ def run_training_loop(cfg: Any, spec: LoopSpec) -> TrainResult:
     out = Path(cfg.out_dir)
     root = checkpoints_root(out)
     model = spec.model
-    opt = build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas)
+    opt = build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas, spec.lr_scales)
     sched = warmup_cosine(opt, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
     warn_if_lr_far(cfg.lr, cfg.batch_size)
     device = next(model.parameters()).device

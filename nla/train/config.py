@@ -214,6 +214,8 @@ class AVTrainConfig(_TrainBase):
         its response unchanged, so the AV learns to name the same facts when a vector's offset
         differs from the training data's (steering vectors, differences of means: m = 1 spans
         the centred vector, a = -1, and twice the offset, a = +1). 0: off, the published recipe.
+    injection_adapter_lr_scale: the adapter's learning rate is ``lr`` times this (a new layer
+        learning faster than the pretrained model it feeds); 1: the same as the model's.
     """
 
     out_dir: str = "runs/train_av"
@@ -223,6 +225,7 @@ class AVTrainConfig(_TrainBase):
     smoke_max_new_tokens: int = 40
     injection_adapter: str = "none"
     mean_shift_augment: float = 0.0
+    injection_adapter_lr_scale: float = 1.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -244,6 +247,9 @@ class AVTrainConfig(_TrainBase):
                 and math.isfinite(self.mean_shift_augment) and self.mean_shift_augment >= 0):
             _bad("mean_shift_augment", "a number >= 0 (0: off; 1: from the centred vector to twice the offset)",
                  self.mean_shift_augment)
+        v = self.injection_adapter_lr_scale
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
+            _bad("injection_adapter_lr_scale", "a positive number (1: the model's lr)", v)
         if not isinstance(self.smoke_num, int) or self.smoke_num < 0:
             _bad("smoke_num", "an integer >= 0", self.smoke_num)
         _positive_int("smoke_max_new_tokens", self.smoke_max_new_tokens)
