@@ -23,11 +23,24 @@ rollout's samples/s and the step time of each layout as ratios against the first
 ``--rollout-only CALLS`` times the rollout alone (issue 23's "rollout samples/s with 2 policy
 ranks / 1 rank"): each layout's groups generate the same batch (the first ``--prompts`` rows of
 the run's RL set, seed k for call k, so every layout samples the same tokens) ``CALLS`` times,
-the first call dropped, in rounds taken in turn; no RL step runs between calls, so the policy
-and its response lengths do not drift as they do from step to step::
+the first call dropped. Every layout's workers are up at once and the calls are taken in turn,
+call by call, so each ratio compares neighbouring calls under the same load (this machine's
+speed drifts by a quarter within minutes); no RL step runs between calls, so the policy and its
+response lengths do not drift as they do from step to step::
 
     .venv/bin/python bench/bench_rl_backends.py --from-run runs/quickstart-default \
         --layouts 1x1r,2x2r --prompts 128 --rollout-only 6 --repeat 3
+
+With ``--rollout-only``, a layout ``procK`` is the machine's ceiling for a K-rank rollout: K
+plain OS processes (no Ray, no collectives, no object store), each at one torch thread with
+its own local-backend copy of the AV, generate their contiguous shares of the same batch
+(``nla.rl.distributed.rank_rows``, the shares the Ray ranks get, with the same RNG state, so
+the same tokens) at the same moment, started together by a barrier; a call's time is the
+slowest process's. ``proc2 / proc1`` is what two ranks could gain here if the backend cost
+nothing; ``2x2r / 1x1r`` against it is what the Ray backend keeps of that::
+
+    .venv/bin/python bench/bench_rl_backends.py --from-run runs/quickstart-default \
+        --layouts proc1,proc2,1x1r,2x2r --prompts 128 --rollout-only 5 --repeat 2
 
 Several runs side by side (e.g. the same-model pair against a cross-model one, issue 24), in
 rounds taken in turn so the machine's drift hits every row alike::
@@ -156,53 +169,155 @@ def measure(pair: dict[str, str] | RLConfig, out: Path, layout: str, steps: int,
     return med
 
 
-def measure_rollout(cfg: RLConfig, calls: int) -> list[dict[str, float]]:
-    """``calls`` rollouts of the same batch on ``cfg``'s backend: seconds, samples and response
-    tokens of each call after the first (the warm-up)."""
+class _RayRollout:
+    """A layout's worker groups (local or Ray), kept alive across calls."""
+
+    def __init__(self, cfg: RLConfig) -> None:
+        from nla.rl.loop import RLData
+
+        data = RLData.load(cfg.dataset)
+        rows = torch.arange(min(cfg.rollout.rollout_batch_size, len(data.vectors)))
+        self.vectors, self.rows, self.ro = data.vectors[rows], rows, cfg.rollout
+        self.groups = build_groups(cfg)
+
+    def call(self, k: int) -> dict[str, float]:
+        torch.manual_seed(k)
+        ro = self.ro
+        t0 = time.perf_counter()
+        r = self.groups.rollout.generate(self.vectors, self.rows, ro.n_samples_per_prompt, ro.max_response_len,
+                                         ro.temperature, ro.top_p)
+        return {"seconds": time.perf_counter() - t0, "samples": float(r.n), "tokens": float(r.response_mask.sum())}
+
+    def close(self) -> None:
+        self.groups.close()
+
+
+def _proc_worker(rank: int, world: int, cfg: RLConfig, commands, barrier, results) -> None:
+    """One process of a ``procK`` layout: its share of the batch for every call it is sent, one thread."""
+    from nla.rl.backend import build_local_groups
+    from nla.rl.distributed import rank_rows
     from nla.rl.loop import RLData
 
+    torch.set_num_threads(1)
     data = RLData.load(cfg.dataset)
-    rows = torch.arange(min(cfg.rollout.rollout_batch_size, len(data.vectors)))
+    B = min(cfg.rollout.rollout_batch_size, len(data.vectors))
+    mine = rank_rows(B, world, rank)
     ro = cfg.rollout
-    groups = build_groups(cfg)
-    out = []
-    try:
-        for k in range(calls):
-            torch.manual_seed(k)
-            t0 = time.perf_counter()
-            r = groups.rollout.generate(data.vectors[rows], rows, ro.n_samples_per_prompt, ro.max_response_len,
-                                        ro.temperature, ro.top_p)
-            dt = time.perf_counter() - t0
-            if k:
-                out.append({"seconds": dt, "samples": float(r.n), "tokens": float(r.response_mask.sum())})
-    finally:
-        groups.close()
-    return out
+    groups = build_local_groups(cfg)
+    share = (int(mine[0]) if len(mine) else 0, B)
+    results.put(("ready", rank))
+    while (k := commands.get()) is not None:
+        torch.manual_seed(k)
+        barrier.wait()  # every process starts call k together
+        t0 = time.perf_counter()
+        r = groups.rollout.generate(data.vectors[mine], mine, ro.n_samples_per_prompt, ro.max_response_len,
+                                    ro.temperature, ro.top_p, share=share)
+        results.put((rank, k, time.perf_counter() - t0, float(r.n), float(r.response_mask.sum())))
+    groups.close()
+
+
+class _ProcRollout:
+    """The ``proc{world}`` layout: ``world`` plain processes; a call's time is the slowest one's."""
+
+    def __init__(self, cfg: RLConfig, world: int) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.world, barrier, self.results = world, ctx.Barrier(world), ctx.Queue()
+        self.commands = [ctx.Queue() for _ in range(world)]
+        local = cfg.replace(backend={"name": "local"})
+        self.procs = [ctx.Process(target=_proc_worker, args=(r, world, local, self.commands[r], barrier,
+                                                              self.results)) for r in range(world)]
+        for p in self.procs:
+            p.start()
+        self._gather(world)  # every process has loaded its models
+
+    def _gather(self, n: int) -> list[tuple]:
+        import queue
+
+        got = []
+        while len(got) < n:
+            try:
+                got.append(self.results.get(timeout=5))
+            except queue.Empty:  # a process that died never answers: say so instead of waiting forever
+                dead = [p.exitcode for p in self.procs if p.exitcode not in (None, 0)]
+                if dead:
+                    self.close(kill=True)
+                    raise SystemExit(f"proc{self.world}: a process exited with code {dead[0]} "
+                                     "(its traceback is above)") from None
+        return got
+
+    def call(self, k: int) -> dict[str, float]:
+        for q in self.commands:
+            q.put(k)
+        got = self._gather(self.world)
+        return {"seconds": max(g[2] for g in got), "samples": sum(g[3] for g in got),
+                "tokens": sum(g[4] for g in got)}
+
+    def close(self, kill: bool = False) -> None:
+        for p, q in zip(self.procs, self.commands, strict=True):
+            if kill:
+                p.kill()
+            else:
+                q.put(None)
+        for p in self.procs:
+            p.join()
 
 
 def main_rollout_only(run_dir: Path, layouts: list[str], prompts: int | None, calls: int, repeat: int) -> None:
-    """Rollout samples/s of each layout, ``repeat`` rounds in turn; medians over every timed call."""
+    """Rollout samples/s of each layout. Every layout's workers stay up, and the calls are taken in
+    turn, call by call (layout A, B, A, B, ...), so the ratio of each pair of neighbouring calls is
+    measured under the same load; the table gives medians over calls and ``repeat`` rebuilds."""
+    import math
+
     if calls < 2:
         raise SystemExit(f"--rollout-only {calls}: give at least 2 calls (the first is a warm-up, dropped)")
     per: dict[str, list[dict[str, float]]] = {lay: [] for lay in layouts}
+    ratios: dict[str, list[float]] = {lay: [] for lay in layouts}
+    ray_layouts = [lay for lay in layouts if not lay.startswith("proc") and lay != "local"]
     with tempfile.TemporaryDirectory(prefix="nla-bench-rollout-") as tmp:
         for r in range(repeat):
-            for lay in layouts:
-                calls_ = measure_rollout(run_config(run_dir, Path(tmp) / f"{lay}-{r}", lay, 1, prompts), calls)
-                per[lay] += calls_
-                sps = [c["samples"] / c["seconds"] for c in calls_]
-                print(f"  {lay} (round {r + 1}): samples/s " + " ".join(f"{v:.1f}" for v in sps), flush=True)
-    base = statistics.median(c["samples"] / c["seconds"] for c in per[layouts[0]])
+            if ray_layouts:  # one Ray session big enough for every layout's actors at once
+                import ray
+
+                from nla.rl.ray_backend import CPU_ACTOR_CPUS
+
+                n_actors = sum(sum(int(x) for x in lay.rstrip("r").split("x")) for lay in ray_layouts)
+                ray.init(num_cpus=max(1, math.ceil(CPU_ACTOR_CPUS * n_actors)), include_dashboard=False)
+            live = {}
+            try:
+                for lay in layouts:
+                    if lay.startswith("proc"):
+                        cfg = run_config(run_dir, Path(tmp) / f"{lay}-{r}", "local", 1, prompts)
+                        live[lay] = _ProcRollout(cfg, int(lay[4:]))
+                    else:
+                        live[lay] = _RayRollout(run_config(run_dir, Path(tmp) / f"{lay}-{r}", lay, 1, prompts))
+                for k in range(calls):
+                    got = {lay: w.call(k) for lay, w in live.items()}
+                    if not k:
+                        continue  # the warm-up
+                    sps = {lay: g["samples"] / g["seconds"] for lay, g in got.items()}
+                    for lay, g in got.items():
+                        per[lay].append(g)
+                        ratios[lay].append(sps[lay] / sps[layouts[0]])
+                    print(f"  round {r + 1} call {k}: samples/s "
+                          + " ".join(f"{lay} {v:.1f}" for lay, v in sps.items()), flush=True)
+            finally:
+                for w in live.values():
+                    w.close()
+                if ray_layouts:
+                    ray.shutdown()
     n = int(per[layouts[0]][0]["samples"])
-    print(f"\nrollout alone ({n} samples per call), median of {repeat} round(s) x {calls - 1} timed call(s), "
-          f"one torch thread per process; ratios against {layouts[0]}")
+    print(f"\nrollout alone ({n} samples per call), {repeat} round(s) x {calls - 1} timed call(s) taken in turn, "
+          f"one torch thread per process; 'vs': median over calls of the ratio to {layouts[0]}'s neighbouring call")
     lines = []
     for lay, cs in per.items():
         sps = [c["samples"] / c["seconds"] for c in cs]
-        med = statistics.median(sps)
         tokens = statistics.mean(c["tokens"] / c["samples"] for c in cs)
-        lines.append(f"{lay:<8} {med:10.1f} {med / base:6.2f}x {min(sps):8.1f} {max(sps):8.1f} {tokens:9.2f}")
-    _table(f"{'layout':<8} {'samples/s':>10} {'vs':>7} {'min':>8} {'max':>8} {'resp len':>9}", lines)
+        rs = ratios[lay]
+        lines.append(f"{lay:<8} {statistics.median(sps):10.1f} {statistics.median(rs):6.2f}x {min(rs):6.2f}x "
+                     f"{max(rs):6.2f}x {tokens:9.2f}")
+    _table(f"{'layout':<8} {'samples/s':>10} {'vs':>7} {'min vs':>7} {'max vs':>7} {'resp len':>9}", lines)
     print("resp len: mean response tokens per sample (equal across layouts: the same tokens are sampled)")
 
 
@@ -268,6 +383,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     layouts = args.layouts.split(",")
+    if args.rollout_only is None and any(lay.startswith("proc") for lay in layouts):
+        raise SystemExit(f"--layouts {args.layouts}: a procK layout times a rollout alone; add --rollout-only CALLS")
     if args.rollout_only is not None:
         if args.from_run is None or len(args.from_run) != 1:
             raise SystemExit("--rollout-only needs --from-run with one run directory")

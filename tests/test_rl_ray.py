@@ -275,7 +275,8 @@ def test_two_rank_lora_on_ray_matches_local_lora(pair, tmp_path):  # noqa: F811
 @pytest.mark.slow
 def test_runs_on_an_existing_cluster_and_leaves_it_running(pair, tmp_path):  # noqa: F811
     """`ray start --head` by hand, then `nla rl --ray-address`: the run connects, finishes,
-    disconnects, and the cluster it did not start is still up afterwards."""
+    disconnects, and the cluster it did not start is still up afterwards. Two runs' groups fit
+    on it side by side."""
     import subprocess
     import sys
     from pathlib import Path
@@ -291,6 +292,16 @@ def test_runs_on_an_existing_cluster_and_leaves_it_running(pair, tmp_path):  # n
         address = next(n["NodeManagerAddress"] for n in _cluster_nodes(ray_cli, env)) + f":{port}"
         cfg = _cfg(pair, tmp_path / "run", steps=2, backend=dict(name="ray", ray_address=address,
                                                                   num_policy_workers=1, num_reconstructor_workers=1))
+        # Two runs' worker groups on one cluster at once: each gets its own placement groups (Ray
+        # refuses a second group of the same name).
+        from nla.rl.backend import build_groups
+
+        first = build_groups(cfg)
+        try:
+            second = build_groups(cfg)
+            second.close()
+        finally:
+            first.close()
         res = run_rl(cfg)
         assert res.metrics["step"] == 2 and not ray.is_initialized()  # disconnected, not shut down
         assert any(n["Alive"] for n in _cluster_nodes(ray_cli, env))  # the cluster outlives the run

@@ -52,6 +52,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -333,7 +334,9 @@ def actor_threads(cfg: RLConfig) -> int:
 def _make_group(role: str, world: int, use_cuda: bool, gpu_fraction: float = 1.0, threads: int = 1,
                 sharding: str = "fsdp") -> _ActorGroup:
     bundle = {"GPU": gpu_fraction, "CPU": 1} if use_cuda else {"CPU": CPU_ACTOR_CPUS}
-    pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK", name=f"nla-{role}")
+    # A name Ray refuses twice: two runs sharing one cluster each get their own groups.
+    pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK",
+                         name=f"nla-{role}-{uuid.uuid4().hex[:8]}")
     ray.get(pg.ready(), timeout=600)
     remote_cls = ray.remote(RoleHost)
     actors = [
