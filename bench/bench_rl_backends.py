@@ -169,7 +169,7 @@ def measure(pair: dict[str, str] | RLConfig, out: Path, layout: str, steps: int,
     return med
 
 
-class _RayRollout:
+class _GroupsRollout:
     """A layout's worker groups (local or Ray), kept alive across calls."""
 
     def __init__(self, cfg: RLConfig) -> None:
@@ -291,7 +291,7 @@ def main_rollout_only(run_dir: Path, layouts: list[str], prompts: int | None, ca
                         cfg = run_config(run_dir, Path(tmp) / f"{lay}-{r}", "local", 1, prompts)
                         live[lay] = _ProcRollout(cfg, int(lay[4:]))
                     else:
-                        live[lay] = _RayRollout(run_config(run_dir, Path(tmp) / f"{lay}-{r}", lay, 1, prompts))
+                        live[lay] = _GroupsRollout(run_config(run_dir, Path(tmp) / f"{lay}-{r}", lay, 1, prompts))
                 for k in range(calls):
                     got = {lay: w.call(k) for lay, w in live.items()}
                     if not k:

@@ -7,7 +7,7 @@ scaled_dot_product_attention differ in the last bits; MKL's matmuls do not), and
 last-bit difference into a different run: the default quickstart, seed 0, reached round-trip FVE
 0.562 -> 0.747 on that machine and 0.502 -> 0.712 on the AVX2 machines behind the README
 (BENCHMARKS.md, "Which CPU kernels"). So ``import nla`` sets ``ATEN_CPU_CAPABILITY=avx2`` before
-torch is loaded, on every x86 CPU that has AVX2 (every x86 server since 2013), unless the
+torch runs a kernel, on every x86 CPU that has AVX2 (every x86 server since 2013), unless the
 variable is already set: a user who wants the machine's widest kernels sets
 ``ATEN_CPU_CAPABILITY=avx512`` (or ``default``) and gives up agreement with other machines.
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import platform
-import sys
 
 ENV_VAR = "ATEN_CPU_CAPABILITY"
 PINNED = "avx2"  # the widest kernels every current x86 server has; AVX-512 is not everywhere
@@ -72,8 +71,3 @@ def cpu_kernels() -> str:
     import torch
 
     return str(torch.backends.cpu.get_cpu_capability())
-
-
-def torch_loaded_first() -> bool:
-    """True when torch was imported before nla (its kernels may then not be the pinned ones)."""
-    return "torch" in sys.modules

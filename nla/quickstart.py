@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from nla.numerics import cpu_kernels
+
 logger = logging.getLogger(__name__)
 
 
@@ -196,8 +198,6 @@ def _hash(obj: Any) -> str:
     # torch runs (nla.numerics): a stage done with other kernels is done again.
     if isinstance(obj, dict) and "progress" in obj:
         obj = {k: v for k, v in obj.items() if k != "progress"}
-    from nla.numerics import cpu_kernels
-
     blob = {"config": obj, "cpu_kernels": cpu_kernels()}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
