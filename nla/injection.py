@@ -46,25 +46,67 @@ class InjectionAdapter(nn.Module):
     columns), times ``sqrt(d_in / d_out)`` when it narrows, so a typical vector keeps its norm.
     """
 
-    def __init__(self, d_in: int, d_out: int, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, d_in: int, d_out: int, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 mean_invariant: bool = False) -> None:
         super().__init__()
         self.d_in, self.d_out = int(d_in), int(d_out)
         self.proj = nn.Linear(self.d_in, self.d_out, bias=True, dtype=dtype)
         with torch.no_grad():
             self.proj.weight.copy_(adapter_init(self.d_in, self.d_out, seed).to(dtype))
             self.proj.bias.zero_()
+        self.mean_invariant = bool(mean_invariant)
+        if self.mean_invariant:
+            # fitted on the training vectors (set_mean), never trained: saved with the weights
+            self.register_buffer("mean_dir", torch.zeros(self.d_in, dtype=dtype))
+            self.register_buffer("mean_tan", torch.zeros((), dtype=dtype))
+
+    @torch.no_grad()
+    def set_mean(self, vectors: Tensor) -> float:
+        """Fit the mean-invariant view on raw training vectors [N, d_in]: the unit direction of their
+        mean and the mean over rows of ``(v . m) / |v - (v . m) m|`` (the tangent of a typical
+        vector's angle to it). Returns that tangent."""
+        if not self.mean_invariant:
+            raise ValueError("InjectionAdapter.set_mean: this adapter was built without mean_invariant")
+        v = vectors.double().cpu()
+        mu = v.mean(0)
+        if float(mu.norm()) == 0.0:
+            raise ValueError("InjectionAdapter.set_mean: the training vectors' mean is zero; there is no offset "
+                             "to be invariant to (train without injection_adapter_mean_invariant)")
+        m = mu / mu.norm()
+        along = v @ m
+        perp = (v - along[:, None] * m).norm(dim=1).clamp_min(1e-30)
+        tan = float((along / perp).mean())
+        self.mean_dir.copy_(m.to(self.mean_dir.dtype))
+        self.mean_tan.fill_(tan)
+        return tan
+
+    def canonical(self, v: Tensor) -> Tensor:
+        """``v`` [N, d_in] as the adapter reads it. Mean-invariant: the component along the training
+        mean's direction ``m`` is dropped and replaced by the training data's typical one, at the
+        same norm: ``|v| * u / |u|`` with ``u = p / |p| + tan * m``, ``p = v - (v . m) m``. So any
+        shift of a vector along the training mean (a difference of means, which has none of it,
+        an offset added again) and any rescaling read the same; what is lost is the one
+        coordinate along ``m`` (~3 % of the default world's variance). Otherwise ``v`` as is."""
+        if not self.mean_invariant:
+            return v
+        m = self.mean_dir.to(v.dtype)
+        p = v - (v @ m)[..., None] * m
+        u = p / p.norm(dim=-1, keepdim=True).clamp_min(1e-30) + self.mean_tan.to(v.dtype) * m
+        return u * (v.norm(dim=-1, keepdim=True) / u.norm(dim=-1, keepdim=True))
 
     def forward(self, v: Tensor) -> Tensor:
         if v.shape[-1] != self.d_in:
             raise ValueError(f"injection adapter: vectors of width {v.shape[-1]}, expected {self.d_in} (the subject's "
                              "d_model this AV was trained for); extract them from that subject and layer")
-        return self.proj(v.to(dtype=self.proj.weight.dtype, device=self.proj.weight.device))
+        v = v.to(dtype=self.proj.weight.dtype, device=self.proj.weight.device)
+        return self.proj(self.canonical(v))
 
     @torch.no_grad()
     def fit(self, source: Tensor, target: Tensor, ridge: float = 1e-3) -> float:
         """Set ``W, b`` to the ridge regression of ``target`` [N, d_out] on ``source`` [N, d_in]
-        (both centred, ``lam = ridge * trace(S^T S) / d_in``; float64). Returns the fit's R^2."""
-        s, t = source.double().cpu(), target.double().cpu()
+        (both centred, ``lam = ridge * trace(S^T S) / d_in``; float64), the source as the adapter
+        reads it (``canonical``; fit a mean-invariant adapter's mean first). Returns the fit's R^2."""
+        s, t = self.canonical(source.to(self.proj.weight.dtype).cpu()).double(), target.double().cpu()
         sm, tm = s.mean(0), t.mean(0)
         sc, tc = s - sm, t - tm
         w = ridge_solve(sc, tc, ridge)  # [d_out, d_in]
@@ -75,7 +117,10 @@ class InjectionAdapter(nn.Module):
 
     def describe(self) -> dict[str, Any]:
         """The sidecar's ``injection_adapter`` block."""
-        return {"kind": "affine", "d_in": self.d_in, "d_out": self.d_out, "file": ADAPTER_FILE}
+        block = {"kind": "affine", "d_in": self.d_in, "d_out": self.d_out, "file": ADAPTER_FILE}
+        if self.mean_invariant:
+            block["mean_invariant"] = True
+        return block
 
 
 def adapter_init(d_in: int, d_out: int, seed: int = 0) -> Tensor:
@@ -107,7 +152,8 @@ def attach_adapter(model: nn.Module, adapter: InjectionAdapter) -> InjectionAdap
 
 
 def split_adapter_state(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """A full AV state dict -> (the plain HF part, the adapter's own keys ``proj.weight`` / ``proj.bias``)."""
+    """A full AV state dict -> (the plain HF part, the adapter's own keys ``proj.weight`` / ``proj.bias``
+    and, mean-invariant, its fitted ``mean_dir`` / ``mean_tan``)."""
     prefix = ADAPTER_ATTR + "."
     plain = {k: v for k, v in state.items() if not k.startswith(prefix)}
     own = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
@@ -115,7 +161,8 @@ def split_adapter_state(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], di
 
 
 def save_adapter_file(adapter_state: dict[str, Tensor], directory: str | Path) -> Path:
-    """Write the adapter's weights (``proj.weight`` [d_out, d_in], ``proj.bias`` [d_out]) into ``directory``."""
+    """Write the adapter's weights (``proj.weight`` [d_out, d_in], ``proj.bias`` [d_out]; mean-invariant
+    also ``mean_dir`` [d_in] and ``mean_tan`` []) into ``directory``."""
     from safetensors.torch import save_file
 
     path = Path(directory) / ADAPTER_FILE
@@ -133,13 +180,14 @@ def load_adapter_file(directory: str | Path, sidecar: Any, *, dtype: torch.dtype
         raise FileNotFoundError(f"{path}: the sidecar's injection_adapter names this file but it is missing; the AV "
                                 "cannot read vectors without it. Restore the checkpoint dir as it was written")
     state = load_file(str(path))
-    adapter = InjectionAdapter(spec["d_in"], spec["d_out"], dtype=dtype)
-    want = {k: tuple(v.shape) for k, v in adapter.proj.state_dict().items()}
-    found = {k.removeprefix("proj."): tuple(v.shape) for k, v in state.items()}
+    adapter = InjectionAdapter(spec["d_in"], spec["d_out"], dtype=dtype, mean_invariant=spec.get("mean_invariant", False))
+    want = {k: tuple(v.shape) for k, v in adapter.state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in state.items()}
     if want != found:
         raise ValueError(f"{path}: adapter weights {found}, expected {want} (injection_adapter d_in "
-                         f"{spec['d_in']}, d_out {spec['d_out']}); the file does not belong to this sidecar")
-    adapter.proj.load_state_dict({k.removeprefix("proj."): v for k, v in state.items()})
+                         f"{spec['d_in']}, d_out {spec['d_out']}, mean_invariant "
+                         f"{adapter.mean_invariant}); the file does not belong to this sidecar")
+    adapter.load_state_dict(state)
     return adapter
 
 

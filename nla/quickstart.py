@@ -237,6 +237,21 @@ def split_rl_for_eval(rl_path: Path, out_dir: Path, eval_fraction: float, seed: 
     return paths[0], paths[1]
 
 
+INJECTION_ADAPTERS = ("none", "affine", "affine-mean-invariant")  # run_quickstart's injection_adapter
+
+
+def pair_settings(injection_adapter: str, pair_subject: str | None = None) -> dict[str, Any]:
+    """The AV warm-start's settings for ``run_quickstart``'s ``injection_adapter`` and, for a
+    cross-model pair, the other world model's dir (which always reads through the affine adapter)."""
+    pair: dict[str, Any] = {} if pair_subject is None else {"base_model": str(pair_subject),
+                                                             "injection_adapter": "affine"}
+    if injection_adapter != "none":
+        pair["injection_adapter"] = "affine"
+    if injection_adapter == "affine-mean-invariant":
+        pair["injection_adapter_mean_invariant"] = True
+    return pair
+
+
 def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart", *, backend: str = "local",
                    progress: bool = True, threads: int | None = None, seed: int = 0, pair_world: str | None = None,
                    injection_adapter: str = "none", pair_roles: str = "both") -> Path:
@@ -251,7 +266,10 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
         the AV's and AR's base instead of the subject: a cross-model pair explaining the subject's
         vectors through a learned injection adapter (the AR's head maps its width to the subject's).
     injection_adapter: "affine" gives a same-model AV the learned adapter instead of the fixed
-        scale ("none"); a cross-model pair always has one.
+        scale ("none"); a cross-model pair always has one. "affine-mean-invariant": the adapter
+        reads each vector with its component along the training mean replaced by the typical one
+        (``InjectionAdapter.canonical``: vectors shifted along the mean read like the training
+        data), for a same-model or a cross-model pair.
     pair_roles: with ``pair_world``, "both" (the AV and the AR start from it) or "av" (only the
         AV: a small verbalizer with the subject's own AR, whose reading is the expensive part to
         lose: BENCHMARKS.md, "Explain one model with another").
@@ -273,8 +291,9 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
         raise ValueError(f"pair_world: expected one of {sorted(WORLD_PRESETS)}, found {pair_world!r}")
     if pair_roles not in ("both", "av"):
         raise ValueError(f"pair_roles: expected 'both' or 'av', found {pair_roles!r}")
-    if injection_adapter not in ("none", "affine"):
-        raise ValueError(f"injection_adapter: expected 'none' or 'affine', found {injection_adapter!r}")
+    if injection_adapter not in INJECTION_ADAPTERS:
+        raise ValueError(f"injection_adapter: expected one of {', '.join(map(repr, INJECTION_ADAPTERS))}, found "
+                         f"{injection_adapter!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed: expected an integer >= 0, found {seed!r}")
     p = PRESETS[preset]
@@ -334,9 +353,9 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     if pair_world is not None:
         pair_cfg = seeded_config(pair_world, seed)
         pw = stage("pair_world", {"preset": pair_world, **sd, **thr}, lambda: _world(build_world, pair_cfg, progress))
-        pair = {"base_model": pw["subject_dir"], "injection_adapter": "affine"}
-    elif injection_adapter != "none":
-        pair = {"injection_adapter": injection_adapter}
+        pair = pair_settings(injection_adapter, pw["subject_dir"])
+    else:
+        pair = pair_settings(injection_adapter)
     ar_pair = {k: v for k, v in pair.items() if k == "base_model" and pair_roles == "both"}
     ar_settings, av_settings = p.warm_start_settings(pair_world, pair_roles)
     ar_cfg = dict(dataset=str(datagen / "ar_sft.parquet"), out_dir=str(out / "ar"), progress=progress, **ar_settings,
@@ -403,8 +422,9 @@ def pair_summary(av: str | Path, ar: str | Path) -> dict[str, Any]:
         out[role] = {"base_model": side.model_base or side.base_model, "width": side.own_width,
                      "subject_width": side.d_model, "parameters": n, "cross_model": side.model_base is not None}
         if role == "av":
-            out[role]["injection"] = ("fixed scale" if side.injection_adapter is None else
-                                      f"learned affine {side.d_model} -> {side.own_width}")
+            a = side.injection_adapter
+            out[role]["injection"] = ("fixed scale" if a is None else f"learned affine {side.d_model} -> "
+                                      f"{side.own_width}" + (", mean-invariant" if a.get("mean_invariant") else ""))
     return out
 
 

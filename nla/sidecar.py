@@ -207,6 +207,9 @@ class NLAConfig:
                     "one checkpoint")
         if not isinstance(a.get("file"), str) or not a["file"]:
             raise ValueError(f"NLAConfig.injection_adapter.file: expected a file name, found {a.get('file')!r}")
+        if not isinstance(a.get("mean_invariant", False), bool):
+            raise ValueError("NLAConfig.injection_adapter.mean_invariant: expected true or false (absent: false), "
+                             f"found {a.get('mean_invariant')!r}")
         object.__setattr__(self, "injection_adapter", dict(a))
 
     def _check_groups(self) -> None:

@@ -65,6 +65,66 @@ def test_adapter_fit_recovers_an_affine_map():
     assert noisy < 0.1  # unrelated targets: little explained
 
 
+def test_mean_invariant_view_by_hand(tmp_path):
+    """Training vectors (3, 1, 0) and (1, -1, 0): mean (2, 0, 0), direction m = e1, components
+    along m 3 and 1 over perpendicular norms 1 and 1, so the typical tangent is 2. Then
+    x = (5, 0, 4) reads as |x| u / |u| with u = (0, 0, 4) / 4 + 2 m = (2, 0, 1)."""
+    a = InjectionAdapter(3, 3, mean_invariant=True)
+    assert a.set_mean(torch.tensor([[3.0, 1.0, 0.0], [1.0, -1.0, 0.0]])) == pytest.approx(2.0)
+    torch.testing.assert_close(a.mean_dir, torch.tensor([1.0, 0.0, 0.0]), rtol=0, atol=0)
+    x = torch.tensor([[5.0, 0.0, 4.0]])
+    want = math.sqrt(41.0) / math.sqrt(5.0) * torch.tensor([[2.0, 0.0, 1.0]])
+    torch.testing.assert_close(a.canonical(x), want, rtol=1e-6, atol=1e-6)
+    # starts at the identity on its view: W = I, b = 0
+    torch.testing.assert_close(a(x), want, rtol=1e-6, atol=1e-6)
+    # what the hook hands it is the vector at the injection norm: shifted along the mean (a
+    # difference of means, an offset added again) or rescaled, it reads the same
+    at = lambda v: 3.0 * v / v.norm(dim=-1, keepdim=True)  # noqa: E731
+    mean = torch.tensor([2.0, 0.0, 0.0])
+    for shifted in (x - mean, x + mean, x + 7 * mean, 0.25 * x, 4 * x):
+        torch.testing.assert_close(a(at(shifted)), a(at(x)), rtol=1e-6, atol=1e-6)
+    plain = InjectionAdapter(3, 3)
+    assert not torch.allclose(plain(at(x - mean)), plain(at(x)))  # the plain adapter does not
+    with pytest.raises(ValueError, match="built without mean_invariant"):
+        plain.set_mean(x)
+    with pytest.raises(ValueError, match="mean is zero"):
+        InjectionAdapter(3, 3, mean_invariant=True).set_mean(torch.tensor([[1.0, 0, 0], [-1.0, 0, 0]]))
+
+
+def test_mean_invariant_fit_and_file_round_trip(tmp_path, tiny_tokenizer, tiny_model_dir):
+    """The ridge start is fitted on the adapter's view of the source; the file holds the fitted
+    mean with the weights and the sidecar says so; a file without them is refused."""
+    from safetensors.torch import save_file
+
+    from nla.injection import save_adapter_file
+
+    g = torch.Generator().manual_seed(2)
+    src = torch.randn(300, 10, generator=g) + 4.0
+    a = InjectionAdapter(10, 6, mean_invariant=True)
+    a.set_mean(src)
+    w, c = torch.randn(6, 10, generator=g), torch.randn(6, generator=g)
+    assert a.fit(src, a.canonical(src) @ w.T + c, ridge=1e-12) == pytest.approx(1.0, abs=1e-9)
+    torch.testing.assert_close(a(src), a.canonical(src) @ w.T + c, rtol=0, atol=1e-4)
+    side = dataset_sidecar(tiny_tokenizer, tiny_model_dir("llama"), 10, 1, injection_scale=3.0).replace(
+        kind="nla_model", role="av", model_width=6, injection_adapter=a.describe())
+    assert a.describe()["mean_invariant"] is True
+    write_sidecar(tmp_path, side)
+    assert "  mean_invariant: true" in (tmp_path / "nla_meta.yaml").read_text()
+    save_adapter_file(a.state_dict(), tmp_path)
+    back = load_adapter_file(tmp_path, load_sidecar(tmp_path))
+    assert back.mean_invariant
+    for k, v in a.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[k], v, rtol=0, atol=0)
+    torch.testing.assert_close(back(src[:5]), a(src[:5]), rtol=0, atol=0)
+    save_file({k: v.contiguous() for k, v in a.proj.state_dict().items()}, str(tmp_path / ADAPTER_FILE))
+    with pytest.raises(ValueError, match="mean_invariant True.*does not belong to this sidecar"):
+        load_adapter_file(tmp_path, load_sidecar(tmp_path))
+    text = (tmp_path / "nla_meta.yaml").read_text()
+    (tmp_path / "nla_meta.yaml").write_text(text.replace("mean_invariant: true", "mean_invariant: 'yes'"))
+    with pytest.raises(SidecarError, match="injection_adapter.mean_invariant: expected true or false"):
+        load_sidecar(tmp_path)
+
+
 def test_fit_head_recovers_a_linear_map(tiny_model_dir):
     """Golds that are an exact linear map of the features (norms already at the scale, so
     normalising changes nothing): the ridge fit with a vanishing penalty is that map, mse ~ 0."""
@@ -303,6 +363,42 @@ def test_cross_model_rl_trains_the_adapter_and_keeps_the_reference(cross_pair, t
     assert (av / ADAPTER_FILE).is_file() and load_sidecar(av).injection_adapter is not None
     torch.testing.assert_close(load_adapter_file(av, load_sidecar(av)).proj.weight, moved, rtol=0, atol=0)
     groups.close()
+
+
+def test_a_mean_invariant_cross_model_av_keeps_its_fitted_mean_through_rl(cross_pair, tmp_path):
+    """The mean-invariant view is fitted once in the warm-start (on the subject's vectors, before the
+    translation start) and RL trains the adapter's weights around it: the saved RL checkpoint holds
+    the warm-start's mean_dir / mean_tan exactly and reads shifted vectors like the training ones."""
+    from nla.rl.backend import build_groups
+    from nla.rl.config import RLConfig
+    from nla.rl.loop import run_rl
+
+    av = train_av(AVTrainConfig(dataset=str(cross_pair["av_ds"]), out_dir=str(tmp_path / "av"),
+                                base_model=str(cross_pair["small"]), injection_adapter="affine",
+                                injection_adapter_mean_invariant=True, max_steps=20, batch_size=8, lr=1e-2,
+                                eval_every=20, warmup_steps=2, save_every=1000, eval_fraction=0.25, smoke_num=0,
+                                tensorboard=False, progress=False))
+    warm = load_adapter_file(av.checkpoint_dir, load_sidecar(av.checkpoint_dir))
+    assert warm.mean_invariant and float(warm.mean_dir.norm()) == pytest.approx(1.0, abs=1e-6)
+    cfg = RLConfig.from_dict(dict(
+        av=str(av.checkpoint_dir), ar=str(cross_pair["ar"].checkpoint_dir), dataset=cross_pair["dataset"],
+        out_dir=str(tmp_path / "rl"), steps=2, eval_every=1000, tensorboard=False, progress=False, seed=0,
+        rollout=dict(rollout_batch_size=4, n_samples_per_prompt=4, max_response_len=16),
+        optimiser=dict(micro_batch_size=16, lr=1e-3), reconstructor=dict(lr=1e-3), checkpointing=dict(save_every=2)))
+    groups = build_groups(cfg)
+    res = run_rl(cfg, groups=groups)
+    groups.close()
+    after = load_adapter_file(res.checkpoint_dir / "av", load_sidecar(res.checkpoint_dir / "av"))
+    assert after.mean_invariant
+    torch.testing.assert_close(after.mean_dir, warm.mean_dir, rtol=0, atol=0)
+    torch.testing.assert_close(after.mean_tan, warm.mean_tan, rtol=0, atol=0)
+    assert not torch.equal(after.proj.weight, warm.proj.weight)  # trained around the fixed view
+    v = torch.from_numpy(np.stack(pq.read_table(cross_pair["dataset"]).column("activation_vector")
+                                  .to_numpy(zero_copy_only=False)).astype(np.float32))
+    shift = 3.0 * warm.mean_dir  # any multiple of the training mean's direction
+    at = lambda x: 8.0 * x / x.norm(dim=-1, keepdim=True)  # noqa: E731  the hook's injection norm
+    with torch.no_grad():
+        torch.testing.assert_close(after(at(v + shift)), after(at(v)), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.ray

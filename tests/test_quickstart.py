@@ -170,3 +170,35 @@ def test_a_cross_model_pair_warm_starts_longer_and_the_default_is_unchanged():
     bad = dataclasses.replace(default, cross_model={"av": {"max_step": 3}})
     with pytest.raises(ValueError, match=r"preset 'mine', stage cross_model av: .*'max_step'"):
         bad.check("mine")
+
+
+def test_injection_adapter_choices_reach_the_av_warm_start(monkeypatch, capsys):
+    """--injection-adapter: the CLI offers nla.quickstart's choices, each becomes the AV warm-start's
+    settings (a cross-model pair always has the affine adapter), a bad one is named before any work."""
+    import nla.quickstart as qs
+    from nla.cli import main
+
+    assert qs.pair_settings("none") == {}
+    assert qs.pair_settings("affine") == {"injection_adapter": "affine"}
+    assert qs.pair_settings("affine-mean-invariant") == {"injection_adapter": "affine",
+                                                         "injection_adapter_mean_invariant": True}
+    assert qs.pair_settings("none", "/w/d64") == {"base_model": "/w/d64", "injection_adapter": "affine"}
+    assert qs.pair_settings("affine-mean-invariant", "/w/d64") == {
+        "base_model": "/w/d64", "injection_adapter": "affine", "injection_adapter_mean_invariant": True}
+    with pytest.raises(ValueError, match="injection_adapter: expected one of 'none', 'affine', "
+                                         "'affine-mean-invariant', found 'mean'"):
+        qs.run_quickstart("tiny", "unused", injection_adapter="mean")
+    seen = {}
+
+    def stop(preset, out, **kw):  # the CLI's call, stopped before any stage runs
+        seen.update(kw, out=out)
+        raise ValueError("stopped here")
+
+    monkeypatch.setattr(qs, "run_quickstart", stop)
+    for choice in qs.INJECTION_ADAPTERS:
+        assert main(["quickstart", "--injection-adapter", choice]) == 2
+        assert seen["injection_adapter"] == choice
+    assert seen["out"].endswith("runs/quickstart-default-adapter-mean-invariant")
+    with pytest.raises(SystemExit):
+        main(["quickstart", "--injection-adapter", "mean"])
+    assert "invalid choice: 'mean'" in capsys.readouterr().err

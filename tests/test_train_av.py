@@ -190,6 +190,34 @@ def test_mean_shift_augment_resumes_exactly(tmp_path, tiny_tokenizer, tiny_model
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6)
 
 
+def test_mean_invariant_adapter_is_fitted_on_the_training_vectors(tmp_path, tiny_tokenizer, tiny_model_dir):
+    """injection_adapter_mean_invariant: the adapter's view is fitted on the training split's raw
+    vectors (direction of their mean, mean tangent, by a plain numpy reference), is saved with
+    the AV and loads with it; it is never trained; without the affine adapter it is refused."""
+    from nla.injection import ADAPTER_ATTR, load_av_model
+    from nla.train.ar import load_split
+
+    ds = _av_data(tmp_path, tiny_tokenizer, tiny_model_dir("llama"), injection_scale=5.0, n=24)
+    cfg = _cfg(ds, tmp_path / "run", max_steps=2, eval_every=2, warmup_steps=0, smoke_num=0,
+               injection_adapter="affine", injection_adapter_mean_invariant=True)
+    _, train_vec, _, _ = load_split(cfg, "prompt")
+    v = train_vec.astype(np.float64) + 0.0
+    m = v.mean(0) / np.linalg.norm(v.mean(0))
+    along = v @ m
+    tan = float(np.mean(along / np.linalg.norm(v - along[:, None] * m, axis=1)))
+    res = train_av(cfg)
+    side = load_sidecar(res.checkpoint_dir)
+    assert side.injection_adapter["mean_invariant"] is True
+    adapter = getattr(load_av_model(res.checkpoint_dir, side), ADAPTER_ATTR)
+    np.testing.assert_allclose(adapter.mean_dir.numpy(), m, rtol=0, atol=1e-6)
+    assert float(adapter.mean_tan) == pytest.approx(tan, rel=1e-6)
+    assert [n for n, _ in adapter.named_parameters()] == ["proj.weight", "proj.bias"]
+    with pytest.raises(ValueError, match="'injection_adapter_mean_invariant': expected false unless injection_adapter"):
+        _cfg(ds, tmp_path / "bad", injection_adapter_mean_invariant=True)
+    with pytest.raises(ValueError, match="'injection_adapter_mean_invariant': expected true or false"):
+        _cfg(ds, tmp_path / "bad", injection_adapter="affine", injection_adapter_mean_invariant=1)
+
+
 def test_injection_adapter_lr_scale_trains_the_adapter_in_its_own_group(tmp_path, tiny_tokenizer, tiny_model_dir):
     """injection_adapter_lr_scale=10: the adapter's AdamW group runs at 10x lr; 1 (the default) keeps
     the one group of the published recipe; a bad value names the field."""

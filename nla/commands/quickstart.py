@@ -31,8 +31,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "injection adapter (docs/cross-model.md)")
     p.add_argument("--pair-roles", default="both", choices=["both", "av"],
                    help="with --pair-world: both roles start from it, or only the AV (the subject's own AR reads)")
-    p.add_argument("--injection-adapter", default="none", choices=["none", "affine"],
-                   help="affine: the same-model AV learns an affine injection adapter instead of the fixed scale")
+    # nla.quickstart.INJECTION_ADAPTERS (not imported here: every command builds this parser)
+    p.add_argument("--injection-adapter", default="none", choices=["none", "affine", "affine-mean-invariant"],
+                   help="affine: the same-model AV learns an affine injection adapter instead of the fixed scale; "
+                        "affine-mean-invariant: one that reads vectors shifted along the training mean (a "
+                        "difference of means, an offset) like the training data (docs/cross-model.md)")
     p.set_defaults(func=run)
 
 
@@ -43,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     default_out = (f"runs/quickstart-{args.preset}" + (f"-pair-{args.pair_world}" if args.pair_world else "")
                    + ("-av" if args.pair_world and args.pair_roles == "av" else "")
                    + ("-adapter" if args.injection_adapter != "none" and not args.pair_world else "")
+                   + ("-mean-invariant" if args.injection_adapter == "affine-mean-invariant" else "")
                    + (f"-seed{args.seed}" if args.seed else ""))
     out = str(check_output_path(args.out or default_out, "--out"))
     report = run_quickstart(args.preset, out, backend=args.backend, progress=not args.no_progress,

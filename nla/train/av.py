@@ -261,7 +261,11 @@ def _injection_adapter(cfg: AVTrainConfig, side: NLAConfig, model: Any, src: str
                 f"injection_adapter: the base model {src} has width {d} but the dataset's vectors have d_model "
                 f"{side.d_model}; a model of another width reads them through a learned map: set injection_adapter: "
                 "affine (or --set injection_adapter=affine), or use the subject the dataset was extracted from")
-        adapter = InjectionAdapter(side.d_model, d, seed=cfg.seed)
+        adapter = InjectionAdapter(side.d_model, d, seed=cfg.seed, mean_invariant=cfg.injection_adapter_mean_invariant)
+        if adapter.mean_invariant:
+            tan = adapter.set_mean(torch.from_numpy(np.ascontiguousarray(vectors)))
+            logger.info("AV: mean-invariant injection adapter (the training mean's direction fitted on %d vectors; "
+                        "typical tangent %.3f)", len(vectors), tan)
         if d != side.d_model and contexts is not None:
             _fit_translation(adapter, model, tok, contexts, vectors, side, cfg)
     else:

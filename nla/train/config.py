@@ -216,6 +216,10 @@ class AVTrainConfig(_TrainBase):
         the centred vector, a = -1, and twice the offset, a = +1). 0: off, the published recipe.
     injection_adapter_lr_scale: the adapter's learning rate is ``lr`` times this (a new layer
         learning faster than the pretrained model it feeds); 1: the same as the model's.
+    injection_adapter_mean_invariant: the adapter reads each vector with its component along the
+        training vectors' mean replaced by the training data's typical one
+        (``InjectionAdapter.canonical``), so a vector shifted along that mean (a difference of
+        means, an offset) is read like the training data; needs ``injection_adapter: affine``.
     """
 
     out_dir: str = "runs/train_av"
@@ -226,6 +230,7 @@ class AVTrainConfig(_TrainBase):
     injection_adapter: str = "none"
     mean_shift_augment: float = 0.0
     injection_adapter_lr_scale: float = 1.0
+    injection_adapter_mean_invariant: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -247,6 +252,11 @@ class AVTrainConfig(_TrainBase):
                 and math.isfinite(self.mean_shift_augment) and self.mean_shift_augment >= 0):
             _bad("mean_shift_augment", "a number >= 0 (0: off; 1: from the centred vector to twice the offset)",
                  self.mean_shift_augment)
+        if not isinstance(self.injection_adapter_mean_invariant, bool):
+            _bad("injection_adapter_mean_invariant", "true or false", self.injection_adapter_mean_invariant)
+        if self.injection_adapter_mean_invariant and self.injection_adapter != "affine":
+            _bad("injection_adapter_mean_invariant", "false unless injection_adapter is 'affine' (it is a view the "
+                 "learned adapter takes; set injection_adapter: affine too)", self.injection_adapter_mean_invariant)
         v = self.injection_adapter_lr_scale
         if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
             _bad("injection_adapter_lr_scale", "a positive number (1: the model's lr)", v)
