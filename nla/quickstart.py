@@ -243,9 +243,8 @@ INJECTION_ADAPTERS = ("none", "affine", "affine-mean-invariant")  # run_quicksta
 def pair_settings(injection_adapter: str, pair_subject: str | None = None) -> dict[str, Any]:
     """The AV warm-start's settings for ``run_quickstart``'s ``injection_adapter`` and, for a
     cross-model pair, the other world model's dir (which always reads through the affine adapter)."""
-    pair: dict[str, Any] = {} if pair_subject is None else {"base_model": str(pair_subject),
-                                                             "injection_adapter": "affine"}
-    if injection_adapter != "none":
+    pair: dict[str, Any] = {} if pair_subject is None else {"base_model": str(pair_subject)}
+    if pair_subject is not None or injection_adapter != "none":
         pair["injection_adapter"] = "affine"
     if injection_adapter == "affine-mean-invariant":
         pair["injection_adapter_mean_invariant"] = True
