@@ -105,6 +105,22 @@ def kind_table(warm: dict[str, Any], after: dict[str, Any], probe: dict[str, Any
     return lines
 
 
+# A kind the warm-started AV names no more often truly than it does from shuffled vectors (recall within
+# this of the shuffled row's) is one it does not read; RL seldom adds such a kind (BENCHMARKS.md, "The
+# warm-start is a per-kind lottery"). Graded against ground truth: a report line, never a reward.
+UNREAD_MARGIN = 0.05
+
+
+def unread_kinds(warm: dict[str, Any], margin: float = UNREAD_MARGIN) -> dict[str, list[float]]:
+    """``{kind: [recall, shuffled recall]}`` of the kinds whose warm-start round-trip recall is
+    less than ``margin`` above the same AV's on shuffled vectors (empty without per-kind rows)."""
+    rows = _rows(warm)
+    rt = ((rows.get(ROUND_TRIP) or {}).get("faithfulness") or {}).get("by_kind") or {}
+    sh = ((rows.get(SHUFFLED) or {}).get("faithfulness") or {}).get("by_kind") or {}
+    return {k: [float(rt[k][0]), float(sh[k][0])] for k in rt
+            if k in sh and rt[k][0] is not None and sh[k][0] is not None and rt[k][0] - sh[k][0] < margin}
+
+
 def kind_summary(after: dict[str, Any]) -> dict[str, list[float]]:
     """``{kind: [recall, precision]}`` of the RL pair's round trip (the report.json headline)."""
     rt = (_rows(after).get(ROUND_TRIP) or {}).get("faithfulness") or {}
@@ -221,6 +237,7 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
         "total_seconds": sum(s.seconds for s in stages if not s.cached),  # this run's work
         **faithfulness_summary(warm_eval, rl_eval),
         "by_kind_rl": kind_summary(rl_eval),
+        "unread_kinds_warmstart": unread_kinds(warm_eval),
         **suite_headline(suite),
     }
     if pair:
@@ -236,9 +253,19 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
                                                     ("RL", rl_info))
              for w in (info.get("metrics", {}).get("stuck_warnings") or [])]
     kinds = kind_table(warm_eval, rl_eval, probe)
+    unread = [f"- **{k}**: recall {_f(r, 2)}, on shuffled vectors {_f(sh, 2)}"
+              for k, (r, sh) in headline["unread_kinds_warmstart"].items()]
+    if unread:
+        logger.warning("the warm-started AV does not read %s (recall within %.2f of its shuffled-vector rate); RL "
+                       "seldom adds such a kind: train the AV warm-start again with another seed or longer",
+                       ", ".join(headline["unread_kinds_warmstart"]), UNREAD_MARGIN)
     md = [f"# NLA quickstart report (preset `{preset}`, seed {seed}, {threads} torch threads, "
           f"{headline['cpu_kernels']} CPU kernels)", "",
           *(["> **Warning: a stage looked stuck.**", "", *stuck, ""] if stuck else []),
+          *(["> **Warning: the warm-started AV does not read every kind.** It names these no more truly than "
+             "from shuffled vectors, and RL seldom adds such a kind (BENCHMARKS.md, \"The warm-start is a "
+             "per-kind lottery\"): train the AV warm-start again with another seed or for longer.", "",
+             *unread, ""] if unread else []),
           f"Round-trip FVE on held-out vectors: **{_f(fve_warm)}** after warm-start → **{_f(fve_rl)}** after RL "
           f"({'improved' if fve_rl > fve_warm else 'did not improve'}). "
           f"This run took {headline['total_seconds']:.0f} s (cached stages not counted).", "",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from nla.quickstart import StageRecord
-from nla.report import faithfulness_summary, write_report
+from nla.report import faithfulness_summary, unread_kinds, write_report
 
 
 def _eval(fve: float, frozen: float, recall: float, degenerate: float) -> dict:
@@ -52,3 +52,30 @@ def test_report_ceiling_line_from_the_oracle_rows(tmp_path):
             "(80% of it).") in md
     head = json.loads((tmp_path / "report.json").read_text())["headline"]
     assert head["oracle_fve_warmstart"] == 0.751 and head["oracle_fve_rl"] == 0.7
+
+
+def test_report_warns_of_a_kind_the_warm_start_does_not_read(tmp_path, caplog):
+    # seed 2's mean-invariant AV (BENCHMARKS): place 0.13 on real vectors and 0.13 on shuffled ones
+    warm, rl = _eval(0.38, 0.38, 0.49, 0.0), _eval(0.61, 0.58, 0.66, 0.0)
+    warm["rows"][0]["faithfulness"]["by_kind"] = {"place": [0.13, 0.11], "person": [0.90, 0.95],
+                                                  "activity": [0.37, 0.40], "time": [0.31, 0.31]}
+    warm["rows"][2]["faithfulness"]["by_kind"] = {"place": [0.13, 0.08], "person": [0.08, 0.08],
+                                                  "activity": [0.34, 0.02], "time": [0.05, 0.05]}
+    # 0.13 - 0.13 = 0 and 0.37 - 0.34 = 0.03 are under the 0.05 margin; 0.90 - 0.08 and 0.31 - 0.05 are not
+    assert unread_kinds(warm) == {"place": [0.13, 0.13], "activity": [0.37, 0.34]}
+    assert unread_kinds(warm, margin=0.02) == {"place": [0.13, 0.13]}
+    assert unread_kinds(rl) == {}  # no per-kind rows: nothing to say
+    with caplog.at_level("WARNING", logger="nla.report"):
+        md = write_report(tmp_path, preset="x", stages=[], configs={}, world={}, warm_eval=warm, rl_eval=rl,
+                          ar_info={}, av_info={}, rl_info={}).read_text()
+    assert "> **Warning: the warm-started AV does not read every kind.**" in md
+    assert "- **place**: recall 0.13, on shuffled vectors 0.13" in md
+    assert "- **activity**: recall 0.37, on shuffled vectors 0.34" in md and "- **time**" not in md
+    assert any("does not read place, activity" in r.message for r in caplog.records)
+    head = json.loads((tmp_path / "report.json").read_text())["headline"]
+    assert head["unread_kinds_warmstart"] == {"place": [0.13, 0.13], "activity": [0.37, 0.34]}
+    # every kind read: no warning
+    warm["rows"][2]["faithfulness"]["by_kind"] = {k: [0.0, 0.0] for k in ("place", "person", "activity", "time")}
+    clean = write_report(tmp_path, preset="x", stages=[], configs={}, world={}, warm_eval=warm, rl_eval=rl,
+                         ar_info={}, av_info={}, rl_info={}).read_text()
+    assert "does not read every kind" not in clean
