@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -240,20 +241,26 @@ def split_rl_for_eval(rl_path: Path, out_dir: Path, eval_fraction: float, seed: 
 INJECTION_ADAPTERS = ("none", "affine", "affine-mean-invariant")  # run_quickstart's injection_adapter
 
 
-def pair_settings(injection_adapter: str, pair_subject: str | None = None) -> dict[str, Any]:
-    """The AV warm-start's settings for ``run_quickstart``'s ``injection_adapter`` and, for a
-    cross-model pair, the other world model's dir (which always reads through the affine adapter)."""
+def pair_settings(injection_adapter: str, pair_subject: str | None = None,
+                  mean_shift_augment: float = 0.0) -> dict[str, Any]:
+    """The AV warm-start's settings for ``run_quickstart``'s ``injection_adapter`` and
+    ``mean_shift_augment`` and, for a cross-model pair, the other world model's dir (which always
+    reads through the affine adapter). Settings at their defaults are left out, so the default's
+    stage hashes (and its cached stages) do not change."""
     pair: dict[str, Any] = {} if pair_subject is None else {"base_model": str(pair_subject)}
     if pair_subject is not None or injection_adapter != "none":
         pair["injection_adapter"] = "affine"
     if injection_adapter == "affine-mean-invariant":
         pair["injection_adapter_mean_invariant"] = True
+    if mean_shift_augment:
+        pair["mean_shift_augment"] = float(mean_shift_augment)
     return pair
 
 
 def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart", *, backend: str = "local",
                    progress: bool = True, threads: int | None = None, seed: int = 0, pair_world: str | None = None,
-                   injection_adapter: str = "none", pair_roles: str = "both") -> Path:
+                   injection_adapter: str = "none", pair_roles: str = "both",
+                   mean_shift_augment: float = 0.0) -> Path:
     """Run every stage; returns the path of ``report.md``.
 
     threads: torch CPU threads of every stage (None: ``nla.threads.resolve_threads``'s fixed
@@ -269,6 +276,10 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
         reads each vector with its component along the training mean replaced by the typical one
         (``InjectionAdapter.canonical``: vectors shifted along the mean read like the training
         data), for a same-model or a cross-model pair.
+    mean_shift_augment: the AV warm-start's ``AVTrainConfig.mean_shift_augment`` (0: off, the
+        published recipe; 1: each training vector gets ``a * mean`` added, ``a`` in [-1, 1]), which
+        makes the pair read vectors whose mean is shifted (a difference of means, an offset) like
+        the training data, with either injection (BENCHMARKS.md, "Explain one model with another").
     pair_roles: with ``pair_world``, "both" (the AV and the AR start from it) or "av" (only the
         AV: a small verbalizer with the subject's own AR, whose reading is the expensive part to
         lose: BENCHMARKS.md, "Explain one model with another").
@@ -293,6 +304,9 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     if injection_adapter not in INJECTION_ADAPTERS:
         raise ValueError(f"injection_adapter: expected one of {', '.join(map(repr, INJECTION_ADAPTERS))}, found "
                          f"{injection_adapter!r}")
+    if (isinstance(mean_shift_augment, bool) or not isinstance(mean_shift_augment, (int, float))
+            or not math.isfinite(mean_shift_augment) or mean_shift_augment < 0):
+        raise ValueError(f"mean_shift_augment: expected a finite number >= 0 (0: off), found {mean_shift_augment!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed: expected an integer >= 0, found {seed!r}")
     p = PRESETS[preset]
@@ -352,9 +366,9 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     if pair_world is not None:
         pair_cfg = seeded_config(pair_world, seed)
         pw = stage("pair_world", {"preset": pair_world, **sd, **thr}, lambda: _world(build_world, pair_cfg, progress))
-        pair = pair_settings(injection_adapter, pw["subject_dir"])
+        pair = pair_settings(injection_adapter, pw["subject_dir"], mean_shift_augment)
     else:
-        pair = pair_settings(injection_adapter)
+        pair = pair_settings(injection_adapter, mean_shift_augment=mean_shift_augment)
     ar_pair = {k: v for k, v in pair.items() if k == "base_model" and pair_roles == "both"}
     ar_settings, av_settings = p.warm_start_settings(pair_world, pair_roles)
     ar_cfg = dict(dataset=str(datagen / "ar_sft.parquet"), out_dir=str(out / "ar"), progress=progress, **ar_settings,

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -202,3 +203,37 @@ def test_injection_adapter_choices_reach_the_av_warm_start(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["quickstart", "--injection-adapter", "mean"])
     assert "invalid choice: 'mean'" in capsys.readouterr().err
+
+
+def test_mean_shift_augment_reaches_the_av_warm_start(monkeypatch, capsys):
+    """--mean-shift-augment M: 0 leaves the AV's settings (and so the default's stage hashes) as they
+    were, M > 0 becomes AVTrainConfig.mean_shift_augment with either injection, a bad value is
+    named before any stage runs."""
+    import nla.quickstart as qs
+    from nla.cli import main
+
+    assert qs.pair_settings("none", mean_shift_augment=0.0) == {}
+    assert qs.pair_settings("none", mean_shift_augment=1) == {"mean_shift_augment": 1.0}
+    assert qs.pair_settings("affine", "/w/d64", 0.5) == {"base_model": "/w/d64", "injection_adapter": "affine",
+                                                          "mean_shift_augment": 0.5}
+    for bad in (-1.0, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match=r"mean_shift_augment: expected a finite number >= 0 \(0: off\), "
+                                             rf"found {re.escape(repr(bad))}"):
+            qs.run_quickstart("tiny", "unused", mean_shift_augment=bad)
+    seen = {}
+
+    def stop(preset, out, **kw):
+        seen.update(kw, out=out)
+        raise ValueError("stopped here")
+
+    monkeypatch.setattr(qs, "run_quickstart", stop)
+    assert main(["quickstart", "--injection-adapter", "affine", "--mean-shift-augment", "1"]) == 2
+    assert seen["mean_shift_augment"] == 1.0
+    assert seen["out"].endswith("runs/quickstart-default-adapter-augment1")
+    assert main(["quickstart"]) == 2
+    assert seen["mean_shift_augment"] == 0.0 and seen["out"].endswith("runs/quickstart-default")
+    for bad in ("-0.5", "inf", "lots"):
+        with pytest.raises(SystemExit):
+            main(["quickstart", "--mean-shift-augment", bad])
+    err = capsys.readouterr().err
+    assert "expected a finite number >= 0, found -0.5" in err and "expected a number >= 0, found 'lots'" in err

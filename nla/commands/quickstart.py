@@ -7,7 +7,7 @@ import json
 import sys
 
 from nla.threads import THREADS_HELP, threads_flag
-from nla.validation import non_negative_int
+from nla.validation import non_negative_float, non_negative_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,6 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="affine: the same-model AV learns an affine injection adapter instead of the fixed scale; "
                         "affine-mean-invariant: one that reads vectors shifted along the training mean (a "
                         "difference of means, an offset) like the training data (docs/cross-model.md)")
+    p.add_argument("--mean-shift-augment", type=non_negative_float, default=0.0, metavar="M",
+                   help="train the AV on vectors with a*mean added (a uniform in [-M, M], the response unchanged) so "
+                        "it reads a shifted mean (a difference of means, an offset) like the training data; 0: off "
+                        "(default), 1: the setting BENCHMARKS.md measures")
     p.set_defaults(func=run)
 
 
@@ -47,11 +51,13 @@ def run(args: argparse.Namespace) -> int:
                    + ("-av" if args.pair_world and args.pair_roles == "av" else "")
                    + ("-adapter" if args.injection_adapter != "none" and not args.pair_world else "")
                    + ("-mean-invariant" if args.injection_adapter == "affine-mean-invariant" else "")
+                   + (f"-augment{args.mean_shift_augment:g}" if args.mean_shift_augment else "")
                    + (f"-seed{args.seed}" if args.seed else ""))
     out = str(check_output_path(args.out or default_out, "--out"))
     report = run_quickstart(args.preset, out, backend=args.backend, progress=not args.no_progress,
                             threads=args.threads, seed=args.seed, pair_world=args.pair_world,
-                            injection_adapter=args.injection_adapter, pair_roles=args.pair_roles)
+                            injection_adapter=args.injection_adapter, pair_roles=args.pair_roles,
+                            mean_shift_augment=args.mean_shift_augment)
     head = json.loads((report.parent / "report.json").read_text())["headline"]
     print("\n== nla quickstart: done ==", file=sys.stderr)
     print(f"round-trip FVE (held-out): warm-start {head['round_trip_fve_warmstart']:.3f} -> "
