@@ -37,6 +37,24 @@ ADAPTER_ATTR = "nla_injection_adapter"  # the adapter's submodule name on the AV
 ADAPTER_FILE = "nla_injection_adapter.safetensors"
 
 
+class ScaledRotation(nn.Module):
+    """A conformal adapter's weight, as a ``torch.nn.utils.parametrize`` parametrization:
+    ``exp(log_gain) * matrix_exp(U - U^T)``, ``U`` the strict upper triangle of the stored
+    matrix. So ``W^T W = exp(2 log_gain) I`` always: every direction of the vector is scaled
+    alike and none can be amplified over another; what is learned is one gain, a rotation and
+    the bias. Stored as the identity (``U = 0``) and ``log_gain = 0``, it starts as ``W = I``.
+    (torch's own ``parametrizations.orthogonal`` has no gain and keeps a trivialization base
+    that changes what is saved; this is the plain map, three lines.)"""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.log_gain = nn.Parameter(torch.zeros((), dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        u = x.triu(1)
+        return self.log_gain.exp() * torch.linalg.matrix_exp(u - u.T)
+
+
 class InjectionAdapter(nn.Module):
     """``v -> W v + b``: a vector of the subject's width ``d_in`` (already rescaled to
     ``injection_scale``) to the AV's embedding width ``d_out``.
@@ -44,16 +62,32 @@ class InjectionAdapter(nn.Module):
     Initialised so that training starts from today's fixed-scale injection: the identity
     when the widths are equal; otherwise a seeded random map with orthonormal rows (or
     columns), times ``sqrt(d_in / d_out)`` when it narrows, so a typical vector keeps its norm.
+
+    ``conformal`` (equal widths only): ``W`` is a gain times a rotation (:class:`ScaledRotation`),
+    so training cannot give one direction of the vector more weight than another, the way a
+    free ``W`` does when it amplifies the directions the AV already reads (BENCHMARKS "Explain
+    one model with another"). Its file holds the parametrization's stored matrix and gain
+    (``proj.parametrizations.weight.original``, ``proj.parametrizations.weight.0.log_gain``);
+    ``proj.weight`` is computed from them.
     """
 
     def __init__(self, d_in: int, d_out: int, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 mean_invariant: bool = False) -> None:
+                 mean_invariant: bool = False, conformal: bool = False) -> None:
         super().__init__()
         self.d_in, self.d_out = int(d_in), int(d_out)
+        self.conformal = bool(conformal)
+        if self.conformal and self.d_in != self.d_out:
+            raise ValueError(f"InjectionAdapter: conformal needs equal widths (a gain times a rotation), found d_in "
+                             f"{self.d_in} and d_out {self.d_out}; use the plain affine adapter for a cross-model pair")
         self.proj = nn.Linear(self.d_in, self.d_out, bias=True, dtype=dtype)
         with torch.no_grad():
             self.proj.weight.copy_(adapter_init(self.d_in, self.d_out, seed).to(dtype))
             self.proj.bias.zero_()
+        if self.conformal:
+            from torch.nn.utils import parametrize
+
+            # unsafe: the stored matrix is the identity as it is (U = 0), no right inverse needed
+            parametrize.register_parametrization(self.proj, "weight", ScaledRotation(dtype), unsafe=True)
         self.mean_invariant = bool(mean_invariant)
         if self.mean_invariant:
             # fitted on the training vectors (set_mean), never trained: saved with the weights
@@ -106,6 +140,9 @@ class InjectionAdapter(nn.Module):
         """Set ``W, b`` to the ridge regression of ``target`` [N, d_out] on ``source`` [N, d_in]
         (both centred, ``lam = ridge * trace(S^T S) / d_in``; float64), the source as the adapter
         reads it (``canonical``; fit a mean-invariant adapter's mean first). Returns the fit's R^2."""
+        if self.conformal:
+            raise ValueError("InjectionAdapter.fit: a conformal adapter is a gain times a rotation, not a free map; "
+                             "fit a plain affine adapter (conformal false)")
         s, t = self.canonical(source.to(self.proj.weight.dtype).cpu()).double(), target.double().cpu()
         sm, tm = s.mean(0), t.mean(0)
         sc, tc = s - sm, t - tm
@@ -120,6 +157,8 @@ class InjectionAdapter(nn.Module):
         block = {"kind": "affine", "d_in": self.d_in, "d_out": self.d_out, "file": ADAPTER_FILE}
         if self.mean_invariant:
             block["mean_invariant"] = True
+        if self.conformal:
+            block["conformal"] = True
         return block
 
 
@@ -180,13 +219,15 @@ def load_adapter_file(directory: str | Path, sidecar: Any, *, dtype: torch.dtype
         raise FileNotFoundError(f"{path}: the sidecar's injection_adapter names this file but it is missing; the AV "
                                 "cannot read vectors without it. Restore the checkpoint dir as it was written")
     state = load_file(str(path))
-    adapter = InjectionAdapter(spec["d_in"], spec["d_out"], dtype=dtype, mean_invariant=spec.get("mean_invariant", False))
+    adapter = InjectionAdapter(spec["d_in"], spec["d_out"], dtype=dtype, mean_invariant=spec.get("mean_invariant", False),
+                               conformal=spec.get("conformal", False))
     want = {k: tuple(v.shape) for k, v in adapter.state_dict().items()}
     found = {k: tuple(v.shape) for k, v in state.items()}
     if want != found:
         raise ValueError(f"{path}: adapter weights {found}, expected {want} (injection_adapter d_in "
                          f"{spec['d_in']}, d_out {spec['d_out']}, mean_invariant "
-                         f"{adapter.mean_invariant}); the file does not belong to this sidecar")
+                         f"{adapter.mean_invariant}, conformal {adapter.conformal}); the file does not belong "
+                         "to this sidecar")
     adapter.load_state_dict(state)
     return adapter
 

@@ -238,7 +238,9 @@ def split_rl_for_eval(rl_path: Path, out_dir: Path, eval_fraction: float, seed: 
     return paths[0], paths[1]
 
 
-INJECTION_ADAPTERS = ("none", "affine", "affine-mean-invariant")  # run_quickstart's injection_adapter
+# run_quickstart's injection_adapter: none (the fixed scale), the free affine map, and with the
+# mean-invariant view and/or the conformal constraint (a gain times a rotation)
+INJECTION_ADAPTERS = ("none", "affine", "affine-mean-invariant", "affine-conformal", "affine-conformal-mean-invariant")
 
 
 def pair_settings(injection_adapter: str, pair_subject: str | None = None,
@@ -250,8 +252,10 @@ def pair_settings(injection_adapter: str, pair_subject: str | None = None,
     pair: dict[str, Any] = {} if pair_subject is None else {"base_model": str(pair_subject)}
     if pair_subject is not None or injection_adapter != "none":
         pair["injection_adapter"] = "affine"
-    if injection_adapter == "affine-mean-invariant":
+    if injection_adapter.endswith("mean-invariant"):
         pair["injection_adapter_mean_invariant"] = True
+    if "conformal" in injection_adapter:
+        pair["injection_adapter_conformal"] = True
     if mean_shift_augment:
         pair["mean_shift_augment"] = float(mean_shift_augment)
     return pair
@@ -275,7 +279,9 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
         scale ("none"); a cross-model pair always has one. "affine-mean-invariant": the adapter
         reads each vector with its component along the training mean replaced by the typical one
         (``InjectionAdapter.canonical``: vectors shifted along the mean read like the training
-        data), for a same-model or a cross-model pair.
+        data), for a same-model or a cross-model pair. "affine-conformal" (and
+        "affine-conformal-mean-invariant"): a same-model adapter whose ``W`` is a learned gain times a
+        rotation (``InjectionAdapter(conformal=True)``), so it scales every direction alike.
     mean_shift_augment: the AV warm-start's ``AVTrainConfig.mean_shift_augment`` (0: off, the
         published recipe; 1: each training vector gets ``a * mean`` added, ``a`` in [-1, 1]), which
         makes the pair read vectors whose mean is shifted (a difference of means, an offset) like
@@ -304,6 +310,10 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     if injection_adapter not in INJECTION_ADAPTERS:
         raise ValueError(f"injection_adapter: expected one of {', '.join(map(repr, INJECTION_ADAPTERS))}, found "
                          f"{injection_adapter!r}")
+    if "conformal" in injection_adapter and pair_world is not None:
+        raise ValueError(f"injection_adapter: {injection_adapter!r} is for a same-model pair (a gain times a rotation "
+                         f"maps a width onto itself), found pair_world {pair_world!r}; use 'affine' or "
+                         "'affine-mean-invariant' with a pair world")
     if (isinstance(mean_shift_augment, bool) or not isinstance(mean_shift_augment, (int, float))
             or not math.isfinite(mean_shift_augment) or mean_shift_augment < 0):
         raise ValueError(f"mean_shift_augment: expected a finite number >= 0 (0: off), found {mean_shift_augment!r}")
@@ -437,7 +447,8 @@ def pair_summary(av: str | Path, ar: str | Path) -> dict[str, Any]:
         if role == "av":
             a = side.injection_adapter
             out[role]["injection"] = ("fixed scale" if a is None else f"learned affine {side.d_model} -> "
-                                      f"{side.own_width}" + (", mean-invariant" if a.get("mean_invariant") else ""))
+                                      f"{side.own_width}" + (", conformal" if a.get("conformal") else "")
+                                      + (", mean-invariant" if a.get("mean_invariant") else ""))
     return out
 
 

@@ -114,8 +114,9 @@ class NLAConfig:
         subject (a cross-model pair; ``model.base_model`` / ``model.hidden_size``, nla's keys, not in
         the published layout); None: the model is (a copy of) the subject, of width ``d_model``.
     injection_adapter: the AV's learned affine map from the subject's ``d_model`` to its own
-        embedding width (``nla.injection.InjectionAdapter``): ``{kind: affine, d_in, d_out, file}``;
-        None: the vector is injected as it is (after ``injection_scale``).
+        embedding width (``nla.injection.InjectionAdapter``): ``{kind: affine, d_in, d_out, file}``
+        and, when true, ``mean_invariant`` and ``conformal`` (absent: false); None: the vector is
+        injected as it is (after ``injection_scale``).
 
     The AV fields come all together or not at all, the AR fields likewise. Role "av" needs the AV
     fields, role "ar" the AR fields, a dataset both; a model sidecar without a role needs one set.
@@ -207,9 +208,13 @@ class NLAConfig:
                     "one checkpoint")
         if not isinstance(a.get("file"), str) or not a["file"]:
             raise ValueError(f"NLAConfig.injection_adapter.file: expected a file name, found {a.get('file')!r}")
-        if not isinstance(a.get("mean_invariant", False), bool):
-            raise ValueError("NLAConfig.injection_adapter.mean_invariant: expected true or false (absent: false), "
-                             f"found {a.get('mean_invariant')!r}")
+        for flag in ("mean_invariant", "conformal"):
+            if not isinstance(a.get(flag, False), bool):
+                raise ValueError(f"NLAConfig.injection_adapter.{flag}: expected true or false (absent: false), "
+                                 f"found {a.get(flag)!r}")
+        if a.get("conformal", False) and a.get("d_in") != a.get("d_out"):
+            raise ValueError(f"NLAConfig.injection_adapter.conformal: true needs d_in == d_out (a gain times a "
+                             f"rotation), found d_in {a.get('d_in')} and d_out {a.get('d_out')}")
         object.__setattr__(self, "injection_adapter", dict(a))
 
     def _check_groups(self) -> None:

@@ -91,6 +91,92 @@ def test_mean_invariant_view_by_hand(tmp_path):
         InjectionAdapter(3, 3, mean_invariant=True).set_mean(torch.tensor([[1.0, 0, 0], [-1.0, 0, 0]]))
 
 
+def test_conformal_adapter_by_hand():
+    """conformal: W = exp(log_gain) * matrix_exp(U - U^T). With U's one entry theta at (0, 1) and
+    log_gain = log 2, W = 2 [[cos theta, sin theta], [-sin theta, cos theta]] on those two
+    coordinates and 2 on the third. It starts at W = I; trained towards an anisotropic map it stays
+    a gain times a rotation (W^T W = g^2 I); unequal widths and the ridge fit are refused."""
+    a = InjectionAdapter(3, 3, conformal=True)
+    torch.testing.assert_close(a.proj.weight, torch.eye(3), rtol=0, atol=0)
+    assert sorted(a.state_dict()) == ["proj.bias", "proj.parametrizations.weight.0.log_gain",
+                                      "proj.parametrizations.weight.original"]
+    theta = 0.3
+    with torch.no_grad():
+        a.proj.parametrizations.weight.original.copy_(torch.tensor([[5.0, theta, 0.0], [7.0, 1.0, 0.0],
+                                                                    [-2.0, 9.0, 1.0]]))  # only U counts
+        a.proj.parametrizations.weight[0].log_gain.fill_(math.log(2.0))
+    c, s_ = math.cos(theta), math.sin(theta)
+    want = 2.0 * torch.tensor([[c, s_, 0.0], [-s_, c, 0.0], [0.0, 0.0, 1.0]])
+    torch.testing.assert_close(a.proj.weight, want, rtol=0, atol=2e-5)  # matrix_exp in float32
+    torch.testing.assert_close(a(torch.tensor([[1.0, 0.0, 3.0]])), torch.tensor([[2 * c, -2 * s_, 6.0]]),
+                               rtol=0, atol=5e-5)
+
+    b = InjectionAdapter(4, 4, conformal=True)
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(32, 4, generator=g)
+    target = v @ torch.diag(torch.tensor([1.0, 2.0, 3.0, 4.0]))  # amplifies one direction over another
+    opt = torch.optim.AdamW(b.parameters(), lr=0.05)
+    for _ in range(50):
+        loss = ((b(v) - target) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    w = b.proj.weight.detach()
+    gain2 = float((w.T @ w)[0, 0])
+    assert gain2 > 1.5  # it learned (a gain of about the target's mean scale)
+    torch.testing.assert_close(w.T @ w, gain2 * torch.eye(4), rtol=0, atol=1e-4 * gain2)
+    free = InjectionAdapter(4, 4)
+    free.fit(v, target, ridge=1e-12)
+    wf = free.proj.weight.detach()
+    assert float((wf.T @ wf - (wf.T @ wf)[0, 0] * torch.eye(4)).abs().max()) > 1.0  # the free map is not
+
+    with pytest.raises(ValueError, match="conformal needs equal widths .* d_in 4 and d_out 3"):
+        InjectionAdapter(4, 3, conformal=True)
+    with pytest.raises(ValueError, match="a conformal adapter is a gain times a rotation"):
+        b.fit(v, target)
+
+
+def test_conformal_file_round_trip(tmp_path, tiny_tokenizer, tiny_model_dir):
+    """The sidecar says conformal: true, the file holds the stored matrix and the gain, and the
+    loaded adapter maps like the saved one; a plain file, a bad flag and unequal widths are refused."""
+    from safetensors.torch import save_file
+
+    from nla.injection import save_adapter_file
+
+    a = InjectionAdapter(10, 10, conformal=True, mean_invariant=True)
+    g = torch.Generator().manual_seed(3)
+    src = torch.randn(50, 10, generator=g) + 2.0
+    a.set_mean(src)
+    with torch.no_grad():
+        a.proj.parametrizations.weight.original.copy_(torch.randn(10, 10, generator=g))
+        a.proj.parametrizations.weight[0].log_gain.fill_(0.4)
+        a.proj.bias.copy_(torch.randn(10, generator=g))
+    side = dataset_sidecar(tiny_tokenizer, tiny_model_dir("llama"), 10, 1, injection_scale=3.0).replace(
+        kind="nla_model", role="av", model_width=10, injection_adapter=a.describe())
+    assert a.describe() == {"kind": "affine", "d_in": 10, "d_out": 10, "file": ADAPTER_FILE, "mean_invariant": True,
+                            "conformal": True}
+    write_sidecar(tmp_path, side)
+    assert "  conformal: true" in (tmp_path / "nla_meta.yaml").read_text()
+    save_adapter_file(a.state_dict(), tmp_path)
+    back = load_adapter_file(tmp_path, load_sidecar(tmp_path))
+    assert back.conformal and back.mean_invariant
+    torch.testing.assert_close(back(src[:5]), a(src[:5]), rtol=0, atol=0)
+    w = back.proj.weight.detach()
+    torch.testing.assert_close(w.T @ w, math.exp(0.8) * torch.eye(10), rtol=0, atol=1e-5)
+    plain = InjectionAdapter(10, 10, mean_invariant=True)
+    save_file({k: v.contiguous() for k, v in plain.state_dict().items()}, str(tmp_path / ADAPTER_FILE))
+    with pytest.raises(ValueError, match="conformal True\\); the file does not belong to this sidecar"):
+        load_adapter_file(tmp_path, load_sidecar(tmp_path))
+    text = (tmp_path / "nla_meta.yaml").read_text()
+    (tmp_path / "nla_meta.yaml").write_text(text.replace("conformal: true", "conformal: 1"))
+    with pytest.raises(SidecarError, match="injection_adapter.conformal: expected true or false"):
+        load_sidecar(tmp_path)
+    (tmp_path / "nla_meta.yaml").write_text(text.replace("d_out: 10", "d_out: 8").replace("hidden_size: 10",
+                                                                                          "hidden_size: 8"))
+    with pytest.raises(SidecarError, match="conformal: true needs d_in == d_out"):
+        load_sidecar(tmp_path)
+
+
 def test_mean_invariant_fit_and_file_round_trip(tmp_path, tiny_tokenizer, tiny_model_dir):
     """The ridge start is fitted on the adapter's view of the source; the file holds the fitted
     mean with the weights and the sidecar says so; a file without them is refused."""
@@ -399,6 +485,53 @@ def test_a_mean_invariant_cross_model_av_keeps_its_fitted_mean_through_rl(cross_
     at = lambda x: 8.0 * x / x.norm(dim=-1, keepdim=True)  # noqa: E731  the hook's injection norm
     with torch.no_grad():
         torch.testing.assert_close(after(at(v + shift)), after(at(v)), rtol=1e-5, atol=1e-5)
+
+
+def test_a_conformal_av_stays_a_gain_times_a_rotation_through_rl(cross_pair, tmp_path):
+    """injection_adapter_conformal on a same-width AV (the subject as its base): the warm-start and
+    RL both train the adapter and its W stays exp(2 log_gain) I under W^T W; on a base of another
+    width it is refused before training, naming the widths."""
+    from nla.rl.backend import build_groups
+    from nla.rl.config import RLConfig
+    from nla.rl.loop import run_rl
+
+    def conformal(adapter):
+        w = adapter.proj.weight.detach().double()
+        g2 = math.exp(2 * float(adapter.proj.parametrizations.weight[0].log_gain.detach()))
+        torch.testing.assert_close(w.T @ w, g2 * torch.eye(w.shape[0], dtype=torch.float64), rtol=0, atol=1e-4 * g2)
+        return w
+
+    av = train_av(AVTrainConfig(dataset=str(cross_pair["av_ds"]), out_dir=str(tmp_path / "av"),
+                                base_model=str(cross_pair["subject"]), injection_adapter="affine",
+                                injection_adapter_conformal=True, injection_adapter_lr_scale=10.0, max_steps=10,
+                                batch_size=8, lr=1e-3, eval_every=10, warmup_steps=0, save_every=1000,
+                                eval_fraction=0.25, smoke_num=0, tensorboard=False, progress=False))
+    side = load_sidecar(av.checkpoint_dir)
+    assert side.injection_adapter["conformal"] is True
+    warm = load_adapter_file(av.checkpoint_dir, side)
+    w_warm = conformal(warm)
+    assert not torch.allclose(w_warm, torch.eye(D_SUBJECT, dtype=torch.float64), atol=1e-4)  # it trained
+    cfg = RLConfig.from_dict(dict(
+        av=str(av.checkpoint_dir), ar=str(cross_pair["ar"].checkpoint_dir), dataset=cross_pair["dataset"],
+        out_dir=str(tmp_path / "rl"), steps=2, eval_every=1000, tensorboard=False, progress=False, seed=0,
+        rollout=dict(rollout_batch_size=4, n_samples_per_prompt=4, max_response_len=16),
+        optimiser=dict(micro_batch_size=16, lr=1e-3), reconstructor=dict(lr=1e-3), checkpointing=dict(save_every=2)))
+    groups = build_groups(cfg)
+    res = run_rl(cfg, groups=groups)
+    groups.close()
+    after = load_adapter_file(res.checkpoint_dir / "av", load_sidecar(res.checkpoint_dir / "av"))
+    assert after.conformal
+    assert not torch.equal(conformal(after), w_warm)  # RL trained it, inside the constraint
+    with pytest.raises(AVTrainError, match="injection_adapter_conformal: the base model .* has width 32, the subject "
+                                           "d_model 64"):
+        train_av(AVTrainConfig(dataset=str(cross_pair["av_ds"]), out_dir=str(tmp_path / "small"),
+                               base_model=str(cross_pair["small"]), injection_adapter="affine",
+                               injection_adapter_conformal=True, max_steps=1, warmup_steps=0, tensorboard=False,
+                               progress=False))
+    with pytest.raises(ValueError, match="'injection_adapter_conformal': expected false unless injection_adapter"):
+        AVTrainConfig(dataset="x", injection_adapter_conformal=True)
+    with pytest.raises(ValueError, match="'injection_adapter_conformal': expected true or false"):
+        AVTrainConfig(dataset="x", injection_adapter="affine", injection_adapter_conformal="yes")
 
 
 @pytest.mark.ray

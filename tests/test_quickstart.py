@@ -183,12 +183,18 @@ def test_injection_adapter_choices_reach_the_av_warm_start(monkeypatch, capsys):
     assert qs.pair_settings("affine") == {"injection_adapter": "affine"}
     assert qs.pair_settings("affine-mean-invariant") == {"injection_adapter": "affine",
                                                          "injection_adapter_mean_invariant": True}
+    assert qs.pair_settings("affine-conformal") == {"injection_adapter": "affine", "injection_adapter_conformal": True}
+    assert qs.pair_settings("affine-conformal-mean-invariant") == {
+        "injection_adapter": "affine", "injection_adapter_mean_invariant": True, "injection_adapter_conformal": True}
     assert qs.pair_settings("none", "/w/d64") == {"base_model": "/w/d64", "injection_adapter": "affine"}
     assert qs.pair_settings("affine-mean-invariant", "/w/d64") == {
         "base_model": "/w/d64", "injection_adapter": "affine", "injection_adapter_mean_invariant": True}
     with pytest.raises(ValueError, match="injection_adapter: expected one of 'none', 'affine', "
-                                         "'affine-mean-invariant', found 'mean'"):
+                                         "'affine-mean-invariant', 'affine-conformal', "
+                                         "'affine-conformal-mean-invariant', found 'mean'"):
         qs.run_quickstart("tiny", "unused", injection_adapter="mean")
+    with pytest.raises(ValueError, match="'affine-conformal' is for a same-model pair .* found pair_world 'default-d64'"):
+        qs.run_quickstart("tiny", "unused", injection_adapter="affine-conformal", pair_world="default-d64")
     seen = {}
 
     def stop(preset, out, **kw):  # the CLI's call, stopped before any stage runs

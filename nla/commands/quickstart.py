@@ -32,10 +32,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pair-roles", default="both", choices=["both", "av"],
                    help="with --pair-world: both roles start from it, or only the AV (the subject's own AR reads)")
     # nla.quickstart.INJECTION_ADAPTERS (not imported here: every command builds this parser)
-    p.add_argument("--injection-adapter", default="none", choices=["none", "affine", "affine-mean-invariant"],
+    p.add_argument("--injection-adapter", default="none", choices=["none", "affine", "affine-mean-invariant", "affine-conformal",
+                                                                     "affine-conformal-mean-invariant"],
                    help="affine: the same-model AV learns an affine injection adapter instead of the fixed scale; "
                         "affine-mean-invariant: one that reads vectors shifted along the training mean (a "
-                        "difference of means, an offset) like the training data (docs/cross-model.md)")
+                        "difference of means, an offset) like the training data; affine-conformal: its weight a "
+                        "learned gain times a rotation, so every direction is scaled alike (same-model only; "
+                        "docs/cross-model.md)")
     p.add_argument("--mean-shift-augment", type=non_negative_float, default=0.0, metavar="M",
                    help="train the AV on vectors with a*mean added (a uniform in [-M, M], the response unchanged) so "
                         "it reads a shifted mean (a difference of means, an offset) like the training data; 0: off "

@@ -261,7 +261,12 @@ def _injection_adapter(cfg: AVTrainConfig, side: NLAConfig, model: Any, src: str
                 f"injection_adapter: the base model {src} has width {d} but the dataset's vectors have d_model "
                 f"{side.d_model}; a model of another width reads them through a learned map: set injection_adapter: "
                 "affine (or --set injection_adapter=affine), or use the subject the dataset was extracted from")
-        adapter = InjectionAdapter(side.d_model, d, seed=cfg.seed, mean_invariant=cfg.injection_adapter_mean_invariant)
+        if cfg.injection_adapter_conformal and d != side.d_model:
+            raise AVTrainError(f"injection_adapter_conformal: the base model {src} has width {d}, the subject "
+                               f"d_model {side.d_model}; a gain times a rotation maps a width onto itself. Set "
+                               "injection_adapter_conformal: false for a cross-model pair")
+        adapter = InjectionAdapter(side.d_model, d, seed=cfg.seed, mean_invariant=cfg.injection_adapter_mean_invariant,
+                                   conformal=cfg.injection_adapter_conformal)
         if adapter.mean_invariant:
             tan = adapter.set_mean(torch.from_numpy(np.ascontiguousarray(vectors)))
             logger.info("AV: mean-invariant injection adapter (the training mean's direction fitted on %d vectors; "

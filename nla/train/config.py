@@ -220,6 +220,10 @@ class AVTrainConfig(_TrainBase):
         training vectors' mean replaced by the training data's typical one
         (``InjectionAdapter.canonical``), so a vector shifted along that mean (a difference of
         means, an offset) is read like the training data; needs ``injection_adapter: affine``.
+    injection_adapter_conformal: the adapter's ``W`` is a learned gain times a learned rotation
+        (``nla.injection.ScaledRotation``), so it scales every direction of the vector alike and
+        cannot amplify the directions the AV already reads over the others; needs
+        ``injection_adapter: affine`` and a base of the subject's width.
     """
 
     out_dir: str = "runs/train_av"
@@ -231,6 +235,7 @@ class AVTrainConfig(_TrainBase):
     mean_shift_augment: float = 0.0
     injection_adapter_lr_scale: float = 1.0
     injection_adapter_mean_invariant: bool = False
+    injection_adapter_conformal: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -257,6 +262,11 @@ class AVTrainConfig(_TrainBase):
         if self.injection_adapter_mean_invariant and self.injection_adapter != "affine":
             _bad("injection_adapter_mean_invariant", "false unless injection_adapter is 'affine' (it is a view the "
                  "learned adapter takes; set injection_adapter: affine too)", self.injection_adapter_mean_invariant)
+        if not isinstance(self.injection_adapter_conformal, bool):
+            _bad("injection_adapter_conformal", "true or false", self.injection_adapter_conformal)
+        if self.injection_adapter_conformal and self.injection_adapter != "affine":
+            _bad("injection_adapter_conformal", "false unless injection_adapter is 'affine' (it constrains the "
+                 "learned adapter; set injection_adapter: affine too)", self.injection_adapter_conformal)
         v = self.injection_adapter_lr_scale
         if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
             _bad("injection_adapter_lr_scale", "a positive number (1: the model's lr)", v)
