@@ -48,7 +48,8 @@ class ScaledRotation(nn.Module):
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.log_gain = nn.Parameter(torch.zeros((), dtype=dtype))
+        # [1], not a scalar: FSDP2's fully_shard refuses 0-d parameters
+        self.log_gain = nn.Parameter(torch.zeros(1, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
         u = x.triu(1)
