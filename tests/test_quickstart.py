@@ -202,10 +202,18 @@ def test_injection_adapter_choices_reach_the_av_warm_start(monkeypatch, capsys):
         raise ValueError("stopped here")
 
     monkeypatch.setattr(qs, "run_quickstart", stop)
+    outs = {}
     for choice in qs.INJECTION_ADAPTERS:
         assert main(["quickstart", "--injection-adapter", choice]) == 2
         assert seen["injection_adapter"] == choice
-    assert seen["out"].endswith("runs/quickstart-default-adapter-mean-invariant")
+        outs[choice] = seen["out"]
+    # every choice its own run dir: two settings sharing one would resume each other's stages
+    assert outs == {"none": "runs/quickstart-default", "affine": "runs/quickstart-default-adapter",
+                    "affine-mean-invariant": "runs/quickstart-default-adapter-mean-invariant",
+                    "affine-conformal": "runs/quickstart-default-adapter-conformal",
+                    "affine-conformal-mean-invariant": "runs/quickstart-default-adapter-conformal-mean-invariant"}
+    assert main(["quickstart", "--pair-world", "default-d64", "--injection-adapter", "affine-mean-invariant"]) == 2
+    assert seen["out"] == "runs/quickstart-default-pair-default-d64-mean-invariant"
     with pytest.raises(SystemExit):
         main(["quickstart", "--injection-adapter", "mean"])
     assert "invalid choice: 'mean'" in capsys.readouterr().err

@@ -46,14 +46,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _adapter_suffix(choice: str, pair_world: str | None) -> str:
+    """The run dir's part for --injection-adapter: every choice its own dir, so two settings never share
+    a run ("affine-conformal" -> "-adapter-conformal"; a cross-model pair always has the affine adapter,
+    so only what follows "affine" is named there)."""
+    if choice == "none":
+        return ""
+    rest = choice.removeprefix("affine")
+    return rest if pair_world else "-adapter" + rest
+
+
 def run(args: argparse.Namespace) -> int:
     from nla.quickstart import run_quickstart
     from nla.validation import check_output_path
 
     default_out = (f"runs/quickstart-{args.preset}" + (f"-pair-{args.pair_world}" if args.pair_world else "")
                    + ("-av" if args.pair_world and args.pair_roles == "av" else "")
-                   + ("-adapter" if args.injection_adapter != "none" and not args.pair_world else "")
-                   + ("-mean-invariant" if args.injection_adapter == "affine-mean-invariant" else "")
+                   + _adapter_suffix(args.injection_adapter, args.pair_world)
                    + (f"-augment{args.mean_shift_augment:g}" if args.mean_shift_augment else "")
                    + (f"-seed{args.seed}" if args.seed else ""))
     out = str(check_output_path(args.out or default_out, "--out"))
