@@ -4,6 +4,8 @@
 #
 #   bash bench/gpu_check.sh                      # OUT=$OUT or runs/gpu_check; STEPS=20
 #   DEVICE=cpu PRESET=tiny bash bench/gpu_check.sh   # the same flow on a CPU (how it is tested here)
+#   FROM_RUN=runs/quickstart-default bash bench/gpu_check.sh   # skip step 1: time RL from a run made
+#                                                # elsewhere (carry its datagen, av, ar and rl/rl_config.yaml)
 #
 # What it needs there: python3 with torch, transformers >= 5.0, tokenizers, safetensors, pyarrow,
 # numpy, pyyaml, tqdm and matplotlib. The lent machine's image has all of them (torch 2.11,
@@ -13,7 +15,7 @@
 # -d .whl NAME==VERSION`), carry `.whl` and set WHEELS=.whl: they are installed into /tmp/site
 # without network before anything runs.
 #
-# Steps (about 7 minutes on an H200 by estimate; it has not run on one yet: BENCHMARKS.md):
+# Steps (with FROM_RUN, 3 minutes on an H200: BENCHMARKS.md, "The GPU check on the H200"):
 # 1. `nla quickstart --preset $PRESET` builds the world, the data and the warm-started pair (every
 #    stage on the GPU where it has one) and runs its own RL and evaluations;
 # 2. the RL stage again from its rl_config.yaml for $STEPS steps on $DEVICE in $DTYPE (bf16
@@ -58,9 +60,17 @@ fi
 echo "preset $PRESET, RL $STEPS steps on $DEVICE in $DTYPE -> $OUT"
 
 T0=$(date +%s)
-"$PY" -m nla.cli quickstart --preset "$PRESET" --out "$OUT/quickstart" --no-progress
+if [ -n "${FROM_RUN:-}" ]; then
+  # A quickstart run made elsewhere (carried): its warm-started pair and data, its RL config; only
+  # the RL runs below are timed here. Its headline is the other machine's.
+  QS=$FROM_RUN
+  echo "using the quickstart run $QS (made elsewhere; step 1 skipped)"
+else
+  QS=$OUT/quickstart
+  "$PY" -m nla.cli quickstart --preset "$PRESET" --out "$QS" --no-progress
+fi
 T1=$(date +%s)
-CFG="$OUT/quickstart/rl/rl_config.yaml"
+CFG="$QS/rl/rl_config.yaml"
 test -f "$CFG" || { echo "missing $CFG: the quickstart did not reach its RL stage" >&2; exit 1; }
 rm -rf "$OUT/rl" "$OUT/rl_lora"
 RL_ARGS=(--steps "$STEPS" --set device="$DEVICE" --set dtype="$DTYPE" --set progress=false
@@ -74,15 +84,15 @@ if [ "$LORA" = 1 ]; then
 fi
 T3=$(date +%s)
 
-"$PY" - "$OUT" "$DTYPE" "$DEVICE" "$((T1 - T0))" "$((T2 - T1))" "$((T3 - T2))" $RUNS <<'PYEOF'
+"$PY" - "$OUT" "$QS" "${FROM_RUN:+carried}" "$DTYPE" "$DEVICE" "$((T1 - T0))" "$((T2 - T1))" "$((T3 - T2))" $RUNS <<'PYEOF'
 import json, statistics, sys
 from pathlib import Path
 
 import yaml
 
-out, dtype, device = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-qs_s, rl_s, lora_s, runs = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7:]
-cfg = yaml.safe_load((out / "quickstart" / "rl" / "rl_config.yaml").read_text())
+out, qs, carried, dtype, device = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "carried", sys.argv[4], sys.argv[5]
+qs_s, rl_s, lora_s, runs = int(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8]), sys.argv[9:]
+cfg = yaml.safe_load((qs / "rl" / "rl_config.yaml").read_text())
 samples = cfg["rollout"]["rollout_batch_size"] * cfg["rollout"]["n_samples_per_prompt"]
 
 
@@ -106,8 +116,10 @@ print(f"\n| measure ({device}, {dtype}, {samples} samples per step) | " + " | ".
 print("|---|" + "---|" * len(runs))
 for key in cols[runs[0]]:
     print(f"| {key} | " + " | ".join(cols[r][key] for r in runs) + " |")
-head = json.loads((out / "quickstart" / "report.json").read_text())["headline"]
-print(f"\nquickstart wall {qs_s} s (world, data, warm-starts, its RL, evals); round-trip FVE warm -> RL "
+head = json.loads((qs / "report.json").read_text())["headline"]
+print("\nthe quickstart run was made elsewhere (FROM_RUN); its figures:" if carried else
+      f"\nquickstart wall {qs_s} s (world, data, warm-starts, its RL, evals);", end="")
+print(" round-trip FVE warm -> RL "
       f"{head['round_trip_fve_warmstart']:.3f} -> {head['round_trip_fve_rl']:.3f}; recall / precision after RL "
       f"{head['recall_rl']:.3f} / {head['precision_rl']:.3f}")
 PYEOF
