@@ -251,3 +251,58 @@ def test_mean_shift_augment_reaches_the_av_warm_start(monkeypatch, capsys):
             main(["quickstart", "--mean-shift-augment", bad])
     err = capsys.readouterr().err
     assert "expected a finite number >= 0, found -0.5" in err and "expected a number >= 0, found 'lots'" in err
+
+
+def test_injection_draw_keeps_the_run_and_changes_only_the_av(run_dir, tmp_path):
+    """bench/injection_draws.py: a draw on a quickstart run retrains only the AV with the variant's
+    settings and its seed, RLs it with the run's RL config and frozen AR, evaluates it as the
+    quickstart does, resumes from its outputs, and the table reads the same figures back."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    bench_dir = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench_dir))
+    try:
+        spec = importlib.util.spec_from_file_location("injection_draws", bench_dir / "injection_draws.py")
+        draws = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(draws)
+        with pytest.raises(SystemExit, match="--variant: expected one of none, affine, .*found 'rotation'"):
+            draws.run_draw(run_dir, "rotation", None, None, 0.0, tmp_path / "x", 8)
+        with pytest.raises(SystemExit, match="not a finished quickstart run"):
+            draws.run_draw(tmp_path, "none", None, None, 0.0, tmp_path / "x", 8)
+        short = ({"max_steps": 40, "eval_every": 20, "save_every": 40},  # a short recipe keeps CI's time
+                 {"steps": 4, "eval_every": 2, "checkpointing.save_every": 4})
+        out = draws.run_draw(run_dir, "affine-conformal", 5, 1, 0.0, tmp_path / "draw", 8, *short)
+        av_dir = Path(json.loads((out / "av.json").read_text())["checkpoint"])
+        side = yaml.safe_load((av_dir / "nla_meta.yaml").read_text())
+        assert side["injection_adapter"]["conformal"] is True and "mean_invariant" not in side["injection_adapter"]
+        av_cfg = yaml.safe_load((av_dir / "train_config.yaml").read_text())
+        run_av = json.loads((run_dir / "av.stage_done.json").read_text())["config"]
+        assert (av_cfg["seed"], av_cfg["threads"], av_cfg["injection_adapter"]) == (5, 1, "affine")
+        assert av_cfg["max_steps"] == 40 and av_cfg["lr"] == run_av["lr"] and av_cfg["dataset"].endswith(
+            run_av["dataset"])
+        rl_cfg = yaml.safe_load((out / "rl" / "rl_config.yaml").read_text())
+        run_rl = yaml.safe_load((run_dir / "rl" / "rl_config.yaml").read_text())
+        assert rl_cfg["ar"] == run_rl["ar"] and rl_cfg["av"] == str(av_dir) and rl_cfg["steps"] == 4
+        assert rl_cfg["rollout"] == run_rl["rollout"] and rl_cfg["loss"] == run_rl["loss"]
+        draw = json.loads((out / "draw.json").read_text())
+        assert draw["eval_rl"] == json.loads((out / "eval_rl" / "eval.json").read_text())
+        assert set(draw["shifted"]) == {"centred", "offset"} and draw["train_seed"] == 5
+        stamp = (av_dir / "model.safetensors").stat().st_mtime_ns
+        draws.run_draw(run_dir, "affine-conformal", 5, 1, 0.0, tmp_path / "draw", 8, *short)  # resumes, retrains nothing
+        assert (av_dir / "model.safetensors").stat().st_mtime_ns == stamp
+        text, data = draws.table([run_dir, out], 8)
+    finally:
+        sys.path.remove(str(bench_dir))
+    report = json.loads((run_dir / "report.json").read_text())
+    run_fig, draw_fig = data["figures"]
+    assert run_fig["fve_rl"] == report["headline"]["round_trip_fve_rl"]
+    assert run_fig["recall_rl"] == report["headline"]["recall_rl"]
+    rt = next(r for r in draw["eval_rl"]["rows"] if r["name"] == "AV → AR round trip")
+    assert draw_fig["fve_rl"] == rt["fve"] and draw_fig["recall_rl"] == rt["faithfulness"]["recall"]
+    assert draw_fig["centred_recall"] == draw["shifted"]["centred"]["recall"]
+    assert set(data["summary"]) == {"none", "affine-conformal"}
+    assert f"| affine-conformal, world 0, S = 5, T = 1 | {draw_fig['fve_warm']:.3f} → {draw_fig['fve_rl']:.3f} |" in text
