@@ -6,7 +6,7 @@ worlds (the quickstart's --seed) times training seeds of the AV warm-start. A dr
 world, data, AR warm-start and RL config and changes only the AV's injection and training seed:
 
     python bench/injection_draws.py RUN --variant affine-conformal-mean-invariant [--train-seed S] [--threads T]
-        [--av-set KEY=VALUE ...] [--rl-set KEY=VALUE ...]
+        [--av-set KEY=VALUE ...] [--rl-set KEY=VALUE ...] [--recipe-from RUN0]
     python bench/injection_draws.py --table RUN_OR_DRAW [RUN_OR_DRAW ...] [--json F]
 
 RUN: a quickstart run directory (`nla quickstart --seed W`). --variant: one of
@@ -20,9 +20,10 @@ shifted vectors (bench/shifted_vectors.py's centred and offset, --max-rows rows)
 DRAW/draw.json (out: RUN/draws/<variant>-s<S>-t<T>[-aug<M>]).
 
 --table prints a row per run or draw (a quickstart run is its own draw: the fixed scale at its
-seed) and, per variant, mean ± sample sd over the draws given: FVE warm-start -> RL, the frozen
-warm-start AR, recall / precision, recall per kind, centred and offset vectors, the kinds the
-warm-started AV does not read (nla.report.unread_kinds) and degenerate outputs.
+seed): FVE warm-start -> RL, the frozen warm-start AR and the oracle (every true fact) after RL,
+recall / precision, recall per kind, centred and offset vectors, the kinds the warm-started AV
+does not read (nla.report.unread_kinds) and degenerate outputs; and per variant, mean ± sample sd
+over the draws given.
 """
 
 from __future__ import annotations
@@ -51,9 +52,41 @@ def _done(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+_PER_RUN = ("dataset", "out_dir", "seed", "threads", "progress")  # what differs between two runs of one preset
+
+
+def _stages(run: Path, recipe_from: Path | None) -> tuple[dict[str, Any], Path, dict[str, Any]]:
+    """The run's ar, av, rl and eval_rl stage records, the RL config file and the RL settings that
+    point at the run's own data. recipe_from: a finished run of the same preset whose AV, RL and
+    eval configs are taken, with this run's data and seed, when RUN has only its world, data and AR
+    (a draw does not need the run's own AV and RL: that is its fixed scale at its own seed)."""
+    names = ("ar", "av", "rl", "eval_rl")
+    stages = {s: json.loads((run / f"{s}.stage_done.json").read_text()) for s in names
+              if (run / f"{s}.stage_done.json").is_file()}
+    if len(stages) == 4:
+        return stages, _resolve(run, stages["rl"]["checkpoint"]).parent.parent / "rl_config.yaml", {}
+    if recipe_from is None or "ar" not in stages:
+        raise SystemExit(f"{run}: not a finished quickstart run (its ar, av, rl and eval_rl stages must be done; "
+                         "with --recipe-from a finished run of the same preset, its ar stage is enough)")
+    base, rl_yaml, _ = _stages(recipe_from, None)
+    same = [{k: v for k, v in st["ar"]["config"].items() if k not in _PER_RUN} for st in (stages, base)]
+    if same[0] != same[1]:
+        raise SystemExit(f"--recipe-from {recipe_from}: not the same preset as {run} (their AR warm-starts differ "
+                         f"beyond data, seed and threads: {same[1]} vs {same[0]})")
+    seed = stages["ar"]["config"].get("seed", 0)
+    datagen = Path(stages["ar"]["config"]["dataset"]).parent  # recorded as the run recorded its own
+    av = {k: v for k, v in base["av"]["config"].items() if k != "seed"}
+    av.update(dataset=str(datagen / "av_sft.parquet"), **({"seed": seed} if seed else {}))
+    stages = {**base, "ar": stages["ar"], "av": {**base["av"], "config": av}}
+    rl_paths = {"dataset": str(_resolve(run, datagen / "rl_train.parquet")),
+                "eval_dataset": str(_resolve(run, datagen / "eval.parquet")),
+                "reconstructor.replay_dataset": str(_resolve(run, datagen / "ar_sft.parquet")), "seed": seed}
+    return stages, rl_yaml, rl_paths
+
+
 def run_draw(run: Path, variant: str, train_seed: int | None, threads: int | None, augment: float,
              out: Path | None, max_rows: int, av_set: dict[str, Any] | None = None,
-             rl_set: dict[str, Any] | None = None) -> Path:
+             rl_set: dict[str, Any] | None = None, recipe_from: Path | None = None) -> Path:
     from nla.quickstart import INJECTION_ADAPTERS, _evaluate, _rl, _train, pair_settings
     from nla.rl.config import load_rl_config
     from nla.rl.loop import run_rl
@@ -63,10 +96,7 @@ def run_draw(run: Path, variant: str, train_seed: int | None, threads: int | Non
 
     if variant not in INJECTION_ADAPTERS:
         raise SystemExit(f"--variant: expected one of {', '.join(INJECTION_ADAPTERS)}, found {variant!r}")
-    stages = {s: json.loads((run / f"{s}.stage_done.json").read_text()) for s in ("ar", "av", "rl", "eval_rl")
-              if (run / f"{s}.stage_done.json").is_file()}
-    if len(stages) != 4:
-        raise SystemExit(f"{run}: not a finished quickstart run (its ar, av, rl and eval_rl stages must be done)")
+    stages, rl_yaml, rl_paths = _stages(run, recipe_from)
     av_cfg = dict(stages["av"]["config"])
     seed = av_cfg.get("seed", 0) if train_seed is None else train_seed
     threads = av_cfg["threads"] if threads is None else threads
@@ -98,9 +128,8 @@ def run_draw(run: Path, variant: str, train_seed: int | None, threads: int | Non
     rl = _done(out / "rl.json")
     if rl is None:
         print(f"[{name}] RL", file=sys.stderr, flush=True)
-        cfg = load_rl_config(_resolve(run, stages["rl"]["checkpoint"]).parent.parent / "rl_config.yaml",
-                             {**(rl_set or {}), "av": av["checkpoint"], "ar": frozen, "out_dir": str(out / "rl"),
-                              "threads": threads})
+        cfg = load_rl_config(rl_yaml, {**rl_paths, **(rl_set or {}), "av": av["checkpoint"], "ar": frozen,
+                                       "out_dir": str(out / "rl"), "threads": threads})
         rl = _rl(run_rl, cfg)
         (out / "rl.json").write_text(json.dumps(rl, default=str))
     after = _done(out / "eval_rl" / "eval.json")
@@ -193,7 +222,7 @@ def _ms(vals: list[float | None]) -> str:
 def table(paths: list[Path], max_rows: int) -> tuple[str, dict[str, Any]]:
     draws = [load_draw(p, max_rows) for p in paths]
     figs = [figures(d) for d in draws]
-    head = ("| draw (variant, world seed, training seed, threads) | FVE warm → RL | frozen AR | recall / precision "
+    head = ("| draw (variant, world seed, training seed, threads) | FVE warm → RL | frozen AR / oracle | recall / precision "
             "| recall after RL: " + " / ".join(KINDS) + " | centred FVE / recall / precision | offset FVE / recall "
             "/ precision | not read at warm-start | degenerate |")
     lines = [head, "|" + "---|" * 9]
@@ -203,8 +232,8 @@ def table(paths: list[Path], max_rows: int) -> tuple[str, dict[str, Any]]:
         kinds = " / ".join(_f(f["kinds_rl"].get(k), 2) for k in KINDS)
         unread = ", ".join(f"{k} ({_f(f['kinds_warm'].get(k), 2)} → {_f(f['kinds_rl'].get(k), 2)})"
                            for k in f["unread"]) or "–"
-        lines.append(f"| {label} | {_f(f['fve_warm'])} → {_f(f['fve_rl'])} | {_f(f['frozen_ar_fve_rl'])} | "
-                     f"{_f(f['recall_rl'])} / {_f(f['precision_rl'])} | {kinds} | "
+        lines.append(f"| {label} | {_f(f['fve_warm'])} → {_f(f['fve_rl'])} | {_f(f['frozen_ar_fve_rl'])} / "
+                     f"{_f(f['oracle_fve_rl'])} | {_f(f['recall_rl'])} / {_f(f['precision_rl'])} | {kinds} | "
                      + " | ".join(" / ".join(_f(f[f"{h}_{k}"]) for k in ("fve", "recall", "precision"))
                                   for h in SHIFTED)
                      + f" | {unread} | {_f(100 * (f['degenerate_rl'] or 0), 1)} % |")
@@ -244,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rl-set", action="append", default=[], metavar="KEY=VALUE",
                     help="another RL setting, section keys dotted (e.g. steps=200)")
     ap.add_argument("--max-rows", type=int, default=400, help="rows of the shifted-vector evals")
+    ap.add_argument("--recipe-from", type=Path, default=None, metavar="RUN0",
+                    help="a finished run of the same preset: its AV, RL and eval configs (with RUN's data and "
+                         "seed) when RUN has only its world, data and AR")
     ap.add_argument("--table", action="store_true", help="print the table over the runs and draws given")
     ap.add_argument("--json", type=Path, default=None, help="with --table: also write the figures here")
     args = ap.parse_args(argv)
@@ -258,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     from nla.train.config import parse_overrides
 
     run_draw(args.paths[0], args.variant, args.train_seed, args.threads, args.mean_shift_augment, args.out,
-             args.max_rows, parse_overrides(args.av_set), parse_overrides(args.rl_set))
+             args.max_rows, parse_overrides(args.av_set), parse_overrides(args.rl_set), args.recipe_from)
     return 0
 
 

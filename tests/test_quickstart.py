@@ -295,6 +295,30 @@ def test_injection_draw_keeps_the_run_and_changes_only_the_av(run_dir, tmp_path)
         draws.run_draw(run_dir, "affine-conformal", 5, 1, 0.0, tmp_path / "draw", 8, *short)  # resumes, retrains nothing
         assert (av_dir / "model.safetensors").stat().st_mtime_ns == stamp
         text, data = draws.table([run_dir, out], 8)
+        # --recipe-from: a run with only its world, data and AR takes a finished run's AV, RL and eval
+        # configs with its own data; applied to the recipe's own AR it gives the recipe run back
+        import shutil
+
+        from nla.rl.config import load_rl_config
+
+        only_ar = tmp_path / "only-ar"
+        only_ar.mkdir()
+        shutil.copy(run_dir / "ar.stage_done.json", only_ar)
+        with pytest.raises(SystemExit, match="not a finished quickstart run.*--recipe-from"):
+            draws._stages(only_ar, None)
+        stages, rl_yaml, rl_paths = draws._stages(only_ar, run_dir)
+        assert stages["av"]["config"] == run_av and stages["eval_rl"] == json.loads(
+            (run_dir / "eval_rl.stage_done.json").read_text())
+        mine, theirs = load_rl_config(rl_yaml, rl_paths), load_rl_config(run_dir / "rl" / "rl_config.yaml")
+        for got, want in ((mine.dataset, theirs.dataset), (mine.eval_dataset, theirs.eval_dataset),
+                          (mine.reconstructor.replay_dataset, theirs.reconstructor.replay_dataset)):
+            assert draws._resolve(run_dir, got) == draws._resolve(run_dir, want)
+        assert mine.seed == theirs.seed and mine.loss == theirs.loss
+        other = json.loads((run_dir / "ar.stage_done.json").read_text())
+        other["config"]["max_steps"] += 1
+        (only_ar / "ar.stage_done.json").write_text(json.dumps(other))
+        with pytest.raises(SystemExit, match="not the same preset"):
+            draws._stages(only_ar, run_dir)
     finally:
         sys.path.remove(str(bench_dir))
     report = json.loads((run_dir / "report.json").read_text())
