@@ -136,8 +136,10 @@ def run_draw(run: Path, variant: str, train_seed: int | None, threads: int | Non
     if after is None:
         print(f"[{name}] eval of the RL'd pair", file=sys.stderr, flush=True)
         after = _evaluate(rl["av"], rl["ar"], eval_ds, out / "eval_rl", kw, frozen)["report"]
-    shifted = _done(out / "shifted.json") or shifted_rows(rl["av"], rl["ar"], eval_ds, max_rows)
-    (out / "shifted.json").write_text(json.dumps(shifted, indent=1))
+    shifted = _done(out / "shifted.json")
+    if shifted is None:
+        shifted = shifted_rows(rl["av"], rl["ar"], eval_ds, max_rows, kw["max_new_tokens"])
+        (out / "shifted.json").write_text(json.dumps(shifted, indent=1))
     draw = {"run": str(run), "variant": variant, "train_seed": seed, "threads": threads, "mean_shift_augment": augment,
             "world_seed": stages["av"]["config"].get("seed", 0), "eval_warmstart": warm, "eval_rl": after,
             "shifted": shifted, "shifted_rows": max_rows, "av_set": av_set or {}, "rl_set": rl_set or {}}
@@ -146,7 +148,8 @@ def run_draw(run: Path, variant: str, train_seed: int | None, threads: int | Non
     return out
 
 
-def shifted_rows(av: str, ar: str, eval_ds: Path, max_rows: int) -> dict[str, dict[str, float | None]]:
+def shifted_rows(av: str, ar: str, eval_ds: Path, max_rows: int,
+                 max_new_tokens: int) -> dict[str, dict[str, float | None]]:
     """The RL'd pair on the centred and offset held-out vectors (bench/shifted_vectors.py's shifts;
     a norm shift reads exactly as the vector as it is: the injection rescales first)."""
     import tempfile
@@ -160,7 +163,7 @@ def shifted_rows(av: str, ar: str, eval_ds: Path, max_rows: int) -> dict[str, di
     with tempfile.TemporaryDirectory() as tmp:
         for how in SHIFTED:
             rep = evaluate_pair(client, write_shifted(eval_ds, how, Path(tmp)), max_rows=max_rows,
-                                text_explainer_baseline=False, max_new_tokens=64).to_dict()
+                                text_explainer_baseline=False, max_new_tokens=max_new_tokens).to_dict()
             row = next(r for r in rep["rows"] if r["name"] == ROW_ROUND_TRIP)
             faith = row.get("faithfulness") or {}
             res[how] = {"fve": row.get("fve"), "recall": faith.get("recall"), "precision": faith.get("precision")}
@@ -178,6 +181,7 @@ def load_draw(path: Path, max_rows: int) -> dict[str, Any]:
     report = json.loads(rep.read_text())
     av_cfg = json.loads((path / "av.stage_done.json").read_text())["config"]
     rl = json.loads((path / "rl.stage_done.json").read_text())
+    new_tokens = json.loads((path / "eval_rl.stage_done.json").read_text())["config"]["max_new_tokens"]
     cache = path / "draws" / f"shifted-{max_rows}.json"
     if not cache.is_file():
         from nla.threads import apply_threads
@@ -185,7 +189,8 @@ def load_draw(path: Path, max_rows: int) -> dict[str, Any]:
         apply_threads(av_cfg["threads"])
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(shifted_rows(str(_resolve(path, rl["av"])), str(_resolve(path, rl["ar"])),
-                                                 path / "datagen" / "eval.parquet", max_rows), indent=1))
+                                                 path / "datagen" / "eval.parquet", max_rows, new_tokens),
+                                    indent=1))
     variant = "none" if av_cfg.get("injection_adapter", "none") == "none" else "quickstart adapter run"
     return {"run": str(path), "variant": variant, "train_seed": av_cfg.get("seed", 0), "threads": av_cfg["threads"],
             "mean_shift_augment": av_cfg.get("mean_shift_augment", 0.0), "world_seed": av_cfg.get("seed", 0),
@@ -194,10 +199,11 @@ def load_draw(path: Path, max_rows: int) -> dict[str, Any]:
 
 
 def figures(draw: dict[str, Any]) -> dict[str, Any]:
+    from nla.evaluation import ROW_ROUND_TRIP
     from nla.report import faithfulness_summary, kind_summary, unread_kinds
 
     w, a = draw["eval_warmstart"], draw["eval_rl"]
-    rt = lambda rep: next(r for r in rep["rows"] if r["name"] == "AV → AR round trip")  # noqa: E731
+    rt = lambda rep: next(r for r in rep["rows"] if r["name"] == ROW_ROUND_TRIP)  # noqa: E731
     warm_kinds = kind_summary(w)
     fig = {"fve_warm": rt(w)["fve"], "fve_rl": rt(a)["fve"], **faithfulness_summary(w, a),
            "kinds_rl": {k: v[0] for k, v in kind_summary(a).items()},
@@ -219,6 +225,10 @@ def _ms(vals: list[float | None]) -> str:
     return f"{statistics.mean(vals):.3f} ± {statistics.stdev(vals):.3f}"
 
 
+def _variant(d: dict[str, Any]) -> str:
+    return d["variant"] + (f" + augment {d['mean_shift_augment']:g}" if d["mean_shift_augment"] else "")
+
+
 def table(paths: list[Path], max_rows: int) -> tuple[str, dict[str, Any]]:
     draws = [load_draw(p, max_rows) for p in paths]
     figs = [figures(d) for d in draws]
@@ -227,8 +237,7 @@ def table(paths: list[Path], max_rows: int) -> tuple[str, dict[str, Any]]:
             "/ precision | not read at warm-start | degenerate |")
     lines = [head, "|" + "---|" * 9]
     for d, f in zip(draws, figs, strict=True):
-        label = (f"{d['variant']}" + (f" + augment {d['mean_shift_augment']:g}" if d["mean_shift_augment"] else "")
-                 + f", world {d['world_seed']}, S = {d['train_seed']}, T = {d['threads']}")
+        label = f"{_variant(d)}, world {d['world_seed']}, S = {d['train_seed']}, T = {d['threads']}"
         kinds = " / ".join(_f(f["kinds_rl"].get(k), 2) for k in KINDS)
         unread = ", ".join(f"{k} ({_f(f['kinds_warm'].get(k), 2)} → {_f(f['kinds_rl'].get(k), 2)})"
                            for k in f["unread"]) or "–"
@@ -239,8 +248,7 @@ def table(paths: list[Path], max_rows: int) -> tuple[str, dict[str, Any]]:
                      + f" | {unread} | {_f(100 * (f['degenerate_rl'] or 0), 1)} % |")
     groups: dict[str, list[dict[str, Any]]] = {}
     for d, f in zip(draws, figs, strict=True):
-        key = d["variant"] + (f" + augment {d['mean_shift_augment']:g}" if d["mean_shift_augment"] else "")
-        groups.setdefault(key, []).append(f)
+        groups.setdefault(_variant(d), []).append(f)
     lines += ["", f"Mean ± sample sd over the draws of each variant (centred / offset on {max_rows} rows):", "",
               "| variant (draws) | FVE warm | FVE RL | frozen AR | recall RL | precision RL | worst kind after RL "
               "(min over draws) | centred recall / precision | offset recall / precision |", "|" + "---|" * 9]
