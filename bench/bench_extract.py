@@ -1,6 +1,6 @@
 """Benchmark datagen: extraction throughput on the world subject model, and 100k-row vector load time.
 
-    .venv/bin/python bench/bench_extract.py [--preset tiny] [--docs 400] [--rows 100000]
+    .venv/bin/python -m bench.bench_extract [--preset tiny] [--docs 400] [--rows 100000]
 
 Prints tokens/s of `extract_activations` (batched, hook stops after block K)
 against a plain one-document-at-a-time `output_hidden_states=True` loop, and

@@ -5,11 +5,11 @@ Builds the local backend's roles (policy, reference, rollout) for one RL step an
 the step, the distinct parameter storages of the three roles (the rollout shares the policy;
 full fine-tuning keeps a reference copy, LoRA reads the same module with its adapters off),
 the buffers, Adam's state, and one gradient per trainable value (the step's peak)
-(``nla.lora.held_state_bytes``). Ratios are full ÷ LoRA, from the same run.
+(``nla.core.lora.held_state_bytes``). Ratios are full ÷ LoRA, from the same run.
 
-    .venv/bin/python bench/bench_lora_memory.py                       # the RL test's tiny config (d=64)
-    .venv/bin/python bench/bench_lora_memory.py --from-run runs/quickstart-default --ranks 4,16
-    .venv/bin/python bench/bench_lora_memory.py --stage sft [--from-run runs/quickstart-default]
+    .venv/bin/python -m bench.bench_lora_memory                       # the RL test's tiny config (d=64)
+    .venv/bin/python -m bench.bench_lora_memory --from-run runs/quickstart-default --ranks 4,16
+    .venv/bin/python -m bench.bench_lora_memory --stage sft [--from-run runs/quickstart-default]
 
 In the warm-starts the count is one model (no reference or rollout copy) and its optimiser
 after one step on the stage's own dataset (the run's ``datagen/{av,ar}_sft.parquet``); the AR
@@ -20,19 +20,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_rl_backends import build_pair, run_config  # noqa: E402
-
-from nla.lora import held_state_bytes  # noqa: E402
-from nla.rl.backend import build_groups  # noqa: E402
-from nla.rl.config import RLConfig  # noqa: E402
-from nla.rl.loop import run_rl  # noqa: E402
+from bench.bench_rl_backends import build_pair, run_config
+from nla.core.lora import held_state_bytes
+from nla.rl.backend import build_groups
+from nla.rl.config import RLConfig
+from nla.rl.loop import run_rl
 
 
 def held(cfg: RLConfig) -> dict[str, int]:

@@ -7,7 +7,7 @@ score the same samples (random lengths 20-60 tokens); the baseline is
 measured in the same run, and the script checks that both give the same
 rewards before printing the speed-up.
 
-    .venv/bin/python bench/bench_reward_batching.py [--n 512] [--batch-size 64]
+    .venv/bin/python -m bench.bench_reward_batching [--n 512] [--batch-size 64]
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaModel
 
-from nla.reconstructor import last_token_index
-from nla.reward import RewardBatcher, mse_to_reward, score_all
+from nla.core.reconstructor import last_token_index
+from nla.core.reward import mse_to_reward
+from nla.rl.reward import RewardBatcher, score_all
 
 
 def build_ar(d: int, layers: int, vocab: int, seed: int) -> tuple[LlamaModel, torch.nn.Linear]:

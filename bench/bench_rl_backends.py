@@ -7,7 +7,7 @@ weight sync through a full state dict) on a model small enough that compute is c
 Each layout runs ``--steps`` RL steps; the first step (step-0 guard, warm-up) is dropped
 and the median of the rest is reported, with the time to build the worker groups.
 
-    .venv/bin/python bench/bench_rl_backends.py [--steps 6] [--layouts local,1x1,1x2,2x2]
+    .venv/bin/python -m bench.bench_rl_backends [--steps 6] [--layouts local,1x1,1x2,2x2]
 
 A layout ``PxA`` is the ray backend with P policy ranks and A reconstructor ranks, each group
 FSDP2-sharded; ``PxAr`` the same with ``backend.sharding: replicate`` (every rank the whole
@@ -18,7 +18,7 @@ model, one gradient all-reduce per optimiser step).
 default world's 16 prompts x 8 samples), every process at one torch thread, and prints the
 rollout's samples/s and the step time of each layout as ratios against the first layout::
 
-    .venv/bin/python bench/bench_rl_backends.py --from-run runs/quickstart-default --layouts 1x1,2x1,2x2
+    .venv/bin/python -m bench.bench_rl_backends --from-run runs/quickstart-default --layouts 1x1,2x1,2x2
 
 ``--rollout-only CALLS`` times the rollout alone (issue 23's "rollout samples/s with 2 policy
 ranks / 1 rank"): each layout's groups generate the same batch (the first ``--prompts`` rows of
@@ -28,7 +28,7 @@ call by call, so each ratio compares neighbouring calls under the same load (thi
 speed drifts by a quarter within minutes); no RL step runs between calls, so the policy and its
 response lengths do not drift as they do from step to step::
 
-    .venv/bin/python bench/bench_rl_backends.py --from-run runs/quickstart-default \
+    .venv/bin/python -m bench.bench_rl_backends --from-run runs/quickstart-default \
         --layouts 1x1r,2x2r --prompts 128 --rollout-only 6 --repeat 3
 
 With ``--rollout-only``, a layout ``procK`` is the machine's ceiling for a K-rank rollout: K
@@ -39,13 +39,13 @@ the same tokens) at the same moment, started together by a barrier; a call's tim
 slowest process's. ``proc2 / proc1`` is what two ranks could gain here if the backend cost
 nothing; ``2x2r / 1x1r`` against it is what the Ray backend keeps of that::
 
-    .venv/bin/python bench/bench_rl_backends.py --from-run runs/quickstart-default \
+    .venv/bin/python -m bench.bench_rl_backends --from-run runs/quickstart-default \
         --layouts proc1,proc2,1x1r,2x2r --prompts 128 --rollout-only 5 --repeat 2
 
 Several runs side by side (e.g. the same-model pair against a cross-model one, issue 24), in
 rounds taken in turn so the machine's drift hits every row alike::
 
-    .venv/bin/python bench/bench_rl_backends.py --from-run runs/quickstart-default \
+    .venv/bin/python -m bench.bench_rl_backends --from-run runs/quickstart-default \
         runs/quickstart-default-pair-default-d64 --layouts local --repeat 2
 """
 
@@ -63,13 +63,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from nla.core.sidecar import NLAConfig, write_sidecar
+from nla.core.templates import (
+    AV_PLACEHOLDER,
+    DEFAULT_AR_TEMPLATE,
+    DEFAULT_AV_TEMPLATE,
+    DEFAULT_INJECTION_CHAR,
+)
 from nla.datagen.io import vectors_to_arrow
-from nla.metrics import read_metrics
 from nla.rl.backend import build_groups
 from nla.rl.config import RLConfig
 from nla.rl.loop import run_rl
-from nla.sidecar import NLAConfig, write_sidecar
-from nla.templates import AV_PLACEHOLDER, DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
+from nla.util.metrics import read_metrics
 
 WORDS = ["cat", "dog", "bird", "fish"]
 D = 64
@@ -83,7 +88,7 @@ def _vectors(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 def build_pair(root: Path) -> dict[str, str]:
     """Warm-started AV + AR checkpoints and an RL parquet on the world tiny subject model."""
-    from nla.arch import load_tokenizer
+    from nla.core.arch import load_tokenizer
     from nla.train.ar import train_ar
     from nla.train.av import train_av
     from nla.train.config import ARTrainConfig, AVTrainConfig

@@ -40,7 +40,7 @@ tokens of every row) per second, i.e. the work a plain per-row pass does) as a s
 fp32 matmul rate measured in this process (target >= 60%).
 The first step of each loop is a warm-up and is not counted.
 
-    python bench/bench_rl_step.py [--run runs/quickstart-default] [--steps 3] [--threads 1]
+    python -m bench.bench_rl_step [--run runs/quickstart-default] [--steps 3] [--threads 1]
 """
 
 from __future__ import annotations
@@ -57,15 +57,15 @@ from pathlib import Path
 
 import torch
 
-from nla.arch import load_tokenizer
+from nla.core.arch import load_tokenizer
+from nla.core.sidecar import SIDECAR_NAME, canonical_av_prompt_ids, load_sidecar
 from nla.rl import algorithms as A
 from nla.rl.backend import build_groups
 from nla.rl.config import RLConfig, load_rl_config
 from nla.rl.loop import RLData, fill_rewards, reward_items, run_rl
 from nla.rl.setup import load_av
-from nla.sidecar import SIDECAR_NAME, canonical_av_prompt_ids, load_sidecar
-from nla.threads import apply_threads
 from nla.train.config import parse_overrides
+from nla.util.threads import apply_threads
 
 
 def _timed(fn, *args, **kw):

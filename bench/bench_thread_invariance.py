@@ -1,7 +1,7 @@
 """Which torch CPU ops give the same bits at 1 and 2 threads? (why nla fixes the thread count)
 
-    python bench/bench_thread_invariance.py            # each case in a fresh process per thread count
-    python bench/bench_thread_invariance.py --threads 1 4
+    python -m bench.bench_thread_invariance            # each case in a fresh process per thread count
+    python -m bench.bench_thread_invariance --threads 1 4
 
 Each case runs in a fresh process at each thread count (``torch.set_num_threads`` before any
 op), hashes its outputs (and gradients), and the table says whether the hashes agree. A "no"

@@ -3,12 +3,12 @@
 Each setting runs in a fresh subprocess (``torch.set_num_threads`` before any work) for
 ``--seconds``; ``--busy`` adds one competing busy process (a Python spin loop) during the
 second pass, and ``--late-busy`` a third pass in which it starts halfway through. A thread
-setting of ``auto`` is the opt-in governor (``nla.threads.apply_threads("auto")``,
+setting of ``auto`` is the opt-in governor (``nla.util.threads.apply_threads("auto")``,
 ``adapt_threads()`` every step); the default is a fixed count (every core). Prints iterations/s
 and the ratio to 1 thread measured in the same run, and for ``auto`` the thread counts it
 chose: what a fixed count costs on a shared machine (BENCHMARKS.md, "Threads").
 
-    python bench/bench_threads.py --model /tmp/exp/qs3/av/checkpoints/step_00000500 --threads 1 2 auto --late-busy
+    python -m bench.bench_threads --model /tmp/exp/qs3/av/checkpoints/step_00000500 --threads 1 2 auto --late-busy
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 WORKER = r"""
 import collections, sys, time, torch
 from transformers import AutoModelForCausalLM
-from nla.threads import adapt_threads, apply_threads
+from nla.util.threads import adapt_threads, apply_threads
 auto = sys.argv[2] == "auto"
 apply_threads("auto" if auto else int(sys.argv[2]))
 m = AutoModelForCausalLM.from_pretrained(sys.argv[1])

@@ -6,7 +6,7 @@ Measures, in one run:
    model shape, on random token blocks (data does not change the cost);
 3. model FLOP/s ~= 6 * params * tokens/s, and its fraction of the matmul rate.
 
-Usage: .venv/bin/python bench/bench_world_pretrain.py [--preset default] [--steps 30]
+Usage: .venv/bin/python -m bench.bench_world_pretrain [--preset default] [--steps 30]
 """
 
 from __future__ import annotations

@@ -9,18 +9,18 @@
 #
 # What it needs there: python3 with torch, transformers >= 5.0, tokenizers, safetensors, pyarrow,
 # numpy, pyyaml, tqdm and matplotlib. The lent machine's image has all of them (torch 2.11,
-# transformers 5.17; /work/.library/device/KINDS.md), so nothing is installed: nla runs from the
-# working tree (PYTHONPATH). Where one is missing, the preflight names it; prepare it here as
-# wheels (the device README's `pip download --only-binary=:all: --python-version 3.12 ...
-# -d .whl NAME==VERSION`), carry `.whl` and set WHEELS=.whl: they are installed into /tmp/site
-# without network before anything runs.
+# transformers 5.17), so nothing is installed: nla runs from the working tree (PYTHONPATH). Where
+# one is missing, the preflight names it; download it as wheels on a machine with the package index
+# (`pip download --only-binary=:all: --python-version 3.12 -d .whl NAME==VERSION`), copy `.whl` to
+# the GPU machine beside the tree and set WHEELS=.whl: they are installed into /tmp/site without
+# network before anything runs.
 #
 # Steps (with FROM_RUN, 3 minutes on an H200: BENCHMARKS.md, "The GPU check on the H200"):
 # 1. `nla quickstart --preset $PRESET` builds the world, the data and the warm-started pair (every
 #    stage on the GPU where it has one) and runs its own RL and evaluations;
 # 2. the RL stage again from its rl_config.yaml for $STEPS steps on $DEVICE in $DTYPE (bf16
 #    where supported);
-# 3. the same RL run with LoRA on the AV (lora.r=16, lr 2e-3: nla.lora, needs peft, which the
+# 3. the same RL run with LoRA on the AV (lora.r=16, lr 2e-3: nla.core.lora, needs peft, which the
 #    image has; LORA=0 skips it);
 # 4. one table, a column per run: median step time (step 1 dropped: warm-up and the step-0
 #    guard), samples/s, peak GPU memory, and the final eval FVE; then the quickstart's headline.

@@ -2,7 +2,7 @@
 
 Each subcommand lives in `nla/commands/<name>.py` and exposes
 `register(subparsers)`, which adds its parser and sets `func` on it. The CLI
-only wires them together, so a stage can be found from DESIGN.md in one step.
+only wires them together, so a stage can be found from docs/design.md in one step.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``NLAClient``: the one code path that verbalizes, reconstructs and scores (DESIGN §6).
+"""``NLAClient``: the one code path that verbalizes, reconstructs and scores (docs/design.md §6).
 
 Notation: N vectors (or texts), d = ``d_model``.
 
@@ -8,14 +8,14 @@ than copying them, so what the client measures is what training optimised:
 
 1. Generation is ``nla.rl.roles.RolloutWorker.generate``: injection through the hook, the
    marker token suppressed, EOS handling, decoding with special tokens kept.
-2. Reconstruction tokenises like AR training (``nla.reconstructor.tokenize_ar_texts``: right
+2. Reconstruction tokenises like AR training (``nla.core.reconstructor.tokenize_ar_texts``: right
    padding, left truncation so the AR template's tail survives) and reads the prediction at
    the last real token (``Reconstructor.predict``).
-3. Scores use the AR sidecar's ``mse_scale`` (``nla.vectors.mse_nrm``), like the RL reward.
+3. Scores use the AR sidecar's ``mse_scale`` (``nla.core.vectors.mse_nrm``), like the RL reward.
 
 A sample without a usable explanation (missing tags, truncated response) has no
 prediction: ``ScoreResult`` marks it ``failed`` with NaN scores, and callers that need a
-number for it (``nla.evaluation``) use :func:`failed_mse`, the MSE of an orthogonal
+number for it (``nla.eval.evaluate``) use :func:`failed_mse`, the MSE of an orthogonal
 prediction, the same convention as ``FAILED_EXTRACTION_REWARD``.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +32,16 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from nla import arch
-from nla.injection import get_adapter
-from nla.provenance import Provenance, check_provenance
-from nla.reconstructor import VALUE_HEAD_FILE, Reconstructor, tokenize_ar_texts
-from nla.reward import Status, charge_failures, failed_mse
-from nla.sidecar import SIDECAR_NAME, NLAConfig, SidecarError, load_sidecar, verify_tokenizer
-from nla.threads import adapt_threads
-from nla.validation import check_checkpoint, check_vectors
-from nla.vectors import cosine, mse_nrm
+from nla.core import arch
+from nla.core.graders import DatasetGrader, get_grader
+from nla.core.injection import get_adapter
+from nla.core.provenance import Provenance, check_provenance
+from nla.core.reconstructor import VALUE_HEAD_FILE, Reconstructor, tokenize_ar_texts
+from nla.core.reward import Status, charge_failures, failed_mse
+from nla.core.sidecar import SIDECAR_NAME, NLAConfig, SidecarError, load_sidecar, verify_tokenizer
+from nla.core.vectors import cosine, mse_nrm
+from nla.util.threads import adapt_threads
+from nla.util.validation import check_checkpoint, check_vectors
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ __all__ = [
     "load_vectors",
 ]
 
-# The sample statuses (``nla.reward.Status``, a str enum: ``Status.COMPLETED == "completed"``).
+# The sample statuses (``nla.core.reward.Status``, a str enum: ``Status.COMPLETED == "completed"``).
 COMPLETED, TRUNCATED, FAILED = Status.COMPLETED, Status.TRUNCATED, Status.FAILED
 STATUSES = tuple(Status)
 
@@ -117,8 +118,8 @@ def load_vectors(path: str | os.PathLike, rows: int | None = None, *, check: boo
     """RAW vectors [N, d] float32 from a parquet ``activation_vector`` column or a ``.npy`` [N, d] file.
 
     With ``check`` (the default) unusable rows are an error naming them
-    (``nla.validation.check_vectors``); without, the array comes back as stored (first ``rows``
-    rows), for callers that drop bad rows themselves (``nla.validation.drop_bad_rows``).
+    (``nla.util.validation.check_vectors``); without, the array comes back as stored (first ``rows``
+    rows), for callers that drop bad rows themselves (``nla.util.validation.drop_bad_rows``).
     """
     from nla.datagen.io import read_vectors
 
@@ -129,7 +130,7 @@ def load_vectors(path: str | os.PathLike, rows: int | None = None, *, check: boo
         raise NLAClientError(f"rows: expected a positive number of rows, found {rows}")
     if p.suffix == ".npy":
         try:
-            arr = np.load(p, allow_pickle=False)  # never unpickle (DESIGN §3.3)
+            arr = np.load(p, allow_pickle=False)  # never unpickle (docs/design.md §3.3)
         except (ValueError, OSError, EOFError) as err:
             raise NLAClientError(f"vectors: {p} is not a readable .npy array ({err}); save it with np.save") from None
     elif p.suffix == ".parquet":
@@ -165,7 +166,7 @@ def _as_tensor(vectors: Any, d_model: int, what: str) -> Tensor:
     return torch.from_numpy(np.array(check_vectors(arr, "vectors"), dtype=np.float32))
 
 
-def _device_of(model: nn.Module) -> torch.device:
+def device_of(model: nn.Module) -> torch.device:
     try:
         return next(model.parameters()).device
     except StopIteration:
@@ -192,7 +193,7 @@ class NLAClient:
         max_length: int = 256,
         allow_mixed_provenance: bool = False,
     ) -> None:
-        from nla.train.common import resolve_device, resolve_dtype
+        from nla.train.device import resolve_device, resolve_dtype
 
         if av is None and ar is None:
             raise NLAClientError("NLAClient: give an AV checkpoint (av=DIR), an AR checkpoint (ar=DIR), or both")
@@ -200,11 +201,11 @@ class NLAClient:
         explicit = load_sidecar(sidecar) if sidecar is not None else None
         av_model = av_tok = av_side = None
         if av is not None:
-            from nla.injection import load_av_model
-            from nla.lora import is_adapter_dir, load_merged
+            from nla.core.injection import load_av_model
+            from nla.core.lora import is_adapter_dir, load_merged
 
             path = Path(av)
-            if is_adapter_dir(path):  # a LoRA adapter (nla.lora): its base AV with the adapter merged in
+            if is_adapter_dir(path):  # a LoRA adapter (nla.core.lora): its base AV with the adapter merged in
                 try:
                     av_model, path = load_merged(path, dt)
                 except FileNotFoundError as err:
@@ -283,14 +284,14 @@ class NLAClient:
                 raise NLAClientError(
                     f"the AV has width {width} but reads {side.d_model}-d vectors: it needs its injection adapter "
                     "(injection_adapter in the sidecar, nla_injection_adapter.safetensors); load it with "
-                    "nla.injection.load_av_model")
+                    "nla.core.injection.load_av_model")
         if av_side is not None and ar_side is not None and av_side.d_model != ar_side.d_model:
             raise NLAClientError(
                 f"d_model: the AV sidecar says {av_side.d_model} but the AR sidecar says {ar_side.d_model}; the two "
                 "checkpoints were not trained on the same subject model and cannot form a pair"
             )
         self.allow_mixed_provenance = allow_mixed_provenance
-        if av_side is not None and ar_side is not None:  # subject, layer and tokenizer (nla.provenance)
+        if av_side is not None and ar_side is not None:  # subject, layer and tokenizer (nla.core.provenance)
             check_provenance([Provenance.of("the AV", av_side), Provenance.of("the AR", ar_side)],
                              allow=allow_mixed_provenance, context="AV/AR pair")
         self.av_model, self.av_tokenizer, self.av_sidecar = av_model, av_tok, av_side
@@ -300,10 +301,10 @@ class NLAClient:
 
     def check_data(self, path: str | os.PathLike, width: int | None = None) -> None:
         """Refuse a dataset whose sidecar records another subject, layer or tokenizer than this
-        client's checkpoints (``nla.provenance``; ``allow_mixed_provenance`` warns instead), or is no
+        client's checkpoints (``nla.core.provenance``; ``allow_mixed_provenance`` warns instead), or is no
         dataset sidecar, or contradicts the vectors' ``width``. A dataset without a sidecar has
         nothing to compare."""
-        from nla.sidecar import sidecar_path_for
+        from nla.core.sidecar import sidecar_path_for
 
         where = sidecar_path_for(path)
         if not where.is_file():
@@ -319,7 +320,7 @@ class NLAClient:
                          allow=self.allow_mixed_provenance, context="dataset")
 
     def provenance(self) -> list[Provenance]:
-        """What this client's checkpoints record of their subject (``nla.provenance``)."""
+        """What this client's checkpoints record of their subject (``nla.core.provenance``)."""
         return [Provenance.of(label, side) for label, side in (("the AV", self.av_sidecar),
                                                                ("the AR", self.ar_sidecar)) if side is not None]
 
@@ -333,9 +334,10 @@ class NLAClient:
     @property
     def mse_scale(self) -> float | None:
         """The AR's ``mse_scale`` (the scale scores are computed at)."""
-        return self._need_ar("score").mse_scale_value()
+        return self.require_ar("score").mse_scale_value()
 
-    def _need_ar(self, what: str) -> NLAConfig:
+    def require_ar(self, what: str) -> NLAConfig:
+        """The AR's sidecar; a clear error naming ``what`` when this client has no AR."""
         if self.ar is None or self.ar_sidecar is None:
             raise NLAClientError(
                 f"{what}: this client has no reconstructor; create it with an AR checkpoint "
@@ -343,7 +345,8 @@ class NLAClient:
             )
         return self.ar_sidecar
 
-    def _need_av(self, what: str) -> NLAConfig:
+    def require_av(self, what: str) -> NLAConfig:
+        """The AV's sidecar; a clear error naming ``what`` when this client has no AV."""
         if self.av_model is None or self.av_sidecar is None:
             raise NLAClientError(
                 f"{what}: this client has no verbalizer; create it with an AV checkpoint (NLAClient(av=DIR) or --av DIR)"
@@ -372,7 +375,7 @@ class NLAClient:
         """
         from nla.rl.roles import RolloutWorker
 
-        side = self._need_av("verbalize")
+        side = self.require_av("verbalize")
         vec = _as_tensor(vectors, side.d_model, "AV")
         if n_samples < 1 or batch_size < 1 or max_new_tokens < 1 or best_of < 1:
             raise NLAClientError(
@@ -385,9 +388,9 @@ class NLAClient:
         if not greedy and not temperature > 0:
             raise NLAClientError(f"verbalize: temperature must be > 0 when sampling, found {temperature}")
         if self._rollout is None:
-            self._rollout = RolloutWorker(self.av_model, self.av_tokenizer, side, _device_of(self.av_model))
+            self._rollout = RolloutWorker(self.av_model, self.av_tokenizer, side, device_of(self.av_model))
         out: list[Verbalization] = []
-        devices = [_device_of(self.av_model)] if _device_of(self.av_model).type == "cuda" else []
+        devices = [device_of(self.av_model)] if device_of(self.av_model).type == "cuda" else []
         with torch.random.fork_rng(devices=devices, enabled=seed is not None):
             if seed is not None:
                 torch.manual_seed(seed)
@@ -402,7 +405,7 @@ class NLAClient:
         return out
 
     def _best_of(self, vec: Tensor, best_of: int, *, n_samples: int, greedy: bool, **kw: Any) -> list[Verbalization]:
-        self._need_ar("verbalize(best_of=...)")
+        self.require_ar("verbalize(best_of=...)")
         if n_samples != 1:
             raise NLAClientError(f"verbalize: best_of={best_of} keeps one sample per vector; n_samples must be 1, "
                                  f"found {n_samples}")
@@ -424,7 +427,7 @@ class NLAClient:
     def reconstruct(self, texts: Sequence[str], batch_size: int = 64) -> Tensor:
         """AR predictions [N, d] (fp32, CPU) for explanations (wrapped in the AR template here)."""
 
-        side = self._need_ar("reconstruct")
+        side = self.require_ar("reconstruct")
         for i, t in enumerate(texts):
             if not isinstance(t, str):
                 raise NLAClientError(
@@ -435,7 +438,7 @@ class NLAClient:
             raise NLAClientError(f"reconstruct: batch_size must be >= 1, found {batch_size}")
         if not texts:
             return torch.zeros(0, side.d_model)
-        device = _device_of(self.ar)
+        device = device_of(self.ar)
         was = self.ar.training
         self.ar.eval()
         preds = []
@@ -453,7 +456,7 @@ class NLAClient:
     # ------------------------------------------------------------------ score
     def score(self, texts: Sequence[str | None], vectors: np.ndarray | Tensor, batch_size: int = 64) -> ScoreResult:
         """Reconstruct ``texts`` and compare with RAW ``vectors`` [N, d]; None texts are failed samples."""
-        side = self._need_ar("score")
+        side = self.require_ar("score")
         gold = _as_tensor(vectors, side.d_model, "AR")
         if len(texts) != gold.shape[0]:
             raise NLAClientError(
@@ -480,19 +483,17 @@ class NLAClient:
         return ScoreResult(mse_nrm=mse, cosine=cos, failed=failed, predictions=preds)
 
     def attribute_claims(self, texts: Sequence[str | None], vectors: np.ndarray | Tensor, *, grader: Any = None,
-                         truths: Sequence[Sequence[str]] | None = None, batch_size: int = 64) -> list[list[Any]]:
+                         truths: Sequence[Sequence[str]] | None = None, batch_size: int = 64) -> list[list[Claim]]:
         """Per explanation, its claims and what deleting each costs the AR's reconstruction of RAW
-        ``vectors`` (``nla.suite.attribute_claims``: ``Claim.delta_mse`` > 0 where the AR used the
+        ``vectors`` (:func:`attribute_claims`, the suite's part 1: ``Claim.delta_mse`` > 0 where the AR used the
         claim; ``Claim.truth`` from ``grader`` and ``truths`` when given)."""
-        from nla.suite import attribute_claims
-
-        return attribute_claims(self, texts, _as_tensor(vectors, self._need_ar("attribute_claims").d_model, "AR"),
+        return attribute_claims(self, texts, _as_tensor(vectors, self.require_ar("attribute_claims").d_model, "AR"),
                                 grader=grader, truths=truths, batch_size=batch_size)
 
     def round_trip(self, vectors: np.ndarray | Tensor, **verbalize_kwargs: Any) -> tuple[list[Verbalization],
                                                                                          ScoreResult]:
         """Verbalize, then score each sample's explanation against its own vector."""
-        self._need_ar("round_trip")
+        self.require_ar("round_trip")
         verbs = self.verbalize(vectors, **verbalize_kwargs)
         gold = _as_tensor(vectors, self.d_model, "AV")[[v.row for v in verbs]]
         return verbs, self.score([v.explanation for v in verbs], gold,
@@ -529,3 +530,82 @@ def _checkpoint_tokenizer(path: Path, role: str) -> Any:
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise NLAClientError(f"{role}: no tokenizer files in {path}; save the tokenizer beside the checkpoint")
     return arch.load_tokenizer(path)
+
+
+# ------------------------------------------------------------------ scoring texts against vectors
+def mse_of_texts(client: NLAClient, texts: Sequence[str], gold: Tensor, batch_size: int) -> Tensor:
+    """[N] ``mse_nrm`` of the AR's reading of ``texts`` (every one a string, the empty one included)
+    against ``gold`` [N, d] RAW, at the AR's scale."""
+    side = client.require_ar("the suite")
+    if not texts:
+        return torch.zeros(0)
+    pred = client.reconstruct(list(texts), batch_size=batch_size)
+    return mse_nrm(pred, gold.float(), side.mse_scale_value())
+
+
+def charged_mse(client: NLAClient, texts: Sequence[str | None], gold: Tensor, batch_size: int) -> Tensor:
+    """[N] mse with None texts (failed samples) charged the failure cost."""
+    failed = torch.tensor([t is None for t in texts], dtype=torch.bool)
+    mse = torch.zeros(len(texts))
+    ok = [i for i, t in enumerate(texts) if t is not None]
+    if ok:
+        mse[ok] = mse_of_texts(client, [texts[i] for i in ok], gold[ok], batch_size)
+    return charge_failures(mse, failed, failed_mse(gold, client.ar_sidecar.mse_scale_value()))
+
+
+# ------------------------------------------------------------------ claim attribution (the suite's part 1)
+@dataclass(frozen=True)
+class Claim:
+    """One claim of an explanation and what deleting it costs the AR's reconstruction.
+
+    delta_mse: mse_nrm without the claim minus with it (> 0: the claim carried information the
+        AR used); truth: the grader's verdict (None: names no fact, or no truth was given);
+        quotation: the claim quotes the text read (the current word) rather than claiming a fact.
+    """
+
+    text: str
+    delta_mse: float
+    truth: bool | None
+    quotation: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def attribute_claims(client: NLAClient, texts: Sequence[str | None], vectors: Any, *,
+                     grader: DatasetGrader | str | None = None, truths: Sequence[Sequence[str]] | None = None,
+                     batch_size: int = 64) -> list[list[Claim]]:
+    """Per explanation, its claims with their deletion cost (module docstring, part 1).
+
+    ``texts[i]`` explains RAW ``vectors[i]``; None (a failed sample) has no claims. ``grader``: the
+    one that splits claims and judges them (``generic``: sentences, no truth); ``truths[i]``: row
+    i's facts, for each claim's ``truth``. All deletions are read in one batched pass of the AR.
+    """
+    grader = get_grader(grader) if isinstance(grader, str) else (grader or get_grader("generic"))
+    gold = torch.as_tensor(np.asarray(vectors), dtype=torch.float32)
+    if gold.ndim != 2 or gold.shape[0] != len(texts):
+        raise NLAClientError(f"attribute_claims: {len(texts)} texts for vectors of shape {tuple(gold.shape)}; pass "
+                             "one [N, d] row per text")
+    if truths is not None and len(truths) != len(texts):
+        raise NLAClientError(f"attribute_claims: {len(truths)} fact lists for {len(texts)} texts")
+    claims = [grader.claims(t) if t is not None else [] for t in texts]
+    variants: list[str] = []  # per row with claims: the full text, then each deletion
+    rows: list[int] = []
+    for i, cs in enumerate(claims):
+        if cs:
+            variants.append(str(texts[i]))
+            variants += [" ".join(cs[:j] + cs[j + 1:]) for j in range(len(cs))]
+            rows += [i] * (len(cs) + 1)
+    mse = mse_of_texts(client, variants, gold[rows], batch_size) if variants else torch.zeros(0)
+    out: list[list[Claim]] = []
+    k = 0
+    for i, cs in enumerate(claims):
+        if not cs:
+            out.append([])
+            continue
+        full = float(mse[k])
+        out.append([Claim(c, float(mse[k + 1 + j]) - full,
+                          grader.claim_truth(c, truths[i]) if truths is not None else None, grader.is_quotation(c))
+                    for j, c in enumerate(cs)])
+        k += len(cs) + 1
+    return out

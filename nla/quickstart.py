@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from nla.numerics import cpu_kernels
+from nla.util.numerics import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class QuickstartPreset:
     eval_fraction: float = 0.25  # of the RL split's documents, held out for evaluation
     eval_max_rows: int | None = None  # None: every held-out row
     max_new_tokens: int = 64
-    # the explanation suite's settings ("Does it explain?"; nla.suite.run_suite keywords: max_rows, best_of,
+    # the explanation suite's settings ("Does it explain?"; nla.eval.suite.run_suite keywords: max_rows, best_of,
     # strengths; max_rows None: every held-out row)
     suite: dict[str, Any] = field(default_factory=lambda: dict(max_rows=800))
     probe: dict[str, Any] = field(default_factory=lambda: dict(n_train_docs=800, n_test_docs=150))
@@ -97,7 +97,7 @@ class QuickstartPreset:
         for key in self.suite:
             if key not in allowed:
                 raise ValueError(f"preset {name!r}, stage suite: unknown setting {key!r}; expected one of "
-                                 f"{', '.join(allowed)} (nla.suite.run_suite keywords)")
+                                 f"{', '.join(allowed)} (nla.eval.suite.run_suite keywords)")
 
 
 _TRAIN_COMMON = dict(warmup_steps=20, min_lr_ratio=0.1, max_grad_norm=1.0, log_every=10, keep_last=1,
@@ -195,8 +195,8 @@ class StageRecord:
 
 def _hash(obj: Any) -> str:
     # "progress" (bars on or off) is left out: it changes nothing a stage computes. "threads" stays
-    # in: torch's CPU results change with the thread count (nla.threads), and so do the CPU kernels
-    # torch runs (nla.numerics): a stage done with other kernels is done again.
+    # in: torch's CPU results change with the thread count (nla.util.threads), and so do the CPU kernels
+    # torch runs (nla.util.numerics): a stage done with other kernels is done again.
     if isinstance(obj, dict) and "progress" in obj:
         obj = {k: v for k, v in obj.items() if k != "progress"}
     blob = {"config": obj, "cpu_kernels": cpu_kernels()}
@@ -219,8 +219,8 @@ def _mark_stage(out: Path, name: str, config: dict[str, Any], info: dict[str, An
 
 def split_rl_for_eval(rl_path: Path, out_dir: Path, eval_fraction: float, seed: int) -> tuple[Path, Path]:
     """Partition the RL split by document into RL prompts and a held-out eval set (sidecars copied)."""
+    from nla.core.sidecar import load_sidecar, write_sidecar
     from nla.datagen.io import read_parquet, write_parquet_atomic
-    from nla.sidecar import load_sidecar, write_sidecar
 
     table = read_parquet(rl_path)
     docs = np.unique(table.column("doc_id").to_numpy())
@@ -267,7 +267,7 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
                    mean_shift_augment: float = 0.0) -> Path:
     """Run every stage; returns the path of ``report.md``.
 
-    threads: torch CPU threads of every stage (None: ``nla.threads.resolve_threads``'s fixed
+    threads: torch CPU threads of every stage (None: ``nla.util.threads.resolve_threads``'s fixed
     default; ``"auto"``: follows the machine's load, not reproducible); resolved once, passed to
     each stage's config and part of its cache key (torch's results depend on it).
     seed: one seed for every stage: the world's stories and subject, datagen's positions, split
@@ -294,10 +294,10 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     from nla.datagen.pipeline import run as run_datagen
     from nla.rl.config import RLConfig
     from nla.rl.loop import run_rl
-    from nla.threads import AUTO, apply_threads, resolve_threads
     from nla.train.ar import train_ar
     from nla.train.av import train_av
     from nla.train.config import ARTrainConfig, AVTrainConfig
+    from nla.util.threads import AUTO, apply_threads, resolve_threads
     from nla.world import build_world
     from nla.world.build import WORLD_PRESETS
 
@@ -383,10 +383,10 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     ar_settings, av_settings = p.warm_start_settings(pair_world, pair_roles)
     ar_cfg = dict(dataset=str(datagen / "ar_sft.parquet"), out_dir=str(out / "ar"), progress=progress, **ar_settings,
                   **sd, **ar_pair, **thr)
-    ar_info = stage("ar", ar_cfg, lambda: _train(train_ar, ARTrainConfig(**ar_cfg)))
+    ar_info = stage("ar", ar_cfg, lambda: train_stage(train_ar, ARTrainConfig(**ar_cfg)))
     av_cfg = dict(dataset=str(datagen / "av_sft.parquet"), out_dir=str(out / "av"), progress=progress, **av_settings,
                   **sd, **pair, **thr)
-    av_info = stage("av", av_cfg, lambda: _train(train_av, AVTrainConfig(**av_cfg)))
+    av_info = stage("av", av_cfg, lambda: train_stage(train_av, AVTrainConfig(**av_cfg)))
     # 4. eval of the warm-started pair
     ev_kw = dict(max_rows=p.eval_max_rows, max_new_tokens=p.max_new_tokens)
     # The warm-start AR is the frozen reader of both evaluations (the same AR as the live one here).
@@ -396,20 +396,20 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     warm = stage("eval_warmstart", {"av": av_info["checkpoint"], "ar": ar_info["checkpoint"], "frozen_ar": frozen,
                                     "dataset": str(eval_ds), "made_by": [_hash(configs["ar"]), _hash(configs["av"])],
                                     **ev_kw, **thr},
-                 lambda: _evaluate(av_info["checkpoint"], ar_info["checkpoint"], eval_ds, out / "eval_warmstart",
+                 lambda: evaluate_stage(av_info["checkpoint"], ar_info["checkpoint"], eval_ds, out / "eval_warmstart",
                                    ev_kw, frozen))
     # 5. RL
     rl = rl_settings(p, datagen)
     rl_cfg = dict(av=av_info["checkpoint"], ar=ar_info["checkpoint"], dataset=str(rl_train),
                   eval_dataset=str(eval_ds), out_dir=str(out / "rl"), progress=progress, **rl,
                   backend=dict(name=backend), **sd, **thr)
-    rl_info = stage("rl", rl_cfg, lambda: _rl(run_rl, RLConfig.from_dict(rl_cfg)))
+    rl_info = stage("rl", rl_cfg, lambda: rl_stage(run_rl, RLConfig.from_dict(rl_cfg)))
     # 6. eval after RL
     after = stage("eval_rl", {"av": rl_info["av"], "ar": rl_info["ar"], "frozen_ar": frozen, "dataset": str(eval_ds),
                               "made_by": [_hash(configs["ar"]), _hash(configs["av"]), _hash(configs["rl"])], **ev_kw,
                               **thr},
-                  lambda: _evaluate(rl_info["av"], rl_info["ar"], eval_ds, out / "eval_rl", ev_kw, frozen))
-    # 7. does it explain? (nla.suite on the RL'd pair; the warm-start AV for the confabulation rates)
+                  lambda: evaluate_stage(rl_info["av"], rl_info["ar"], eval_ds, out / "eval_rl", ev_kw, frozen))
+    # 7. does it explain? (nla.eval.suite on the RL'd pair; the warm-start AV for the confabulation rates)
     suite_kw = dict(max_new_tokens=p.max_new_tokens, **p.suite)
     suite = stage("suite", {"av": rl_info["av"], "ar": rl_info["ar"], "baseline_av": av_info["checkpoint"],
                             "dataset": str(eval_ds), "made_by": [_hash(configs["ar"]), _hash(configs["av"]),
@@ -417,7 +417,7 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
                   lambda: _suite(rl_info["av"], rl_info["ar"], av_info["checkpoint"], eval_ds, out / "suite",
                                  suite_kw))
     # 8. report
-    from nla.report import write_report
+    from nla.eval.report import write_report
 
     return write_report(out, preset=preset, seed=seed, threads=threads, stages=stages, configs=configs, world=world_info, probe=probe_info,
                         warm_eval=warm["report"], rl_eval=after["report"], ar_info=ar_info, av_info=av_info,
@@ -431,7 +431,7 @@ def pair_summary(av: str | Path, ar: str | Path) -> dict[str, Any]:
     injection (the fixed scale, or the learned adapter's shape)."""
     from safetensors import safe_open
 
-    from nla.sidecar import load_sidecar
+    from nla.core.sidecar import load_sidecar
 
     out: dict[str, Any] = {}
     for role, path in (("av", Path(av)), ("ar", Path(ar))):
@@ -475,21 +475,24 @@ def _probe(preset, out: Path, kw: dict[str, Any], progress: bool) -> dict[str, A
             "best_layer": best}
 
 
-def _train(fn, cfg) -> dict[str, Any]:
+def train_stage(fn, cfg) -> dict[str, Any]:
+    """A warm-start stage (``train_ar`` / ``train_av`` on its config) as the stage cache records it."""
     res = fn(cfg)
     return {"checkpoint": str(res.checkpoint_dir), "metrics": res.metrics}
 
 
-def _rl(fn, cfg) -> dict[str, Any]:
+def rl_stage(fn, cfg) -> dict[str, Any]:
+    """The RL stage (``run_rl`` on its config) as the stage cache records it: the last checkpoint's AV and AR."""
     res = fn(cfg)
     return {"checkpoint": str(res.checkpoint_dir), "av": str(res.checkpoint_dir / "av"),
             "ar": str(res.checkpoint_dir / "ar"), "metrics": res.metrics}
 
 
-def _evaluate(av: str, ar: str, dataset: Path, out_dir: Path, kw: dict[str, Any],
-              frozen_ar: str | None = None) -> dict[str, Any]:
+def evaluate_stage(av: str, ar: str, dataset: Path, out_dir: Path, kw: dict[str, Any],
+                   frozen_ar: str | None = None) -> dict[str, Any]:
+    """``evaluate_pair`` on a checkpoint pair, its report written to ``out_dir`` (eval.json, eval.md)."""
     from nla.client import NLAClient
-    from nla.evaluation import evaluate_pair
+    from nla.eval.evaluate import evaluate_pair
 
     client = NLAClient(av, ar)
     # Before RL the frozen reader is the pair's own AR: evaluate_pair reuses its reading.
@@ -503,7 +506,7 @@ def _evaluate(av: str, ar: str, dataset: Path, out_dir: Path, kw: dict[str, Any]
 
 def _suite(av: str, ar: str, baseline_av: str, dataset: Path, out_dir: Path, kw: dict[str, Any]) -> dict[str, Any]:
     from nla.client import NLAClient
-    from nla.suite import run_suite
+    from nla.eval.suite import run_suite
 
     report = run_suite(NLAClient(av, ar), dataset, baseline_av=NLAClient(baseline_av, None), **kw)
     out_dir.mkdir(parents=True, exist_ok=True)

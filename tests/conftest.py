@@ -3,7 +3,7 @@ marker, and tiny random Llama / Qwen2 / Gemma-3 / GPT-2 checkpoints saved to dis
 
 Other test files may use ``tiny_tokenizer``, ``tiny_model_dir`` (a factory: ``tiny_model_dir("llama")``
 -> Path) and ``ARCHS``. Everything is built locally from configs; nothing is downloaded.
-Load the saved tokenizer with ``nla.arch.load_tokenizer(path)``: transformers 5's AutoTokenizer
+Load the saved tokenizer with ``nla.core.arch.load_tokenizer(path)``: transformers 5's AutoTokenizer
 rebuilds a qwen2-typed directory's tokenizer from its vocab and breaks this word-level one.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nla.templates import DEFAULT_INJECTION_CHAR
+from nla.core.templates import DEFAULT_INJECTION_CHAR
 
 ARCHS = ("llama", "qwen2", "gemma3", "gpt2")
 
@@ -130,3 +130,11 @@ def tiny_quickstart_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("qs") / "run"
     assert main(["quickstart", "--preset", "tiny", "--out", str(out), "--no-progress"]) == 0
     return out
+
+
+def pytest_collection_modifyitems(config, items):
+    # A test that reads the tiny quickstart run (directly or through another fixture) is end to end:
+    # it waits for a whole pipeline, so it is `slow` wherever it lives (`make test-fast` skips it).
+    for item in items:
+        if "tiny_quickstart_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

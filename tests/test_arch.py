@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import ARCHS, build_tiny_config, build_tiny_model
 
-from nla import arch
+from nla.core import arch
 
 
 @pytest.mark.parametrize("name", ARCHS)

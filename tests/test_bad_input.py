@@ -15,7 +15,7 @@ import pytest
 from test_validation import D, _ar_train_args, assert_one_error_line, cli, pair  # noqa: F401 - pair is a fixture
 from train_helpers import dataset_sidecar, write_ar_dataset, write_av_dataset
 
-from nla.sidecar import write_sidecar
+from nla.core.sidecar import write_sidecar
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def main_json(capsys, *argv):
 
 
 def test_a_thread_count_torch_cannot_start_is_refused(capsys):
-    from nla.threads import apply_threads, max_threads
+    from nla.util.threads import apply_threads, max_threads
 
     code, lines = cli(capsys, "train", "ar", "--set", "dataset=d.parquet", "--threads", "99999")
     assert code == 2 and f"expected at most {max_threads()}" in lines[-1] and "found 99999" in lines[-1]

@@ -16,11 +16,11 @@ import torch
 from conftest import build_tiny_model, build_tiny_tokenizer
 
 from nla.client import NLAClient, NLAClientError, failed_mse, load_vectors
-from nla.injection import InjectionHook
-from nla.reconstructor import Reconstructor, tokenize_ar_texts
-from nla.reward import FAILED_EXTRACTION_MSE
-from nla.sidecar import NLAConfig, canonical_av_prompt_ids, write_sidecar
-from nla.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
+from nla.core.injection import InjectionHook
+from nla.core.reconstructor import Reconstructor, tokenize_ar_texts
+from nla.core.reward import FAILED_EXTRACTION_MSE
+from nla.core.sidecar import NLAConfig, canonical_av_prompt_ids, write_sidecar
+from nla.core.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
 
 D = 32
 FIXED_EXPLANATION = "Alice is in the garden in the morning"

@@ -1,4 +1,4 @@
-"""The generic config type check: expected types read from dataclass annotations (nla.configcheck)."""
+"""The generic config type check: expected types read from dataclass annotations (nla.util.configcheck)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from typing import Literal
 import pytest
 
 from nla.cli import main
-from nla.configcheck import ConfigTypeError, check_config_types
 from nla.datagen.config import DatagenConfig
 from nla.rl.config import load_rl_config
 from nla.train.config import ARTrainConfig, load_config
+from nla.util.configcheck import ConfigTypeError, check_config_types
 from nla.world.build import WorldConfig
 
 

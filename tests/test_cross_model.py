@@ -1,4 +1,4 @@
-"""Explain one model with another (nla.injection.InjectionAdapter; the AR's head to the subject's
+"""Explain one model with another (nla.core.injection.InjectionAdapter; the AR's head to the subject's
 width): the adapter's start by hand, the hook's injection against W v + b, the sidecar round trip,
 and a tiny cross-model pair (a 32-wide AV/AR reading the 64-wide tiny world subject's vectors)
 trained end to end: warm-starts, RL, NLAClient, a wrong-width vector refused."""
@@ -13,8 +13,7 @@ import torch
 from test_rl_loop import WORDS, _class_vectors
 from train_helpers import dataset_sidecar, write_av_dataset
 
-from nla.datagen.io import vectors_to_arrow
-from nla.injection import (
+from nla.core.injection import (
     ADAPTER_FILE,
     InjectionAdapter,
     InjectionHook,
@@ -23,7 +22,8 @@ from nla.injection import (
     get_adapter,
     load_adapter_file,
 )
-from nla.sidecar import SidecarError, load_sidecar, write_sidecar
+from nla.core.sidecar import SidecarError, load_sidecar, write_sidecar
+from nla.datagen.io import vectors_to_arrow
 from nla.train.ar import ARTrainError, train_ar
 from nla.train.av import AVTrainError, train_av
 from nla.train.config import ARTrainConfig, AVTrainConfig
@@ -141,7 +141,7 @@ def test_conformal_file_round_trip(tmp_path, tiny_tokenizer, tiny_model_dir):
     loaded adapter maps like the saved one; a plain file, a bad flag and unequal widths are refused."""
     from safetensors.torch import save_file
 
-    from nla.injection import save_adapter_file
+    from nla.core.injection import save_adapter_file
 
     a = InjectionAdapter(10, 10, conformal=True, mean_invariant=True)
     g = torch.Generator().manual_seed(3)
@@ -182,7 +182,7 @@ def test_mean_invariant_fit_and_file_round_trip(tmp_path, tiny_tokenizer, tiny_m
     mean with the weights and the sidecar says so; a file without them is refused."""
     from safetensors.torch import save_file
 
-    from nla.injection import save_adapter_file
+    from nla.core.injection import save_adapter_file
 
     g = torch.Generator().manual_seed(2)
     src = torch.randn(300, 10, generator=g) + 4.0
@@ -214,7 +214,7 @@ def test_mean_invariant_fit_and_file_round_trip(tmp_path, tiny_tokenizer, tiny_m
 def test_fit_head_recovers_a_linear_map(tiny_model_dir):
     """Golds that are an exact linear map of the features (norms already at the scale, so
     normalising changes nothing): the ridge fit with a vanishing penalty is that map, mse ~ 0."""
-    from nla.reconstructor import Reconstructor
+    from nla.core.reconstructor import Reconstructor
 
     ar = Reconstructor.from_base(tiny_model_dir("llama"), 1, out_dim=48)  # width 32 -> 48
     assert tuple(ar.value_head.weight.shape) == (48, 32)
@@ -230,7 +230,7 @@ def test_fit_head_recovers_a_linear_map(tiny_model_dir):
 def test_hook_injects_the_adapted_vector(tiny_model_dir, tiny_tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from nla.sidecar import canonical_av_prompt_ids
+    from nla.core.sidecar import canonical_av_prompt_ids
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()  # width 32
     side = dataset_sidecar(tiny_tokenizer, tiny_model_dir("llama"), 48, 1, injection_scale=3.0)
@@ -291,7 +291,7 @@ def cross_pair(tmp_path_factory):
     (random weights: the pair learns everything in its warm-starts)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from nla.arch import load_tokenizer
+    from nla.core.arch import load_tokenizer
     from nla.world import build_world
 
     root = tmp_path_factory.mktemp("cross")
@@ -364,10 +364,10 @@ def test_translation_start_fits_the_small_models_own_vectors(cross_pair):
     times sqrt(32 / 64)); it explains part of them, unlike the seeded random start."""
     from transformers import AutoModelForCausalLM
 
-    from nla.arch import load_tokenizer
+    from nla.core.arch import load_tokenizer
+    from nla.core.vectors import normalize_activation
     from nla.datagen.extract import block_outputs, pad_right, tokenize_text
     from nla.train.av import _fit_translation
-    from nla.vectors import normalize_activation
 
     small = AutoModelForCausalLM.from_pretrained(cross_pair["small"])
     tok = load_tokenizer(cross_pair["small"])
@@ -427,10 +427,10 @@ def test_a_wider_base_without_the_adapter_is_refused(cross_pair, tmp_path):
 
 
 def test_cross_model_rl_trains_the_adapter_and_keeps_the_reference(cross_pair, tmp_path):
-    from nla.metrics import read_metrics
     from nla.rl.backend import build_groups
     from nla.rl.config import RLConfig
     from nla.rl.loop import run_rl
+    from nla.util.metrics import read_metrics
 
     cfg = RLConfig.from_dict(dict(
         av=str(cross_pair["av"].checkpoint_dir), ar=str(cross_pair["ar"].checkpoint_dir),
@@ -553,10 +553,10 @@ def test_cross_model_pair_on_ray_matches_local(cross_pair, which, request, tmp_p
     no scalar) gives the local run's rewards and losses on Ray, and stays conformal."""
     import ray
 
-    from nla.metrics import read_metrics
     from nla.rl.backend import build_groups
     from nla.rl.config import RLConfig
     from nla.rl.loop import run_rl
+    from nla.util.metrics import read_metrics
 
     av = cross_pair["av"] if which == "cross-model" else request.getfixturevalue("conformal_av")
 
@@ -595,10 +595,10 @@ def test_cross_model_pair_on_ray_matches_local(cross_pair, which, request, tmp_p
 
 
 def test_cross_model_ppo_value_model_reads_the_vector_through_its_adapter_copy(cross_pair, tmp_path):
-    from nla.metrics import read_metrics
     from nla.rl.backend import build_groups
     from nla.rl.config import RLConfig
     from nla.rl.loop import run_rl
+    from nla.util.metrics import read_metrics
 
     cfg = RLConfig.from_dict(dict(
         av=str(cross_pair["av"].checkpoint_dir), ar=str(cross_pair["ar"].checkpoint_dir),

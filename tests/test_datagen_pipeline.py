@@ -10,11 +10,11 @@ import pytest
 import yaml
 
 from nla.cli import main
+from nla.core.templates import AV_PLACEHOLDER, DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE
 from nla.datagen.build import load_dataset
 from nla.datagen.config import DatagenConfig
 from nla.datagen.io import DatagenError, read_parquet, read_vectors
 from nla.datagen.pipeline import run
-from nla.templates import AV_PLACEHOLDER, DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE
 
 TEXT = "\n\n".join(
     f"{name} walks to the {place} in the {time} and {pron} is {mood} . the {animal} sings in the tree ."

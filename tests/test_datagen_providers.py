@@ -224,9 +224,9 @@ def test_a_server_that_answers_resets_the_connection_count(api):
 
 
 def test_provider_paraphraser_asks_for_each_claim_and_returns_its_rewrite(api):
+    from nla.core.graders import get_grader
     from nla.datagen.providers import PARAPHRASE_SYSTEM_PROMPT, provider_paraphraser
-    from nla.graders import get_grader
-    from nla.suite import hidden_code_variants
+    from nla.eval.suite import hidden_code_variants
 
     api.script = [(200, openai_reply("<explanation>It was raining.</explanation>"), 0),
                   (200, openai_reply("no tag at all"), 0)]

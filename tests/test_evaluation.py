@@ -2,7 +2,7 @@
 
 The AV of ``test_client.Pair`` answers every vector with FIXED_EXPLANATION ("Alice is in the
 garden in the morning"), so every number of the report can be recomputed here from the
-primitives (client.reconstruct, nla.vectors, nla.world.grade).
+primitives (client.reconstruct, nla.core.vectors, nla.world.grade).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import torch
 from test_client import FIXED_EXPLANATION, NLAClient, nla_pair  # noqa: F401 - nla_pair is a fixture
 
 from nla.cli import main
+from nla.core.sidecar import write_sidecar
+from nla.core.vectors import cosine, fve, predict_mean_baselines
 from nla.datagen.explain import row_key
 from nla.datagen.io import vectors_to_arrow
-from nla.evaluation import evaluate_pair, faithfulness
-from nla.sidecar import write_sidecar
-from nla.vectors import cosine, fve, predict_mean_baselines
+from nla.eval.evaluate import evaluate_pair, faithfulness
 from nla.world import Fact, TextExplainer, grade
 
 N = 6

@@ -71,7 +71,7 @@ def _direct_activations(subject_dir, text: str) -> torch.Tensor:
     """[T, d] output of block K from a plain forward pass (HF hidden_states[K+1])."""
     from transformers import AutoModelForCausalLM
 
-    from nla.arch import load_tokenizer
+    from nla.core.arch import load_tokenizer
 
     tok = load_tokenizer(subject_dir)
     model = AutoModelForCausalLM.from_pretrained(subject_dir, dtype=torch.float32).eval()
@@ -162,8 +162,8 @@ def _reference_attribution(client, text, vector, facts):
     (every fact it names is in ``facts``; None: names none, or no facts) and whether it quotes the word."""
     import re
 
-    from nla.graders import split_sentences
-    from nla.vectors import mse_nrm
+    from nla.core.graders import split_sentences
+    from nla.core.vectors import mse_nrm
 
     claims = split_sentences(text or "")
     if not claims:
@@ -186,7 +186,7 @@ def _assert_same_claims(got, want):
 
 
 def test_claim_attribution_is_each_claims_deletion_cost(api, explorer):
-    from nla.graders import get_grader
+    from nla.core.graders import get_grader
 
     doc_id = api.get("/api/info").json()["world_docs"][1]["doc_id"]
     toks = api.post("/api/tokenize", json={"doc_id": doc_id}).json()["tokens"]
@@ -387,7 +387,7 @@ def _assert_setup_error(client: TestClient, reason: str) -> None:
 def test_pair_with_different_d_model_is_served_as_a_409(pair, world_subject, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from nla.reconstructor import Reconstructor
+    from nla.core.reconstructor import Reconstructor
 
     cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, vocab_size=len(pair.tok), max_position_embeddings=128)
@@ -438,9 +438,9 @@ def _png(path) -> None:
 
 def _quickstart_run(out):
     """A run dir written by the quickstart's own report writer, from hand-made eval reports."""
-    from nla.evaluation import EvalReport, EvalRow, Faithfulness, Sample
+    from nla.eval.evaluate import EvalReport, EvalRow, Faithfulness, Sample
+    from nla.eval.report import ROUND_TRIP, write_report
     from nla.quickstart import StageRecord
-    from nla.report import ROUND_TRIP, write_report
 
     def report(fve, expl, mse):
         row = EvalRow(ROUND_TRIP, fve=fve, cosine=0.5, mse_mean=1.0, mse_p10=0.5, mse_p50=1.0, mse_p90=1.5,

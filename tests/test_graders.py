@@ -14,11 +14,11 @@ import pytest
 import torch
 from test_client import FIXED_EXPLANATION, NLAClient, nla_pair  # noqa: F401 - nla_pair is a fixture
 
-import nla.graders as G
+import nla.core.graders as G
+from nla.core.reward import format_flags
+from nla.core.sidecar import write_sidecar
 from nla.datagen.io import read_parquet, vectors_to_arrow, write_parquet_atomic
-from nla.evaluation import evaluate_pair
-from nla.reward import format_flags
-from nla.sidecar import write_sidecar
+from nla.eval.evaluate import evaluate_pair
 
 
 class ColourGrader(G.DatasetGrader):
@@ -54,8 +54,8 @@ def colours():
 
 def test_the_core_imports_no_world_code():
     """Reward, RL loop, roles, evaluation, client, the explanation suite: none loads a module of nla.world."""
-    code = ("import sys, nla.reward, nla.rl.loop, nla.rl.roles, nla.evaluation, nla.client, nla.graders, nla.suite, "
-            "nla.probing; "
+    code = ("import sys, nla.core.reward, nla.rl.reward, nla.rl.loop, nla.rl.roles, nla.eval.evaluate, nla.client, nla.core.graders, nla.eval.suite, "
+            "nla.eval.probing; "
             "print(sorted(m for m in sys.modules if m.startswith('nla.world')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -4,12 +4,12 @@ import logging
 
 import pytest
 
-from nla.health import StuckRunMonitor
+from nla.train.health import StuckRunMonitor
 
 
 def test_zero_or_nonfinite_grad_streak_warns_once(caplog):
     mon = StuckRunMonitor("ar", patience=3)
-    with caplog.at_level(logging.WARNING, logger="nla.health"):
+    with caplog.at_level(logging.WARNING, logger="nla.train.health"):
         # steps 1..7: 0.5 resets; 0, nan, 0 is a streak of 3 at step 4; inf at step 5 continues it (no 2nd
         # warning); 0.1 resets; then 0, 0, 0 at steps 7..9 is a new streak warned at step 9.
         norms = [0.5, 0.0, float("nan"), 0.0, float("inf"), 0.1, 0.0, 0.0, 0.0]

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from nla.arch import build_input_embeds
-from nla.injection import InjectionHook, find_injection_sites, inject_at_marked_positions
-from nla.sidecar import NLAConfig
-from nla.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
+from nla.core.arch import build_input_embeds
+from nla.core.injection import InjectionHook, find_injection_sites, inject_at_marked_positions
+from nla.core.sidecar import NLAConfig
+from nla.core.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
 
 M, L, R = 9, 5, 6  # marker, left, right ids
 

@@ -1,6 +1,6 @@
 import json
 
-from nla.metrics import MetricsLogger, read_metrics
+from nla.util.metrics import MetricsLogger, read_metrics
 
 
 def test_jsonl_plot_and_resume_merge(tmp_path):
@@ -42,7 +42,7 @@ def m_tb_available() -> bool:
 
 
 def test_moving_average_by_hand():
-    from nla.metrics import moving_average
+    from nla.util.metrics import moving_average
 
     # window 2: [1], [1,2], [2,3], [3,4] -> 1, 1.5, 2.5, 3.5
     assert moving_average([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
@@ -57,7 +57,7 @@ def test_a_torn_last_line_is_dropped_on_resume_and_a_damaged_one_is_named(tmp_pa
     path = tmp_path / "rl.jsonl"
     path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n{"step": 3, "lo')  # killed mid-write
     assert [r["step"] for r in read_metrics(path)] == [1, 2]  # read as it is: the torn line skipped
-    with caplog.at_level(logging.WARNING, logger="nla.metrics"):
+    with caplog.at_level(logging.WARNING, logger="nla.util.metrics"):
         with MetricsLogger(tmp_path, "rl", tensorboard=False) as m:  # the resumed run
             m.log(3, loss=0.3)
     assert "dropped a torn last line (15 bytes" in caplog.text

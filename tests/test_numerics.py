@@ -1,4 +1,4 @@
-"""nla.numerics: the CPU kernels torch runs are pinned, so a seed gives the same bits on AVX2 and AVX-512 machines."""
+"""nla.util.numerics: the CPU kernels torch runs are pinned, so a seed gives the same bits on AVX2 and AVX-512 machines."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from nla.numerics import ENV_VAR, _cpu_flags, cpu_kernels, pinned_capability
+from nla.util.numerics import ENV_VAR, _cpu_flags, cpu_kernels, pinned_capability
 
 HAS_AVX2 = platform.machine().lower() in ("x86_64", "amd64") and "avx2" in _cpu_flags()
 

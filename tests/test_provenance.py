@@ -16,9 +16,9 @@ import pytest
 from test_client import NLAClient, nla_pair  # noqa: F401 - nla_pair is a fixture
 
 from nla.cli import main
+from nla.core.provenance import Provenance, ProvenanceError, check_provenance, same_subject
+from nla.core.sidecar import load_sidecar, write_sidecar
 from nla.datagen.io import vectors_to_arrow
-from nla.provenance import Provenance, ProvenanceError, check_provenance, same_subject
-from nla.sidecar import load_sidecar, write_sidecar
 
 
 def test_every_recorded_field_is_compared_and_unrecorded_ones_are_not(caplog):
@@ -31,7 +31,7 @@ def test_every_recorded_field_is_compared_and_unrecorded_ones_are_not(caplog):
                           "'org/subject-b', the AV has 'org/subject-a'; layer: the dataset has 3, the AV has 2; "
                           "tokenizer (the marker's token id): the dataset has '㈎' = id 101, the AV has '㈎' = id 100")
     assert "--allow-mixed-provenance" in msg
-    with caplog.at_level(logging.WARNING, logger="nla.provenance"):
+    with caplog.at_level(logging.WARNING, logger="nla.core.provenance"):
         assert len(check_provenance([ds, av], allow=True)) == 3
     assert "allowed by --allow-mixed-provenance" in caplog.text
     # a published AV sidecar records no layer, a dataset may record no subject: nothing to compare
@@ -77,7 +77,7 @@ def test_a_pair_of_two_subjects_is_refused_by_the_client(nla_pair, tmp_path, cap
     with pytest.raises(ProvenanceError, match="AV/AR pair: these come from different subjects: subject model: the AV "
                                               "has 'org/subject-a', the AR has 'org/subject-b'"):
         NLAClient(a["av"], b["ar"], device="cpu")
-    with caplog.at_level(logging.WARNING, logger="nla.provenance"):
+    with caplog.at_level(logging.WARNING, logger="nla.core.provenance"):
         NLAClient(a["av"], b["ar"], device="cpu", allow_mixed_provenance=True)
     assert "allowed by --allow-mixed-provenance" in caplog.text
     NLAClient(a["av"], a["ar"], device="cpu")  # one subject: fine

@@ -48,8 +48,8 @@ def test_report_has_every_section_with_finite_numbers(run_dir):
     warm = {r["name"]: r for r in rep["eval_warmstart"]["rows"]}
     assert warm["AV → frozen warm-start AR"]["fve"] == pytest.approx(warm["AV → AR round trip"]["fve"], abs=1e-6)
     assert rep["headline"]["probe_mean_top1"] > rep["headline"]["probe_mean_chance"]
-    # the kernels torch ran are on record (nla.numerics): the pinned AVX2 ones on an x86 CPU that has them
-    from nla.numerics import cpu_kernels
+    # the kernels torch ran are on record (nla.util.numerics): the pinned AVX2 ones on an x86 CPU that has them
+    from nla.util.numerics import cpu_kernels
 
     assert rep["headline"]["cpu_kernels"] == cpu_kernels()
     assert f"{cpu_kernels()} CPU kernels)" in md.splitlines()[0]
@@ -60,10 +60,10 @@ def test_report_has_every_section_with_finite_numbers(run_dir):
 def test_eval_numbers_match_a_direct_computation(run_dir):
     """Re-derive the RL pair's sample rows by hand: greedy verbalization, AR prediction, mse_nrm."""
     from nla.client import NLAClient
+    from nla.core.reconstructor import tokenize_ar_texts
+    from nla.core.reward import extract_explanation
+    from nla.core.vectors import fve, mse_nrm
     from nla.datagen.io import read_vectors
-    from nla.reconstructor import tokenize_ar_texts
-    from nla.reward import extract_explanation
-    from nla.vectors import fve, mse_nrm
 
     rep = json.loads((run_dir / "report.json").read_text())
     rl = json.loads((run_dir / "rl.stage_done.json").read_text())
@@ -87,7 +87,7 @@ def test_eval_numbers_match_a_direct_computation(run_dir):
         with torch.no_grad():
             pred = ar.predict(enc["input_ids"], enc["attention_mask"])
         assert float(mse_nrm(pred, gold[row : row + 1], scale)) == pytest.approx(s["mse_nrm"], abs=1e-4)
-    # the round-trip FVE of the report equals nla.vectors.fve over all rows (no failures here)
+    # the round-trip FVE of the report equals nla.core.vectors.fve over all rows (no failures here)
     rt = rep["eval_rl"]["rows"][0]
     if rt["failure_rate"] == 0.0:
         pred = client.reconstruct([v.explanation for v in allv])
@@ -96,16 +96,12 @@ def test_eval_numbers_match_a_direct_computation(run_dir):
 
 
 def test_rl_step_bench_runs_on_a_quickstart_run(run_dir, tmp_path):
-    """bench/bench_rl_step.py reads the run's own RL config and reports consistent figures:
+    """bench.bench_rl_step reads the run's own RL config and reports consistent figures:
     each ratio is the quotient of the two rates it names, and tokens/s = samples/s x mean length."""
-    import importlib.util
     import sys
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "bench_rl_step.py"
-    spec = importlib.util.spec_from_file_location("bench_rl_step", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from bench import bench_rl_step as bench
+
     out = tmp_path / "bench.json"
     argv = sys.argv
     sys.argv = ["bench_rl_step.py", "--run", str(run_dir), "--steps", "1", "--threads", "1", "--json", str(out),
@@ -254,73 +250,65 @@ def test_mean_shift_augment_reaches_the_av_warm_start(monkeypatch, capsys):
 
 
 def test_injection_draw_keeps_the_run_and_changes_only_the_av(run_dir, tmp_path):
-    """bench/injection_draws.py: a draw on a quickstart run retrains only the AV with the variant's
+    """dev/experiments/injection_draws.py: a draw on a quickstart run retrains only the AV with the variant's
     settings and its seed, RLs it with the run's RL config and frozen AR, evaluates it as the
     quickstart does, resumes from its outputs, and the table reads the same figures back."""
-    import importlib.util
-    import sys
     from pathlib import Path
 
     import yaml
 
-    bench_dir = Path(__file__).resolve().parents[1] / "bench"
-    sys.path.insert(0, str(bench_dir))
-    try:
-        spec = importlib.util.spec_from_file_location("injection_draws", bench_dir / "injection_draws.py")
-        draws = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(draws)
-        with pytest.raises(SystemExit, match="--variant: expected one of none, affine, .*found 'rotation'"):
-            draws.run_draw(run_dir, "rotation", None, None, 0.0, tmp_path / "x", 8)
-        with pytest.raises(SystemExit, match="not a finished quickstart run"):
-            draws.run_draw(tmp_path, "none", None, None, 0.0, tmp_path / "x", 8)
-        short = ({"max_steps": 40, "eval_every": 20, "save_every": 40},  # a short recipe keeps CI's time
-                 {"steps": 4, "eval_every": 2, "checkpointing.save_every": 4})
-        out = draws.run_draw(run_dir, "affine-conformal", 5, 1, 0.0, tmp_path / "draw", 8, *short)
-        av_dir = Path(json.loads((out / "av.json").read_text())["checkpoint"])
-        side = yaml.safe_load((av_dir / "nla_meta.yaml").read_text())
-        assert side["injection_adapter"]["conformal"] is True and "mean_invariant" not in side["injection_adapter"]
-        av_cfg = yaml.safe_load((av_dir / "train_config.yaml").read_text())
-        run_av = json.loads((run_dir / "av.stage_done.json").read_text())["config"]
-        assert (av_cfg["seed"], av_cfg["threads"], av_cfg["injection_adapter"]) == (5, 1, "affine")
-        assert av_cfg["max_steps"] == 40 and av_cfg["lr"] == run_av["lr"] and av_cfg["dataset"].endswith(
-            run_av["dataset"])
-        rl_cfg = yaml.safe_load((out / "rl" / "rl_config.yaml").read_text())
-        run_rl = yaml.safe_load((run_dir / "rl" / "rl_config.yaml").read_text())
-        assert rl_cfg["ar"] == run_rl["ar"] and rl_cfg["av"] == str(av_dir) and rl_cfg["steps"] == 4
-        assert rl_cfg["rollout"] == run_rl["rollout"] and rl_cfg["loss"] == run_rl["loss"]
-        draw = json.loads((out / "draw.json").read_text())
-        assert draw["eval_rl"] == json.loads((out / "eval_rl" / "eval.json").read_text())
-        assert set(draw["shifted"]) == {"centred", "offset"} and draw["train_seed"] == 5
-        stamp = (av_dir / "model.safetensors").stat().st_mtime_ns
-        draws.run_draw(run_dir, "affine-conformal", 5, 1, 0.0, tmp_path / "draw", 8, *short)  # resumes, retrains nothing
-        assert (av_dir / "model.safetensors").stat().st_mtime_ns == stamp
-        text, data = draws.table([run_dir, out], 8)
-        # --recipe-from: a run with only its world, data and AR takes a finished run's AV, RL and eval
-        # configs with its own data; applied to the recipe's own AR it gives the recipe run back
-        import shutil
+    from dev.experiments import injection_draws as draws
 
-        from nla.rl.config import load_rl_config
+    with pytest.raises(SystemExit, match="--variant: expected one of none, affine, .*found 'rotation'"):
+        draws.run_draw(run_dir, "rotation", None, None, 0.0, tmp_path / "x", 8)
+    with pytest.raises(SystemExit, match="not a finished quickstart run"):
+        draws.run_draw(tmp_path, "none", None, None, 0.0, tmp_path / "x", 8)
+    short = ({"max_steps": 40, "eval_every": 20, "save_every": 40},  # a short recipe keeps CI's time
+             {"steps": 4, "eval_every": 2, "checkpointing.save_every": 4})
+    out = draws.run_draw(run_dir, "affine-conformal", 5, 1, 0.0, tmp_path / "draw", 8, *short)
+    av_dir = Path(json.loads((out / "av.json").read_text())["checkpoint"])
+    side = yaml.safe_load((av_dir / "nla_meta.yaml").read_text())
+    assert side["injection_adapter"]["conformal"] is True and "mean_invariant" not in side["injection_adapter"]
+    av_cfg = yaml.safe_load((av_dir / "train_config.yaml").read_text())
+    run_av = json.loads((run_dir / "av.stage_done.json").read_text())["config"]
+    assert (av_cfg["seed"], av_cfg["threads"], av_cfg["injection_adapter"]) == (5, 1, "affine")
+    assert av_cfg["max_steps"] == 40 and av_cfg["lr"] == run_av["lr"] and av_cfg["dataset"].endswith(
+        run_av["dataset"])
+    rl_cfg = yaml.safe_load((out / "rl" / "rl_config.yaml").read_text())
+    run_rl = yaml.safe_load((run_dir / "rl" / "rl_config.yaml").read_text())
+    assert rl_cfg["ar"] == run_rl["ar"] and rl_cfg["av"] == str(av_dir) and rl_cfg["steps"] == 4
+    assert rl_cfg["rollout"] == run_rl["rollout"] and rl_cfg["loss"] == run_rl["loss"]
+    draw = json.loads((out / "draw.json").read_text())
+    assert draw["eval_rl"] == json.loads((out / "eval_rl" / "eval.json").read_text())
+    assert set(draw["shifted"]) == {"centred", "offset"} and draw["train_seed"] == 5
+    stamp = (av_dir / "model.safetensors").stat().st_mtime_ns
+    draws.run_draw(run_dir, "affine-conformal", 5, 1, 0.0, tmp_path / "draw", 8, *short)  # resumes, retrains nothing
+    assert (av_dir / "model.safetensors").stat().st_mtime_ns == stamp
+    text, data = draws.table([run_dir, out], 8)
+    # --recipe-from: a run with only its world, data and AR takes a finished run's AV, RL and eval
+    # configs with its own data; applied to the recipe's own AR it gives the recipe run back
+    import shutil
 
-        only_ar = tmp_path / "only-ar"
-        only_ar.mkdir()
-        shutil.copy(run_dir / "ar.stage_done.json", only_ar)
-        with pytest.raises(SystemExit, match="not a finished quickstart run.*--recipe-from"):
-            draws._stages(only_ar, None)
-        stages, rl_yaml, rl_paths = draws._stages(only_ar, run_dir)
-        assert stages["av"]["config"] == run_av and stages["eval_rl"] == json.loads(
-            (run_dir / "eval_rl.stage_done.json").read_text())
-        mine, theirs = load_rl_config(rl_yaml, rl_paths), load_rl_config(run_dir / "rl" / "rl_config.yaml")
-        for got, want in ((mine.dataset, theirs.dataset), (mine.eval_dataset, theirs.eval_dataset),
-                          (mine.reconstructor.replay_dataset, theirs.reconstructor.replay_dataset)):
-            assert draws._resolve(run_dir, got) == draws._resolve(run_dir, want)
-        assert mine.seed == theirs.seed and mine.loss == theirs.loss
-        other = json.loads((run_dir / "ar.stage_done.json").read_text())
-        other["config"]["max_steps"] += 1
-        (only_ar / "ar.stage_done.json").write_text(json.dumps(other))
-        with pytest.raises(SystemExit, match="not the same preset"):
-            draws._stages(only_ar, run_dir)
-    finally:
-        sys.path.remove(str(bench_dir))
+    from nla.rl.config import load_rl_config
+
+    only_ar = tmp_path / "only-ar"
+    only_ar.mkdir()
+    shutil.copy(run_dir / "ar.stage_done.json", only_ar)
+    with pytest.raises(SystemExit, match="not a finished quickstart run.*--recipe-from"):
+        draws._stages(only_ar, None)
+    stages, rl_yaml, rl_paths = draws._stages(only_ar, run_dir)
+    assert stages["av"]["config"] == run_av and stages["eval_rl"] == json.loads(
+        (run_dir / "eval_rl.stage_done.json").read_text())
+    mine, theirs = load_rl_config(rl_yaml, rl_paths), load_rl_config(run_dir / "rl" / "rl_config.yaml")
+    for got, want in ((mine.dataset, theirs.dataset), (mine.eval_dataset, theirs.eval_dataset),
+                      (mine.reconstructor.replay_dataset, theirs.reconstructor.replay_dataset)):
+        assert draws._resolve(run_dir, got) == draws._resolve(run_dir, want)
+    assert mine.seed == theirs.seed and mine.loss == theirs.loss
+    other = json.loads((run_dir / "ar.stage_done.json").read_text())
+    other["config"]["max_steps"] += 1
+    (only_ar / "ar.stage_done.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="not the same preset"):
+        draws._stages(only_ar, run_dir)
     report = json.loads((run_dir / "report.json").read_text())
     run_fig, draw_fig = data["figures"]
     assert run_fig["fve_rl"] == report["headline"]["round_trip_fve_rl"]

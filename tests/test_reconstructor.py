@@ -3,10 +3,10 @@ import torch
 import yaml
 from conftest import ARCHS
 
-from nla.arch import num_layers
-from nla.reconstructor import VALUE_HEAD_FILE, Reconstructor, last_token_index, read_config_layers
-from nla.sidecar import NLAConfig, load_sidecar
-from nla.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
+from nla.core.arch import num_layers
+from nla.core.reconstructor import VALUE_HEAD_FILE, Reconstructor, last_token_index, read_config_layers
+from nla.core.sidecar import NLAConfig, load_sidecar
+from nla.core.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
 
 
 def test_last_token_index_left_right_unpadded():
@@ -43,7 +43,7 @@ def test_block_k_output_matches_hidden_states(tiny_model_dir, name):
 def test_last_layer_edge_case_is_pre_norm(tiny_model_dir, tiny_tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from nla.arch import base_model
+    from nla.core.arch import base_model
 
     full = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()
     ids = torch.randint(8, 100, (1, 5))
@@ -105,7 +105,7 @@ def test_bad_layer_index_and_missing_head(tiny_model_dir, tmp_path):
 
 
 def test_tokenize_ar_texts_pads_either_side_and_keeps_the_suffix(tiny_tokenizer):
-    from nla.reconstructor import tokenize_ar_texts
+    from nla.core.reconstructor import tokenize_ar_texts
 
     texts = ["the cat walks to the river . Summary", "Bob sings . Summary"]
     right = tokenize_ar_texts(tiny_tokenizer, texts, 64)
@@ -134,8 +134,8 @@ def test_tokenize_ar_texts_pads_either_side_and_keeps_the_suffix(tiny_tokenizer)
 def test_predict_runs_the_last_block_at_the_read_token_only(tiny_model_dir, tiny_tokenizer, arch, side):
     """``predict``'s last-block path (Llama/Qwen2) equals reading ``forward`` at the last real token:
     values and gradients, left or right padding, GQA (the tiny models have 2 kv heads for 4)."""
-    from nla.arch import decoder_layers
-    from nla.reconstructor import LAST_BLOCK_MODEL_TYPES, tokenize_ar_texts
+    from nla.core.arch import decoder_layers
+    from nla.core.reconstructor import LAST_BLOCK_MODEL_TYPES, tokenize_ar_texts
 
     torch.manual_seed(0)
     ar = Reconstructor.from_base(tiny_model_dir(arch), 2).train()
@@ -171,8 +171,8 @@ def test_a_forward_on_another_thread_is_unaffected_by_predict(tiny_model_dir, ti
     without its last block. Here thread B's whole ``forward`` runs inside thread A's window."""
     import threading
 
-    from nla.arch import decoder_layers
-    from nla.reconstructor import tokenize_ar_texts
+    from nla.core.arch import decoder_layers
+    from nla.core.reconstructor import tokenize_ar_texts
 
     torch.manual_seed(0)
     ar = Reconstructor.from_base(tiny_model_dir("llama"), 2).eval()
@@ -211,3 +211,36 @@ def test_last_block_path_is_off_under_attention_dropout_in_training(tiny_model_d
     ar.config.attention_dropout = 0.1
     assert not ar.last_block_fast
     assert ar.eval().last_block_fast  # eval mode drops nothing
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_cutting_the_subject_prints_no_load_report_but_names_a_missing_weight(tiny_model_dir, name, tmp_path,
+                                                                              capfd, caplog):
+    # The blocks past K and the LM head are left out on purpose: transformers' UNEXPECTED table
+    # would read as an error in the quickstart's console. A weight of a kept block that the
+    # checkpoint lacks is still reported, by name.
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    path = tiny_model_dir(name)
+    with caplog.at_level(logging.WARNING):
+        Reconstructor.from_base(path, 0)
+    out = capfd.readouterr()
+    assert "LOAD REPORT" not in out.out + out.err + caplog.text and "UNEXPECTED" not in out.err + caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("nla")]
+
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    weights = load_file(broken / "model.safetensors")
+    dropped = sorted(k for k in weights if ".0." in k and k.endswith("weight"))[0]
+    save_file({k: v for k, v in weights.items() if k != dropped}, broken / "model.safetensors",
+              metadata={"format": "pt"})
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        Reconstructor.from_base(broken, 0)
+    msgs = [r.getMessage() for r in caplog.records if r.name == "nla.core.reconstructor"]
+    assert len(msgs) == 1 and "missing from the checkpoint" in msgs[0]
+    assert dropped.split(".", 1)[1] in msgs[0]  # the key without its model./transformer. prefix

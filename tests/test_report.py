@@ -1,11 +1,11 @@
-"""nla.report: the quickstart page from hand-made stage results."""
+"""nla.eval.report: the quickstart page from hand-made stage results."""
 
 from __future__ import annotations
 
 import json
 
+from nla.eval.report import faithfulness_summary, unread_kinds, write_report
 from nla.quickstart import StageRecord
-from nla.report import faithfulness_summary, unread_kinds, write_report
 
 
 def _eval(fve: float, frozen: float, recall: float, degenerate: float) -> dict:
@@ -65,7 +65,7 @@ def test_report_warns_of_a_kind_the_warm_start_does_not_read(tmp_path, caplog):
     assert unread_kinds(warm) == {"place": [0.13, 0.13], "activity": [0.37, 0.34]}
     assert unread_kinds(warm, margin=0.02) == {"place": [0.13, 0.13]}
     assert unread_kinds(rl) == {}  # no per-kind rows: nothing to say
-    with caplog.at_level("WARNING", logger="nla.report"):
+    with caplog.at_level("WARNING", logger="nla.eval.report"):
         md = write_report(tmp_path, preset="x", stages=[], configs={}, world={}, warm_eval=warm, rl_eval=rl,
                           ar_info={}, av_info={}, rl_info={}).read_text()
     assert "> **Warning: the warm-started AV does not read every kind.**" in md

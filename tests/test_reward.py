@@ -1,4 +1,4 @@
-"""Tests for nla.reward: extraction rules, MSE -> reward, the async batcher."""
+"""Tests for nla.core.reward (extraction rules, MSE -> reward) and nla.rl.reward (scoring N samples, the async batcher)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,15 @@ import threading
 import pytest
 import torch
 
-from nla.reward import (
+from nla.core.reward import (
     FAILED_EXTRACTION_REWARD,
     FAILED_EXTRACTION_REWARD_LOG,
     LOG_MSE_FLOOR,
-    RewardBatcher,
     extract_explanation,
     failed_extraction_reward,
     mse_to_reward,
-    score_all,
 )
+from nla.rl.reward import RewardBatcher, score_all
 
 # ------------------------------------------------------------- extraction
 
@@ -286,7 +285,7 @@ def test_constructor_validation():
 
 
 def test_reward_service_batches_each_submission_alone_and_delivers_failures():
-    from nla.reward import RewardService
+    from nla.rl.reward import RewardService
 
     calls = []
 
@@ -319,7 +318,7 @@ def test_inline_reward_service_scores_on_the_calling_thread_in_batches():
     batch_size and scored at once on the caller's thread; failures come back in the future."""
     import threading
 
-    from nla.reward import NonFiniteRewardError, RewardService
+    from nla.rl.reward import NonFiniteRewardError, RewardService
 
     calls, threads = [], []
 
@@ -363,7 +362,7 @@ def test_failed_mse_is_orthogonal_whatever_the_gold():
     import math
 
     from nla.client import failed_mse as client_failed_mse
-    from nla.reward import FAILED_EXTRACTION_MSE, failed_mse
+    from nla.core.reward import FAILED_EXTRACTION_MSE, failed_mse
 
     d = 4
     gold = torch.tensor([[0.0, 0.0, 0.0, 0.0],  # zero gold: used to cost 0, a perfect score
@@ -380,7 +379,7 @@ def test_failed_mse_is_orthogonal_whatever_the_gold():
 
 
 def test_non_finite_rewards_fail_their_batch():
-    from nla.reward import NonFiniteRewardError, RewardService
+    from nla.rl.reward import NonFiniteRewardError, RewardService
 
     with RewardService(lambda items: [0.5, float("nan"), float("inf")][: len(items)], batch_size=3,
                        flush_seconds=0.01) as service:
@@ -392,7 +391,7 @@ def test_reward_timeout_fails_every_waiting_sample():
     import threading
     import time
 
-    from nla.reward import RewardService, RewardTimeoutError
+    from nla.rl.reward import RewardService, RewardTimeoutError
 
     release = threading.Event()
 
@@ -416,7 +415,7 @@ def test_one_status_type_for_rollouts_clients_and_reports():
     import json
 
     from nla.client import STATUSES, Verbalization
-    from nla.reward import Status
+    from nla.core.reward import Status
     from nla.rl.types import COMPLETED, FAILED_EXTRACTION, TRUNCATED
 
     assert (COMPLETED, TRUNCATED, FAILED_EXTRACTION) == (0, 1, 2)
@@ -435,7 +434,7 @@ def test_one_status_type_for_rollouts_clients_and_reports():
 def test_an_inline_reward_service_starts_no_thread_at_all():
     import threading
 
-    from nla.reward import RewardService
+    from nla.rl.reward import RewardService
 
     before = {t.ident for t in threading.enumerate()}
     service = RewardService(lambda items: [0.0] * len(items), 2, 0.01, inline=True)
@@ -446,7 +445,7 @@ def test_an_inline_reward_service_starts_no_thread_at_all():
 
 
 def test_score_samples_charges_failures_shapes_and_penalises_by_hand():
-    from nla.reward import RewardSettings, scorable_items, score_samples
+    from nla.rl.reward import RewardSettings, scorable_items, score_samples
 
     golds = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     ok = torch.tensor([True, False, True])

@@ -15,9 +15,9 @@ import pytest
 import torch
 from train_helpers import dataset_sidecar, explanations
 
-from nla import arch
-from nla.arch import load_tokenizer
-from nla.reconstructor import Reconstructor
+from nla.core import arch
+from nla.core.arch import load_tokenizer
+from nla.core.reconstructor import Reconstructor
 from nla.rl.roles import OptimSettings, ReconstructorWorker, has_dropout
 
 D_LAYER = 1
@@ -171,7 +171,7 @@ def test_reward_sub_batches_equal_one_padded_batch(tiny_model_dir, monkeypatch):
     """mse_batch runs the rows longest first in sub-batches; each row's MSE is the one of a single
     left-padded batch in the given order (float tolerance), returned in the given order."""
     import nla.rl.roles.reconstructor as W
-    from nla.vectors import mse_nrm
+    from nla.core.vectors import mse_nrm
 
     w = _worker(tiny_model_dir, "llama", 4)
     texts, golds = _data(w.ar.config.hidden_size, 11, 0)

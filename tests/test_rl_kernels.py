@@ -12,13 +12,13 @@ from train_helpers import dataset_sidecar
 from transformers import AutoModelForCausalLM
 
 import nla.rl.kernels as W
-from nla.injection import InjectionHook
+from nla.core.injection import InjectionHook
+from nla.core.sidecar import canonical_av_prompt_ids
 from nla.rl import algorithms as A
 from nla.rl.distributed import DataParallel
 from nla.rl.kernels import by_group_length, response_logprobs, rollout_logprobs
 from nla.rl.roles import OptimSettings, PolicyLossSettings, PolicyWorker
 from nla.rl.types import COMPLETED, Rollout
-from nla.sidecar import canonical_av_prompt_ids
 
 D, B, G, L = 32, 3, 4, 12
 
@@ -165,7 +165,7 @@ def test_policy_step_equals_plain_forward(setup, tiny_tokenizer, monkeypatch, bu
 def test_reconstructor_update_on_length_ordered_micro_batches_equals_one_batch(tiny_model_dir, tiny_tokenizer):
     """The AR update cuts micro-batches from rows ordered by text length: loss and weights after
     the step equal those of one micro-batch holding every row in the given order."""
-    from nla.reconstructor import Reconstructor, reconstruction_loss, tokenize_ar_texts
+    from nla.core.reconstructor import Reconstructor, reconstruction_loss, tokenize_ar_texts
     from nla.rl.roles import ReconstructorWorker
 
     base = tiny_model_dir("llama")

@@ -16,23 +16,18 @@ import pytest
 import torch
 from train_helpers import dataset_sidecar, write_av_dataset
 
+from nla.core.reward import FAILED_EXTRACTION_REWARD, FAILED_EXTRACTION_REWARD_LOG
+from nla.core.sidecar import load_sidecar, write_sidecar
 from nla.datagen.io import vectors_to_arrow
-from nla.metrics import read_metrics
-from nla.reward import (
-    FAILED_EXTRACTION_REWARD,
-    FAILED_EXTRACTION_REWARD_LOG,
-    RewardBatcher,
-    RewardService,
-    score_all,
-)
 from nla.rl.algorithms import LOSS_AGG_MODES
 from nla.rl.backend import build_groups
 from nla.rl.config import RLConfig, load_rl_config
 from nla.rl.loop import RLGuardError, run_rl, step0_guard
-from nla.sidecar import load_sidecar, write_sidecar
+from nla.rl.reward import RewardBatcher, RewardService, score_all
 from nla.train.ar import train_ar
 from nla.train.av import train_av
 from nla.train.config import ARTrainConfig, AVTrainConfig
+from nla.util.metrics import read_metrics
 
 WORDS = ["cat", "dog", "bird", "fish"]
 D = 64  # the world tiny subject model's width
@@ -58,7 +53,7 @@ def pair(tmp_path_factory):
     The base is the world tiny subject model (cached build): its byte-level BPE decodes
     text exactly, so explanations round-trip through generation and tag extraction.
     """
-    from nla.arch import load_tokenizer
+    from nla.core.arch import load_tokenizer
     from nla.world import build_world
 
     root = tmp_path_factory.mktemp("rl")
@@ -196,7 +191,7 @@ def test_a_failure_costs_the_orthogonal_mse_at_the_ars_own_scale():
     """Issue 20, defect 1: at mse_scale s the real MSEs lie in [0, 4 s^2 / d]; a constant 2.0 let a
     failure out-score real answers once s > sqrt(d) (here s = 2 sqrt(d): a real answer at
     cos 0.5 costs 2 s^2/d (1 - cos) = 4.0, twice the old constant)."""
-    from nla.reward import failed_mse
+    from nla.core.reward import failed_mse
     from nla.rl.loop import fill_rewards
     from nla.rl.types import COMPLETED, FAILED_EXTRACTION, Rollout
 
@@ -334,7 +329,7 @@ def test_dynamic_sampling_drops_flat_groups_and_refills_the_batch(pair, tmp_path
     batch, and the kept groups are exactly the generated groups whose rewards spread."""
     from nla.rl.algorithms import dynamic_sampling_mask
     from nla.rl.loop import RLData, collect_rollout
-    from nla.train.common import DataCursor
+    from nla.train.data import DataCursor
 
     cfg = _cfg(pair, tmp_path, rollout=dict(dynamic_sampling=True, max_refill_rounds=3))
     groups = build_groups(cfg)
@@ -407,7 +402,7 @@ def test_format_penalty_charges_degenerate_explanations_only():
 
 
 def test_format_flags_generic_and_world():
-    from nla.reward import format_flags
+    from nla.core.reward import format_flags
 
     texts = [
         'The current word is "He". The mood is sad.',  # clean in both
@@ -516,7 +511,7 @@ def test_update_batches_cover_every_row_when_the_rollout_does_not_divide():
 def test_rl_grades_a_failed_sample_as_nla_eval_does():
     """Issue 20, defect 2: a failed sample claims nothing: grade("") in both (precision 1 when the
     row has no true fact, else 0), so fact_precision means one number in the RL log and in eval."""
-    from nla.evaluation import faithfulness
+    from nla.eval.evaluate import faithfulness
     from nla.rl.loop import grade_facts
     from nla.rl.types import COMPLETED, FAILED_EXTRACTION, Rollout
 

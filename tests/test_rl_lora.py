@@ -1,4 +1,4 @@
-"""LoRA for the AV (nla.lora): the helpers on a real tiny Llama, then RL on the pair fixture of
+"""LoRA for the AV (nla.core.lora): the helpers on a real tiny Llama, then RL on the pair fixture of
 test_rl_loop (the world tiny subject as AV and AR base) against full fine-tuning."""
 
 import json
@@ -8,7 +8,7 @@ import torch
 from test_rl_loop import _cfg, _one_thread, pair  # noqa: F401  (fixtures used by name)
 from transformers import AutoModelForCausalLM
 
-from nla.lora import (
+from nla.core.lora import (
     LoRASettings,
     adapter_dir_for,
     adapter_state,
@@ -20,9 +20,9 @@ from nla.lora import (
     merged_state_dict,
     save_adapter,
 )
-from nla.metrics import read_metrics
 from nla.rl.backend import build_groups
 from nla.rl.loop import run_rl
+from nla.util.metrics import read_metrics
 
 pytest.importorskip("peft")
 
@@ -202,7 +202,7 @@ def _lora_ar_checks(pair, full_groups, groups, ckpt) -> None:  # noqa: F811  (th
     """The AR under ``reconstructor.lora_r``: only its adapters and head moved; Adam holds state for
     those alone; the checkpoint is a plain AR dir (merged) that predicts as the live adapted AR,
     with ``ar_adapter/`` beside it."""
-    from nla.reconstructor import Reconstructor
+    from nla.core.reconstructor import Reconstructor
 
     ar = groups.reconstructor.ar
     warm = Reconstructor.from_pretrained(pair["ar"]).state_dict()

@@ -12,10 +12,10 @@ import pytest
 import torch
 from test_rl_loop import _cfg, _class_vectors, _one_thread, pair  # noqa: F401  (fixtures used by name)
 
-from nla.metrics import read_metrics
-from nla.reward import RewardBatcher, score_all
 from nla.rl.distributed import micro_chunks, rank_rows
 from nla.rl.loop import run_rl
+from nla.rl.reward import RewardBatcher, score_all
+from nla.util.metrics import read_metrics
 
 ray = pytest.importorskip("ray")
 
@@ -226,13 +226,13 @@ def test_two_rank_ppo_on_ray_matches_local_ppo(pair, tmp_path):  # noqa: F811
 def test_two_rank_lora_on_ray_matches_local_lora(pair, tmp_path):  # noqa: F811
     """LoRA on 2 policy ranks and 2 AR ranks: the adapters FSDP-sharded with the frozen base, the
     reference the same shards with adapters off, every rank's rollout copy the merged AV
-    (nla.lora.merged_items on the gathered tensors), the AR's adapters and head trained on its
+    (nla.core.lora.merged_items on the gathered tensors), the AR's adapters and head trained on its
     shards. Same seed -> the local LoRA run's rewards, losses and KL; the same merged checkpoints
     and adapters; after a last sync, each rank's copy writes the local policy's
     greedy explanations, which the adapters changed from the warm start's (2 of these 8)."""
     from safetensors.torch import load_file
 
-    from nla.lora import adapter_dir_for
+    from nla.core.lora import adapter_dir_for
     from nla.rl.backend import build_groups
 
     # a high lr, so two steps move the adapters enough to change greedy explanations

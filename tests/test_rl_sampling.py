@@ -11,11 +11,11 @@ from train_helpers import dataset_sidecar
 from transformers import AutoModelForCausalLM
 
 import nla.rl.sampling as S
-from nla.injection import InjectionHook
-from nla.reward import extract_explanation
+from nla.core.injection import InjectionHook
+from nla.core.reward import extract_explanation
+from nla.core.sidecar import canonical_av_prompt_ids
 from nla.rl.roles import RolloutWorker, parse_responses
 from nla.rl.types import COMPLETED, FAILED_EXTRACTION, TRUNCATED
-from nla.sidecar import canonical_av_prompt_ids
 
 B, G, L = 6, 3, 20
 

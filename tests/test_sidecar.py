@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nla.sidecar import (
+from nla.core.sidecar import (
     ARSuffixMismatchError,
     MarkerCountError,
     MarkerIdMismatchError,
@@ -20,7 +20,12 @@ from nla.sidecar import (
     verify_tokenizer,
     write_sidecar,
 )
-from nla.templates import AV_PLACEHOLDER, DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
+from nla.core.templates import (
+    AV_PLACEHOLDER,
+    DEFAULT_AR_TEMPLATE,
+    DEFAULT_AV_TEMPLATE,
+    DEFAULT_INJECTION_CHAR,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 AV_TPL = "Here is a hidden state <{injection_char}> from a language model. Explain what it encodes."
@@ -341,7 +346,7 @@ def test_fix_tokens_rederives_drifted_ids_only_when_asked(tiny_tokenizer, tmp_pa
     live tokenizer's): loads refuse it; `nla sidecar fix-tokens` shows the change, and writes it
     (those keys only, the old file kept) only with --write."""
     from nla.cli import main
-    from nla.sidecar import SIDECAR_NAME
+    from nla.core.sidecar import SIDECAR_NAME
 
     ckpt = tmp_path / "ckpt"
     tiny_tokenizer.save_pretrained(ckpt)

@@ -1,4 +1,4 @@
-"""The explanation suite (nla.suite): claims, hidden-code re-writings, residual patching, causal
+"""The explanation suite (nla.eval.suite): claims, hidden-code re-writings, residual patching, causal
 edits, directions, confabulation and best-of-N, on hand-written explanations and on the tiny
 quickstart's world pair (its AV, AR and subject model)."""
 
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from nla.client import NLAClient, NLAClientError
-from nla.graders import get_grader
-from nla.suite import (
+from nla.core.graders import get_grader
+from nla.core.vectors import mse_nrm
+from nla.eval.suite import (
     Claim,
     attribute_claims,
     best_of_n,
@@ -27,7 +28,6 @@ from nla.suite import (
     run_suite,
     verbalize_directions,
 )
-from nla.vectors import mse_nrm
 from nla.world.explain import in_language
 
 WORLD = get_grader("world")
@@ -149,7 +149,7 @@ def test_norm_warnings_and_direction_inputs():
 def test_patch_residual_changes_exactly_that_residual(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from nla.arch import decoder_layers
+    from nla.core.arch import decoder_layers
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()
     ids = torch.randint(3, 50, (2, 7), generator=torch.Generator().manual_seed(0))
@@ -404,7 +404,7 @@ def test_cli_suite_paraphrase_provider_needs_its_key(world, tmp_path, capsys, mo
 
 
 def test_claims_summary_by_hand():
-    from nla.suite import _claims_summary
+    from nla.eval.suite import claims_summary
 
     attr = [[Claim('The current word is "x".', 0.5, None, True), Claim("The story is about Felix.", 0.4, True, False),
              Claim("The scene is set at the beach.", 0.1, False, False)],
@@ -412,14 +412,14 @@ def test_claims_summary_by_hand():
             []]
     truths = [["person=felix", "place=park"], ["mood=happy"], []]
     earlier = [set(), {"mood=sad"}, set()]  # sad was true earlier in row 1's document: a stale claim
-    out = _claims_summary(attr, raw_mean=0.5, grader=WORLD, truths=truths, earlier=earlier)
+    out = claims_summary(attr, raw_mean=0.5, grader=WORLD, truths=truths, earlier=earlier)
     assert (out["rows"], out["claims"], out["n_true"], out["n_false"], out["n_quotation"], out["n_other"]) == \
         (3, 5, 1, 2, 1, 1)
     assert out["fve_cost_true"] == pytest.approx(0.8) and out["fve_cost_false"] == pytest.approx(0.0)
     assert out["fve_cost_quotation"] == pytest.approx(1.0) and out["fve_cost_other"] == pytest.approx(0.0)
     assert out["fve_cost_false_stale"] == pytest.approx(-0.2) and out["fve_cost_false_invented"] == pytest.approx(0.2)
     assert out["true_over_false"] is None and out["false_cost_nonpositive"]  # false deletions cost nothing
-    from nla.suite import SuiteReport
+    from nla.eval.suite import SuiteReport
 
     rep = SuiteReport("d", 3, 0, sections={"claims": out})
     (t,) = [t for t in rep.targets if t["key"] == "true_over_false"]

@@ -1,11 +1,11 @@
-"""Thread control: the resolution rules of ``nla.threads`` and the stages that apply them."""
+"""Thread control: the resolution rules of ``nla.util.threads`` and the stages that apply them."""
 
 import numpy as np
 import pytest
 import torch
 from train_helpers import dataset_sidecar, write_ar_dataset
 
-from nla.threads import ENV_VAR, apply_threads, resolve_threads
+from nla.util.threads import ENV_VAR, apply_threads, resolve_threads
 
 
 @pytest.fixture()
@@ -44,7 +44,7 @@ def test_default_is_fixed_by_the_machine_every_core_for_one_process():
 def test_threads_flag_parses_integers_and_auto():
     import argparse
 
-    from nla.threads import threads_flag
+    from nla.util.threads import threads_flag
 
     assert threads_flag("3") == 3 and threads_flag("auto") == "auto" and threads_flag(" AUTO ") == "auto"
     for bad in ("0", "-1", "two"):
@@ -174,13 +174,13 @@ class FakeMachine:
 ])
 def test_threads_for_idle_cores(others, cores, expected):
     # int(cores - others + 0.3): a core at least 70 % idle counts as free
-    from nla.threads import threads_for_idle_cores
+    from nla.util.threads import threads_for_idle_cores
 
     assert threads_for_idle_cores(others, cores) == expected
 
 
 def test_governor_follows_the_idle_cores(restore_threads):
-    from nla.threads import ThreadGovernor
+    from nla.util.threads import ThreadGovernor
 
     m = FakeMachine()
     g = ThreadGovernor(cores=2, interval=2.0, reader=m.reader, clock=m.clock)
@@ -200,7 +200,7 @@ def test_governor_follows_the_idle_cores(restore_threads):
 
 
 def test_governor_without_proc_stat_keeps_half_the_cores(restore_threads):
-    from nla.threads import ThreadGovernor
+    from nla.util.threads import ThreadGovernor
 
     t = [0.0]
     g = ThreadGovernor(cores=8, interval=1.0, reader=lambda: None, clock=lambda: t[0])
@@ -211,7 +211,7 @@ def test_governor_without_proc_stat_keeps_half_the_cores(restore_threads):
 def test_governor_adjusts_only_from_its_own_thread(restore_threads):
     import threading
 
-    from nla.threads import ThreadGovernor
+    from nla.util.threads import ThreadGovernor
 
     m = FakeMachine()
     g = ThreadGovernor(cores=2, interval=1.0, reader=m.reader, clock=m.clock)
@@ -225,14 +225,14 @@ def test_governor_adjusts_only_from_its_own_thread(restore_threads):
 
 
 def test_apply_threads_adapts_only_when_auto_is_asked_for(restore_threads, monkeypatch, caplog):
-    from nla import threads as T
+    from nla.util import threads as T
 
     monkeypatch.delenv(ENV_VAR, raising=False)
     monkeypatch.setattr(T, "_governor", None)
     # the default: every core, fixed for the run (no governor, adapt_threads changes nothing)
     assert T.apply_threads(None) == T.available_cores() and T._governor is None
     assert T.adapt_threads() == T.available_cores()
-    with caplog.at_level("WARNING", logger="nla.threads"):
+    with caplog.at_level("WARNING", logger="nla.util.threads"):
         n = T.apply_threads("auto")
     assert T._governor is not None and n == T._governor.threads == max(1, T.available_cores() // 2)
     assert "not reproducible" in caplog.text
@@ -255,7 +255,7 @@ def test_governor_sees_a_real_busy_process(restore_threads):
     import sys
     import time
 
-    from nla.threads import ThreadGovernor, available_cores, read_cpu_seconds
+    from nla.util.threads import ThreadGovernor, available_cores, read_cpu_seconds
 
     busy0, own0 = read_cpu_seconds()
     assert busy0 > 0 and own0 > 0

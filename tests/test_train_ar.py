@@ -6,13 +6,13 @@ import torch
 from safetensors.torch import load_file
 from train_helpers import dataset_sidecar, explanations, write_ar_dataset
 
-from nla.metrics import read_metrics
-from nla.reconstructor import Reconstructor, tokenize_ar_texts
-from nla.sidecar import load_sidecar
+from nla.core.reconstructor import Reconstructor, tokenize_ar_texts
+from nla.core.sidecar import load_sidecar
+from nla.core.vectors import fve, mse_nrm
 from nla.train.ar import ARTrainError, train_ar
-from nla.train.common import micro_batches
 from nla.train.config import ARTrainConfig
-from nla.vectors import fve, mse_nrm
+from nla.train.optim import micro_batches
+from nla.util.metrics import read_metrics
 
 K = 1  # keep blocks 0..1 of the 4-block tiny llama
 
@@ -142,7 +142,7 @@ def test_errors_before_training(ar_data, tmp_path, tiny_tokenizer):
 
 
 def _strip_base(tmp_path, side):
-    from nla.sidecar import write_sidecar
+    from nla.core.sidecar import write_sidecar
 
     path = tmp_path / "nobase.nla_meta.yaml"
     write_sidecar(path, side.replace(base_model=None))

@@ -5,9 +5,8 @@ import pytest
 import torch
 from train_helpers import dataset_sidecar, write_av_dataset
 
-from nla.injection import InjectionHook
-from nla.metrics import read_metrics
-from nla.sidecar import load_sidecar
+from nla.core.injection import InjectionHook
+from nla.core.sidecar import load_sidecar
 from nla.train.av import (
     IGNORE_INDEX,
     AVExample,
@@ -19,6 +18,7 @@ from nla.train.av import (
     train_av,
 )
 from nla.train.config import AVTrainConfig
+from nla.util.metrics import read_metrics
 
 WORDS = ["cat", "dog", "bird", "fish"]
 
@@ -194,7 +194,7 @@ def test_mean_invariant_adapter_is_fitted_on_the_training_vectors(tmp_path, tiny
     """injection_adapter_mean_invariant: the adapter's view is fitted on the training split's raw
     vectors (direction of their mean, mean tangent, by a plain numpy reference), is saved with
     the AV and loads with it; it is never trained; without the affine adapter it is refused."""
-    from nla.injection import ADAPTER_ATTR, load_av_model
+    from nla.core.injection import ADAPTER_ATTR, load_av_model
     from nla.train.ar import load_split
 
     ds = _av_data(tmp_path, tiny_tokenizer, tiny_model_dir("llama"), injection_scale=5.0, n=24)
@@ -221,8 +221,8 @@ def test_mean_invariant_adapter_is_fitted_on_the_training_vectors(tmp_path, tiny
 def test_injection_adapter_lr_scale_trains_the_adapter_in_its_own_group(tmp_path, tiny_tokenizer, tiny_model_dir):
     """injection_adapter_lr_scale=10: the adapter's AdamW group runs at 10x lr; 1 (the default) keeps
     the one group of the published recipe; a bad value names the field."""
-    from nla.injection import ADAPTER_ATTR
-    from nla.train import common
+    from nla.core.injection import ADAPTER_ATTR
+    from nla.train import loop as common  # the loop builds the optimiser
 
     ds = _av_data(tmp_path, tiny_tokenizer, tiny_model_dir("llama"), injection_scale=5.0, n=16)
     seen = []

@@ -6,7 +6,7 @@ import yaml
 from train_helpers import dataset_sidecar, write_ar_dataset, write_av_dataset
 
 from nla.cli import main
-from nla.metrics import read_metrics
+from nla.util.metrics import read_metrics
 
 
 @pytest.fixture(autouse=True, scope="module")

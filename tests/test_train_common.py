@@ -5,16 +5,18 @@ import numpy as np
 import pytest
 import torch
 
-from nla.train.common import (
-    DataCursor,
+from nla.train.checkpoint import (
     apply_training_state,
     atomic_dir,
-    build_optimizer,
     latest_checkpoint,
     load_training_state,
+    save_training_state,
+)
+from nla.train.data import DataCursor
+from nla.train.optim import (
+    build_optimizer,
     micro_batches,
     optimizer_step_guarded,
-    save_training_state,
     sqrt_lr,
     warmup_cosine,
     warn_if_lr_far,
@@ -178,7 +180,7 @@ def test_data_cursor_epochs_and_resume():
 
 
 def test_atomic_dir_names_a_failed_save_and_keeps_the_old_checkpoint(tmp_path):
-    from nla.train.common import CheckpointSaveError
+    from nla.train.checkpoint import CheckpointSaveError
 
     final = tmp_path / "step_00000002"
     with atomic_dir(final) as d:

@@ -1,4 +1,4 @@
-"""LoRA in the warm-starts (``nla train av`` / ``nla train ar`` with ``lora.r > 0``; nla.lora):
+"""LoRA in the warm-starts (``nla train av`` / ``nla train ar`` with ``lora.r > 0``; nla.core.lora):
 what trains, what a checkpoint holds, exact resume, NLAClient on both the merged dir and the
 adapter dir, the optimiser state it saves, and the config's errors. A real tiny Llama, real
 parquets, peft."""
@@ -15,12 +15,12 @@ from test_train_av import _cfg as _av_cfg
 from train_helpers import dataset_sidecar, write_ar_dataset
 
 from nla.client import NLAClient
-from nla.lora import DEFAULT_TARGETS, LORA_SUBDIR, LoRASettings, apply_lora, load_adapter
-from nla.metrics import read_metrics
-from nla.reconstructor import Reconstructor, tokenize_ar_texts
+from nla.core.lora import DEFAULT_TARGETS, LORA_SUBDIR, LoRASettings, apply_lora, load_adapter
+from nla.core.reconstructor import Reconstructor, tokenize_ar_texts
 from nla.train.ar import train_ar
 from nla.train.av import train_av
 from nla.train.config import ARTrainConfig, AVTrainConfig, LoRAConfig, load_config
+from nla.util.metrics import read_metrics
 
 pytest.importorskip("peft")
 
@@ -95,7 +95,7 @@ def test_av_lora_trains_adapters_and_saves_merged_and_adapter(tmp_path, tiny_tok
 
 def test_av_lora_holds_a_fraction_of_the_optimiser_state(tmp_path, tiny_tokenizer, tiny_model_dir):
     """AdamW keeps two moments per trainable value: with LoRA only the adapters' (derived count), not the model's."""
-    from nla.train import common
+    from nla.train import loop as common  # the loop builds the optimiser
 
     base = tiny_model_dir("llama")
     ds = _av_data(tmp_path, tiny_tokenizer, base, injection_scale=5.0, n=16)

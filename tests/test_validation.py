@@ -1,4 +1,4 @@
-"""Bad input through the CLI: exit code 2, one line naming the culprit, nothing written (nla.validation).
+"""Bad input through the CLI: exit code 2, one line naming the culprit, nothing written (nla.util.validation).
 
 Real files throughout: NaN / zero / complex / boolean .npy arrays, a parquet whose vector column
 holds strings, truncated and corrupt safetensors, a YAML syntax error, unwritable outputs, on a
@@ -20,11 +20,11 @@ import torch
 from conftest import build_tiny_model
 
 from nla.cli import main
+from nla.core.reconstructor import VALUE_HEAD_FILE, Reconstructor
+from nla.core.sidecar import NLAConfig, write_sidecar
+from nla.core.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
 from nla.datagen.io import vectors_to_arrow
-from nla.reconstructor import VALUE_HEAD_FILE, Reconstructor
-from nla.sidecar import NLAConfig, write_sidecar
-from nla.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
-from nla.validation import (
+from nla.util.validation import (
     InputError,
     check_safetensors_file,
     check_vectors,
@@ -276,7 +276,7 @@ def test_nan_weights_without_a_checksum_record_are_refused(pair, capsys, tmp_pat
     finite at load where no record exists; nothing is written."""
     from safetensors.torch import load_file, save_file
 
-    from nla.validation import CHECKSUM_FILE
+    from nla.util.validation import CHECKSUM_FILE
 
     ckpt = tmp_path / f"{role}_nan"
     shutil.copytree(pair[role], ckpt)
@@ -400,7 +400,7 @@ def test_run_dir_is_not_reused_silently(pair, capsys, tmp_path, tiny_tokenizer, 
     import yaml
     from train_helpers import dataset_sidecar, write_ar_dataset
 
-    from nla.metrics import read_metrics
+    from nla.util.metrics import read_metrics
 
     vec = np.random.default_rng(0).standard_normal((8, D)).astype(np.float32)
     ds = write_ar_dataset(tmp_path / "ar.parquet", dataset_sidecar(tiny_tokenizer, pair["av"], D, 1), vec)
@@ -450,10 +450,10 @@ def test_diverged_training_stops_at_the_first_non_finite_figure(pair, capsys, tm
 def test_a_dead_run_with_finite_losses_still_warns(caplog):
     """A zero gradient with a finite loss (a collapsed output) is the stuck monitor's case: it warns
     once at ``patience`` steps."""
-    from nla.health import StuckRunMonitor, TrainingDivergedError, check_finite_loss
+    from nla.train.health import StuckRunMonitor, TrainingDivergedError, check_finite_loss
 
     mon = StuckRunMonitor("ar", patience=3)
-    with caplog.at_level("WARNING", logger="nla.health"):
+    with caplog.at_level("WARNING", logger="nla.train.health"):
         warned = [mon.observe(step, grad_norm=0.0) for step in range(1, 6)]
     assert [bool(w) for w in warned] == [False, False, True, False, False]
     assert "ar looks stuck: the gradient norm has been zero or non-finite for 3 steps in a row (step 3" in warned[2][0]
@@ -464,7 +464,7 @@ def test_a_dead_run_with_finite_losses_still_warns(caplog):
 
 
 def test_pickled_weights_are_refused(pair, capsys, tmp_path):
-    from nla.validation import check_checkpoint
+    from nla.util.validation import check_checkpoint
 
     ckpt = tmp_path / "pickled"
     shutil.copytree(pair["av"], ckpt)
@@ -505,7 +505,7 @@ def test_eval_names_the_nan_row_and_file(pair, capsys, tmp_path):
 
 def test_skip_bad_rows_drops_counts_and_keeps_row_numbers(pair, capsys, caplog, tmp_path):
     from nla.client import NLAClient
-    from nla.validation import drop_bad_rows
+    from nla.util.validation import drop_bad_rows
 
     vec = np.random.default_rng(2).standard_normal((5, D)).astype(np.float32)
     vec[1, 4], vec[3] = np.nan, 0.0
@@ -565,7 +565,7 @@ def test_datagen_and_world_config_errors(capsys, tmp_path, argv, command, culpri
 def test_flipped_bit_in_a_saved_checkpoint_is_caught(pair, capsys, tmp_path, tiny_tokenizer, single_thread):
     from train_helpers import dataset_sidecar, write_ar_dataset
 
-    from nla.validation import CHECKSUM_FILE, verify_checksums
+    from nla.util.validation import CHECKSUM_FILE, verify_checksums
 
     vec = np.random.default_rng(0).standard_normal((8, D)).astype(np.float32)
     ds = write_ar_dataset(tmp_path / "ar.parquet", dataset_sidecar(tiny_tokenizer, pair["av"], D, 1), vec)
@@ -594,7 +594,7 @@ def test_resume_compares_config_sections_field_by_field(tmp_path):
     # checkpointing.keep_last / backend.ray_address (how this invocation runs) may change.
     import yaml
 
-    from nla.rundir import RunDirError, prepare_run_dir
+    from nla.train.rundir import RunDirError, prepare_run_dir
 
     saved = {"steps": 10, "loss": {"kl_coef": 0.01, "eps_low": 0.2},
              "checkpointing": {"save_every": 5, "keep_last": 2}, "backend": {"name": "local", "ray_address": None}}
@@ -693,7 +693,7 @@ def test_resume_accepts_the_same_directory_spelled_another_way(pair, capsys, tmp
 def test_a_new_top_level_directory_is_refused_and_missing_parents_are_said(pair, capsys, tmp_path, caplog):
     import logging
 
-    from nla.validation import check_output_path
+    from nla.util.validation import check_output_path
 
     out = Path("/nla-typo-no-such-dir/sub/out.jsonl")
     code, lines = cli(capsys, "verbalize", "--av", pair["av"], "--vectors", pair["root"] / "good.npy",
@@ -701,7 +701,7 @@ def test_a_new_top_level_directory_is_refused_and_missing_parents_are_said(pair,
     assert code == 2
     assert_one_error_line(lines, "verbalize", "would create the new top-level directory /nla-typo-no-such-dir")
     assert not Path("/nla-typo-no-such-dir").exists()
-    with caplog.at_level(logging.INFO, logger="nla.validation"):
+    with caplog.at_level(logging.INFO, logger="nla.util.validation"):
         check_output_path(tmp_path / "a" / "b" / "run", "--out")
     assert f"--out: creating {tmp_path / 'a'} (missing folders on the way to {tmp_path / 'a' / 'b' / 'run'})" \
         in caplog.text
@@ -719,8 +719,8 @@ def test_score_output_is_valid_json_when_predictions_overflow(pair, capsys, capl
     from safetensors.torch import load_file, save_file
 
     from nla.client import NLAClient
-    from nla.reconstructor import VALUE_HEAD_FILE
-    from nla.validation import CHECKSUM_FILE
+    from nla.core.reconstructor import VALUE_HEAD_FILE
+    from nla.util.validation import CHECKSUM_FILE
 
     def no_constants(name):
         raise AssertionError(f"{name} is not JSON")
@@ -766,7 +766,7 @@ def test_score_output_is_valid_json_when_predictions_overflow(pair, capsys, capl
 def test_a_micro_batch_larger_than_memory_is_refused_before_the_first_step(pair, capsys, tmp_path, tiny_tokenizer):
     from train_helpers import dataset_sidecar, write_ar_dataset
 
-    from nla.health import available_memory, micro_batch_lower_bound
+    from nla.train.health import available_memory, micro_batch_lower_bound
 
     # by hand: 16 bytes of ids + mask per token, one fp32 hidden state (and its gradient) per layer and the input
     assert micro_batch_lower_bound(2, 10, 32, 3, None, 4) == 20 * 16 + 20 * 32 * 4 * 2 * 4
@@ -822,7 +822,7 @@ def test_checksums_are_verified_once_per_file_and_machine(tmp_path, monkeypatch)
     import torch
     from safetensors.torch import save_file
 
-    import nla.validation as V
+    import nla.util.validation as V
 
     monkeypatch.setenv("NLA_CACHE", str(tmp_path / "cache"))
     ckpt = tmp_path / "ckpt"

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from nla.vectors import cosine, fve, mse_nrm, normalize_activation, predict_mean_baselines, resolve_scale
+from nla.core.vectors import cosine, fve, mse_nrm, normalize_activation, predict_mean_baselines, resolve_scale
 
 
 def test_normalize_scales_to_norm_and_keeps_zero_rows():
@@ -98,7 +98,7 @@ def test_resolve_scale():
 
 
 def test_fve_of_mse_is_one_minus_mean_over_baseline_in_float64():
-    from nla.vectors import fve_of_mse
+    from nla.core.vectors import fve_of_mse
 
     assert fve_of_mse(torch.tensor([1.0, 3.0]), 4.0) == 0.5  # 1 - 2/4
     # float64 mean: 2^24 + 1 is lost in a float32 sum of [2^24, 1, ...] but not here

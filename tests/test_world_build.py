@@ -104,8 +104,8 @@ def test_force_rebuilds_in_place(tmp_path):
 
 
 def test_a_cached_build_from_other_cpu_kernels_is_built_again(tmp_path, caplog):
-    """A build records the CPU kernels it ran (nla.numerics); one that ran others, or did not say, is redone."""
-    from nla.numerics import cpu_kernels
+    """A build records the CPU kernels it ran (nla.util.numerics); one that ran others, or did not say, is redone."""
+    from nla.util.numerics import cpu_kernels
 
     first = build_world(MICRO, out=tmp_path, progress=False)
     assert first.summary["cpu_kernels"] == cpu_kernels()

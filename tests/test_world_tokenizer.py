@@ -3,7 +3,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from nla.templates import DEFAULT_AV_TEMPLATE
+from nla.core.templates import DEFAULT_AV_TEMPLATE
 from nla.world.explain import TextExplainer
 from nla.world.facts import facts_at
 from nla.world.generator import generate_documents

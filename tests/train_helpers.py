@@ -8,9 +8,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from nla.core.sidecar import NLAConfig, write_sidecar
+from nla.core.templates import (
+    AV_PLACEHOLDER,
+    DEFAULT_AR_TEMPLATE,
+    DEFAULT_AV_TEMPLATE,
+    DEFAULT_INJECTION_CHAR,
+)
 from nla.datagen.io import vectors_to_arrow
-from nla.sidecar import NLAConfig, write_sidecar
-from nla.templates import AV_PLACEHOLDER, DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
 
 SUBJECTS = ["cat", "dog", "bird", "fish", "Alice", "Bob", "Carol", "Dave"]
 PLACES = ["house", "garden", "river", "city", "forest", "village", "market", "school"]

@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 
-from nla.threads import THREADS_HELP, threads_flag
+from nla.util.threads import THREADS_HELP, threads_flag
 
 log = logging.getLogger("nla.datagen")
 
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         overrides["threads"] = args.threads
     cfg = DatagenConfig.from_yaml(args.config, overrides)
-    from nla.validation import check_device, check_model_source, check_output_path
+    from nla.util.validation import check_device, check_model_source, check_output_path
 
     check_output_path(cfg.out_dir, "out_dir")
     check_device(cfg.device)

@@ -1,6 +1,6 @@
 """`nla eval --av DIR --ar DIR --dataset PARQUET [--frozen-ar DIR] [--grader NAME] [--max-rows N] [--out DIR]`: held-out evaluation.
 
-`nla eval --suite [PARTS] ...`: the explanation suite instead (``nla.suite``: claim attribution,
+`nla eval --suite [PARTS] ...`: the explanation suite instead (``nla.eval.suite``: claim attribution,
 hidden-code tests, causal edits, directions, confabulation, best-of-N), to suite.json / suite.md.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from nla.validation import non_negative_int, positive_int
+from nla.util.validation import non_negative_int, positive_int
 
 log = logging.getLogger("nla.eval")
 
@@ -37,8 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--samples", type=non_negative_int, default=8,
                    help="explanations shown next to their ground truth")
-    p.add_argument("--grader", help="the dataset's grader (nla.graders: generic, world, or one an installed package "
-                                    "registers under the nla.graders entry points); default: the one the "
+    p.add_argument("--grader", help="the dataset's grader (nla.core.graders: generic, world, or one an installed package "
+                                    "registers under the nla.core.graders entry points); default: the one the "
                                     "dataset names")
     p.add_argument("--no-text-explainer", action="store_true", help="skip the text-explainer baseline row")
     p.add_argument("--out", help="directory for eval.json and eval.md (suite.json and suite.md with --suite)")
@@ -65,8 +65,8 @@ def run(args: argparse.Namespace) -> int:
 
     from nla.client import NLAClient
     from nla.datagen.io import read_vectors
-    from nla.evaluation import evaluate_pair
-    from nla.validation import check_device, check_output_path
+    from nla.eval.evaluate import evaluate_pair
+    from nla.util.validation import check_device, check_output_path
 
     check_device(args.device)
     parts = _suite_parts(args) if args.suite is not None else None
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if parts is not None and not args.av:
         raise ValueError("--suite: give the pair's AV (--av DIR) as well as its AR; the suite reads its explanations")
     if args.grader:
-        from nla.graders import get_grader
+        from nla.core.graders import get_grader
 
         get_grader(args.grader)  # an unknown name is refused before any model loads
     if args.out:
@@ -111,7 +111,7 @@ def _write_report(report, out_dir: str | None, name: str) -> int:
 
 
 def _suite_parts(args: argparse.Namespace) -> list[str]:
-    from nla.suite import PARTS
+    from nla.eval.suite import PARTS
 
     if args.suite == "all":
         return list(PARTS)
@@ -135,7 +135,7 @@ def _best_of(spec: str) -> list[int]:
 
 def _run_suite(args: argparse.Namespace, client, parts: list[str], best_of: list[int]) -> int:
     from nla.client import NLAClient
-    from nla.suite import run_suite
+    from nla.eval.suite import run_suite
 
     paraphraser = None
     if args.paraphrase_provider:

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from nla.threads import THREADS_HELP, threads_flag
-from nla.validation import non_negative_float, non_negative_int
+from nla.util.threads import THREADS_HELP, threads_flag
+from nla.util.validation import non_negative_float, non_negative_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -58,7 +58,7 @@ def _adapter_suffix(choice: str, pair_world: str | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from nla.quickstart import run_quickstart
-    from nla.validation import check_output_path
+    from nla.util.validation import check_output_path
 
     default_out = (f"runs/quickstart-{args.preset}" + (f"-pair-{args.pair_world}" if args.pair_world else "")
                    + ("-av" if args.pair_world and args.pair_roles == "av" else "")

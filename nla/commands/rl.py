@@ -6,8 +6,8 @@ import argparse
 import json
 import logging
 
-from nla.threads import THREADS_HELP, threads_flag
-from nla.validation import positive_int
+from nla.util.threads import THREADS_HELP, threads_flag
+from nla.util.validation import positive_int
 
 log = logging.getLogger("nla.rl")
 
@@ -40,14 +40,14 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from nla.client import load_checkpoint_sidecar
+    from nla.core.reconstructor import VALUE_HEAD_FILE, check_ar_max_length
     from nla.datagen.io import read_vectors
-    from nla.reconstructor import VALUE_HEAD_FILE, check_ar_max_length
     from nla.rl.config import load_rl_config
     from nla.rl.loop import check_rollout_rows, check_run_provenance, run_rl
     from nla.rl.setup import load_pair_sidecars
-    from nla.rundir import prepare_run_dir
     from nla.train.config import parse_overrides
-    from nla.validation import check_checkpoint, check_device, check_output_path
+    from nla.train.rundir import prepare_run_dir
+    from nla.util.validation import check_checkpoint, check_device, check_output_path
 
     overrides = parse_overrides(args.set)
     for flag, key in (("av", "av"), ("ar", "ar"), ("dataset", "dataset"), ("out", "out_dir"), ("steps", "steps"), ("threads", "threads"),
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     if args.allow_mixed_provenance:
         overrides["allow_mixed_provenance"] = True
     cfg = load_rl_config(args.config, overrides)
-    # Every input is checked before anything is written (nla.validation).
+    # Every input is checked before anything is written (nla.util.validation).
     check_output_path(cfg.out_dir, "out_dir")
     check_device(cfg.device)
     load_checkpoint_sidecar(Path(cfg.av), "av")  # roles are checked, not warned about
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         if dataset == cfg.dataset:
             check_rollout_rows(cfg, rows)
     av_side, ar_side = load_pair_sidecars(cfg.av, cfg.ar)
-    check_run_provenance(cfg, av_side, ar_side)  # one subject for the pair and its data (nla.provenance)
+    check_run_provenance(cfg, av_side, ar_side)  # one subject for the pair and its data (nla.core.provenance)
     check_ar_max_length(cfg.reconstructor.max_length, ar_side.critic_suffix_ids, "reconstructor.max_length")
     prepare_run_dir(cfg.out_dir, cfg.to_dict(), "rl_config.yaml", resume=args.resume, overwrite=args.overwrite)
     result = run_rl(cfg, resume=args.resume)

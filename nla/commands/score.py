@@ -13,7 +13,7 @@ import logging
 import numpy as np
 
 from nla.commands.eval import add_model_args
-from nla.validation import positive_int
+from nla.util.validation import positive_int
 
 log = logging.getLogger("nla.score")
 
@@ -81,10 +81,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from nla.client import NLAClient, failed_mse, load_vectors
+    from nla.core.vectors import fve
     from nla.datagen.io import read_parquet
-    from nla.fsutil import dumps_json, write_text_atomic
-    from nla.validation import check_device, check_output_path, check_vectors, drop_bad_rows
-    from nla.vectors import fve
+    from nla.util.fsutil import dumps_json, write_text_atomic
+    from nla.util.validation import check_device, check_output_path, check_vectors, drop_bad_rows
 
     check_device(args.device)
     if args.out:

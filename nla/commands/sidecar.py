@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-log = logging.getLogger("nla.sidecar")
+log = logging.getLogger("nla.core.sidecar")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,7 +31,7 @@ def fix_tokens(args: argparse.Namespace) -> int:
 
     from transformers import AutoTokenizer
 
-    from nla.sidecar import rewrite_token_ids, sidecar_path_for, token_id_changes
+    from nla.core.sidecar import rewrite_token_ids, sidecar_path_for, token_id_changes
 
     side = sidecar_path_for(args.path)
     if not side.is_file():

@@ -6,8 +6,8 @@ import argparse
 import json
 import logging
 
-from nla.threads import THREADS_HELP, threads_flag
-from nla.validation import positive_int
+from nla.util.threads import THREADS_HELP, threads_flag
+from nla.util.validation import positive_int
 
 log = logging.getLogger("nla.train")
 
@@ -36,9 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from nla.datagen.io import read_vectors
-    from nla.rundir import prepare_run_dir
     from nla.train.config import ARTrainConfig, AVTrainConfig, load_config, parse_overrides
-    from nla.validation import check_device, check_model_source, check_output_path
+    from nla.train.rundir import prepare_run_dir
+    from nla.util.validation import check_device, check_model_source, check_output_path
 
     overrides = parse_overrides(args.set)
     for flag, key in (("dataset", "dataset"), ("out", "out_dir"), ("base_model", "base_model"),
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         from nla.train.av import train_av as train
 
         cfg = load_config(AVTrainConfig, args.config, overrides)
-    # Every input is checked before anything is written (nla.validation).
+    # Every input is checked before anything is written (nla.util.validation).
     check_output_path(cfg.out_dir, "out_dir")
     check_device(cfg.device)
     if cfg.base_model:

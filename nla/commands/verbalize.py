@@ -3,7 +3,7 @@
 `--reference DATASET` warns for each vector whose norm is far outside that data's (the AV never saw
 such a vector); `--directions` reads the vectors as directions (SAE features, difference-of-means or
 steering vectors) and explains each placed as the AV was trained: the reference data's mean direction
-plus `--strength` of its spread along the direction, at its median norm (``nla.suite``).
+plus `--strength` of its spread along the direction, at its median norm (``nla.eval.suite``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import argparse
 import logging
 
 from nla.commands.eval import add_model_args
-from nla.validation import positive_int
+from nla.util.validation import positive_int
 
 log = logging.getLogger("nla.verbalize")
 
@@ -45,8 +45,8 @@ def run(args: argparse.Namespace) -> int:
     from collections import Counter
 
     from nla.client import NLAClient, load_vectors
-    from nla.fsutil import dumps_json, write_text_atomic
-    from nla.validation import check_device, check_output_path, drop_bad_rows
+    from nla.util.fsutil import dumps_json, write_text_atomic
+    from nla.util.validation import check_device, check_output_path, drop_bad_rows
 
     check_device(args.device)
     if args.directions and not args.reference:
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     if args.reference:
         import torch
 
-        from nla.suite import norm_warnings, verbalize_directions
+        from nla.eval.suite import norm_warnings, verbalize_directions
 
         client.check_data(args.reference)
         reference = torch.from_numpy(load_vectors(args.reference))

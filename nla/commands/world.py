@@ -52,7 +52,7 @@ def format_summary(art) -> str:
 
 
 def _target(args: argparse.Namespace):
-    from nla.validation import check_output_path
+    from nla.util.validation import check_output_path
     from nla.world.build import WORLD_PRESETS, WorldConfig
 
     if args.out is not None:

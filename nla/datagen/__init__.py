@@ -1,6 +1,6 @@
 """Data generation: activations -> split by document -> explanations -> training parquets.
 
-Stages (DESIGN §2), each a module and a `nla datagen <stage>` step:
+Stages (docs/design.md §2), each a module and a `nla datagen <stage>` step:
 `extract` (nla.datagen.extract), `split`, `explain` (+ `providers` for HTTP
 explainers), `build`; `pipeline.run` runs them all, resumably.
 """

@@ -1,4 +1,4 @@
-"""Stage 4, build: training parquets + dataset sidecars (DESIGN §3.1, §3.2).
+"""Stage 4, build: training parquets + dataset sidecars (docs/design.md §3.1, §3.2).
 
 - `av_sft.parquet`: prompt = AV chat messages with the literal `<INJECT>`
   placeholder, response = `<explanation>\\n{e}\\n</explanation>`, explanation.
@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from nla.arch import hidden_size, num_layers
+from nla.core.arch import hidden_size, num_layers
+from nla.core.templates import AV_PLACEHOLDER, DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE
 from nla.datagen.io import DatagenError, read_parquet, read_vectors, write_parquet_atomic
-from nla.templates import AV_PLACEHOLDER, DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def dataset_config(
     """The dataset NLAConfig, with token metadata computed from the model's live tokenizer."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from nla.sidecar import NLAConfig
+    from nla.core.sidecar import NLAConfig
 
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     n = num_layers(config)
@@ -115,7 +115,7 @@ def _check_split(table: pa.Table, name: str, d_model: int, layer_index: int, nee
 
 
 def _write_with_sidecar(table: pa.Table, path: Path, cfg: Any, **provenance: Any) -> None:
-    from nla.sidecar import write_sidecar
+    from nla.core.sidecar import write_sidecar
 
     write_sidecar(path, cfg, **provenance)  # sidecar first: a parquet never exists without one
     write_parquet_atomic(table, path)
@@ -185,7 +185,7 @@ def build_datasets(
 
 def load_dataset(path: str | os.PathLike, model_dir: str | os.PathLike | None = None) -> tuple[pa.Table, Any]:
     """Read a built parquet and its sidecar, checking they agree (and agree with `model_dir` if given)."""
-    from nla.sidecar import load_sidecar, sidecar_path_for
+    from nla.core.sidecar import load_sidecar, sidecar_path_for
 
     path = Path(path)
     side = sidecar_path_for(path)

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nla.configcheck import check_config_types
-from nla.threads import check_threads
-from nla.validation import load_yaml
+from nla.util.configcheck import check_config_types
+from nla.util.threads import check_threads
+from nla.util.validation import load_yaml
 
 SPLITS = ("av_sft", "ar_sft", "rl")
 SOURCES = ("world", "file")
@@ -84,7 +84,7 @@ class ProviderConfig:
 
 @dataclass(frozen=True)
 class WorldExplainerConfig:
-    """Arguments of the world's TextExplainer (imperfect on purpose, DESIGN §5)."""
+    """Arguments of the world's TextExplainer (imperfect on purpose, docs/design.md §5)."""
 
     # Most of the 4-5 facts true at a typical token (recall ~0.85), one wrong fact 10% of the time.
     min_facts: int = 3
@@ -135,7 +135,7 @@ class DatagenConfig:
     max_len: int = 256
     batches_per_shard: int = 16  # one parquet shard per this many batches (resume unit)
     device: str = "cpu"  # cpu | cuda | auto
-    threads: int | str | None = None  # torch CPU threads; None: $OMP_NUM_THREADS, else every core; "auto": follows the load (nla.threads)
+    threads: int | str | None = None  # torch CPU threads; None: $OMP_NUM_THREADS, else every core; "auto": follows the load (nla.util.threads)
     bad_vectors: str = "error"  # error | drop (NaN/inf/zero-norm activations)
     # split
     split_fractions: tuple[float, float, float] = (0.4, 0.4, 0.2)  # av_sft, ar_sft, rl
@@ -144,8 +144,8 @@ class DatagenConfig:
     world_explainer: WorldExplainerConfig = field(default_factory=WorldExplainerConfig)
     provider: ProviderConfig = field(default_factory=ProviderConfig)
     # build
-    av_template: str | None = None  # None: nla.templates.DEFAULT_AV_TEMPLATE
-    ar_template: str | None = None  # None: nla.templates.DEFAULT_AR_TEMPLATE
+    av_template: str | None = None  # None: nla.core.templates.DEFAULT_AV_TEMPLATE
+    ar_template: str | None = None  # None: nla.core.templates.DEFAULT_AR_TEMPLATE
     injection_char: str = "㈎"
     injection_scale: float | str | None = "sqrt_d_model"
     mse_scale: float | str | None = "sqrt_d_model"

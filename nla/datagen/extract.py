@@ -30,7 +30,7 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
-from nla.arch import decoder_layers, hidden_size, num_layers
+from nla.core.arch import decoder_layers, hidden_size, num_layers
 from nla.datagen.corpus import CorpusDoc
 from nla.datagen.io import (
     DatagenError,
@@ -39,7 +39,7 @@ from nla.datagen.io import (
     write_json_atomic,
     write_parquet_atomic,
 )
-from nla.threads import adapt_threads
+from nla.util.threads import adapt_threads
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def load_subject(model_dir: str | os.PathLike, device: str = "cpu") -> tuple[Any
     """(model, tokenizer) from a local HF directory, fp32, eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from nla.validation import check_checkpoint
+    from nla.util.validation import check_checkpoint
 
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").exists():

@@ -1,7 +1,7 @@
 """Parquet helpers shared by every datagen stage.
 
 Vectors are read as one zero-copy numpy view of the flattened list column:
-millions of Python float objects would stall the garbage collector (DESIGN §3.2).
+millions of Python float objects would stall the garbage collector (docs/design.md §3.2).
 Every write goes to a temp file in the same directory and is renamed into
 place, so a crash never leaves a partial file that looks complete. Every page
 carries a CRC-32 (parquet's page checksum, written and verified by pyarrow), so
@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nla.fsutil import default_file_mode, dumps_json, write_text_atomic
+from nla.util.fsutil import default_file_mode, dumps_json, write_text_atomic
 
 VECTOR_COLUMN = "activation_vector"
 
@@ -54,10 +54,10 @@ def read_vectors(path_or_table: str | os.PathLike | pa.Table, column: str = VECT
 
     Rows must all have the same length; a ragged column is an error naming the first bad row.
     The values must be floats; with ``check`` (the default) rows with NaN/Inf, zero vectors and
-    norms that overflow float32 are refused with their row numbers (``nla.validation.check_vectors``).
+    norms that overflow float32 are refused with their row numbers (``nla.util.validation.check_vectors``).
     ``source`` names the file in messages (defaults to the path when one is given).
     """
-    from nla.validation import InputError, check_vectors
+    from nla.util.validation import InputError, check_vectors
 
     if source is None and not isinstance(path_or_table, pa.Table):
         source = path_or_table

@@ -30,8 +30,8 @@ import yaml
 
 from nla.datagen.config import SPLITS, DatagenConfig
 from nla.datagen.io import DatagenError, read_parquet, write_json_atomic
-from nla.fsutil import write_text_atomic
-from nla.threads import apply_threads
+from nla.util.fsutil import write_text_atomic
+from nla.util.threads import apply_threads
 
 log = logging.getLogger(__name__)
 

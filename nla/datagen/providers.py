@@ -280,7 +280,7 @@ def _openai(cfg: DatagenConfig) -> Explainer:
     return OpenAIExplainer(cfg.provider)
 
 
-# ------------------------------------------------------------------ paraphrasing (nla.suite's hidden-code test)
+# ------------------------------------------------------------------ paraphrasing (nla.eval.suite's hidden-code test)
 PARAPHRASE_SYSTEM_PROMPT = "You rewrite sentences in other words without changing what they say."
 PARAPHRASE_PROMPT = (
     "Rewrite the sentence below in other words. Keep every fact, name and quotation exactly; add nothing and "
@@ -291,7 +291,7 @@ _PROVIDERS = {"anthropic": AnthropicExplainer, "openai": OpenAIExplainer}
 
 
 def provider_paraphraser(provider: str, cfg: ProviderConfig):
-    """A paraphraser for ``nla.suite.hidden_code_variants``: list of claims -> their re-phrasings
+    """A paraphraser for ``nla.eval.suite.hidden_code_variants``: list of claims -> their re-phrasings
     (None where the provider dropped one), through the configured provider (``anthropic`` or
     ``openai``) with its retries and concurrency. Needs the provider's key, like the explainer."""
     if provider not in _PROVIDERS:

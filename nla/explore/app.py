@@ -32,7 +32,7 @@ from starlette.staticfiles import StaticFiles
 from nla.client import NLAClientError
 from nla.explore.engine import ExploreError, ExploreLimits, Explorer
 from nla.explore.run import RunSummary
-from nla.validation import InputError
+from nla.util.validation import InputError
 
 logger = logging.getLogger(__name__)
 

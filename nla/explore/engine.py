@@ -13,7 +13,7 @@ what training and evaluation measure:
 3. On the subject's world, ground truth is ``nla.world.token_facts`` on the held-out
    documents (never seen by the subject or the pair) and claims are graded by
    ``nla.world.grade`` (quotations are not claims).
-4. Each claim's deletion cost is ``NLAClient.attribute_claims`` (``nla.suite``) with the world
+4. Each claim's deletion cost is ``NLAClient.attribute_claims`` (``nla.eval.suite``) with the world
    grader: ``delta_mse`` = the AR's ``mse_nrm`` with the claim deleted minus with it, and the
    claim's truth against the position's facts on a world document (null elsewhere).
 
@@ -36,11 +36,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from nla.arch import hidden_size, num_layers
 from nla.client import NLAClient, NLAClientError, ScoreResult, Verbalization
+from nla.core.arch import hidden_size, num_layers
+from nla.core.graders import get_grader
+from nla.core.provenance import Provenance, ProvenanceError, check_provenance
 from nla.datagen.extract import block_outputs, load_subject, tokenize_text
-from nla.graders import get_grader
-from nla.provenance import Provenance, ProvenanceError, check_provenance
 from nla.world import Fact, generate_documents, grade, load_world, parse_facts, token_facts
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 Two layouts are read, both as written by this library (nothing else is opened):
 
-1. A quickstart run (``report.json``, ``nla.report.write_report``): the headline, the
+1. A quickstart run (``report.json``, ``nla.eval.report.write_report``): the headline, the
    warm-start vs RL evaluation table, fact recall/precision by kind, time per stage, the
    curve PNGs and the held-out example explanations, each claim graded against its facts.
 2. An RL output directory (``rl_summary.json``, ``rl.jsonl``, ``rl_curves.png``,

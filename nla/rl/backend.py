@@ -12,7 +12,7 @@ from nla.rl.config import BACKENDS, RLConfig
 from nla.rl.distributed import DataParallel
 from nla.rl.roles import WorkerGroups
 from nla.rl.setup import RLSetupError, build_policy_roles, build_reconstructor_role, load_pair_sidecars
-from nla.train.common import resolve_device
+from nla.train.device import resolve_device
 
 
 def build_local_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_dir: str | Path | None = None

@@ -10,9 +10,9 @@ names are checked against their registries (``nla.rl.algorithms``; ``BACKENDS`` 
 
 Every construction from data goes through ``RLConfig.from_dict`` (nested mappings, or
 dotted keys such as ``loss.kl_coef`` from ``--set``), which type-checks every field from the
-annotations (``nla.configcheck``, sections included) before any ``__post_init__`` compares.
+annotations (``nla.util.configcheck``, sections included) before any ``__post_init__`` compares.
 
-Defaults reproduce the published recipe (DESIGN §7) where it makes sense at any scale:
+Defaults reproduce the published recipe (docs/design.md §7) where it makes sense at any scale:
 GRPO with group std scaling, 8 samples per prompt, KL loss k3 at 0.01 to the warm-started
 AV, 150-token response cap, one optimiser step per rollout, AV and AR learning rates at
 parity. Sizes (prompts per step, steps, LR) are per-run choices set in the YAML.
@@ -26,11 +26,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from nla.configcheck import check_config_types
-from nla.graders import available_graders
+from nla.core.graders import available_graders
 from nla.rl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
-from nla.threads import check_threads
 from nla.train.config import LoRAConfig, parse_overrides, read_config_file, save_config
+from nla.util.configcheck import check_config_types
+from nla.util.threads import check_threads
 
 # The one registry of backend names: config validation reads it, and the dispatcher
 # (``nla.rl.backend.BACKEND_BUILDERS``) has one builder per name.
@@ -206,7 +206,7 @@ STEP0_GUARD_TOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """How a sample's reward is made and served (``nla.reward.RewardSettings``, ``RewardService``).
+    """How a sample's reward is made and served (``nla.rl.reward.RewardSettings``, ``RewardService``).
 
     log_mse: reward = -log(mse) instead of -mse. overlong_buffer_len / overlong_penalty_factor:
     DAPO's soft overlong punishment (0 = off). reward_batch_size / reward_flush_seconds: the
@@ -216,7 +216,7 @@ class RewardConfig:
     disagree by more than this ratio of MSEs; null: ``STEP0_GUARD_TOL`` at the run's ``dtype``
     (the layout bugs it catches differ by O(1); bf16 rounding alone differs by ~2e-3).
     format_penalty / format_checks: subtract ``format_penalty`` from the reward of an
-    explanation that the format checks of grader ``format_checks`` (``nla.graders``) flag as
+    explanation that the format checks of grader ``format_checks`` (``nla.core.graders``) flag as
     degenerate ("generic": a repeated sentence or an unbalanced quote; "world": also a sentence outside the
     world's explanation language). Without it RL learns to repeat and to misuse templates,
     which the live AR learns to read (a private code). 0 = off.
@@ -339,11 +339,11 @@ class RLConfig:
       earlier, keeping the schedule (resumable chunks). seed, device (auto | cpu | cuda),
       dtype (float32 | bfloat16 | float16), log_every, tensorboard, progress.
     allow_mixed_provenance: run even when the AV, the AR and the datasets record different
-      subjects, layers or tokenizers (``nla.provenance``; a warning instead of an error).
+      subjects, layers or tokenizers (``nla.core.provenance``; a warning instead of an error).
     threads: torch CPU threads of this process and of each Ray actor (null: ``$OMP_NUM_THREADS``,
       else every core (local), half the cores shared among the actors (Ray), fixed for the run;
       ``"auto"``: the local count follows the machine's load and gives up reproducibility;
-      ``nla.threads``).
+      ``nla.util.threads``).
     """
 
     av: str = ""

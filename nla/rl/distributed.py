@@ -393,8 +393,8 @@ def load_full_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, stat
 
 def _plain_items(src: nn.Module, items: Iterable[tuple[str, Tensor]]) -> Iterable[tuple[str, Tensor]]:
     """``src``'s (name, full tensor) pairs as a plain model's: a LoRA policy's adapters merged in
-    (``nla.lora.merged_items``), so the rollout copy is the plain AV."""
-    from nla.lora import has_lora, lora_scaling, merged_items
+    (``nla.core.lora.merged_items``), so the rollout copy is the plain AV."""
+    from nla.core.lora import has_lora, lora_scaling, merged_items
 
     return merged_items(items, lora_scaling(src)) if has_lora(src) else items
 

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from nla.arch import cache_kwargs, output_cache
-from nla.injection import InjectionHook
+from nla.core.arch import cache_kwargs, output_cache
+from nla.core.injection import InjectionHook
 from nla.rl import algorithms as A
 from nla.rl.distributed import DataParallel
 from nla.rl.sampling import supports_cache_reuse

@@ -1,10 +1,10 @@
-"""The RL controller: one loop, written once against the worker-group roles (DESIGN §4).
+"""The RL controller: one loop, written once against the worker-group roles (docs/design.md §4).
 
 Per step, on-policy:
 1. sample ``rollout_batch_size`` prompts and generate ``n_samples_per_prompt`` explanations
    each with the current AV weights;
 2. score every sample with the *live* AR through the ``RewardService`` (the AR returns
-   ``mse_nrm``); ``nla.reward.score_samples`` / ``make_rewards`` (the one place a reward is
+   ``mse_nrm``); ``nla.rl.reward.score_samples`` / ``make_rewards`` (the one place a reward is
    made) charge a failed extraction or truncation the orthogonal MSE at the
    AR's ``mse_scale`` (``failed_mse``), apply the -log variant, DAPO's optional overlong
    punishment and the format penalty;
@@ -37,19 +37,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from nla.core.graders import DatasetGrader, faithfulness, grader_for_table
+from nla.core.vectors import check_spread, fve_of_mse
 from nla.datagen.io import read_parquet, read_vectors
-from nla.graders import DatasetGrader, faithfulness, grader_for_table
-from nla.health import StuckRunMonitor, check_finite_loss
-from nla.metrics import MetricsLogger
-from nla.reward import RewardService, RewardSettings, scorable_items, score_samples
 from nla.rl import algorithms as A
 from nla.rl.backend import build_groups
 from nla.rl.config import STEP0_GUARD_TOL, RLConfig, save_rl_config
+from nla.rl.reward import RewardService, RewardSettings, scorable_items, score_samples
 from nla.rl.roles import ReconstructorWorker, WorkerGroups
 from nla.rl.types import COMPLETED, TRUNCATED, Rollout
-from nla.threads import adapt_threads, apply_threads
-from nla.train.common import (
-    DataCursor,
+from nla.train.checkpoint import (
     atomic_dir,
     capture_rng_state,
     checkpoint_dir_name,
@@ -59,7 +56,10 @@ from nla.train.common import (
     restore_rng_state,
     seed_everything,
 )
-from nla.vectors import check_spread, fve_of_mse
+from nla.train.data import DataCursor
+from nla.train.health import StuckRunMonitor, check_finite_loss
+from nla.util.metrics import MetricsLogger
+from nla.util.threads import adapt_threads, apply_threads
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class RLData:
     vectors: torch.Tensor
     facts: list[list[str]] | None
     path: Path
-    grader: DatasetGrader | None = None  # the grader the dataset names (``nla.graders.grader_for_table``)
+    grader: DatasetGrader | None = None  # the grader the dataset names (``nla.core.graders.grader_for_table``)
 
     @classmethod
     def load(cls, path: str | Path) -> RLData:
@@ -156,13 +156,13 @@ def reward_settings(cfg: RLConfig) -> RewardSettings:
 
 def shape_rewards(status: torch.Tensor, mse: torch.Tensor, lengths: torch.Tensor, cfg: RLConfig,
                   degenerate: torch.Tensor | None = None, *, failed_cost: torch.Tensor | float) -> torch.Tensor:
-    """RL's rewards [N] (``nla.reward.RewardSettings.rewards`` with the config's settings): a sample
+    """RL's rewards [N] (``nla.rl.reward.RewardSettings.rewards`` with the config's settings): a sample
     whose explanation was not extracted (``status != COMPLETED``) costs ``failed_cost``."""
     return reward_settings(cfg).rewards(mse, status != COMPLETED, failed_cost, lengths, degenerate)
 
 
 def fill_rewards(rollout: Rollout, scored_mse: list[float], cfg: RLConfig, scale: float | None) -> None:
-    """Set ``rollout.mse``, ``rollout.degenerate`` and ``rollout.rewards`` (``nla.reward.score_samples``)
+    """Set ``rollout.mse``, ``rollout.degenerate`` and ``rollout.rewards`` (``nla.rl.reward.score_samples``)
     from the AR's ``mse_nrm`` of the rollout's ok samples; ``scale``: the AR's ``mse_scale``."""
     s = score_samples(scored_mse, rollout.ok, rollout.vectors, rollout.explanations, rollout.lengths, scale,
                       reward_settings(cfg))
@@ -207,7 +207,7 @@ def generate_and_score(groups: WorkerGroups, cfg: RLConfig, data: RLData, rows: 
 def grade_facts(rollout: Rollout, facts: list[list[str]] | None, grader: DatasetGrader | None = None
                 ) -> dict[str, float]:
     """Fact recall / precision of the extracted explanations against the rows' truth
-    (``nla.graders.faithfulness``, the definition ``nla eval`` uses: a failed sample claims
+    (``nla.core.graders.faithfulness``, the definition ``nla eval`` uses: a failed sample claims
     nothing); {} without facts or a grader that grades them. Logged, never a reward."""
     if facts is None:
         return {}
@@ -318,9 +318,9 @@ def latest_rl_checkpoint(out_dir: Path) -> Path | None:
 
 def check_run_provenance(cfg: RLConfig, av_sidecar: Any, ar_sidecar: Any) -> None:
     """The AV, the AR and the RL, eval and replay datasets must record one subject, layer and
-    tokenizer (``nla.provenance``); a dataset without a sidecar has nothing to compare."""
-    from nla.provenance import Provenance, check_provenance
-    from nla.sidecar import load_sidecar, sidecar_path_for
+    tokenizer (``nla.core.provenance``); a dataset without a sidecar has nothing to compare."""
+    from nla.core.provenance import Provenance, check_provenance
+    from nla.core.sidecar import load_sidecar, sidecar_path_for
 
     paths = [("dataset", cfg.dataset), ("eval_dataset", cfg.eval_dataset),
              ("reconstructor.replay_dataset", cfg.reconstructor.replay_dataset

@@ -6,7 +6,7 @@ role of ``nla.rl.roles`` itself, built by the same functions (``nla.rl.setup``) 
 ``RankGroup`` for its data parallelism; this module adds only the actors, the placement
 and which rank answers.
 
-Layout (DESIGN §4):
+Layout (docs/design.md §4):
 1. **policy group**: ``num_policy_workers`` ``RoleHost`` actors, one placement group. Each
    hosts an FSDP2 shard of the trained AV (``policy`` role), of the frozen reference AV
    (``reference`` role: each rank scores its slice of the rollout) and an *unsharded* copy of
@@ -65,14 +65,14 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from torch import Tensor
 
-from nla import arch
+from nla.core import arch
 from nla.rl import algorithms as A
 from nla.rl import distributed as D
 from nla.rl.config import RLConfig
 from nla.rl.roles import WorkerGroups
 from nla.rl.setup import RLSetupError, build_policy_roles, build_reconstructor_role, load_pair_sidecars
 from nla.rl.types import Rollout
-from nla.threads import resolve_threads
+from nla.util.threads import resolve_threads
 
 logger = logging.getLogger(__name__)
 

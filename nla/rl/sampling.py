@@ -43,8 +43,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from nla.arch import cache_kwargs, output_cache
-from nla.injection import InjectionHook
+from nla.core.arch import cache_kwargs, output_cache
+from nla.core.injection import InjectionHook
 
 COMPACT_DIVISOR = 8
 

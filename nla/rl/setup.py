@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from nla import arch
-from nla.reconstructor import Reconstructor, check_ar_max_length
+from nla.core import arch
+from nla.core.reconstructor import Reconstructor, check_ar_max_length
+from nla.core.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar, verify_tokenizer
 from nla.rl.algorithms import get_advantage_estimator
 from nla.rl.config import RLConfig
 from nla.rl.distributed import DataParallel
@@ -28,9 +29,8 @@ from nla.rl.roles import (
     ValueModel,
     ValueWorker,
 )
-from nla.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar, verify_tokenizer
-from nla.train.common import resolve_dtype
-from nla.validation import check_checkpoint
+from nla.train.device import resolve_dtype
+from nla.util.validation import check_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def load_pair_sidecars(av_dir: str | Path, ar_dir: str | Path) -> tuple[NLAConfi
         sides.append(load_sidecar(path))
     av, ar = sides
     for field in ("d_model", "layer_index"):
-        # A published AV sidecar may record no layer (DESIGN §3.1): compare only what both record.
+        # A published AV sidecar may record no layer (docs/design.md §3.1): compare only what both record.
         if None not in (getattr(av, field), getattr(ar, field)) and getattr(av, field) != getattr(ar, field):
             raise RLSetupError(
                 f"{field}: the AV sidecar says {getattr(av, field)} but the AR sidecar says {getattr(ar, field)}; "
@@ -62,7 +62,7 @@ def load_pair_sidecars(av_dir: str | Path, ar_dir: str | Path) -> tuple[NLAConfi
 
 
 def load_av(path: str | Path, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
-    from nla.injection import load_av_model
+    from nla.core.injection import load_av_model
 
     check_checkpoint(path, "av")  # complete safetensors, recorded checksums
     side = load_sidecar(path) if (Path(path) / SIDECAR_NAME).is_file() else None
@@ -116,9 +116,9 @@ def build_policy_roles(cfg: RLConfig, policy_dir: str | Path, dp: DataParallel, 
 
 def _lora_policy(cfg: RLConfig, lora: Any, policy_dir: str | Path, av_side: Any, dp: DataParallel,
                  device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
-    """The LoRA policy (``nla.lora``): the warm-started AV with adapters (from ``policy_dir``'s
+    """The LoRA policy (``nla.core.lora``): the warm-started AV with adapters (from ``policy_dir``'s
     ``_adapter`` dir on resume), and its tokenizer."""
-    from nla.lora import adapter_dir_for, apply_lora
+    from nla.core.lora import adapter_dir_for, apply_lora
 
     if get_advantage_estimator(cfg.loss.advantage).needs_values:
         raise RLSetupError("lora.r > 0 with loss.advantage: gae: the value model would copy the whole AV body; "
@@ -158,7 +158,7 @@ def _lora_reconstructor(cfg: RLConfig, ar_dir: str | Path, dtype: torch.dtype) -
     adapter (``<ar>_adapter``) and head, so the run continues exactly."""
     from dataclasses import replace
 
-    from nla.lora import adapter_dir_for, apply_lora
+    from nla.core.lora import adapter_dir_for, apply_lora
 
     ar = Reconstructor.from_pretrained(cfg.ar, dtype=dtype)
     resume = Path(ar_dir).resolve() != Path(cfg.ar).resolve()

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from nla.reward import Status
+from nla.core.reward import Status
 
-# The per-sample status codes a rollout stores (``Status.code``; ``nla.reward.Status`` is the one type).
+# The per-sample status codes a rollout stores (``Status.code``; ``nla.core.reward.Status`` is the one type).
 COMPLETED, TRUNCATED, FAILED_EXTRACTION = Status.COMPLETED.code, Status.TRUNCATED.code, Status.FAILED.code
 
 

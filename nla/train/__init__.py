@@ -1,6 +1,6 @@
 """Warm-start training of the reconstructor (AR) and the verbalizer (AV); shared training utilities.
 
-``train_ar(cfg)`` / ``train_av(cfg)`` are imported lazily so ``nla.train.common`` stays light.
+``train_ar(cfg)`` / ``train_av(cfg)`` are imported lazily so ``import nla.train`` stays light.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def __getattr__(name: str) -> Any:
 
         return train_av
     if name == "TrainResult":
-        from nla.train.common import TrainResult
+        from nla.train.loop import TrainResult
 
         return TrainResult
     raise AttributeError(name)

@@ -2,14 +2,14 @@
 
 Notation: B rows, T tokens, d width. Loss = mean over rows of ``mse_nrm`` between the
 reconstructor's value at the last real token and the RAW gold vector, both normalised to
-the sidecar's ``mse_scale`` (DESIGN §1).
+the sidecar's ``mse_scale`` (docs/design.md §1).
 
 Departures from a plain regression recipe:
 1. Texts are truncated on the LEFT (``max_length``), so the constant AR suffix that the
    prediction is read at always survives.
 2. The train-batch ``fve_nrm`` uses the raw-mean baseline computed once over the whole
    training set (not per batch), so it is comparable across steps; held-out ``eval_fve``
-   uses the eval split's own baseline (``nla.vectors.fve``).
+   uses the eval split's own baseline (``nla.core.vectors.fve``).
 """
 
 from __future__ import annotations
@@ -21,29 +21,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from nla import arch
-from nla.datagen.io import read_parquet, read_vectors
-from nla.lora import LORA_SUBDIR, apply_sft_lora, merged_state_dict, save_adapter
-from nla.reconstructor import (
+from nla.core import arch
+from nla.core.lora import LORA_SUBDIR, apply_sft_lora, merged_state_dict, save_adapter
+from nla.core.reconstructor import (
     Reconstructor,
     check_ar_max_length,
     reconstruction_loss,
     tokenize_ar_texts,
 )
-from nla.sidecar import NLAConfig, derive_token_ids, resolve_sidecar
-from nla.threads import apply_threads
-from nla.train.common import (
-    LoopSpec,
-    TrainResult,
-    find_resume_checkpoint,
-    resolve_device,
-    resolve_dtype,
-    run_training_loop,
-    seed_everything,
-)
+from nla.core.sidecar import NLAConfig, derive_token_ids, resolve_sidecar
+from nla.core.vectors import check_spread, fve, mse_nrm
+from nla.datagen.io import read_parquet, read_vectors
+from nla.train.checkpoint import find_resume_checkpoint, seed_everything
 from nla.train.config import ARTrainConfig
-from nla.validation import check_model_source
-from nla.vectors import check_spread, fve, mse_nrm
+from nla.train.device import resolve_device, resolve_dtype
+from nla.train.loop import LoopSpec, TrainResult, run_training_loop
+from nla.util.threads import apply_threads
+from nla.util.validation import check_model_source
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +124,7 @@ def _text_column(table: Any, column: str, path: Any) -> list[str]:
     return values
 
 
-def _resolve_sidecar_and_base(cfg: Any) -> tuple[NLAConfig, str]:
+def resolve_sidecar_and_base(cfg: Any) -> tuple[NLAConfig, str]:
     side = resolve_sidecar(cfg.sidecar, None, cfg.dataset)
     base = cfg.base_model or side.base_model
     if not base:
@@ -145,8 +139,8 @@ def own_model(base: str, side: NLAConfig) -> str | None:
     """``base`` when it is not the subject the dataset was extracted from (a cross-model pair: the
     checkpoint records it as ``model.base_model``); None when ``base`` is the subject, a copy of it,
     or an nla checkpoint of it (which passes its own ``model_base`` on)."""
-    from nla.provenance import same_subject
-    from nla.sidecar import SIDECAR_NAME, load_sidecar
+    from nla.core.provenance import same_subject
+    from nla.core.sidecar import SIDECAR_NAME, load_sidecar
 
     if side.base_model is None or same_subject(str(base), str(side.base_model)):
         return None
@@ -190,7 +184,7 @@ def _fit_cross_model_head(model: Reconstructor, tok: Any, texts: list[str], gold
 def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
     """Warm-start the reconstructor on ``cfg.dataset`` (``ar_sft.parquet``). See module docstring."""
     seed_everything(cfg.seed)
-    side, base = _resolve_sidecar_and_base(cfg)
+    side, base = resolve_sidecar_and_base(cfg)
     side.need_ar("AR training")
     check_ar_max_length(cfg.max_length, side.critic_suffix_ids, "max_length")
     train_tab, train_vec, eval_tab, eval_vec = load_split(cfg, "prompt")

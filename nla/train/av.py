@@ -3,7 +3,7 @@
 Notation: B rows, T tokens, V vocabulary. Each row is ``chat_template(AV messages,
 generation prompt on) + response + EOS``; labels are -100 over the prompt and padding, so
 only response tokens and the EOS are learned. The vector (rescaled to ``injection_scale``)
-overwrites the marker's input embedding through :class:`nla.injection.InjectionHook`, the
+overwrites the marker's input embedding through :class:`nla.core.injection.InjectionHook`, the
 same path generation and RL use.
 
 Departures from a plain SFT recipe:
@@ -14,7 +14,7 @@ Departures from a plain SFT recipe:
 3. Held-out loss is also measured with the vectors rolled by one row across the eval batch
    (a permutation without fixed points); ``eval_vector_gap = shuffled - real`` > 0 shows
    the vector is used. A greedy smoke decode at every save flags empty output or output
-   containing the marker / CJK characters (the injection-failure smell, DESIGN §3.4).
+   containing the marker / CJK characters (the injection-failure smell, docs/design.md §3.4).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nla import arch
-from nla.injection import (
+from nla.core import arch
+from nla.core.injection import (
     ADAPTER_ATTR,
     InjectionAdapter,
     InjectionHook,
@@ -38,23 +38,23 @@ from nla.injection import (
     load_adapter_file,
     save_av_weights,
 )
-from nla.lora import LORA_SUBDIR, apply_sft_lora, merged_state_dict, save_adapter
-from nla.sidecar import NLAConfig, canonical_av_prompt_ids, derive_token_ids, verify_tokenizer, write_sidecar
-from nla.templates import AV_PLACEHOLDER
-from nla.threads import apply_threads
-from nla.train.ar import _resolve_sidecar_and_base, load_split, own_model
-from nla.train.common import (
-    LoopSpec,
-    TrainResult,
-    find_resume_checkpoint,
-    resolve_device,
-    resolve_dtype,
-    run_training_loop,
-    seed_everything,
+from nla.core.lora import LORA_SUBDIR, apply_sft_lora, merged_state_dict, save_adapter
+from nla.core.sidecar import (
+    NLAConfig,
+    canonical_av_prompt_ids,
+    derive_token_ids,
+    verify_tokenizer,
+    write_sidecar,
 )
+from nla.core.templates import AV_PLACEHOLDER
+from nla.core.vectors import resolve_scale
+from nla.train.ar import load_split, own_model, resolve_sidecar_and_base
+from nla.train.checkpoint import find_resume_checkpoint, seed_everything
 from nla.train.config import AVTrainConfig
-from nla.validation import check_checkpoint
-from nla.vectors import resolve_scale
+from nla.train.device import resolve_device, resolve_dtype
+from nla.train.loop import LoopSpec, TrainResult, run_training_loop
+from nla.util.threads import apply_threads
+from nla.util.validation import check_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -167,8 +167,8 @@ def smoke_flags(text: str, injection_char: str) -> list[str]:
 
 def check_av_base(base: Path) -> None:
     """An AR checkpoint (a truncated body + value head) is no base for an AV: it has no LM head."""
-    from nla.reconstructor import VALUE_HEAD_FILE
-    from nla.sidecar import SIDECAR_NAME
+    from nla.core.reconstructor import VALUE_HEAD_FILE
+    from nla.core.sidecar import SIDECAR_NAME
 
     role = None
     if (base / SIDECAR_NAME).is_file():
@@ -209,9 +209,9 @@ def _fit_translation(adapter: InjectionAdapter, model: Any, tok: Any, contexts: 
     the vector's token): the AV then starts as a same-model NLA of its own base, whose fixed-scale
     injection of its own residual is what the published recipe trains. Both sides at the
     injection norm (the AV's at that norm times sqrt(d_av / d_subject), ``sqrt_d_model``'s ratio)."""
+    from nla.core.reconstructor import last_token_index
+    from nla.core.vectors import normalize_activation
     from nla.datagen.extract import block_outputs, pad_right, tokenize_text
-    from nla.reconstructor import last_token_index
-    from nla.vectors import normalize_activation
 
     k = side.need_layer("fitting the cross-model injection adapter")
     own_layers = arch.num_layers(model.config)
@@ -248,8 +248,8 @@ def _injection_adapter(cfg: AVTrainConfig, side: NLAConfig, model: Any, src: str
     """Attach the AV's injection adapter: the one ``src`` was saved with (resume, or an AV checkpoint
     as the base), else a new one when ``injection_adapter: affine`` or the widths differ (fitted as
     the translation between the two models when the rows carry their ``context``; else the seeded
-    norm-keeping map of ``nla.injection.adapter_init``)."""
-    from nla.sidecar import SIDECAR_NAME, load_sidecar
+    norm-keeping map of ``nla.core.injection.adapter_init``)."""
+    from nla.core.sidecar import SIDECAR_NAME, load_sidecar
 
     d = arch.hidden_size(model.config)
     saved = load_sidecar(src) if (Path(src) / SIDECAR_NAME).is_file() else None
@@ -286,7 +286,7 @@ def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     seed_everything(cfg.seed)
-    side, base = _resolve_sidecar_and_base(cfg)
+    side, base = resolve_sidecar_and_base(cfg)
     side = _resolve_injection(cfg, side)
     train_tab, train_vec, eval_tab, eval_vec = load_split(cfg, "prompt")
     for col in ("response",):

@@ -15,19 +15,19 @@ from typing import Any, TypeVar
 
 import yaml
 
-from nla.configcheck import check_config_types
-from nla.threads import check_threads
-from nla.validation import load_yaml
+from nla.util.configcheck import check_config_types
+from nla.util.threads import check_threads
+from nla.util.validation import load_yaml
 
 _DEVICES_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    """LoRA (``nla.lora``, needs peft), the ``lora`` block of the AV's and AR's warm-start and of
+    """LoRA (``nla.core.lora``, needs peft), the ``lora`` block of the AV's and AR's warm-start and of
     RL: ``r`` the rank (0: off, full fine-tuning), ``alpha`` (the adapters' scale is alpha / r),
     ``dropout``, ``target_modules`` (null: the attention and MLP projections,
-    ``nla.lora.DEFAULT_TARGETS``). On, only the adapters train (and, in a warm-start, the parts
+    ``nla.core.lora.DEFAULT_TARGETS``). On, only the adapters train (and, in a warm-start, the parts
     that start new: the AR's head, the AV's injection adapter); every checkpoint is the merged
     model (a plain HF dir with its sidecar) with the adapter beside it in peft's format."""
 
@@ -51,7 +51,7 @@ class LoRAConfig:
                       self.target_modules)
 
     def settings(self) -> Any:
-        from nla.lora import DEFAULT_TARGETS, LoRASettings
+        from nla.core.lora import DEFAULT_TARGETS, LoRASettings
 
         return LoRASettings(self.r, float(self.alpha), float(self.dropout),
                             tuple(self.target_modules) if self.target_modules else DEFAULT_TARGETS)
@@ -69,7 +69,7 @@ class _TrainBase:
     dataset: training parquet (``ar_sft.parquet`` / ``av_sft.parquet``) with its sidecar.
     out_dir: run directory; checkpoints go to ``{out_dir}/checkpoints/step_*``, metrics beside.
     base_model: HF directory to start from; null = the dataset sidecar's ``base_model``.
-    sidecar: explicit sidecar path, overriding the dataset's (DESIGN §3.1 precedence).
+    sidecar: explicit sidecar path, overriding the dataset's (docs/design.md §3.1 precedence).
     eval_dataset: a separate held-out parquet; null = hold out ``eval_fraction`` of the
         training documents (by ``doc_id``; by row when there is no doc_id column).
     max_steps: optimiser steps in the whole run (the LR schedule spans it).
@@ -84,7 +84,7 @@ class _TrainBase:
     max_length: token cap per row (AR truncates on the left so the suffix survives).
     eval_max_rows: cap on held-out rows scored at each evaluation.
     threads: torch CPU threads (null: ``$OMP_NUM_THREADS``, else every core, fixed for the run;
-        ``"auto"``: follows the machine's load and gives up reproducibility; ``nla.threads``).
+        ``"auto"``: follows the machine's load and gives up reproducibility; ``nla.util.threads``).
     lora: :class:`LoRAConfig` (``lora: {r: 8}`` in YAML, ``--set lora.r=8``); r = 0, full
         fine-tuning, is the default.
     """
@@ -207,7 +207,7 @@ class AVTrainConfig(_TrainBase):
         vectors greedily at every save.
     injection_adapter: "none" (inject the rescaled vector as it is, the published way) or
         "affine": a learned ``W v + b`` from the subject's width to the AV's
-        (``nla.injection.InjectionAdapter``), trained with the AV. A ``base_model`` of another
+        (``nla.core.injection.InjectionAdapter``), trained with the AV. A ``base_model`` of another
         width than the subject (a cross-model pair) needs "affine".
     mean_shift_augment: m >= 0; each training row's vector gets ``a * mean`` added, ``a``
         drawn uniformly from [-m, m] per row and step (``mean``: the training vectors' mean),
@@ -221,7 +221,7 @@ class AVTrainConfig(_TrainBase):
         (``InjectionAdapter.canonical``), so a vector shifted along that mean (a difference of
         means, an offset) is read like the training data; needs ``injection_adapter: affine``.
     injection_adapter_conformal: the adapter's ``W`` is a learned gain times a learned rotation
-        (``nla.injection.ScaledRotation``), so it scales every direction of the vector alike and
+        (``nla.core.injection.ScaledRotation``), so it scales every direction of the vector alike and
         cannot amplify the directions the AV already reads over the others; needs
         ``injection_adapter: affine`` and a base of the subject's width.
     """
@@ -324,7 +324,7 @@ def read_config_file(path: str | os.PathLike, what: str = "config") -> dict[str,
     """The mapping a YAML config file holds (an empty file is an empty mapping).
 
     Every stage reads its file here: a syntax error names the file, line and column
-    (``nla.validation.load_yaml``).
+    (``nla.util.validation.load_yaml``).
     """
     p = Path(path)
     loaded = load_yaml(p, what) or {}

@@ -1,7 +1,7 @@
 """The world: a synthetic corpus with exact ground truth, its tokenizer and subject model.
 
 Light imports only here (generator, facts, grader); the tokenizer and subject model
-pull in ``transformers`` and are imported from their modules (DESIGN §5).
+pull in ``transformers`` and are imported from their modules (docs/design.md §5).
 """
 
 from nla.world.build import WORLD_PRESETS, WorldArtifacts, WorldConfig, build_world, load_world, world_dir

@@ -34,10 +34,10 @@ from typing import Any
 
 import yaml
 
-from nla.configcheck import check_config_types
-from nla.numerics import cpu_kernels
-from nla.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE
-from nla.validation import load_yaml
+from nla.core.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE
+from nla.util.configcheck import check_config_types
+from nla.util.numerics import cpu_kernels
+from nla.util.validation import load_yaml
 from nla.world.explain import TextExplainer
 from nla.world.facts import Document, all_facts, current_word, facts_at, token_facts, words_with_spans
 from nla.world.generator import generate_documents
@@ -225,7 +225,7 @@ def build_world(
         if built_with == cpu_kernels():
             logger.info("world %s: using cached build %s", config.name, root)
             return cached
-        # Other CPU kernels give other bits (nla.numerics); a build from before they were
+        # Other CPU kernels give other bits (nla.util.numerics); a build from before they were
         # recorded may have run either, so it is built again too.
         logger.warning("world %s: the cached build %s ran %s CPU kernels, this process runs %s; building it again",
                        config.name, root, built_with or "unrecorded", cpu_kernels())
@@ -366,7 +366,7 @@ def _build_into(config: WorldConfig, tmp: Path, progress: bool) -> None:
         "tokens_per_second": result.tokens / max(result.seconds, 1e-9),
         "build_seconds": time.perf_counter() - t_start,
         "torch_threads": torch.get_num_threads(),
-        "cpu_kernels": cpu_kernels(),  # nla.numerics: which CPU kernels torch ran (AVX2 unless overridden)
+        "cpu_kernels": cpu_kernels(),  # nla.util.numerics: which CPU kernels torch ran (AVX2 unless overridden)
         "injection_token_id": inj,
         "injection_left_neighbor_id": left,
         "injection_right_neighbor_id": right,

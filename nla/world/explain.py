@@ -21,7 +21,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from nla.graders import has_repeated_sentence, split_sentences  # the generic text checks (any language)
+from nla.core.graders import has_repeated_sentence, split_sentences  # the generic text checks (any language)
 from nla.world.facts import KINDS, SURFACE_INDEX, VOCAB, Fact, all_facts, words_with_spans
 
 # Several phrasings per kind; "{w}" is the fact's canonical word.
@@ -110,7 +110,7 @@ def render_current_word(word: str) -> str:
     return f'The current word is "{word.replace(chr(34), "")}".'
 
 
-_CURRENT_WORD_RE = re.compile(r'^The current word is "[A-Za-z]+"\.$')  # one word, as render_current_word writes it
+CURRENT_WORD_RE = re.compile(r'^The current word is "[A-Za-z]+"\.$')  # one word, as render_current_word writes it
 
 
 def _template_regex(template: str, kind: str) -> re.Pattern[str]:
@@ -120,7 +120,7 @@ def _template_regex(template: str, kind: str) -> re.Pattern[str]:
     return re.compile("^" + re.escape(head) + "(" + "|".join(words) + ")" + re.escape(tail) + "$", re.IGNORECASE)
 
 
-# Every sentence the explanation language has (DESIGN §5): a fact template with any surface
+# Every sentence the explanation language has (docs/design.md §5): a fact template with any surface
 # word of its kind, a generic remark, or the quoted current word. PHRASINGS: (kind, template
 # index, regex) of every fact phrasing.
 PHRASINGS = tuple((k, i, _template_regex(t, k)) for k, ts in FACT_TEMPLATES.items() for i, t in enumerate(ts))
@@ -128,7 +128,7 @@ PHRASINGS = tuple((k, i, _template_regex(t, k)) for k, ts in FACT_TEMPLATES.item
 
 def in_language(sentence: str) -> bool:
     """Is ``sentence`` one the explainer could have written (any phrasing, any surface word)?"""
-    return (bool(_CURRENT_WORD_RE.match(sentence)) or sentence in GENERIC_EXPLANATIONS
+    return (bool(CURRENT_WORD_RE.match(sentence)) or sentence in GENERIC_EXPLANATIONS
             or any(p.match(sentence) for _, _, p in PHRASINGS))
 
 
@@ -157,7 +157,7 @@ def degeneracy(text: str | None) -> Degeneracy:
     if not text or not text.strip():
         return Degeneracy(False, False, False)
     sentences = split_sentences(text)
-    broken = text.count('"') % 2 == 1 or any('"' in s and not _CURRENT_WORD_RE.match(s) for s in sentences)
+    broken = text.count('"') % 2 == 1 or any('"' in s and not CURRENT_WORD_RE.match(s) for s in sentences)
     outside = any(not in_language(s) for s in sentences)
     return Degeneracy(has_repeated_sentence(sentences), broken, outside)
 

@@ -4,7 +4,7 @@ Document ``doc_id`` depends only on ``(seed, doc_id)`` (its RNG is seeded with t
 pair), so shards generated separately agree with one big run.
 
 A story follows one protagonist through a short sequence of events that change the
-state (DESIGN §5): they move between places, pick up and put down objects, start and
+state (docs/design.md §5): they move between places, pick up and put down objects, start and
 stop activities, change mood, a friend arrives and leaves, time passes. Between events,
 *recall* sentences re-mention the current state ("He was still at the beach."), and the
 story ends with questions about it ("Where was Leo now? At the beach."). The text is

@@ -1,7 +1,7 @@
-"""The world's dataset grader (``nla.graders`` name ``world``): facts, format checks, oracle.
+"""The world's dataset grader (``nla.core.graders`` name ``world``): facts, format checks, oracle.
 
 What ``nla eval``, the RL loop and the format penalty read from a world dataset, through the
-registry in ``nla.graders``: the core imports none of this module.
+registry in ``nla.core.graders``: the core imports none of this module.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nla.graders import DatasetGrader, split_sentences
+from nla.core.graders import DatasetGrader, split_sentences
 from nla.world.explain import (
-    _CURRENT_WORD_RE,
+    CURRENT_WORD_RE,
     FACT_TEMPLATES,
     PHRASINGS,
     Grade,
@@ -40,8 +40,8 @@ def _datagen_config(dataset_path: Path, what: str = "recall slots") -> Any:
     try:
         import yaml
 
+        from nla.core.sidecar import load_sidecar
         from nla.datagen.config import DatagenConfig
-        from nla.sidecar import load_sidecar
 
         prov = load_sidecar(dataset_path).training.get("datagen_config")
         # recorded as written (often relative to where datagen ran); it sits beside the datasets
@@ -80,9 +80,9 @@ class WorldGrader(DatasetGrader):
     def oracle(self, truth: Sequence[str], current_word: str | None, key: int) -> str:
         return oracle_explanation(_truth(truth), current_word, key)
 
-    # --- the explanation suite (nla.suite): one claim per sentence, the language's phrasings
+    # --- the explanation suite (nla.eval.suite): one claim per sentence, the language's phrasings
     def is_quotation(self, claim: str) -> bool:
-        return bool(_CURRENT_WORD_RE.match(claim.strip()))
+        return bool(CURRENT_WORD_RE.match(claim.strip()))
 
     def named_facts(self, text: str | None) -> frozenset[str]:
         return frozenset(str(f) for f in parse_facts(text or ""))

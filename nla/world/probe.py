@@ -14,7 +14,7 @@ is fitted on training stories and scored on held-out stories:
    training rows' mean and std, so every layer is probed on the same footing.
 
 It bounds what any verbalizer can say faithfully about the facts at a layer, and picks
-the extraction layer (DESIGN §5). Notation: N rows, d width, F facts of a kind.
+the extraction layer (docs/design.md §5). Notation: N rows, d width, F facts of a kind.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from nla.probing import fit_logistic, standardise
+from nla.eval.probing import fit_logistic, standardise
 from nla.world.facts import KINDS, VOCAB, Document, Fact, token_facts
 
 logger = logging.getLogger(__name__)
@@ -215,6 +215,6 @@ def probe_table_markdown(results: Sequence[LayerProbe], chosen: int | None = Non
 
 
 def write_probe_json(path: str | Path, results: Sequence[LayerProbe], **info: Any) -> None:
-    from nla.fsutil import write_text_atomic
+    from nla.util.fsutil import write_text_atomic
 
     write_text_atomic(json.dumps({**info, "layers": [r.to_dict() for r in results]}, indent=1), Path(path))

@@ -2,7 +2,7 @@
 
 "… He was still at the ___": the story revealed the place earlier, and the next word names it
 again. At such a token the subject's prediction should follow the fact its residual stream holds,
-which is what the explanation suite's causal edits (``nla.suite.causal_edits``) test: edit the
+which is what the explanation suite's causal edits (``nla.eval.suite.causal_edits``) test: edit the
 explanation's claim of that fact, reconstruct, patch, and see whether the prediction follows.
 """
 

@@ -31,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from nla.threads import adapt_threads
+from nla.util.threads import adapt_threads
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from nla.templates import DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
+from nla.core.templates import DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
 
 INJECTION_CHAR = DEFAULT_INJECTION_CHAR
 EOS_TOKEN = "<|end|>"
@@ -36,7 +36,7 @@ CHAT_TEMPLATE = (
 
 
 def canonical_av_messages(injection_char: str = INJECTION_CHAR) -> list[dict[str, str]]:
-    """The AV's user turn with the marker in place (DESIGN §3.1 'canonical AV prompt')."""
+    """The AV's user turn with the marker in place (docs/design.md §3.1 'canonical AV prompt')."""
     return [{"role": "user", "content": DEFAULT_AV_TEMPLATE.format(injection_char=injection_char)}]
 
 

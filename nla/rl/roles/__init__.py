@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nla.core.sidecar import NLAConfig
 from nla.rl.roles.policy import PolicyLossSettings, PolicyWorker, policy_micro_loss, update_batches
 from nla.rl.roles.reconstructor import (
     REWARD_SUB_BATCH,
@@ -37,7 +38,6 @@ from nla.rl.roles.reference import ReferenceWorker
 from nla.rl.roles.rollout import RolloutWorker, parse_responses
 from nla.rl.roles.trainable import LOCAL, OptimSettings, Trainable
 from nla.rl.roles.value import ValueModel, ValueWorker
-from nla.sidecar import NLAConfig
 
 
 @dataclass

@@ -16,14 +16,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from nla.injection import InjectionHook, save_av_weights
+from nla.core.injection import InjectionHook, save_av_weights
+from nla.core.sidecar import SIDECAR_NAME, NLAConfig, write_sidecar
 from nla.rl import algorithms as A
 from nla.rl.config import RLConfig
 from nla.rl.distributed import DataParallel
 from nla.rl.kernels import by_group_length, rank_micro_batches, response_logprobs, rollout_logprobs
 from nla.rl.roles.trainable import LOCAL, OptimSettings, Trainable
 from nla.rl.types import Rollout
-from nla.sidecar import SIDECAR_NAME, NLAConfig, write_sidecar
 
 __all__ = ["PolicyLossSettings", "PolicyWorker", "policy_micro_loss", "update_batches"]
 
@@ -134,8 +134,8 @@ class PolicyWorker(Trainable):
 
     def save_model(self, directory: str | Path, **provenance: Any) -> None:
         """HF dir + tokenizer + AV sidecar (role av) with provenance, written by the answering rank.
-        With LoRA the dir holds the merged AV, and ``<dir>_adapter`` the adapter (``nla.lora``)."""
-        from nla.lora import adapter_dir_for, has_lora, merged_state_dict, save_adapter
+        With LoRA the dir holds the merged AV, and ``<dir>_adapter`` the adapter (``nla.core.lora``)."""
+        from nla.core.lora import adapter_dir_for, has_lora, merged_state_dict, save_adapter
 
         lora = has_lora(self.model)
         full = self.full_weights()  # None locally: the module's own

@@ -2,7 +2,7 @@
 
 ``ReconstructorWorker.mse_batch(items) -> mse_nrm`` is what the reward service calls (a bound
 method: every reward comes from this very module, no copy, no reload); it returns MSEs, and
-``nla.reward.make_rewards`` alone turns them into rewards. ``update(explanations, golds)`` is one
+``nla.core.reward.make_rewards`` alone turns them into rewards. ``update(explanations, golds)`` is one
 supervised step.
 
 How the step's reward forwards relate to its update is a strategy the role is given
@@ -22,13 +22,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from nla import arch
-from nla.reconstructor import Reconstructor, reconstruction_loss, tokenize_ar_texts
+from nla.core import arch
+from nla.core.reconstructor import Reconstructor, reconstruction_loss, tokenize_ar_texts
+from nla.core.sidecar import NLAConfig
+from nla.core.vectors import mse_nrm
 from nla.rl.distributed import DataParallel
 from nla.rl.kernels import rank_micro_batches
 from nla.rl.roles.trainable import LOCAL, OptimSettings, Trainable
-from nla.sidecar import NLAConfig
-from nla.vectors import mse_nrm
 
 __all__ = ["FusedRewardWindow", "PlainScoring", "REWARD_SUB_BATCH", "ReconstructorWorker", "RewardWindow",
            "default_window", "has_dropout"]
@@ -268,7 +268,7 @@ class ReconstructorWorker(Trainable):
     def save_model(self, directory: str | Path, **provenance: Any) -> None:
         """HF dir + head + sidecar (role ar), written by the answering rank. With LoRA
         (``reconstructor.lora_r``) the dir holds the merged AR, and ``<dir>_adapter`` the adapter."""
-        from nla.lora import adapter_dir_for, has_lora, merged_state_dict, save_adapter
+        from nla.core.lora import adapter_dir_for, has_lora, merged_state_dict, save_adapter
 
         lora = has_lora(self.ar)
         full = self.dp.full_state_dict(self.ar)  # None locally: the module's own

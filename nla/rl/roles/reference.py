@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from nla.injection import InjectionHook
+from nla.core.injection import InjectionHook
+from nla.core.sidecar import NLAConfig
 from nla.rl.distributed import DataParallel
 from nla.rl.kernels import rollout_logprobs
 from nla.rl.roles.trainable import LOCAL
 from nla.rl.types import Rollout
-from nla.sidecar import NLAConfig
 
 __all__ = ["ReferenceWorker"]
 
@@ -19,7 +19,7 @@ class ReferenceWorker:
     """The frozen warm-started AV: log-probs for the KL term.
 
     ``adapters_off``: ``model`` is the LoRA policy itself, and the reference is its base with
-    the adapters off (``nla.lora.adapters_off``): no second copy of the weights.
+    the adapters off (``nla.core.lora.adapters_off``): no second copy of the weights.
     """
 
     def __init__(self, model: nn.Module, sidecar: NLAConfig, micro_batch_size: int, dp: DataParallel = LOCAL,
@@ -34,7 +34,7 @@ class ReferenceWorker:
         mine = self.dp.my_rows(torch.arange(rollout.n))
         if not self.adapters_off:
             return rollout_logprobs(self.model, self.hook, rollout, mine, rollout.n, self.dp, self.micro_batch_size)
-        from nla.lora import adapters_off
+        from nla.core.lora import adapters_off
 
         was = self.model.training
         self.model.eval()

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from nla.injection import InjectionHook
-from nla.reward import Status
+from nla.core.injection import InjectionHook
+from nla.core.reward import Status
+from nla.core.sidecar import NLAConfig, canonical_av_prompt_ids
 from nla.rl.distributed import DataParallel
 from nla.rl.sampling import sample_responses
 from nla.rl.types import Rollout
-from nla.sidecar import NLAConfig, canonical_av_prompt_ids
 
 if TYPE_CHECKING:
     from nla.rl.roles.policy import PolicyWorker

@@ -14,7 +14,7 @@ from torch import nn
 
 from nla.rl.config import RLConfig
 from nla.rl.distributed import DataParallel
-from nla.train.common import build_optimizer, optimizer_step_guarded, warmup_cosine
+from nla.train.optim import build_optimizer, optimizer_step_guarded, warmup_cosine
 
 __all__ = ["LOCAL", "OptimSettings", "Trainable"]
 

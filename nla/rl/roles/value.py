@@ -8,14 +8,14 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from nla import arch
-from nla.injection import InjectionHook, get_adapter
+from nla.core import arch
+from nla.core.injection import InjectionHook, get_adapter
+from nla.core.sidecar import NLAConfig
 from nla.rl import algorithms as A
 from nla.rl.distributed import DataParallel
 from nla.rl.kernels import rank_micro_batches
 from nla.rl.roles.trainable import LOCAL, OptimSettings, Trainable
 from nla.rl.types import Rollout
-from nla.sidecar import NLAConfig
 
 __all__ = ["ValueModel", "ValueWorker"]
 
@@ -73,7 +73,7 @@ class ValueWorker(Trainable):
             torch.save(self.model.state_dict() if state is None else state, path)
 
     def load_model(self, path: str | Path) -> None:
-        from nla.train.common import load_state_file
+        from nla.train.checkpoint import load_state_file
 
         self.dp.load_full_state_dict(self.model, load_state_file(Path(path), "value model"))
 

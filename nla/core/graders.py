@@ -1,0 +1,266 @@
+"""What a dataset brings to the core: its fact grader, its format checks and its oracle.
+
+The reward, the RL loop and ``nla eval`` grade explanations through this registry and import
+no dataset code. A grader is named by the dataset (or chosen by the caller):
+
+- the parquet's schema metadata ``nla.grader`` (``tag_grader`` writes it), else
+- ``world`` when the table has a ``facts`` column (every world dataset has one; datasets
+  written before the tag existed read the same), else
+- none: reconstruction is measured, faithfulness is not.
+
+Built in: ``generic`` (format checks that hold in any language: a repeated sentence, an
+unbalanced double quote; no facts, no oracle) and ``world`` (the synthetic world's grader,
+``nla.world.grader``, imported only when asked for). A user's corpus registers its own with
+``register_grader(name, factory)`` or, from an installed package, the entry-point group
+``nla.graders`` (``name = "package.module:Factory"``).
+
+Ground truth grades explanations; it never enters a reward (the format checks read only the
+explanation's text).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+__all__ = [
+    "GRADER_METADATA_KEY", "DatasetGrader", "FactGrade", "Faithfulness", "GenericGrader", "available_graders",
+    "faithfulness", "get_grader", "grader_for_table", "has_repeated_sentence", "register_grader", "split_sentences",
+    "tag_grader",
+]
+
+GRADER_METADATA_KEY = b"nla.grader"
+
+
+class FactGrade(Protocol):
+    """Faithfulness of one explanation: ``by_kind[kind] = (recall, precision)`` for each kind
+    present in the truth or the explanation."""
+
+    recall: float
+    precision: float
+    by_kind: Mapping[str, tuple[float, float]]
+
+
+class DatasetGrader:
+    """The base grader: format checks that hold in any language, and nothing that needs truth.
+
+    Subclasses override what their dataset can say:
+
+    - ``grade(explanation, truth) -> FactGrade | None``: truth is the row's ``facts`` strings;
+    - ``degeneracy(text) -> {check: flagged}`` over ``degeneracy_checks`` (None/empty: nothing);
+    - ``oracle(truth, current_word, key) -> str | None``: the most faithful explanation the
+      language can say (the ceiling row of ``nla eval``);
+    - ``text_explainer(table, dataset_path) -> list[str] | None``: the data's own explainer
+      output per row, when the table does not carry it.
+    """
+
+    name = "generic"
+    kinds: tuple[str, ...] = ()  # the fact kinds it grades, in the order reports list them
+    degeneracy_checks: tuple[str, ...] = ("repeated", "broken_quote")
+
+    def grade(self, explanation: str, truth: Sequence[str]) -> FactGrade | None:
+        return None
+
+    def degeneracy(self, text: str | None) -> dict[str, bool]:
+        if not text or not text.strip():
+            return dict.fromkeys(self.degeneracy_checks, False)
+        return {"repeated": has_repeated_sentence(split_sentences(text)), "broken_quote": text.count('"') % 2 == 1}
+
+    def degenerate(self, text: str | None) -> bool:
+        """Whether any of the format checks flags ``text`` (the format penalty's test)."""
+        return any(self.degeneracy(text).values())
+
+    def oracle(self, truth: Sequence[str], current_word: str | None, key: int) -> str | None:
+        return None
+
+    def text_explainer(self, table: Any, dataset_path: Path) -> list[str] | None:
+        return None
+
+    # --- what the explanation suite (``nla.eval.suite``) reads; the base answers for any language, and
+    # a grader without truth leaves the truth-based parts of the suite out.
+    def claims(self, text: str | None) -> list[str]:
+        """The claims of an explanation, in order (the base: its sentences)."""
+        return split_sentences(text or "")
+
+    def is_quotation(self, claim: str) -> bool:
+        """Whether ``claim`` quotes the text read rather than saying something about it (the base: it
+        holds a double-quoted span)."""
+        return bool(re.search(r'"[^"]*"', claim))
+
+    def named_facts(self, text: str | None) -> frozenset[str]:
+        """The facts (``"kind=value"``) ``text`` claims (empty when the grader has no facts)."""
+        return frozenset()
+
+    def claim_truth(self, claim: str, truth: Sequence[str]) -> bool | None:
+        """True / False when ``claim`` names facts and all of them are / one is not in ``truth``;
+        None when it names no fact (a quotation, a generic remark) or the grader has no facts."""
+        named = self.named_facts(claim)
+        return None if not named else named <= set(truth)
+
+    def paraphrase(self, claim: str, rng: Any) -> str | None:
+        """Another phrasing of the same claim (``rng``: a ``random.Random``); None when the grader
+        cannot rephrase it (``nla.eval.suite`` then keeps the claim, or asks a provider)."""
+        return None
+
+    def fact_of_word(self, word: str) -> str | None:
+        """The fact (``"kind=value"``) a word of the text names, or None."""
+        return None
+
+    def fact_words(self, fact: str) -> tuple[str, ...]:
+        """Every word that names ``fact`` (empty when the grader has no facts)."""
+        return ()
+
+    def facts_of_kind(self, kind: str) -> tuple[str, ...]:
+        """Every fact of ``kind`` the grader knows, as ``"kind=value"``."""
+        return ()
+
+    def recall_slots(self, table: Any, dataset_path: Path, subject: Any, tokenizer: Any, layer: int,
+                     max_rows: int | None, seed: int = 0) -> dict[str, Any] | None:
+        """Rows of the dataset's documents where the subject's next token names a fact already true
+        (columns ``context``, ``facts``, ``vectors`` [N, d], at most ``max_rows``, a seeded subset),
+        for the suite's causal edits; None when the grader cannot find its documents (the suite
+        then uses the dataset's own rows)."""
+        return None
+
+    def edit_fact(self, text: str, fact: str, new_fact: str) -> str | None:
+        """``text`` with its claim of ``fact`` changed to claim ``new_fact`` in the same words
+        otherwise; None when ``text`` does not claim ``fact``."""
+        return None
+
+
+class GenericGrader(DatasetGrader):
+    """``generic``: the base checks only."""
+
+
+@dataclass(frozen=True)
+class Faithfulness:
+    """Mean fact recall / precision over rows; ``by_kind[kind] = (recall, precision)``."""
+
+    recall: float
+    precision: float
+    by_kind: dict[str, tuple[float, float]]
+    n: int
+
+
+def faithfulness(texts: list[str | None], facts: list[list[str]], grader: DatasetGrader | None = None
+                 ) -> Faithfulness | None:
+    """Mean recall / precision of ``texts`` (None = claimed nothing) against each row's ``facts``,
+    graded by ``grader`` (the world grader when None: a ``facts`` column of "kind=value"
+    strings); None when the grader grades no facts."""
+    grader = grader or get_grader("world")
+    if len(texts) != len(facts):
+        raise ValueError(f"faithfulness: {len(texts)} texts for {len(facts)} fact lists")
+    recalls, precisions = [], []
+    per_kind: dict[str, list[tuple[float, float]]] = {}
+    for i, (t, fs) in enumerate(zip(texts, facts, strict=True)):
+        try:
+            g = grader.grade(t or "", list(fs or []))
+        except ValueError as err:
+            raise ValueError(f"facts: row {i}: {err}") from None
+        if g is None:
+            return None
+        recalls.append(g.recall)
+        precisions.append(g.precision)
+        for k, rp in g.by_kind.items():
+            per_kind.setdefault(k, []).append(rp)
+    order = [k for k in grader.kinds if k in per_kind] + sorted(set(per_kind) - set(grader.kinds))
+    by_kind = {k: (float(np.mean([r for r, _ in per_kind[k]])), float(np.mean([p for _, p in per_kind[k]])))
+               for k in order}
+    return Faithfulness(float(np.mean(recalls)), float(np.mean(precisions)), by_kind, len(texts))
+
+
+# ------------------------------------------------------------------ text helpers (any language)
+# A sentence ends in . ? or !; a period inside a quotation does not end one.
+_SENTENCE_RE = re.compile(r'(?:"[^"]*"|[^.?!"]|"(?=[^"]*$))*[.?!]')
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences of ``text`` (ending in . ? or !; a period inside quotes does not end one); trailing
+    text without a stop counts as a sentence too."""
+    text = text.strip()
+    out = [m.group().strip() for m in _SENTENCE_RE.finditer(text)]
+    rest = _SENTENCE_RE.sub("", text).strip()
+    return [s for s in out if s] + ([rest] if rest else [])
+
+
+def has_repeated_sentence(sentences: list[str]) -> bool:
+    """The same sentence twice (case-insensitive), in any language."""
+    lowered = [s.lower() for s in sentences]
+    return len(set(lowered)) < len(lowered)
+
+
+# ------------------------------------------------------------------ the registry
+GraderFactory = Callable[[], DatasetGrader]
+# name -> factory, or "module:attr" imported on first use (so this module imports no dataset code)
+_REGISTRY: dict[str, GraderFactory | str] = {"generic": GenericGrader, "world": "nla.world.grader:WorldGrader"}
+_INSTANCES: dict[str, DatasetGrader] = {}
+_ENTRY_POINTS_READ = False
+
+
+def register_grader(name: str, factory: GraderFactory | str, *, replace: bool = False) -> None:
+    """Make ``name`` resolve to ``factory()`` (a callable, or ``"module:attr"``). An existing name
+    is refused unless ``replace``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_grader: name must be a non-empty string, found {name!r}")
+    _read_entry_points()
+    if name in _REGISTRY and not replace:
+        raise ValueError(f"register_grader: {name!r} is already registered; pass replace=True to replace it")
+    _REGISTRY[name] = factory
+    _INSTANCES.pop(name, None)
+
+
+def available_graders() -> list[str]:
+    _read_entry_points()
+    return sorted(_REGISTRY)
+
+
+def get_grader(name: str) -> DatasetGrader:
+    """The grader registered as ``name`` (one instance per name)."""
+    _read_entry_points()
+    if name not in _REGISTRY:
+        raise ValueError(f"grader: expected one of {sorted(_REGISTRY)}, found {name!r}; register a dataset's "
+                         "grader with nla.core.graders.register_grader(name, factory)")
+    if name not in _INSTANCES:
+        factory = _REGISTRY[name]
+        if isinstance(factory, str):
+            module, _, attr = factory.partition(":")
+            factory = getattr(importlib.import_module(module), attr)
+        grader = factory()
+        if not isinstance(grader, DatasetGrader):
+            raise TypeError(f"grader {name!r}: its factory returned {type(grader).__name__}, not a DatasetGrader")
+        _INSTANCES[name] = grader
+    return _INSTANCES[name]
+
+
+def grader_for_table(table: Any) -> DatasetGrader | None:
+    """The grader a pyarrow table names (module docstring): its ``nla.grader`` metadata, else
+    ``world`` when it has a ``facts`` column, else None."""
+    meta = table.schema.metadata or {}
+    if GRADER_METADATA_KEY in meta:
+        return get_grader(meta[GRADER_METADATA_KEY].decode())
+    return get_grader("world") if "facts" in table.column_names else None
+
+
+def tag_grader(table: Any, name: str) -> Any:
+    """``table`` with its schema metadata naming the grader ``name`` (which must be registered)."""
+    get_grader(name)
+    meta = dict(table.schema.metadata or {})
+    meta[GRADER_METADATA_KEY] = name.encode()
+    return table.replace_schema_metadata(meta)
+
+
+def _read_entry_points() -> None:
+    global _ENTRY_POINTS_READ
+    if _ENTRY_POINTS_READ:
+        return
+    _ENTRY_POINTS_READ = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="nla.graders"):
+        _REGISTRY.setdefault(ep.name, ep.value)

@@ -1,0 +1,773 @@
+"""The ``nla_meta.yaml`` sidecar: what a checkpoint or dataset needs to be used correctly (docs/design.md §3.1).
+
+A sidecar pins the extraction layer, the scales, the injection marker and its token ids,
+and the two prompt templates. Token ids are computed from a live tokenizer
+(:meth:`NLAConfig.from_tokenizer`) and re-checked at load time (:func:`verify_tokenizer`);
+a mismatch is an error that names the field, never a silent fix, because a drifted id
+makes injection write into the wrong position and training quietly learns nothing.
+
+Readers accept the published layouts and ignore unknown keys:
+
+1. Templates under ``prompt_templates.av/ar`` or the older ``actor/critic``.
+2. The layer K under ``extraction.layer_index``, ``critic.extraction_layer_index``, or, as the
+   published AR sidecars record it, ``ar.num_hidden_layers`` (= K; the AR's config.json holds
+   K+1 blocks) or the older ``critic.num_hidden_layers``. Sidecars written by nla before this
+   rule recorded K+1 under ``ar.num_hidden_layers`` beside ``extraction.layer_index``; that pair
+   is accepted too.
+3. Each role carries only what it uses: an AV sidecar may have no layer and no AR fields (the
+   published AV checkpoints have neither), an AR sidecar no injection fields and no scale.
+   The layer, the AV fields and the AR fields are demanded where they are used
+   (:meth:`NLAConfig.need_layer`, :meth:`~NLAConfig.need_av`, :meth:`~NLAConfig.need_ar`), with an
+   error that names the purpose and the missing keys.
+4. ``d_model`` top level or under ``extraction``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from nla.core.vectors import SQRT_D_MODEL, resolve_scale
+from nla.util.fsutil import write_text_atomic
+from nla.util.validation import InputError, load_yaml
+
+logger = logging.getLogger(__name__)
+
+SIDECAR_NAME = "nla_meta.yaml"
+KINDS = ("nla_model", "nla_dataset")
+ROLES = ("av", "ar", None)
+
+# Explanations used to check that the AR template's tail tokenises the same whatever precedes it.
+_PROBE_EXPLANATIONS = ("the", "A short explanation.", "x 42 )")
+
+
+class SidecarError(ValueError):
+    """A sidecar file is missing, malformed or lacks a required key."""
+
+
+class SidecarMismatchError(ValueError):
+    """The live tokenizer disagrees with what the sidecar recorded."""
+
+
+class MarkerNotSingleTokenError(SidecarMismatchError):
+    """The injection character encodes to more (or fewer) than one token."""
+
+
+class MarkerIsUnknownError(SidecarMismatchError):
+    """The injection character encodes to the tokenizer's UNK token."""
+
+
+class MarkerIdMismatchError(SidecarMismatchError):
+    """The injection character encodes to an id other than ``injection_token_id``."""
+
+
+class MarkerCountError(SidecarMismatchError):
+    """The canonical AV prompt contains the marker token other than exactly once."""
+
+
+class NeighborMismatchError(SidecarMismatchError):
+    """The tokens around the marker in the canonical AV prompt differ from the recorded neighbours."""
+
+
+class ARSuffixMismatchError(SidecarMismatchError):
+    """The tokenised tail of the AR template differs from ``critic_suffix_ids``."""
+
+
+AV_FIELDS = ("injection_char", "injection_token_id", "injection_left_neighbor_id", "injection_right_neighbor_id",
+             "av_template")
+AR_FIELDS = ("critic_suffix_ids", "ar_template")
+# Where each field sits in the written layout, for error messages.
+_KEY_OF = {
+    "injection_char": "tokens.injection_char", "injection_token_id": "tokens.injection_token_id",
+    "injection_left_neighbor_id": "tokens.injection_left_neighbor_id",
+    "injection_right_neighbor_id": "tokens.injection_right_neighbor_id", "av_template": "prompt_templates.av",
+    "critic_suffix_ids": "tokens.critic_suffix_ids", "ar_template": "prompt_templates.ar",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class NLAConfig:
+    """Resolved contents of a sidecar.
+
+    kind: "nla_model" (checkpoint) or "nla_dataset" (parquet).
+    role: "av", "ar" or None (datasets, and the published AV sidecars, which record no role).
+    d_model: width of the subject model's residual stream.
+    layer_index: K; vectors are the output of block K (HF ``hidden_states[K+1]``); None when the
+        sidecar records no layer (published AV checkpoints). The AR keeps blocks 0..K.
+    injection_char / injection_token_id / injection_{left,right}_neighbor_id: the marker and the
+        token ids that must surround it in the canonical AV prompt (the AV fields; None in AR sidecars).
+    critic_suffix_ids: ids of the AR template's constant tail after ``{explanation}`` (None in AV-only sidecars).
+    av_template: user message of the AV prompt, with ``{injection_char}`` (None in AR sidecars).
+    ar_template: AR input text, with ``{explanation}`` followed by a constant tail (None in AV-only sidecars).
+    injection_scale: norm the vector is rescaled to before injection; "sqrt_d_model"; None = raw.
+    mse_scale: norm both vectors are rescaled to before MSE; default "sqrt_d_model"; None = raw.
+    base_model: name or path of the subject model (provenance).
+    training: free-form provenance (lr, batch, step, parents).
+    model_base / model_width: the AV's or AR's own base model and hidden size when it is not the
+        subject (a cross-model pair; ``model.base_model`` / ``model.hidden_size``, nla's keys, not in
+        the published layout); None: the model is (a copy of) the subject, of width ``d_model``.
+    injection_adapter: the AV's learned affine map from the subject's ``d_model`` to its own
+        embedding width (``nla.core.injection.InjectionAdapter``): ``{kind: affine, d_in, d_out, file}``
+        and, when true, ``mean_invariant`` and ``conformal`` (absent: false); None: the vector is
+        injected as it is (after ``injection_scale``).
+
+    The AV fields come all together or not at all, the AR fields likewise. Role "av" needs the AV
+    fields, role "ar" the AR fields, a dataset both; a model sidecar without a role needs one set.
+    """
+
+    kind: str
+    role: str | None
+    d_model: int
+    layer_index: int | None = None
+    injection_char: str | None = None
+    injection_token_id: int | None = None
+    injection_left_neighbor_id: int | None = None
+    injection_right_neighbor_id: int | None = None
+    critic_suffix_ids: tuple[int, ...] | None = None
+    av_template: str | None = None
+    ar_template: str | None = None
+    injection_scale: float | str | None = None
+    mse_scale: float | str | None = SQRT_D_MODEL
+    base_model: str | None = None
+    training: dict = field(default_factory=dict, hash=False)
+    model_base: str | None = None
+    model_width: int | None = None
+    injection_adapter: dict | None = field(default=None, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"NLAConfig.kind: expected one of {KINDS}, found {self.kind!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"NLAConfig.role: expected 'av', 'ar' or None, found {self.role!r}")
+        if isinstance(self.d_model, bool) or not isinstance(self.d_model, int) or self.d_model < 1:
+            raise ValueError(f"NLAConfig.d_model: expected a positive int, found {self.d_model!r}")
+        for name in ("layer_index", "injection_token_id", "injection_left_neighbor_id",
+                     "injection_right_neighbor_id"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"NLAConfig.{name}: expected a non-negative int, found {value!r}")
+        self._check_groups()
+        if self.has_av_fields:
+            if not isinstance(self.injection_char, str) or not self.injection_char:
+                raise ValueError(
+                    f"NLAConfig.injection_char: expected a non-empty string, found {self.injection_char!r}")
+            _check_template("av_template", self.av_template, "injection_char")
+        if self.has_ar_fields:
+            suffix = self.critic_suffix_ids
+            if isinstance(suffix, (str, bytes)) or not isinstance(suffix, Sequence):
+                raise ValueError(f"NLAConfig.critic_suffix_ids: expected a list of token ids, found {suffix!r}")
+            suffix = tuple(suffix)
+            if not suffix or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in suffix):
+                raise ValueError(
+                    f"NLAConfig.critic_suffix_ids: expected a non-empty list of non-negative ints, found "
+                    f"{list(suffix)!r}"
+                )
+            object.__setattr__(self, "critic_suffix_ids", suffix)
+            _check_template("ar_template", self.ar_template, "explanation")
+            if not self.ar_template.split("{explanation}")[-1].strip():
+                raise ValueError(
+                    f"NLAConfig.ar_template: needs a constant tail after {{explanation}} (the AR reads its prediction "
+                    f"at the tail's last token), found {self.ar_template!r}"
+                )
+        for name in ("injection_scale", "mse_scale"):
+            try:
+                resolve_scale(getattr(self, name), self.d_model)
+            except ValueError as err:
+                raise ValueError(f"NLAConfig.{name}: {err}") from None
+        if not isinstance(self.training, Mapping):
+            raise ValueError(f"NLAConfig.training: expected a mapping, found {type(self.training).__name__}")
+        object.__setattr__(self, "training", dict(self.training))
+        self._check_own_model()
+
+    def _check_own_model(self) -> None:
+        w = self.model_width
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"NLAConfig.model_width (model.hidden_size): expected a positive int, found {w!r}")
+        if self.model_base is not None and not isinstance(self.model_base, str):
+            raise ValueError(f"NLAConfig.model_base (model.base_model): expected a path or name, found {self.model_base!r}")
+        a = self.injection_adapter
+        if a is None:
+            return
+        if not isinstance(a, Mapping):
+            raise ValueError(f"NLAConfig.injection_adapter: expected a mapping {{kind, d_in, d_out, file}}, found {a!r}")
+        if a.get("kind") != "affine":
+            raise ValueError(f"NLAConfig.injection_adapter.kind: expected 'affine', found {a.get('kind')!r}")
+        expect = {"d_in": self.d_model, "d_out": self.own_width}
+        for key, want in expect.items():
+            if a.get(key) != want:
+                raise ValueError(
+                    f"NLAConfig.injection_adapter.{key}: expected {want} (d_in: the subject's d_model, d_out: the AV's "
+                    f"own width, model.hidden_size or d_model), found {a.get(key)!r}; the sidecar does not describe "
+                    "one checkpoint")
+        if not isinstance(a.get("file"), str) or not a["file"]:
+            raise ValueError(f"NLAConfig.injection_adapter.file: expected a file name, found {a.get('file')!r}")
+        for flag in ("mean_invariant", "conformal"):
+            if not isinstance(a.get(flag, False), bool):
+                raise ValueError(f"NLAConfig.injection_adapter.{flag}: expected true or false (absent: false), "
+                                 f"found {a.get(flag)!r}")
+        if a.get("conformal", False) and a.get("d_in") != a.get("d_out"):
+            raise ValueError(f"NLAConfig.injection_adapter.conformal: true needs d_in == d_out (a gain times a "
+                             f"rotation), found d_in {a.get('d_in')} and d_out {a.get('d_out')}")
+        object.__setattr__(self, "injection_adapter", dict(a))
+
+    def _check_groups(self) -> None:
+        for label, names in (("AV", AV_FIELDS), ("AR", AR_FIELDS)):
+            given = [n for n in names if getattr(self, n) is not None]
+            if given and len(given) != len(names):
+                missing = [_KEY_OF[n] for n in names if getattr(self, n) is None]
+                raise ValueError(
+                    f"NLAConfig: the {label} fields come together; found {', '.join(_KEY_OF[n] for n in given)} "
+                    f"but not {', '.join(missing)}. Complete the sidecar or drop the {label} fields"
+                )
+        needed = {"av": ("AV",), "ar": ("AR",)}.get(self.role, ("AV", "AR") if self.kind == "nla_dataset" else ())
+        for label in needed:
+            if not (self.has_av_fields if label == "AV" else self.has_ar_fields):
+                names = AV_FIELDS if label == "AV" else AR_FIELDS
+                what = f"role {self.role!r}" if self.role else f"kind {self.kind!r}"
+                raise ValueError(
+                    f"NLAConfig: a sidecar of {what} needs the {label} fields ({', '.join(_KEY_OF[n] for n in names)}); "
+                    "found none. Use the sidecar written with the checkpoint or dataset"
+                )
+        if self.kind == "nla_model" and self.role is None and not (self.has_av_fields or self.has_ar_fields):
+            raise ValueError(
+                "NLAConfig: a model sidecar needs the AV fields (tokens.injection_*, prompt_templates.av) or the AR "
+                "fields (tokens.critic_suffix_ids, prompt_templates.ar); found neither"
+            )
+
+    # -- what each use needs ------------------------------------------------------------------------
+    @property
+    def has_av_fields(self) -> bool:
+        return any(getattr(self, n) is not None for n in AV_FIELDS)
+
+    @property
+    def has_ar_fields(self) -> bool:
+        return any(getattr(self, n) is not None for n in AR_FIELDS)
+
+    def need_av(self, purpose: str) -> NLAConfig:
+        """``self`` if it carries the AV fields (injection marker, AV template); else a :class:`SidecarError`."""
+        return self._need_fields(purpose, "AV", AV_FIELDS, "verbalizer")
+
+    def need_ar(self, purpose: str) -> NLAConfig:
+        """``self`` if it carries the AR fields (AR template and its tail ids); else a :class:`SidecarError`."""
+        return self._need_fields(purpose, "AR", AR_FIELDS, "reconstructor")
+
+    def _need_fields(self, purpose: str, group: str, fields: tuple[str, ...], owner: str) -> NLAConfig:
+        if not any(getattr(self, n) is not None for n in fields):
+            raise SidecarError(
+                f"{purpose} needs the {group} fields of a sidecar ({', '.join(_KEY_OF[n] for n in fields)}), but this "
+                f"sidecar (kind {self.kind!r}, role {self.role!r}) has none; use the {owner}'s own sidecar"
+            )
+        return self
+
+    def need_layer(self, purpose: str) -> int:
+        """K, for the uses that need it (extraction, building an AR from a base model)."""
+        if self.layer_index is None:
+            raise SidecarError(
+                f"{purpose} needs the extraction layer K, but this sidecar (kind {self.kind!r}, role {self.role!r}) "
+                "records none (extraction.layer_index, or ar.num_hidden_layers in an AR sidecar); set it "
+                "explicitly (e.g. --set layer_index=K) or use the dataset's sidecar"
+            )
+        return self.layer_index
+
+    # -- derived values ---------------------------------------------------------------------------
+    @property
+    def own_width(self) -> int:
+        """The checkpoint's own hidden size: ``model_width`` for a cross-model pair, else ``d_model``."""
+        return self.model_width if self.model_width is not None else self.d_model
+
+    def injection_scale_value(self) -> float | None:
+        return resolve_scale(self.injection_scale, self.d_model)
+
+    def mse_scale_value(self) -> float | None:
+        return resolve_scale(self.mse_scale, self.d_model)
+
+    def av_messages(self, placeholder: str | None = None) -> list[dict]:
+        """The canonical AV chat messages; ``placeholder`` (e.g. ``"<INJECT>"``) replaces the marker."""
+        self.need_av("the AV prompt")
+        marker = placeholder or self.injection_char
+        return [{"role": "user", "content": self.av_template.format(injection_char=marker)}]
+
+    def ar_text(self, explanation: str) -> str:
+        self.need_ar("the AR text")
+        return self.ar_template.format(explanation=explanation)
+
+    def replace(self, **kw: Any) -> NLAConfig:
+        return dataclasses.replace(self, **kw)
+
+    # -- construction from a live tokenizer -----------------------------------------------------
+    @classmethod
+    def from_tokenizer(
+        cls,
+        tokenizer: Any,
+        *,
+        kind: str,
+        role: str | None,
+        d_model: int,
+        layer_index: int | None,
+        av_template: str,
+        ar_template: str,
+        injection_char: str,
+        injection_scale: float | str | None,
+        mse_scale: float | str | None = SQRT_D_MODEL,
+        base_model: str | None = None,
+        training: dict | None = None,
+    ) -> NLAConfig:
+        """Build a config whose token ids are computed from ``tokenizer``, then verify it."""
+        draft = dict(
+            kind=kind, role=role, d_model=d_model, layer_index=layer_index, injection_char=injection_char,
+            av_template=av_template, ar_template=ar_template, injection_scale=injection_scale,
+            mse_scale=mse_scale, base_model=base_model, training=dict(training or {}),
+        )
+        cfg = cls(**derive_token_ids(tokenizer, injection_char, av_template, ar_template), **draft)
+        verify_tokenizer(cfg, tokenizer)
+        return cfg
+
+
+def _check_template(name: str, template: Any, key: str) -> None:
+    if not isinstance(template, str) or "{" + key + "}" not in template:
+        raise ValueError(f"NLAConfig.{name}: expected a string containing {{{key}}}, found {template!r}")
+    if template.count("{" + key + "}") != 1:
+        raise ValueError(f"NLAConfig.{name}: {{{key}}} must appear exactly once, found {template!r}")
+    try:
+        template.format(**{key: "x"})
+    except (KeyError, IndexError, ValueError) as err:
+        raise ValueError(
+            f"NLAConfig.{name}: the template has braces other than {{{key}}} ({err!r}); double literal braces "
+            f"as {{{{ and }}}}. Found {template!r}"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer verification
+# ---------------------------------------------------------------------------------------------
+def canonical_av_prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """Token ids of the AV prompt as training and generation build it: chat template, generation prompt on."""
+    try:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except ValueError as err:
+        raise SidecarMismatchError(
+            f"the tokenizer cannot build the canonical AV prompt ({err}); give it a chat template "
+            "(tokenizer.chat_template) before using it with an NLA verbalizer"
+        ) from None
+    if isinstance(out, Mapping):  # transformers 5 returns a BatchEncoding
+        out = out["input_ids"]
+    ids = list(out)
+    if ids and isinstance(ids[0], (list, tuple)):
+        ids = list(ids[0])
+    return [int(i) for i in ids]
+
+
+def _ar_ids(tokenizer: Any, text: str) -> list[int]:
+    # No special tokens: the tail must be the last ids of the text itself, whatever BOS/EOS policy.
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _single_marker_id(tokenizer: Any, injection_char: str) -> int:
+    ids = tokenizer.encode(injection_char, add_special_tokens=False)
+    if len(ids) != 1:
+        raise MarkerNotSingleTokenError(
+            f"injection_char: expected {injection_char!r} to encode to exactly 1 token, found {len(ids)} "
+            f"tokens {ids}; add it to the tokenizer (tokenizer.add_tokens([{injection_char!r}])) or pick a "
+            "character the tokenizer already has as a single token"
+        )
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is not None and ids[0] == unk:
+        raise MarkerIsUnknownError(
+            f"injection_char: {injection_char!r} encodes to the UNK token (id {unk}); the model cannot tell "
+            "it apart from other unknown text. Add it to the tokenizer or choose another marker"
+        )
+    return int(ids[0])
+
+
+def _marker_position(prompt: list[int], marker_id: int, injection_char: str) -> int:
+    count = prompt.count(marker_id)
+    if count != 1:
+        raise MarkerCountError(
+            f"injection_token_id: the canonical AV prompt (chat template, generation prompt on) must contain "
+            f"the marker {injection_char!r} (id {marker_id}) exactly once, found {count} times in {prompt}; "
+            "remove the marker from the chat template / system prompt, and keep a single {injection_char} "
+            "in av_template"
+        )
+    pos = prompt.index(marker_id)
+    if pos == 0 or pos == len(prompt) - 1:
+        raise NeighborMismatchError(
+            f"injection_left_neighbor_id/injection_right_neighbor_id: the marker sits at the "
+            f"{'start' if pos == 0 else 'end'} of the canonical AV prompt, so it has no neighbour there; "
+            "put delimiters around {injection_char} in av_template"
+        )
+    return pos
+
+
+def derive_token_ids(tokenizer: Any, injection_char: str | None, av_template: str | None,
+                     ar_template: str | None) -> dict[str, Any]:
+    """The token-id fields a sidecar records, computed from ``tokenizer``: the marker's id and its
+    neighbours in the canonical AV prompt (with ``av_template``), the AR template's constant tail
+    (with ``ar_template``). Only the fields whose template is given."""
+    out: dict[str, Any] = {}
+    if av_template is not None and injection_char is not None:
+        marker_id = _single_marker_id(tokenizer, injection_char)
+        messages = [{"role": "user", "content": av_template.format(injection_char=injection_char)}]
+        prompt = canonical_av_prompt_ids(tokenizer, messages)
+        pos = _marker_position(prompt, marker_id, injection_char)
+        out.update(injection_token_id=marker_id, injection_left_neighbor_id=prompt[pos - 1],
+                   injection_right_neighbor_id=prompt[pos + 1])
+    if ar_template is not None:
+        n_tail = len(tokenizer.encode(ar_template.split("{explanation}")[-1], add_special_tokens=False))
+        if n_tail == 0:
+            raise SidecarError(f"ar_template: the tail after {{explanation}} tokenises to nothing: {ar_template!r}")
+        out["critic_suffix_ids"] = tuple(
+            _ar_ids(tokenizer, ar_template.format(explanation=_PROBE_EXPLANATIONS[0]))[-n_tail:])
+    return out
+
+
+def token_id_changes(path: str | os.PathLike, tokenizer: Any) -> dict[str, tuple[Any, Any]]:
+    """``{written key: (recorded, derived)}`` for every token id the sidecar of ``path`` records that
+    ``tokenizer`` now gives another value (``{}``: the sidecar matches the tokenizer)."""
+    cfg = load_sidecar(path)
+    derived = derive_token_ids(tokenizer, cfg.injection_char if cfg.has_av_fields else None,
+                               cfg.av_template if cfg.has_av_fields else None,
+                               cfg.ar_template if cfg.has_ar_fields else None)
+    changes = {}
+    for name, new in derived.items():
+        old = getattr(cfg, name)
+        if (list(old) if isinstance(old, tuple) else old) != (list(new) if isinstance(new, tuple) else new):
+            changes[_KEY_OF[name]] = (list(old) if isinstance(old, tuple) else old,
+                                      list(new) if isinstance(new, tuple) else new)
+    return changes
+
+
+def rewrite_token_ids(path: str | os.PathLike, changes: Mapping[str, tuple[Any, Any]]) -> Path:
+    """Write ``changes`` (from ``token_id_changes``) into the sidecar of ``path``: only those keys
+    change, every other key and its order stay as written (comments are not kept: PyYAML drops
+    them); the previous file is kept beside it as ``<name>.bak``. Returns the sidecar path."""
+    import shutil
+
+    side = sidecar_path_for(path)
+    doc = yaml.safe_load(side.read_text(encoding="utf-8"))
+    for key, (_old, new) in changes.items():
+        node = doc
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = new
+    shutil.copy2(side, side.with_name(side.name + ".bak"))
+    from nla.util.fsutil import write_text_atomic
+
+    write_text_atomic(yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, default_flow_style=None), side)
+    return side
+
+
+def verify_tokenizer(cfg: NLAConfig, tokenizer: Any) -> None:
+    """Check the live tokenizer against the sidecar; raise a :class:`SidecarMismatchError` subclass.
+
+    The AV fields are checked when the sidecar has them, the AR fields likewise.
+    """
+    if cfg.has_av_fields:
+        _verify_av(cfg, tokenizer)
+    if cfg.has_ar_fields:
+        _verify_ar(cfg, tokenizer)
+
+
+def _verify_av(cfg: NLAConfig, tokenizer: Any) -> None:
+    marker_id = _single_marker_id(tokenizer, cfg.injection_char)
+    if marker_id != cfg.injection_token_id:
+        raise MarkerIdMismatchError(
+            f"injection_token_id: the sidecar records {cfg.injection_token_id} but the tokenizer encodes "
+            f"{cfg.injection_char!r} to {marker_id}; load the tokenizer saved with this checkpoint/dataset "
+            "(or rebuild the sidecar with NLAConfig.from_tokenizer)"
+        )
+    prompt = canonical_av_prompt_ids(tokenizer, cfg.av_messages())
+    pos = _marker_position(prompt, marker_id, cfg.injection_char)
+    for side, name, found in (
+        ("left", "injection_left_neighbor_id", prompt[pos - 1]),
+        ("right", "injection_right_neighbor_id", prompt[pos + 1]),
+    ):
+        expected = getattr(cfg, name)
+        if found != expected:
+            raise NeighborMismatchError(
+                f"{name}: the sidecar records {expected} but the token {side} of the marker in the canonical AV "
+                f"prompt is {found} ({tokenizer.convert_ids_to_tokens([found])}); the chat template or "
+                "av_template changed since the sidecar was written. Use the original tokenizer/template or "
+                "rebuild the sidecar with NLAConfig.from_tokenizer"
+            )
+
+
+def _verify_ar(cfg: NLAConfig, tokenizer: Any) -> None:
+    n = len(cfg.critic_suffix_ids)
+    for explanation in _PROBE_EXPLANATIONS:
+        tail = tuple(_ar_ids(tokenizer, cfg.ar_text(explanation))[-n:])
+        if tail != cfg.critic_suffix_ids:
+            raise ARSuffixMismatchError(
+                f"critic_suffix_ids: the sidecar records {list(cfg.critic_suffix_ids)} but the tokenised AR text "
+                f"for explanation {explanation!r} ends in {list(tail)}; the AR template's tail must tokenise the "
+                "same whatever the explanation (start it with a newline or space-separated constant text) "
+                "and the tokenizer must be the one the AR was trained with"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading and writing
+# ---------------------------------------------------------------------------------------------
+def sidecar_path_for(path: str | os.PathLike) -> Path:
+    """Where the sidecar of ``path`` lives: ``dir/nla_meta.yaml`` or ``x.parquet.nla_meta.yaml``."""
+    p = Path(path)
+    if p.is_dir():
+        return p / SIDECAR_NAME
+    if p.suffix == ".parquet":
+        return p.with_name(p.name + "." + SIDECAR_NAME)
+    if p.suffix in (".yaml", ".yml"):
+        return p
+    # Anything else names a checkpoint directory, possibly one not written yet.
+    return p / SIDECAR_NAME
+
+
+_MISSING = object()
+
+
+def _lookup(doc: Mapping, *paths: tuple[str, ...]) -> Any:
+    for path in paths:
+        node: Any = doc
+        for key in path:
+            if not isinstance(node, Mapping) or key not in node:
+                node = _MISSING
+                break
+            node = node[key]
+        if node is not _MISSING:
+            return node
+    return _MISSING
+
+
+def load_sidecar(path: str | os.PathLike) -> NLAConfig:
+    """Read a sidecar file, a checkpoint dir's ``nla_meta.yaml`` or a parquet's ``{file}.nla_meta.yaml``."""
+    file = sidecar_path_for(path)
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"no NLA sidecar at {str(file)!r} (looked for it from {str(path)!r}); write one with "
+            "nla.core.sidecar.write_sidecar or pass the sidecar path explicitly"
+        )
+    try:
+        doc = load_yaml(file, "sidecar")
+    except InputError as err:
+        raise SidecarError(str(err)) from None
+    if not isinstance(doc, Mapping):
+        raise SidecarError(f"{file}: expected a YAML mapping at the top level, found {type(doc).__name__}")
+    _check_template_digests(doc, file)
+
+    def need(name: str, *paths: tuple[str, ...]) -> Any:
+        value = _lookup(doc, *paths)
+        if value is _MISSING:
+            where = " or ".join(".".join(p) for p in paths)
+            raise SidecarError(f"{file}: missing required key {where} ({name}); the sidecar is incomplete")
+        return value
+
+    role = _lookup(doc, ("role",))
+    role = None if role is _MISSING else role
+    if role == "critic":  # the published system's name for the AR (its inference client accepts both)
+        role = "ar"
+    scale = _lookup(doc, ("extraction", "injection_scale"), ("injection_scale",))
+    has_av = _lookup(doc, ("tokens", "injection_char")) is not _MISSING
+    if scale is _MISSING:
+        if role != "ar" and has_av:  # the AR never injects, so its sidecar may leave the scale out
+            need("injection_scale", ("extraction", "injection_scale"), ("injection_scale",))
+        scale = None
+    mse_scale = _lookup(doc, ("extraction", "mse_scale"), ("mse_scale",))
+    base = _lookup(doc, ("extraction", "base_model"), ("base_model",))
+    training = _lookup(doc, ("training",))
+
+    def opt(*paths: tuple[str, ...]) -> Any:
+        value = _lookup(doc, *paths)
+        return None if value is _MISSING else value
+
+    av_template = opt(("prompt_templates", "av"), ("prompt_templates", "actor"))
+    # The published writer puts the shared tokens block (the injection marker and its
+    # neighbours) in every sidecar, the critic's too, which has no AV template: an AR never
+    # injects, so there the marker fields are read as absent (nla writes such an AR back in the
+    # documented AR-only layout).
+    marker = (lambda key: None) if role == "ar" and av_template is None else (lambda key: opt(("tokens", key)))
+
+    try:
+        return NLAConfig(
+            kind=need("kind", ("kind",)),
+            role=role,
+            d_model=need("d_model", ("d_model",), ("extraction", "d_model")),
+            layer_index=_layer_of(doc, file),
+            injection_char=marker("injection_char"),
+            injection_token_id=marker("injection_token_id"),
+            injection_left_neighbor_id=marker("injection_left_neighbor_id"),
+            injection_right_neighbor_id=marker("injection_right_neighbor_id"),
+            critic_suffix_ids=opt(("tokens", "critic_suffix_ids")),
+            av_template=av_template,
+            ar_template=opt(("prompt_templates", "ar"), ("prompt_templates", "critic")),
+            injection_scale=scale,
+            mse_scale=SQRT_D_MODEL if mse_scale is _MISSING else mse_scale,
+            base_model=None if base is _MISSING else base,
+            training={} if training is _MISSING or training is None else training,
+            model_base=opt(("model", "base_model")),
+            model_width=opt(("model", "hidden_size")),
+            injection_adapter=opt(("injection_adapter",)),
+        )
+    except SidecarError:
+        raise
+    except ValueError as err:
+        raise SidecarError(f"{file}: {err}") from None
+
+
+# Keys that record K directly, then the keys of the AR's depth (published: = K as well).
+_LAYER_KEYS = (("extraction", "layer_index"), ("critic", "extraction_layer_index"), ("layer_index",))
+_AR_DEPTH_KEYS = (("ar", "num_hidden_layers"), ("critic", "num_hidden_layers"))
+
+
+def _layer_of(doc: Mapping, file: Path) -> int | None:
+    """K from the first key that records it; None when the sidecar records no layer."""
+
+    def as_int(path: tuple[str, ...], value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise SidecarError(f"{file}: {'.'.join(path)}: expected a non-negative int (the layer K), found {value!r}")
+        return value
+
+    direct = [(p, as_int(p, v)) for p in _LAYER_KEYS if (v := _lookup(doc, p)) is not _MISSING]
+    depth = [(p, as_int(p, v)) for p in _AR_DEPTH_KEYS if (v := _lookup(doc, p)) is not _MISSING]
+    if len({v for _, v in direct}) > 1:
+        found = ", ".join(f"{'.'.join(p)} = {v}" for p, v in direct)
+        raise SidecarError(f"{file}: the sidecar records two different layers ({found}); keep the right one")
+    if direct:
+        k = direct[0][1]
+        for p, v in depth:
+            # K is what the published AR sidecars record; K+1 is what nla wrote before following them.
+            if v not in (k, k + 1):
+                raise SidecarError(
+                    f"{file}: {'.'.join(p)} = {v} disagrees with {'.'.join(direct[0][0])} = {k} (expected {k}, "
+                    "the extraction layer); the sidecar does not describe one checkpoint, fix it"
+                )
+        return k
+    if len({v for _, v in depth}) > 1:
+        found = ", ".join(f"{'.'.join(p)} = {v}" for p, v in depth)
+        raise SidecarError(f"{file}: the sidecar records two different layers ({found}); keep the right one")
+    return depth[0][1] if depth else None
+
+
+def _plain(value: Any) -> Any:
+    """Turn provenance values into YAML-safe builtins (paths, tuples, numpy scalars)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", None) == 0:
+        return value.item()
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+def sidecar_document(cfg: NLAConfig, **provenance: Any) -> dict:
+    """The published-layout mapping for ``cfg`` (what :func:`write_sidecar` dumps)."""
+    doc: dict[str, Any] = {"kind": cfg.kind}
+    if cfg.role is not None:
+        doc["role"] = cfg.role
+    extraction: dict[str, Any] = {}
+    if cfg.kind == "nla_model":
+        doc["d_model"] = cfg.d_model
+    else:
+        extraction["d_model"] = cfg.d_model
+    if cfg.base_model is not None:
+        extraction["base_model"] = cfg.base_model
+    if cfg.layer_index is not None:
+        extraction["layer_index"] = cfg.layer_index
+    extraction.update(injection_scale=cfg.injection_scale, mse_scale=cfg.mse_scale)
+    doc["extraction"] = extraction
+    tokens: dict[str, Any] = {}
+    templates: dict[str, Any] = {}
+    if cfg.has_av_fields:
+        tokens.update(
+            injection_char=cfg.injection_char,
+            injection_token_id=cfg.injection_token_id,
+            injection_left_neighbor_id=cfg.injection_left_neighbor_id,
+            injection_right_neighbor_id=cfg.injection_right_neighbor_id,
+        )
+        templates["av"] = cfg.av_template
+    if cfg.has_ar_fields:
+        tokens["critic_suffix_ids"] = list(cfg.critic_suffix_ids)
+        templates["ar"] = cfg.ar_template
+    doc["tokens"] = tokens
+    doc["prompt_templates"] = templates
+    # Not in the published layout (readers ignore unknown keys): catches a template edited after
+    # training, which the token checks miss whenever the marker's neighbours stay the same.
+    doc["prompt_template_sha256"] = {k: template_digest(v) for k, v in templates.items()}
+    if cfg.role == "ar" and cfg.layer_index is not None:
+        doc["ar"] = {"num_hidden_layers": cfg.layer_index}  # K, as the published AR sidecars record it
+    # nla's keys for a cross-model pair (the published layout has none; its readers ignore them).
+    own = {k: v for k, v in (("base_model", cfg.model_base), ("hidden_size", cfg.model_width)) if v is not None}
+    if own:
+        doc["model"] = own
+    if cfg.injection_adapter is not None:
+        doc["injection_adapter"] = dict(cfg.injection_adapter)
+    doc["training"] = _plain({**cfg.training, **provenance})
+    return doc
+
+
+def template_digest(template: str) -> str:
+    """First 16 hex digits of the template's SHA-256 (what ``prompt_template_sha256`` records)."""
+    import hashlib
+
+    return hashlib.sha256(template.encode("utf-8")).hexdigest()[:16]
+
+
+def _check_template_digests(doc: Mapping, file: Path) -> None:
+    digests = _lookup(doc, ("prompt_template_sha256",))
+    if not isinstance(digests, Mapping):
+        return  # written by another tool, or before nla recorded digests
+    for role in ("av", "ar"):
+        template = _lookup(doc, ("prompt_templates", role))
+        if role in digests and isinstance(template, str) and template_digest(template) != digests[role]:
+            raise SidecarError(
+                f"{file}: prompt_templates.{role} was edited after this sidecar was written (its SHA-256 starts "
+                f"{template_digest(template)}, the sidecar recorded {digests[role]}); the model was trained on the "
+                "recorded template. Restore it, or delete prompt_template_sha256 if the change is deliberate"
+            )
+
+
+def write_sidecar(path: str | os.PathLike, cfg: NLAConfig, **provenance: Any) -> Path:
+    """Write ``cfg`` (provenance merged into ``training``) atomically; returns the file written.
+
+    ``path`` may be the sidecar file itself, a checkpoint dir or a parquet path.
+    """
+    p = Path(path)
+    file = sidecar_path_for(p)
+    text = yaml.safe_dump(sidecar_document(cfg, **provenance), sort_keys=False, allow_unicode=True)
+    return write_text_atomic(text, file)
+
+
+def resolve_sidecar(
+    explicit: str | os.PathLike | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    dataset: str | os.PathLike | None = None,
+) -> NLAConfig:
+    """Pick the sidecar that applies: explicit path > the checkpoint's own > the dataset's.
+
+    An explicit path that does not exist is an error (not a silent fall-through).
+    """
+    if explicit is not None:
+        return load_sidecar(explicit)
+    tried: list[str] = []
+    for label, source in (("checkpoint", checkpoint), ("dataset", dataset)):
+        if source is None:
+            continue
+        file = sidecar_path_for(source)
+        if file.is_file():
+            logger.info("using the %s sidecar %s", label, file)
+            return load_sidecar(file)
+        tried.append(f"{label}: {file}")
+    raise FileNotFoundError(
+        "no NLA sidecar found; tried "
+        + ("; ".join(tried) if tried else "nothing (no explicit, checkpoint or dataset path given)")
+        + ". Pass the sidecar path explicitly or write one with nla.core.sidecar.write_sidecar"
+    )

@@ -1,0 +1,2 @@
+"""Evaluation: the pair's held-out table (``evaluate``), the explanation suite (``suite``), the
+linear probe (``probing``) and the quickstart's report (``report``)."""

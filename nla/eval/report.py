@@ -1,0 +1,316 @@
+"""The quickstart report: one Markdown page (+ JSON) a researcher opens instead of the logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# nla.eval.evaluate's row names (the oracle row is the reader's ceiling for true explanations).
+from nla.eval.evaluate import ROW_FROZEN as FROZEN
+from nla.eval.evaluate import ROW_ORACLE as ORACLE
+from nla.eval.evaluate import ROW_ROUND_TRIP as ROUND_TRIP
+from nla.eval.evaluate import ROW_SHUFFLED as SHUFFLED
+from nla.eval.suite import targets_table
+from nla.util.numerics import cpu_kernels
+
+logger = logging.getLogger(__name__)
+
+
+
+def _f(x: Any, nd: int = 3) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    return f"{x:.{nd}f}" if isinstance(x, (int, float)) else str(x)
+
+
+def _rows(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["name"]: r for r in report["rows"]}
+
+
+def comparison_table(warm: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """Eval rows of the warm-started pair and the RL pair side by side."""
+    w, a = _rows(warm), _rows(after)
+    lines = ["| predictor | FVE warm | FVE RL | cosine warm | cosine RL | recall warm | recall RL | "
+             "precision warm | precision RL | degenerate warm | degenerate RL | failed warm | failed RL |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name in [r["name"] for r in warm["rows"]]:
+        rw, ra = w[name], a.get(name, {})
+        fw, fa = rw.get("faithfulness") or {}, ra.get("faithfulness") or {}
+        lines.append(
+            f"| {name} | {_f(rw.get('fve'))} | {_f(ra.get('fve'))} | {_f(rw.get('cosine'))} | {_f(ra.get('cosine'))} | "
+            f"{_f(fw.get('recall'))} | {_f(fa.get('recall'))} | {_f(fw.get('precision'))} | {_f(fa.get('precision'))} | "
+            f"{_f((rw.get('degenerate') or {}).get('any'), 2)} | {_f((ra.get('degenerate') or {}).get('any'), 2)} | "
+            f"{_f(rw.get('failure_rate'), 2)} | {_f(ra.get('failure_rate'), 2)} |")
+    return lines
+
+
+def examples(warm: dict[str, Any], after: dict[str, Any], n: int = 6) -> list[str]:
+    by_row = {s["row"]: s for s in warm.get("samples", [])}
+    lines = []
+    for s in after.get("samples", [])[:n]:
+        w = by_row.get(s["row"], {})
+        ctx = (s.get("context") or "").replace("\n", " ")
+        lines += [f"**row {s['row']}** — context: “…{ctx[-120:]}”  ",
+                  f"ground truth: `{', '.join(s.get('facts') or [])}`  ",
+                  f"data explainer: {s.get('reference') or '–'}  ",
+                  f"warm-start AV: {w.get('explanation') or '(' + str(w.get('status')) + ')'} "
+                  f"(mse {_f(w.get('mse_nrm'))})  ",
+                  f"after RL: {s.get('explanation') or '(' + str(s.get('status')) + ')'} (mse {_f(s.get('mse_nrm'))})",
+                  ""]
+    return lines
+
+
+def probe_table(probe: dict[str, Any]) -> list[str]:
+    """The per-layer probe (``nla.world.probe``) as Markdown, the extraction layer marked."""
+    layers = probe.get("layers") or []
+    if not layers:
+        return []
+    kinds = [k["kind"] for k in layers[0]["kinds"]]
+    lines = ["| layer | " + " | ".join(kinds) + " | mean top-1 | chance |", "|---" * (len(kinds) + 3) + "|"]
+    for r in layers:
+        by = {k["kind"]: k["top1"] for k in r["kinds"]}
+        mark = " (extraction layer)" if r["layer"] == probe.get("default_layer") else ""
+        lines.append(f"| {r['layer']}{mark} | " + " | ".join(_f(by.get(k), 2) for k in kinds)
+                     + f" | **{_f(r['mean_top1'])}** | {_f(r['mean_chance'])} |")
+    return lines
+
+
+def _faith(row: dict[str, Any] | None, key: str) -> float | None:
+    return ((row or {}).get("faithfulness") or {}).get(key)
+
+
+def kind_table(warm: dict[str, Any], after: dict[str, Any], probe: dict[str, Any] | None = None) -> list[str]:
+    """Round-trip recall / precision per fact kind, warm-start and after RL, beside what the probe
+    reads of that kind at the extraction layer (what a faithful verbalizer could name)."""
+    rt_w = (_rows(warm).get(ROUND_TRIP) or {}).get("faithfulness") or {}
+    rt_a = (_rows(after).get(ROUND_TRIP) or {}).get("faithfulness") or {}
+    bw, ba = rt_w.get("by_kind") or {}, rt_a.get("by_kind") or {}
+    if not bw and not ba:
+        return []
+    at = [r for r in (probe or {}).get("layers") or [] if r["layer"] == (probe or {}).get("default_layer")]
+    top1 = {k["kind"]: k["top1"] for k in at[0]["kinds"]} if at else {}
+    order = list(top1) if top1 else []  # the probe's order (the dataset's own), then any other kind
+    kinds = [k for k in order if k in bw or k in ba] + sorted((set(bw) | set(ba)) - set(order))
+    lines = ["| kind | probe top-1 | recall warm | precision warm | recall RL | precision RL |",
+             "|---|---|---|---|---|---|"]
+    for k in kinds:
+        w, a = bw.get(k) or (None, None), ba.get(k) or (None, None)
+        lines.append(f"| {k} | {_f(top1.get(k), 2)} | {_f(w[0], 2)} | {_f(w[1], 2)} | {_f(a[0], 2)} | {_f(a[1], 2)} |")
+    return lines
+
+
+# A kind the warm-started AV names no more often truly than it does from shuffled vectors (recall within
+# this of the shuffled row's) is one it does not read; RL seldom adds such a kind (BENCHMARKS.md, "The
+# warm-start is a per-kind lottery"). Graded against ground truth: a report line, never a reward.
+UNREAD_MARGIN = 0.05
+
+
+def unread_kinds(warm: dict[str, Any], margin: float = UNREAD_MARGIN) -> dict[str, list[float]]:
+    """``{kind: [recall, shuffled recall]}`` of the kinds whose warm-start round-trip recall is
+    less than ``margin`` above the same AV's on shuffled vectors (empty without per-kind rows)."""
+    rows = _rows(warm)
+    rt = ((rows.get(ROUND_TRIP) or {}).get("faithfulness") or {}).get("by_kind") or {}
+    sh = ((rows.get(SHUFFLED) or {}).get("faithfulness") or {}).get("by_kind") or {}
+    return {k: [float(rt[k][0]), float(sh[k][0])] for k in rt
+            if k in sh and rt[k][0] is not None and sh[k][0] is not None and rt[k][0] - sh[k][0] < margin}
+
+
+def kind_summary(after: dict[str, Any]) -> dict[str, list[float]]:
+    """``{kind: [recall, precision]}`` of the RL pair's round trip (the report.json headline)."""
+    rt = (_rows(after).get(ROUND_TRIP) or {}).get("faithfulness") or {}
+    return {k: list(v) for k, v in (rt.get("by_kind") or {}).items()}
+
+
+def faithfulness_summary(warm: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The numbers that say whether RL made the explanations more true, not just the pair closer."""
+    w, a = _rows(warm), _rows(after)
+    rt_w, rt_a, fr_w, fr_a = w.get(ROUND_TRIP), a.get(ROUND_TRIP), w.get(FROZEN), a.get(FROZEN)
+    return {
+        "recall_warmstart": _faith(rt_w, "recall"), "recall_rl": _faith(rt_a, "recall"),
+        "precision_warmstart": _faith(rt_w, "precision"), "precision_rl": _faith(rt_a, "precision"),
+        "shuffled_recall_rl": _faith(a.get(SHUFFLED), "recall"),
+        "frozen_ar_fve_warmstart": (fr_w or {}).get("fve"), "frozen_ar_fve_rl": (fr_a or {}).get("fve"),
+        "degenerate_warmstart": ((rt_w or {}).get("degenerate") or {}).get("any"),
+        "degenerate_rl": ((rt_a or {}).get("degenerate") or {}).get("any"),
+        "oracle_fve_warmstart": (w.get(ORACLE) or {}).get("fve"), "oracle_fve_rl": (a.get(ORACLE) or {}).get("fve"),
+    }
+
+
+def ceiling_line(headline: dict[str, Any]) -> list[str]:
+    """How close the RL'd round trip is to the most a faithful explanation gets from the same reader
+    (the oracle row, read by the AR after RL); nothing when the eval had no oracle row (no world truth)."""
+    oracle, fve = headline.get("oracle_fve_rl"), headline.get("round_trip_fve_rl")
+    if oracle is None or fve is None:
+        return []
+    share = f" ({fve / oracle:.0%} of it)" if oracle > 0 else ""
+    return [f"Ceiling: an explanation naming every true fact and the current word, read by the same AR, scores "
+            f"FVE {_f(oracle)} after RL ({_f(headline.get('oracle_fve_warmstart'))} with the warm-start AR); the "
+            f"RL'd verbalizer reaches {_f(fve)}{share}.", ""]
+
+
+def suite_headline(suite: dict[str, Any] | None) -> dict[str, Any]:
+    """The suite's targets as headline keys ``suite_<section>_<key>`` (None where not measured)."""
+    return {f"suite_{t['section']}_{t['key']}": t["value"] for t in (suite or {}).get("targets", [])}
+
+
+def suite_section(suite: dict[str, Any] | None) -> list[str]:
+    """"Does it explain?": the explanation suite's targets (``nla.eval.suite``) and what it measured."""
+    if not suite:
+        return []
+    s = suite.get("sections", {})
+    md = ["## Does it explain?", "",
+          f"The explanation suite (`nla eval --suite`, {suite['n_rows']} held-out rows; docs/suite.md): whether "
+          "the RL'd pair's explanations are a true, causal account of the vector, not only a text the AR can "
+          "rebuild it from.", "", *targets_table(suite.get("targets", []), _f)]
+    c, h, e = s.get("claims"), s.get("hidden_code"), s.get("causal")
+    if c:
+        md += ["", f"- Deleting one claim costs FVE {_f(c['fve_cost_true'])} when it is true, "
+                   f"{_f(c['fve_cost_false'])} when false, {_f(c['fve_cost_quotation'])} for the quoted word "
+                   f"({c['n_true']} true, {c['n_false']} false claims)."]
+    if h:
+        md.append(f"- FVE {_f(h['fve'])} as written; re-phrased {_f(h['paraphrase_fve'])}, re-ordered "
+                  f"{_f(h['shuffle_fve'])}, without the quoted word {_f(h['drop_quotation_fve'])}.")
+    if e:
+        md.append(f"- Causal edits ({e['edits']} recall slots edited): the subject's prediction moves to the edited "
+                  f"value {_f(e['edited_moves'])}, stays with the unedited reconstruction {_f(e['unedited_keeps'])}, "
+                  f"moves with a random vector {_f(e['random_moves'])}.")
+    conf = s.get("confabulation") or {}
+    if "pair" in conf:
+        before = _f(conf["baseline"]["false_rate"]) + " → " if "baseline" in conf else ""
+        md.append(f"- False claims: {before}{_f(conf['pair']['false_rate'])} of claimed facts (warm-start → RL).")
+    b = s.get("best_of")
+    if b:
+        top = max(int(k) for k in b if k.isdigit())
+        md.append(f"- Best-of-{top}: FVE {_f(b['greedy']['fve'])} → {_f(b[str(top)]['fve'])}, precision "
+                  f"{_f(b['greedy']['precision'])} → {_f(b[str(top)]['precision'])}.")
+    return md + [""]
+
+
+def pair_lines(pair: dict[str, Any] | None) -> list[str]:
+    """The pair's models (their bases, widths, parameters, the AV's injection), as a table."""
+    if not pair:
+        return []
+    rows = ["## The pair", "", "| | base model | width | subject width | parameters | injection |", "|---|---|---|---|---|---|"]
+    for role in ("av", "ar"):
+        r = pair.get(role)
+        if r:
+            rows.append(f"| {role.upper()} | `{Path(str(r['base_model'])).name}`{' (another model)' if r['cross_model'] else ''} "
+                        f"| {r['width']} | {r['subject_width']} | {r['parameters']:,} | {r.get('injection', '-')} |")
+    return [*rows, ""]
+
+
+def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | None = None, stages: list, configs: dict[str, Any], world: dict[str, Any],
+                 warm_eval: dict[str, Any], rl_eval: dict[str, Any], ar_info: dict[str, Any],
+                 av_info: dict[str, Any], rl_info: dict[str, Any], probe: dict[str, Any] | None = None,
+                 suite: dict[str, Any] | None = None, pair: dict[str, Any] | None = None) -> Path:
+    """Write ``report.md`` and ``report.json`` (+ copy curve PNGs beside them); returns report.md."""
+    plots = {}
+    for name, src in (("world_loss", world.get("loss_curve_png")), ("ar_curves", out / "ar" / "ar_curves.png"),
+                      ("av_curves", out / "av" / "av_curves.png"), ("rl_curves", out / "rl" / "rl_curves.png")):
+        if src and Path(src).is_file():
+            dst = out / f"{name}.png"
+            if Path(src).resolve() != dst.resolve():
+                shutil.copyfile(src, dst)
+            plots[name] = dst.name
+    wr, rr = _rows(warm_eval), _rows(rl_eval)
+    fve_warm, fve_rl = wr[ROUND_TRIP]["fve"], rr[ROUND_TRIP]["fve"]
+    arm, avm, rlm = ar_info.get("metrics", {}), av_info.get("metrics", {}), rl_info.get("metrics", {})
+    headline = {
+        "preset": preset,
+        "seed": seed,
+        "threads": threads,
+        "cpu_kernels": cpu_kernels(),
+        "round_trip_fve_warmstart": fve_warm,
+        "round_trip_fve_rl": fve_rl,
+        "rl_improved_fve": fve_rl > fve_warm,
+        "ar_heldout_fve_warmstart": arm.get("eval_fve"),
+        "av_vector_gap": avm.get("eval_vector_gap"),
+        "rl_final_reward_mean": rlm.get("reward_mean"),
+        "subject_heldout_loss": world.get("heldout_loss"),
+        "subject_unigram_entropy": world.get("unigram_entropy"),
+        "total_seconds": sum(s.seconds for s in stages if not s.cached),  # this run's work
+        **faithfulness_summary(warm_eval, rl_eval),
+        "by_kind_rl": kind_summary(rl_eval),
+        "unread_kinds_warmstart": unread_kinds(warm_eval),
+        **suite_headline(suite),
+    }
+    if pair:
+        headline["pair"] = pair
+    probe = probe or {}
+    if probe.get("layers"):
+        at = [r for r in probe["layers"] if r["layer"] == probe.get("default_layer")]
+        headline["probe_mean_top1"] = at[0]["mean_top1"] if at else None
+        headline["probe_mean_chance"] = at[0]["mean_chance"] if at else None
+        headline["probe_by_kind"] = {k["kind"]: k["top1"] for k in at[0]["kinds"]} if at else {}
+    # A stage whose gradient vanished or whose samples all failed for many steps says so at the top.
+    stuck = [f"- **{name}**: {w}" for name, info in (("AR warm-start", ar_info), ("AV warm-start", av_info),
+                                                    ("RL", rl_info))
+             for w in (info.get("metrics", {}).get("stuck_warnings") or [])]
+    kinds = kind_table(warm_eval, rl_eval, probe)
+    unread = [f"- **{k}**: recall {_f(r, 2)}, on shuffled vectors {_f(sh, 2)}"
+              for k, (r, sh) in headline["unread_kinds_warmstart"].items()]
+    if unread:
+        logger.warning("the warm-started AV does not read %s (recall within %.2f of its shuffled-vector rate); RL "
+                       "seldom adds such a kind: train the AV warm-start again with another seed or longer",
+                       ", ".join(headline["unread_kinds_warmstart"]), UNREAD_MARGIN)
+    md = [f"# NLA quickstart report (preset `{preset}`, seed {seed}, {threads} torch threads, "
+          f"{headline['cpu_kernels']} CPU kernels)", "",
+          *(["> **Warning: a stage looked stuck.**", "", *stuck, ""] if stuck else []),
+          *(["> **Warning: the warm-started AV does not read every kind.** It names these no more truly than "
+             "from shuffled vectors, and RL seldom adds such a kind (BENCHMARKS.md, \"The warm-start is a "
+             "per-kind lottery\"): train the AV warm-start again with another seed or for longer.", "",
+             *unread, ""] if unread else []),
+          f"Round-trip FVE on held-out vectors: **{_f(fve_warm)}** after warm-start → **{_f(fve_rl)}** after RL "
+          f"({'improved' if fve_rl > fve_warm else 'did not improve'}). "
+          f"This run took {headline['total_seconds']:.0f} s (cached stages not counted).", "",
+          f"Faithfulness (facts named, graded against the world's ground truth): recall "
+          f"**{_f(headline['recall_warmstart'])} → {_f(headline['recall_rl'])}**, precision "
+          f"{_f(headline['precision_warmstart'])} → {_f(headline['precision_rl'])}; the same explanations read by "
+          f"the frozen warm-start AR: FVE {_f(headline['frozen_ar_fve_warmstart'])} → "
+          f"{_f(headline['frozen_ar_fve_rl'])}; degenerate explanations {_f(headline['degenerate_warmstart'], 2)} → "
+          f"{_f(headline['degenerate_rl'], 2)}.", "",
+          *ceiling_line(headline),
+          *pair_lines(pair),
+          "## Evaluation (held-out documents)", "",
+          f"{warm_eval['n_rows']} rows, d_model {warm_eval['d_model']}; FVE = 1 − MSE / MSE of predicting the raw mean "
+          f"of normalised golds ({warm_eval['baseline_raw_mean_mse']:.4f}). Fact recall/precision grade the "
+          "explanations against the world's ground truth. See docs/report.md for every number.", "",
+          *comparison_table(warm_eval, rl_eval), "",
+          *(["### Per fact kind (AV → AR round trip)", "",
+              "Recall and precision of the facts of each kind, against what a linear probe reads of that kind "
+              "from the same layer's vectors (the most a faithful verbalizer could name).", "",
+              *kinds, ""] if kinds else []),
+          *(["## What is in the vector", "",
+              "Top-1 accuracy of a linear probe per fact kind on held-out stories (`nla world probe`): how much of "
+              "the ground truth any verbalizer could read from the vectors at each layer, against chance.", "",
+              *probe_table(probe), ""] if probe.get("layers") else []),
+          *suite_section(suite),
+          "## Training", "",
+          f"- subject model: held-out loss {_f(world.get('heldout_loss'))} nats/token vs unigram entropy "
+          f"{_f(world.get('unigram_entropy'))}",
+          f"- AR warm-start: held-out FVE {_f(arm.get('eval_fve'))} (train fve_nrm {_f(arm.get('fve_nrm'))})",
+          f"- AV warm-start: held-out loss {_f(avm.get('eval_loss'))}, with shuffled vectors "
+          f"{_f(avm.get('eval_loss_shuffled'))} (gap {_f(avm.get('eval_vector_gap'), 4)}: > 0 means the vector is used)",
+          f"- RL: final reward {_f(rlm.get('reward_mean'))}, rollout fve_nrm {_f(rlm.get('fve_nrm'))}, "
+          f"KL {_f(rlm.get('kl'), 4)}, response length {_f(rlm.get('response_len'), 1)}", ""]
+    for key, title in (("world_loss", "Subject model pretraining"), ("ar_curves", "AR warm-start"),
+                       ("av_curves", "AV warm-start"), ("rl_curves", "RL")):
+        if key in plots:
+            md += [f"### {title}", "", f"![{title}]({plots[key]})", ""]
+    md += ["## Example explanations (held-out)", "", *examples(warm_eval, rl_eval),
+           "## Time per stage", "", "| stage | seconds | cached |", "|---|---|---|"]
+    md += [f"| {s.name} | {s.seconds:.1f} | {'yes' if s.cached else 'no'} |" for s in stages]
+    md += ["", "## Configs used", "", "```yaml", yaml.safe_dump(configs, sort_keys=False).rstrip(), "```", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(md), encoding="utf-8")
+    (out / "report.json").write_text(json.dumps({
+        "headline": headline, "eval_warmstart": warm_eval, "eval_rl": rl_eval, "suite": suite, "plots": plots,
+        "stages": [{"name": s.name, "seconds": s.seconds, "cached": s.cached} for s in stages],
+        "configs": configs}, indent=2, default=str), encoding="utf-8")
+    return path

@@ -1,0 +1,167 @@
+"""``run_suite``: the suite's parts on a held-out dataset (``nla eval --suite``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from nla.client import NLAClient, NLAClientError, attribute_claims
+from nla.core.graders import DatasetGrader, get_grader, grader_for_table
+from nla.core.vectors import check_spread
+from nla.eval.suite.best_of import best_of_n
+from nla.eval.suite.causal import causal_edits
+from nla.eval.suite.claims import claims_summary
+from nla.eval.suite.common import PARTS, earlier_truths
+from nla.eval.suite.confabulation import confabulation
+from nla.eval.suite.directions import directions_summary
+from nla.eval.suite.hidden_code import Paraphraser, hidden_code_summary
+from nla.eval.suite.report import SuiteReport
+
+logger = logging.getLogger(__name__)
+
+
+def load_subject(path: str | os.PathLike, device: torch.device) -> tuple[nn.Module, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise NLAClientError(f"subject: {p} is no model directory (no config.json); pass the subject model the "
+                             "dataset was extracted from (--subject DIR)")
+    tok = AutoTokenizer.from_pretrained(str(p))
+    model = AutoModelForCausalLM.from_pretrained(str(p), use_safetensors=True).to(device).eval()
+    return model, tok
+
+
+def run_suite(
+    client: NLAClient,
+    dataset_path: str | os.PathLike,
+    *,
+    parts: Sequence[str] = PARTS,
+    subject: str | os.PathLike | None = None,
+    baseline_av: NLAClient | None = None,
+    grader: str | DatasetGrader | None = None,
+    max_rows: int | None = None,
+    seed: int = 0,
+    batch_size: int = 64,
+    max_new_tokens: int = 150,
+    best_of: Sequence[int] = (1, 4, 8),
+    temperature: float = 0.7,
+    strengths: Sequence[float] = (2.0, 4.0, 8.0),
+    paraphraser: Paraphraser | None = None,
+    n_show: int = 6,
+) -> SuiteReport:
+    """Run the suite's ``parts`` on a held-out dataset (module docstring). ``client`` holds the pair
+    (AV and AR); ``temperature``: best-of-N's sampling temperature (0.7: on the default world best-of-8
+    adds 0.056-0.061 FVE over greedy at 0.7 and 0.049-0.054 at 1.0, BENCHMARKS.md); ``baseline_av`` a client with the warm-start AV (confabulation compares the two);
+    ``subject``: the subject model's directory for causal edits (default: the one the dataset's
+    sidecar records, when it exists). Parts that need truth the grader lacks, or a subject that
+    cannot be found, are listed in ``skipped`` with the reason."""
+    from nla.eval.evaluate import load_eval_table
+
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        raise NLAClientError(f"suite parts: expected some of {list(PARTS)}, found {bad}")
+    client.require_av("run_suite")
+    side = client.require_ar("run_suite")
+    path = Path(dataset_path)
+    rng = np.random.default_rng(seed)
+    table, gold, dataset_rows = load_eval_table(client, path, max_rows, rng)
+    try:
+        base = check_spread(gold, side.mse_scale_value(), f"dataset {path}")
+    except ValueError as err:
+        raise NLAClientError(str(err)) from None
+    if isinstance(grader, str):
+        grader = get_grader(grader)
+    elif grader is None:
+        grader = grader_for_table(table) or get_grader("generic")
+    cols = table.column_names
+    truths = table.column("facts").to_pylist() if "facts" in cols else None
+    has_truth = truths is not None and grader.grade("", truths[0] or []) is not None
+    if not has_truth:
+        truths = None
+    report = SuiteReport(dataset=str(path), n_rows=int(gold.shape[0]), seed=seed)
+    logger.info("suite: verbalizing %d rows", gold.shape[0])
+    verbs = client.verbalize(gold, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    texts = [v.explanation for v in verbs]
+
+    if "claims" in parts:
+        logger.info("suite: claim attribution")
+        attr = attribute_claims(client, texts, gold, grader=grader, truths=truths, batch_size=batch_size)
+        earlier = (earlier_truths(truths, table.column("doc_id").to_pylist(), table.column("position").to_pylist())
+                   if truths is not None and {"doc_id", "position"} <= set(cols) else None)
+        report.sections["claims"] = claims_summary(attr, base.raw_mean, grader, truths, earlier)
+        for i in sorted(rng.choice(len(texts), size=min(n_show, len(texts)), replace=False).tolist()):
+            report.samples.append({"row": int(dataset_rows[i]), "explanation": texts[i],
+                                   "facts": truths[i] if truths else None, "claims": [c.to_dict() for c in attr[i]]})
+    if "hidden_code" in parts:
+        logger.info("suite: hidden-code tests")
+        oracle = None
+        if truths is not None:
+            words = table.column("current_word").to_pylist() if "current_word" in cols else [None] * len(truths)
+            oracle = [grader.oracle(t, w, int(r)) for t, w, r in zip(truths, words, dataset_rows, strict=True)]
+            oracle = None if any(o is None for o in oracle) else oracle
+        report.sections["hidden_code"] = hidden_code_summary(client, texts, gold, grader, base.raw_mean, seed,
+                                                              batch_size, paraphraser, oracle)
+    if "causal" in parts:
+        subject_dir = subject or side.base_model
+        if truths is None:
+            report.skipped["causal"] = "the dataset's grader knows no facts"
+        elif "context" not in cols:
+            report.skipped["causal"] = "the dataset has no context column (the text each vector was read at)"
+        elif not subject_dir or not (Path(subject_dir) / "config.json").is_file():
+            report.skipped["causal"] = (f"no subject model at {subject_dir!r} (the sidecar's extraction.base_model); "
+                                        "pass --subject DIR")
+        else:
+            logger.info("suite: causal edits on the subject %s", subject_dir)
+            from nla.client import device_of
+
+            model, tok = load_subject(subject_dir, device_of(client.ar))
+            slots = grader.recall_slots(table, path, model, tok, side.layer_index, max_rows, seed=seed)
+            if slots is not None and len(slots["context"]):
+                logger.info("suite: verbalizing %d recall slots of the dataset's documents", len(slots["context"]))
+                sv = slots["vectors"]
+                stexts = [v.explanation for v in client.verbalize(sv, max_new_tokens=max_new_tokens,
+                                                                  batch_size=batch_size)]
+                res = causal_edits(client, model, tok, slots["context"], sv, stexts, slots["facts"], grader,
+                                   side.layer_index, seed=seed)
+                res["source"] = "recall slots of the dataset's documents"
+            else:
+                res = causal_edits(client, model, tok, table.column("context").to_pylist(), gold, texts, truths,
+                                   grader, side.layer_index, seed=seed)
+                res["source"] = "the dataset's rows"
+            report.sections["causal"] = res
+    if "directions" in parts:
+        if truths is None:
+            report.skipped["directions"] = "the dataset's grader knows no facts to take directions of"
+        else:
+            logger.info("suite: probe directions")
+            report.sections["directions"] = directions_summary(client, gold, truths, grader, strengths, batch_size,
+                                                                max_new_tokens)
+    if "confabulation" in parts:
+        if truths is None:
+            report.skipped["confabulation"] = "the dataset's grader knows no facts"
+        else:
+            docs = table.column("doc_id").to_pylist() if "doc_id" in cols else None
+            pos = table.column("position").to_pylist() if "position" in cols else None
+            conf = {"pair": confabulation(texts, truths, grader, docs, pos)}
+            if baseline_av is not None:
+                logger.info("suite: the baseline AV's explanations")
+                btexts = [v.explanation for v in baseline_av.verbalize(gold, max_new_tokens=max_new_tokens,
+                                                                         batch_size=batch_size)]
+                conf = {"baseline": confabulation(btexts, truths, grader, docs, pos), **conf}
+            report.sections["confabulation"] = conf
+    if "best_of" in parts:
+        logger.info("suite: best-of-%d", max(best_of))
+        report.sections["best_of"] = best_of_n(client, gold, truths, grader if truths else None, base.raw_mean,
+                                               best_of, seed=seed, temperature=temperature,
+                                               batch_size=batch_size, max_new_tokens=max_new_tokens,
+                                               greedy_texts=texts)
+        report.sections["best_of"]["temperature"] = temperature
+    return report

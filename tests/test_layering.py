@@ -1,0 +1,122 @@
+"""The package's layers hold (docs/design.md §8): what each layer may import, no import cycle between
+modules, no private name imported from another module.
+
+Every ``import`` / ``from … import`` statement counts, the ones inside functions too: a lazy
+import is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "nla"
+
+# layer -> the nla layers it may import (besides itself); "root" is nla/__init__.py
+ALLOWED: dict[str, set[str]] = {
+    "util": set(),
+    "core": {"util"},
+    "datagen": {"util", "core", "train", "world"},  # the world is the built-in corpus and explainer
+    "train": {"util", "core", "datagen"},
+    "rl": {"util", "core", "datagen", "train"},
+    "client": {"util", "core", "datagen", "train", "rl"},
+    "eval": {"util", "core", "datagen", "client"},
+    "world": {"util", "core", "datagen", "train", "eval"},  # its probe command uses eval.probing
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in PKG.rglob("*.py"):
+        parts = p.relative_to(PKG.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = p
+    return out
+
+
+MODULES = _modules()
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "root"
+    return parts[1]
+
+
+def _imports(path: Path) -> list[tuple[str, str | None]]:
+    """(module, imported name or None) for every nla import in the file, resolved to a module
+    where the name is a submodule."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "nla":
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                out.append((sub, None) if sub in MODULES else (node.module, alias.name))
+        elif isinstance(node, ast.Import):
+            out += [(a.name, None) for a in node.names if a.name.split(".")[0] == "nla"]
+    return out
+
+
+def _deps() -> dict[str, set[str]]:
+    return {m: {d for d, _ in _imports(p) if d in MODULES and d != m} for m, p in MODULES.items()}
+
+
+def test_the_map_sees_every_layer():
+    # a renamed or new top-level module must be placed in a layer here (or is an entry point)
+    entry_points = {"root", "cli", "commands", "quickstart", "explore"}
+    assert {_layer(m) for m in MODULES} == set(ALLOWED) | entry_points
+
+
+@pytest.mark.parametrize("layer", sorted(ALLOWED))
+def test_each_layer_imports_only_the_layers_below_it(layer):
+    bad = sorted(
+        f"{m} imports {d}"
+        for m, deps in _deps().items() if _layer(m) == layer
+        for d in deps if _layer(d) not in ALLOWED[layer] | {layer}
+    )
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycle():
+    deps = _deps()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for d in sorted(deps[m]):
+            if state.get(d) == 1:
+                return path[path.index(d):] + [d]
+            if d not in state and (cycle := visit(d)):
+                return cycle
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(deps):
+        if m not in state:
+            cycle = visit(m)
+            assert cycle is None, " -> ".join(cycle)
+
+
+def test_no_private_name_is_imported_from_another_module():
+    bad = sorted(
+        f"{m} imports {name} from {d}"
+        for m, p in MODULES.items()
+        for d, name in _imports(p)
+        if name and name.startswith("_") and not name.startswith("__") and d != m
+    )
+    assert not bad, "\n".join(bad)
+
+
+def test_the_checker_finds_what_it_looks_for(tmp_path):
+    # the helpers see lazy imports, submodules and private names
+    src = tmp_path / "m.py"
+    src.write_text("def f():\n    from nla.core import vectors\n    from nla.train.ar import _x\nimport nla.util.threads\n")
+    assert sorted(_imports(src), key=str) == [("nla.core.vectors", None), ("nla.train.ar", "_x"),
+                                              ("nla.util.threads", None)]
+    assert _layer("nla.core.vectors") == "core" and _layer("nla") == "root"
