@@ -112,7 +112,7 @@ def _rl_preset(steps: int, prompts: int, lr: float, ar_lr: float, eval_every: in
     """RL stage settings; every preset keeps the explanations honest the same way: a degenerate
     explanation loses 1.0 of reward, a quarter of each AR update replays data explanations, and
     the KL to the warm-started AV weighs 0.05 (over two seeds 0.01 let the frozen reader's FVE
-    fall by up to 0.014 and left more degenerate explanations; BENCHMARKS.md)."""
+    fall by up to 0.014 and left more degenerate explanations; dev/LOG.md, 2026-11-30)."""
     return dict(steps=steps, eval_every=eval_every, eval_max_rows=eval_max_rows,
                 rollout=dict(rollout_batch_size=prompts, n_samples_per_prompt=8, max_response_len=64),
                 loss=dict(kl_coef=0.05),
@@ -140,7 +140,7 @@ PRESETS: dict[str, QuickstartPreset] = {
         # The earlier rule, 1-3 facts per row, named a mood, an activity or an object in only ~38 %
         # of the rows where it was true: the greedy warm-started AV then never named them (mood
         # recall 0.01) although it read them (teacher-forced mood accuracy 0.97), and RL learned
-        # to add some and drop others (issue 25; BENCHMARKS.md, "Every kind named"). With 3-6
+        # to add some and drop others (issue 25; dev/LOG.md, "Every kind named"). With 3-6
         # facts (preset "full") the warm-start is already at its reader's ceiling.
         datagen=dict(n_docs=4000, max_len=128, world_explainer=dict(fact_rate=0.6, wrong_rate=0.1),
                      **_DATAGEN_COMMON),
@@ -153,7 +153,7 @@ PRESETS: dict[str, QuickstartPreset] = {
         # it at 0.98 (issue 25; BENCHMARKS.md, "The warm-started AV under-trained").
         av=dict(max_steps=1500, eval_every=500, save_every=1500, smoke_num=3, smoke_max_new_tokens=48,
                 **{**_AV_COMMON, "lr": 2e-3}),
-        # RL settings and what each did: BENCHMARKS.md ("RL that keeps explanations true").
+        # RL settings and what each did: dev/LOG.md ("RL that keeps explanations true").
         rl=_rl_preset(steps=100, prompts=16, lr=3e-4, ar_lr=3e-4, eval_every=25, eval_max_rows=64, save_every=100),
         eval_max_rows=None,
         # A model reading another's vectors (through the injection adapter, or the AR's head) learns

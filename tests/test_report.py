@@ -55,7 +55,7 @@ def test_report_ceiling_line_from_the_oracle_rows(tmp_path):
 
 
 def test_report_warns_of_a_kind_the_warm_start_does_not_read(tmp_path, caplog):
-    # seed 2's mean-invariant AV (BENCHMARKS): place 0.13 on real vectors and 0.13 on shuffled ones
+    # seed 2's mean-invariant AV (dev/LOG.md, 2026-12-03): place 0.13 on real vectors and 0.13 on shuffled ones
     warm, rl = _eval(0.38, 0.38, 0.49, 0.0), _eval(0.61, 0.58, 0.66, 0.0)
     warm["rows"][0]["faithfulness"]["by_kind"] = {"place": [0.13, 0.11], "person": [0.90, 0.95],
                                                   "activity": [0.37, 0.40], "time": [0.31, 0.31]}

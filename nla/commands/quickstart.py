@@ -56,6 +56,16 @@ def _adapter_suffix(choice: str, pair_world: str | None) -> str:
     return rest if pair_world else "-adapter" + rest
 
 
+def _quiet_transformers() -> None:
+    # The console shows the stages, their progress bars and the result. transformers' own
+    # "Loading weights" / "Writing model shards" bars and notes (e.g. which layers FSDP would not
+    # shard) describe library internals of loads the quickstart makes on purpose; its errors stay.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def run(args: argparse.Namespace) -> int:
     from nla.quickstart import run_quickstart
     from nla.util.validation import check_output_path
@@ -66,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
                    + (f"-augment{args.mean_shift_augment:g}" if args.mean_shift_augment else "")
                    + (f"-seed{args.seed}" if args.seed else ""))
     out = str(check_output_path(args.out or default_out, "--out"))
+    _quiet_transformers()
     report = run_quickstart(args.preset, out, backend=args.backend, progress=not args.no_progress,
                             threads=args.threads, seed=args.seed, pair_world=args.pair_world,
                             injection_adapter=args.injection_adapter, pair_roles=args.pair_roles,

@@ -59,7 +59,7 @@ def run_suite(
 ) -> SuiteReport:
     """Run the suite's ``parts`` on a held-out dataset (module docstring). ``client`` holds the pair
     (AV and AR); ``temperature``: best-of-N's sampling temperature (0.7: on the default world best-of-8
-    adds 0.056-0.061 FVE over greedy at 0.7 and 0.049-0.054 at 1.0, BENCHMARKS.md); ``baseline_av`` a client with the warm-start AV (confabulation compares the two);
+    adds 0.056-0.061 FVE over greedy at 0.7 and 0.049-0.054 at 1.0 on the suite's first pass, dev/LOG.md); ``baseline_av`` a client with the warm-start AV (confabulation compares the two);
     ``subject``: the subject model's directory for causal edits (default: the one the dataset's
     sidecar records, when it exists). Parts that need truth the grader lacks, or a subject that
     cannot be found, are listed in ``skipped`` with the reason."""
