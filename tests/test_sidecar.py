@@ -314,8 +314,12 @@ def test_verify_neighbor_drift(tiny_tokenizer):
 
 def test_verify_ar_suffix(tiny_tokenizer):
     cfg = _cfg(tiny_tokenizer)
-    bad = cfg.replace(critic_suffix_ids=(1, 2, 3))
-    with pytest.raises(ARSuffixMismatchError, match=r"critic_suffix_ids: the sidecar records \[1, 2, 3\]"):
+    read = cfg.critic_suffix_ids[-1]
+    bad = cfg.replace(critic_suffix_ids=(1, 2, 3))  # another read token
+    with pytest.raises(ARSuffixMismatchError, match=r"reads its prediction at the last token .* the sidecar records 3 "):
+        verify_tokenizer(bad, tiny_tokenizer)
+    bad = cfg.replace(critic_suffix_ids=(1, 2, read))  # the read token, but another id before it
+    with pytest.raises(ARSuffixMismatchError, match=rf"the sidecar records \[1, 2, {read}\] .* the last 3 ids"):
         verify_tokenizer(bad, tiny_tokenizer)
 
 

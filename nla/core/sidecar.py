@@ -44,8 +44,12 @@ SIDECAR_NAME = "nla_meta.yaml"
 KINDS = ("nla_model", "nla_dataset")
 ROLES = ("av", "ar", None)
 
-# Explanations used to check that the AR template's tail tokenises the same whatever precedes it.
-_PROBE_EXPLANATIONS = ("the", "A short explanation.", "x 42 )")
+# Explanations whose last characters end them in different ways, used to find which ids of the AR
+# template's tail every explanation shares. A byte-level BPE glues punctuation to what follows
+# (Qwen2.5: ".\n" and '"\n' are single tokens, so are ".</" and '"</'): the first ids of the tail
+# can depend on the explanation, the token the prediction is read at must not.
+_PROBE_EXPLANATIONS = ("the", "A short explanation.", "x 42 )", 'He said "hi"', "Why?", "Done!", "a: b",
+                       "it's", "3.14", "(see below)", "naïve café")
 
 
 class SidecarError(ValueError):
@@ -405,6 +409,49 @@ def _marker_position(prompt: list[int], marker_id: int, injection_char: str) -> 
     return pos
 
 
+def _common_tail(seqs: Sequence[Sequence[int]], cap: int) -> tuple[int, ...]:
+    n = 0
+    while n < cap and all(len(s) > n for s in seqs) and len({s[-1 - n] for s in seqs}) == 1:
+        n += 1
+    return tuple(seqs[0][len(seqs[0]) - n:])
+
+
+def _ar_tails(tokenizer: Any, ar_template: str) -> tuple[list[list[int]], int]:
+    n_tail = len(tokenizer.encode(ar_template.split("{explanation}")[-1], add_special_tokens=False))
+    if n_tail == 0:
+        raise SidecarError(f"ar_template: the tail after {{explanation}} tokenises to nothing: {ar_template!r}")
+    return [_ar_ids(tokenizer, ar_template.format(explanation=e)) for e in _PROBE_EXPLANATIONS], n_tail
+
+
+def stable_ar_suffix(tokenizer: Any, ar_template: str) -> tuple[int, ...]:
+    """The ids the AR text ends in whatever the explanation: the last ids of the template's tail
+    that every probe explanation shares (``critic_suffix_ids``). Its last id is the token the AR
+    reads its prediction at; the ids before it may be fewer than the tail's own tokenisation where
+    the tokenizer merges the explanation's last character with the tail's first (Qwen2.5's ".\n").
+    Raises when not even that last token is the same for every explanation."""
+    seqs, n_tail = _ar_tails(tokenizer, ar_template)
+    tail = _common_tail(seqs, n_tail)
+    if not tail:
+        ends = sorted({tokenizer.convert_ids_to_tokens(s[-1:])[0] for s in seqs})
+        raise SidecarError(
+            f"ar_template: the AR reads its prediction at the last token of the AR text, and with this tokenizer "
+            f"that token depends on the explanation (it is one of {ends[:6]}); end the template in constant text "
+            f"the tokenizer keeps apart from the explanation, e.g. a newline and a word: {ar_template!r}")
+    return tail
+
+
+def checked_ar_suffix(cfg: NLAConfig, tokenizer: Any) -> tuple[int, ...]:
+    """The part of the recorded ``critic_suffix_ids`` every AR text must end in with this tokenizer:
+    its last ``min(len(recorded), len(stable))`` ids, where ``stable`` is what every explanation
+    shares (:func:`stable_ar_suffix`). Always at least the token the prediction is read at; all of
+    what nla records; a published sidecar's longer tail (ids a BPE merges with the explanation's
+    last character) is checked where it can hold."""
+    recorded = tuple(cfg.critic_suffix_ids)
+    seqs, n_tail = _ar_tails(tokenizer, cfg.ar_template)
+    n = max(1, min(len(recorded), len(_common_tail(seqs, max(n_tail, len(recorded))))))
+    return recorded[-n:]
+
+
 def derive_token_ids(tokenizer: Any, injection_char: str | None, av_template: str | None,
                      ar_template: str | None) -> dict[str, Any]:
     """The token-id fields a sidecar records, computed from ``tokenizer``: the marker's id and its
@@ -419,11 +466,7 @@ def derive_token_ids(tokenizer: Any, injection_char: str | None, av_template: st
         out.update(injection_token_id=marker_id, injection_left_neighbor_id=prompt[pos - 1],
                    injection_right_neighbor_id=prompt[pos + 1])
     if ar_template is not None:
-        n_tail = len(tokenizer.encode(ar_template.split("{explanation}")[-1], add_special_tokens=False))
-        if n_tail == 0:
-            raise SidecarError(f"ar_template: the tail after {{explanation}} tokenises to nothing: {ar_template!r}")
-        out["critic_suffix_ids"] = tuple(
-            _ar_ids(tokenizer, ar_template.format(explanation=_PROBE_EXPLANATIONS[0]))[-n_tail:])
+        out["critic_suffix_ids"] = stable_ar_suffix(tokenizer, ar_template)
     return out
 
 
@@ -435,6 +478,10 @@ def token_id_changes(path: str | os.PathLike, tokenizer: Any) -> dict[str, tuple
                                cfg.av_template if cfg.has_av_fields else None,
                                cfg.ar_template if cfg.has_ar_fields else None)
     changes = {}
+    if "critic_suffix_ids" in derived and derived["critic_suffix_ids"][-1:] == tuple(cfg.critic_suffix_ids)[-1:]:
+        checked = checked_ar_suffix(cfg, tokenizer)
+        if tuple(derived["critic_suffix_ids"])[-len(checked):] == checked:
+            del derived["critic_suffix_ids"]  # the recorded tail holds where it can (a published longer one)
     for name, new in derived.items():
         old = getattr(cfg, name)
         if (list(old) if isinstance(old, tuple) else old) != (list(new) if isinstance(new, tuple) else new):
@@ -500,15 +547,25 @@ def _verify_av(cfg: NLAConfig, tokenizer: Any) -> None:
 
 
 def _verify_ar(cfg: NLAConfig, tokenizer: Any) -> None:
-    n = len(cfg.critic_suffix_ids)
+    checked = checked_ar_suffix(cfg, tokenizer)
+    n = len(checked)
     for explanation in _PROBE_EXPLANATIONS:
-        tail = tuple(_ar_ids(tokenizer, cfg.ar_text(explanation))[-n:])
-        if tail != cfg.critic_suffix_ids:
+        ids = _ar_ids(tokenizer, cfg.ar_text(explanation))
+        tail = tuple(ids[-n:])
+        if tail[-1:] != checked[-1:]:
+            raise ARSuffixMismatchError(
+                f"critic_suffix_ids: the AR reads its prediction at the last token of the AR text; the sidecar "
+                f"records {checked[-1]} ({tokenizer.convert_ids_to_tokens(list(checked[-1:]))}) but the tokenised "
+                f"AR text for explanation {explanation!r} ends in {tail[-1:]} "
+                f"({tokenizer.convert_ids_to_tokens(list(tail[-1:]))}); the tokenizer must be the one the AR was "
+                "trained with, and the AR template's tail must end in the same token whatever the explanation"
+            )
+        if tail != checked:
             raise ARSuffixMismatchError(
                 f"critic_suffix_ids: the sidecar records {list(cfg.critic_suffix_ids)} but the tokenised AR text "
-                f"for explanation {explanation!r} ends in {list(tail)}; the AR template's tail must tokenise the "
-                "same whatever the explanation (start it with a newline or space-separated constant text) "
-                "and the tokenizer must be the one the AR was trained with"
+                f"for explanation {explanation!r} ends in {list(ids[-len(cfg.critic_suffix_ids):])}: the last "
+                f"{n} ids, which every explanation shares with this tokenizer, must match; the tokenizer must be "
+                "the one the AR was trained with (or rebuild the sidecar with NLAConfig.from_tokenizer)"
             )
 
 

@@ -29,7 +29,7 @@ from nla.core.reconstructor import (
     reconstruction_loss,
     tokenize_ar_texts,
 )
-from nla.core.sidecar import NLAConfig, derive_token_ids, resolve_sidecar
+from nla.core.sidecar import NLAConfig, checked_ar_suffix, derive_token_ids, resolve_sidecar
 from nla.core.vectors import check_spread, fve, mse_nrm
 from nla.datagen.io import read_parquet, read_vectors
 from nla.train.checkpoint import find_resume_checkpoint, seed_everything
@@ -48,7 +48,9 @@ class ARTrainError(ValueError):
 
 def check_ar_suffix(input_ids: torch.Tensor, attention_mask: torch.Tensor, suffix: tuple[int, ...],
                     rows: np.ndarray | None = None) -> None:
-    """Every row's last real tokens must equal ``suffix`` (``critic_suffix_ids``); raise naming the row."""
+    """Every row's last real tokens must equal ``suffix`` (the recorded ``critic_suffix_ids`` where they
+    hold on this tokenizer: ``nla.core.sidecar.checked_ar_suffix``; its last id is the token the AR
+    reads its prediction at); raise naming the row."""
     n = len(suffix)
     lengths = attention_mask.long().sum(1)
     for i in range(input_ids.shape[0]):
@@ -233,7 +235,7 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
     def micro_loss(idx: np.ndarray) -> tuple[torch.Tensor, dict[str, float]]:
         enc = tokenize_ar_texts(tok, [texts[i] for i in idx], cfg.max_length)
         if not checked["suffix"]:
-            check_ar_suffix(enc["input_ids"], enc["attention_mask"], side.critic_suffix_ids, idx)
+            check_ar_suffix(enc["input_ids"], enc["attention_mask"], checked_ar_suffix(side, tok), idx)
             checked["suffix"] = True
         loss, pred = reconstruction_loss(model, enc["input_ids"].to(device), enc["attention_mask"].to(device),
                                          gold_all[torch.from_numpy(idx)], scale)
