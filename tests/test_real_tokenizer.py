@@ -191,7 +191,8 @@ def test_the_pipeline_on_a_qwen2_model_with_the_real_tokenizer(qwen_model_dir, t
     _cli("train", "ar", "--dataset", "dg/ar_sft.parquet", "--out", "ar", *short)
     _cli("train", "av", "--dataset", "dg/av_sft.parquet", "--out", "av", *short)
     av_ckpt = Path("av/checkpoints/step_00000004")
-    assert len(NLAClient(av_ckpt, None).av_tokenizer) == 151669
+    av = NLAClient(av_ckpt, None)
+    assert len(av.av_tokenizer) == 151669 and av.av_model.get_input_embeddings().weight.shape[0] == QWEN_VOCAB_ROWS
     _teach_a_fixed_answer(av_ckpt, Path("av_fixed"))
 
     Path("rl.yaml").write_text(yaml.safe_dump({
