@@ -192,3 +192,44 @@ def test_reconstructor_update_on_length_ordered_micro_batches_equals_one_batch(t
     assert loss_b == pytest.approx(loss_a, rel=1e-5)
     for k in w_a:
         torch.testing.assert_close(w_b[k], w_a[k], rtol=1e-5, atol=5e-6, msg=k)
+
+
+def test_token_logprobs_by_hand_and_chunked_equals_plain():
+    import math
+
+    # logits [0, ln 3]: p = [1/4, 3/4]; log p(1) = ln 3/4, log p(0) = ln 1/4; entropy = -(1/4 ln 1/4 + 3/4 ln 3/4)
+    lp, ent = W.token_logprobs(torch.tensor([[0.0, math.log(3)], [0.0, math.log(3)]]), torch.tensor([1, 0]),
+                               with_entropy=True)
+    torch.testing.assert_close(lp, torch.tensor([math.log(0.75), math.log(0.25)]))
+    h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    torch.testing.assert_close(ent, torch.tensor([h, h]))
+    # chunks of 8 rows (some short) against one block: values, entropies and gradients agree
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(37, 50, generator=g, dtype=torch.float64)
+    tgt = torch.randint(0, 50, (37,), generator=g)
+    w = torch.randn(37, generator=g, dtype=torch.float64)
+    out = {}
+    for name, chunk in (("plain", 10**9), ("chunked", 8 * 50)):
+        x = base.clone().requires_grad_(True)
+        lp, ent = W.token_logprobs(x, tgt, with_entropy=True, chunk_elements=chunk)
+        (lp * w).sum().backward()
+        out[name] = (lp.detach(), ent, x.grad)
+    for a, b in zip(out["plain"], out["chunked"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert not out["chunked"][1].requires_grad
+
+
+def test_response_logprobs_at_a_large_vocabulary_chunk_like_one_block(setup, monkeypatch):
+    # A vocabulary larger than one chunk takes the per-row chunked path for the first response
+    # token, the buckets and the plain path: log-probs, entropies and gradients equal one block's.
+    model, side, hook, prompt, vectors, ids, mask = setup
+    for share in (True, False):
+        out = {}
+        for name, chunk in (("block", W.LOGPROB_CHUNK_ELEMENTS), ("chunked", 3 * model.config.vocab_size)):
+            monkeypatch.setattr(W, "LOGPROB_CHUNK_ELEMENTS", chunk)
+            out[name] = _loss_and_grads(model, hook, prompt, ids, mask, vectors, share)
+        torch.testing.assert_close(out["block"][0] * mask, out["chunked"][0] * mask, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out["block"][1] * mask, out["chunked"][1] * mask, rtol=1e-5, atol=1e-6)
+        assert out["block"][2].keys() == out["chunked"][2].keys()
+        for k, g in out["block"][2].items():
+            torch.testing.assert_close(out["chunked"][2][k], g, rtol=1e-4, atol=1e-6)

@@ -554,3 +554,51 @@ def test_ppo_value_clipping_and_advantage_whitening_are_options(pair, tmp_path):
         cfg.replace(loss=dict(value_clip=0))
     with pytest.raises(ValueError, match="whiten_advantages: expected true or false, found 'yes'"):
         cfg.replace(loss=dict(whiten_advantages="yes"))
+
+
+def test_gradient_checkpointing_gives_the_same_updates_and_recomputes(pair, tmp_path):
+    # The policy update (whole prompt + response per row instead of the shared-prefix cache, the
+    # blocks recomputed in backward) and the AR update with gradient checkpointing on: the same
+    # losses, gradient norms and weights after the step as with it off, and the first block's
+    # attention runs twice per micro-batch (forward, then the recompute).
+    from nla.core import arch
+    from nla.rl.algorithms import broadcast_to_tokens, grpo_advantages
+
+    plain = _cfg(pair, tmp_path, optimiser=dict(micro_batch_size=3, max_grad_norm=1e9),
+                 rollout=dict(n_samples_per_prompt=4, rollout_batch_size=2))
+    results = []
+    for cfg in (plain, plain.replace(optimiser=dict(gradient_checkpointing=True),
+                                     reconstructor=dict(gradient_checkpointing=True))):
+        torch.manual_seed(0)
+        groups = build_groups(cfg)
+        vec = torch.from_numpy(_class_vectors(2, 5)[0])
+        r = groups.rollout.generate(vec, torch.arange(2), 4, cfg.rollout.max_response_len)
+        adv = broadcast_to_tokens(grpo_advantages(torch.linspace(-1, 1, r.n), 4), r.response_mask.float())
+        ref = groups.reference.logprobs(r) - 0.05
+        calls = []
+        attn = arch.decoder_layers(groups.policy.model)[0].self_attn
+        handle = attn.register_forward_hook(lambda *_, c=calls: c.append(1))
+        m = groups.policy.update(r, adv, ref)
+        handle.remove()
+        ar_calls = []
+        handle = arch.decoder_layers(groups.reconstructor.ar.base)[0].self_attn.register_forward_hook(
+            lambda *_, c=ar_calls: c.append(1))
+        texts = ["Alice is in the garden.", "It is morning.", "Bob walks to the river.", "She is happy."]
+        m_ar = groups.reconstructor.update(texts, torch.from_numpy(_class_vectors(4, 7)[0]))
+        handle.remove()
+        results.append((r.response_ids, m, m_ar, len(calls), len(ar_calls),
+                        {k: v.detach().clone() for k, v in groups.policy.model.named_parameters()},
+                        {k: v.detach().clone() for k, v in groups.reconstructor.ar.named_parameters()}))
+        groups.close()
+    (ids_a, m_a, ar_a, n_a, nar_a, w_a, war_a), (ids_b, m_b, ar_b, n_b, nar_b, w_b, war_b) = results
+    assert torch.equal(ids_a, ids_b)
+    # 8 rows in micro-batches of 3: 3 whole-row forwards, each recomputed once in backward (off,
+    # the shared-prefix path runs the prefix and its length buckets: another count); the AR twice as often
+    assert n_b == 2 * 3 and nar_b == 2 * nar_a > 0
+    for key in ("policy_loss", "pg_loss", "kl", "grad_norm"):
+        assert m_b[key] == pytest.approx(m_a[key], rel=1e-5, abs=1e-7), key
+    assert ar_b["ar_loss"] == pytest.approx(ar_a["ar_loss"], rel=1e-6)
+    for k in w_a:
+        torch.testing.assert_close(w_b[k], w_a[k], rtol=1e-5, atol=5e-6)
+    for k in war_a:
+        torch.testing.assert_close(war_b[k], war_a[k], rtol=1e-5, atol=5e-6)

@@ -119,6 +119,27 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder block's activations in backward instead of keeping them
+    (transformers' gradient checkpointing, non-reentrant, on the model's decoder stack).
+
+    Memory for activations falls from one per block to one per model; a backward costs one more
+    forward. The checkpointed blocks drop any KV cache they are given while gradients are on
+    (transformers' rule: a recompute would write it twice), so a caller that continues from a
+    cache (``nla.rl.kernels.response_logprobs``' shared prefix) must run without it. Under
+    ``no_grad`` (generation, reference log-probs) the blocks run as they are, cache included.
+    """
+    base = base_model(model)
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):  # its name since transformers 5.2x
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    elif hasattr(base, "gradient_checkpointing_enable"):
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        raise ValueError(f"gradient_checkpointing: {type(base).__name__} is no transformers model; it cannot "
+                         "recompute its blocks")
+
+
 def final_norm_name(base: nn.Module) -> str:
     """Attribute name of the final norm on the inner transformer (``norm`` or ``ln_f``)."""
     for name in ("norm", "ln_f", "final_layernorm", "final_layer_norm"):

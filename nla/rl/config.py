@@ -170,6 +170,10 @@ class OptimiserConfig:
     per optimiser step (null = all of a rollout: one step per rollout); a smaller value needs
     ``allow_multiple_updates: true`` (off-policy steps). micro_batch_size: rows per forward
     (every role; gradients accumulate in between, any split gives the same step).
+    gradient_checkpointing: the AV's policy update recomputes each block's activations in backward
+    instead of keeping them (``nla.core.arch.enable_gradient_checkpointing``); its forward then runs
+    every row's whole prompt + response (the shared-prefix cache cannot be checkpointed). The
+    same gradients; activation memory of one block instead of all.
     """
 
     micro_batch_size: int = 16
@@ -180,6 +184,7 @@ class OptimiserConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     warmup_steps: int = 0
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         _positive_floats("optimiser.", self, "lr")
@@ -262,6 +267,9 @@ class ReconstructorConfig:
     lora_r: LoRA rank for the AR's body (0 = off: the AR trains in full). On, only the
     adapters and the linear head train; alpha, dropout and target modules are the ``lora``
     block's (the AV's adapters are on only when ``lora.r > 0``).
+
+    gradient_checkpointing: the AR's update recomputes each block's activations in backward
+    (``nla.core.arch.enable_gradient_checkpointing``); the same gradients.
     """
 
     lr: float | None = None
@@ -269,6 +277,7 @@ class ReconstructorConfig:
     replay_dataset: str | None = None
     replay_fraction: float = 0.0
     lora_r: int = 0
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if self.lr is not None:

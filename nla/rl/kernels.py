@@ -21,14 +21,14 @@ from torch import Tensor, nn
 
 from nla.core.arch import cache_kwargs, output_cache
 from nla.core.injection import InjectionHook
-from nla.rl import algorithms as A
 from nla.rl.distributed import DataParallel
 from nla.rl.sampling import supports_cache_reuse
 from nla.rl.types import Rollout
 
 __all__ = [
-    "LENGTH_BUCKETS", "MIN_BUCKET_ROWS", "by_group_length", "cache_rows", "entropy_from_logp", "length_buckets",
-    "lm_head_on", "rank_micro_batches", "response_logprobs", "rollout_logprobs", "take_rows",
+    "LENGTH_BUCKETS", "LOGPROB_CHUNK_ELEMENTS", "MIN_BUCKET_ROWS", "by_group_length", "cache_rows", "entropy_from_logp",
+    "length_buckets", "lm_head_on", "rank_micro_batches", "response_logprobs", "rollout_logprobs", "take_rows",
+    "token_logprobs",
 ]
 
 # Length buckets per shared-prefix log-prob forward (``length_buckets``), and their least size.
@@ -73,10 +73,15 @@ def response_logprobs(
         with hook.vectors(vectors[starts]):
             pre = model(input_ids=prompt_ids.to(device).expand(int(starts.sum()), P), use_cache=True,
                         logits_to_keep=1)
-        # response token 0: the run's last prompt logits, normalised once per run
-        first = take_rows(torch.log_softmax(pre.logits[:, -1].float(), -1), owner)  # [n, V]
-        logp = first.gather(-1, resp[:, :1])  # [n, 1]
-        ent = entropy_from_logp(first.detach())[:, None] if with_entropy else None
+        # response token 0: the run's last prompt logits [runs, V], read at each row's first token
+        last = pre.logits[:, -1]
+        if last.numel() <= LOGPROB_CHUNK_ELEMENTS:  # normalised once per run, then repeated to its rows
+            first = take_rows(torch.log_softmax(last.float(), -1), owner)  # [n, V]
+            logp = first.gather(-1, resp[:, :1])  # [n, 1]
+            ent = entropy_from_logp(first.detach())[:, None] if with_entropy else None
+        else:  # a large vocabulary: per row, a chunk at a time (token_logprobs)
+            lp0, ent0 = token_logprobs(take_rows(last, owner), resp[:, 0], with_entropy=with_entropy)
+            logp, ent = lp0[:, None], (ent0[:, None] if with_entropy else None)
         if Lc > 1:
             lengths = rmask.sum(1)
             rows_at, cols_at, picked, ents = [], [], [], []
@@ -90,15 +95,16 @@ def response_logprobs(
                 with lm_head_on(model, real):
                     rest = model(input_ids=resp[idx, : Lb - 1], attention_mask=attn, **cache_kwargs(cache),
                                  use_cache=True).logits
-                rest = torch.log_softmax(rest.float(), -1)  # [T_b, V]: the real positions only
-                picked.append(rest.gather(-1, resp[idx, 1:Lb][real][:, None]).squeeze(-1))
+                # [T_b, V]: the real positions only
+                lp_b, ent_b = token_logprobs(rest, resp[idx, 1:Lb][real], with_entropy=with_entropy)
+                picked.append(lp_b)
                 if with_entropy:
-                    ents.append(entropy_from_logp(rest.detach()))
+                    ents.append(ent_b)
                 at = real.nonzero(as_tuple=True)  # row-major, the order of ``h[real]``
                 rows_at.append(idx[at[0]])
                 cols_at.append(at[1])
             at = (torch.cat(rows_at), torch.cat(cols_at)) if picked else None
-            zeros = torch.zeros(n, Lc - 1, dtype=first.dtype, device=device)
+            zeros = torch.zeros(n, Lc - 1, dtype=logp.dtype, device=device)
             logp = torch.cat([logp, zeros.index_put(at, torch.cat(picked)) if at else zeros], 1)
             if with_entropy:
                 ent = torch.cat([ent, zeros.index_put(at, torch.cat(ents)) if at else zeros], 1)
@@ -106,13 +112,52 @@ def response_logprobs(
         ids = torch.cat([prompt_ids.to(device).expand(n, P), resp], 1)
         attn = torch.cat([torch.ones(n, P, dtype=torch.long, device=device), rmask], 1)
         with hook.vectors(vectors):
-            logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, P - 1 : P + Lc - 1].float()
-        logp = torch.log_softmax(logits, -1).gather(-1, resp[:, :, None]).squeeze(-1)
-        ent = A.entropy_from_logits(logits.detach()) if with_entropy else None
+            logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, P - 1 : P + Lc - 1]
+        lp, ent = token_logprobs(logits.reshape(n * Lc, -1), resp.reshape(-1), with_entropy=with_entropy)
+        logp, ent = lp.view(n, Lc), (ent.view(n, Lc) if ent is not None else None)
     if Lc < L:
         logp = torch.nn.functional.pad(logp, (0, L - Lc))
         ent = torch.nn.functional.pad(ent, (0, L - Lc)) if ent is not None else None
     return logp, ent
+
+
+# fp32 elements of one log-softmax chunk (``token_logprobs``): 2**25 x 4 B = 128 MiB, 220 rows of
+# Qwen2.5's 151,936 columns; a 512-token vocabulary fits 65,536 rows in one chunk.
+LOGPROB_CHUNK_ELEMENTS = 2**25
+
+
+def token_logprobs(logits: Tensor, targets: Tensor, *, with_entropy: bool = False,
+                   chunk_elements: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """Log-probs [T] of ``targets`` [T] under ``logits`` [T, V] (any dtype; computed in fp32), and
+    entropies [T] (detached).
+
+    The fp32 copy and the log-softmax of a [T, V] block are what an RL step's log-prob passes
+    hold at a large vocabulary (three [T, V] tensors, two of them fp32, kept for backward). Here
+    they exist for ``chunk_elements // V`` rows at a time: each row chunk runs under activation
+    checkpointing, so backward recomputes its softmax instead of keeping it, and memory follows
+    the micro-batch's tokens times the chunk, not times V. One chunk holding every row (a small
+    vocabulary) is the plain computation, the same values bit for bit. ``chunk_elements``: None =
+    ``LOGPROB_CHUNK_ELEMENTS``.
+    """
+    T, V = logits.shape
+    rows = max(1, (chunk_elements or LOGPROB_CHUNK_ELEMENTS) // max(V, 1))
+
+    def pick(block: Tensor, tgt: Tensor) -> Tensor:
+        return torch.log_softmax(block.float(), -1).gather(-1, tgt[:, None]).squeeze(-1)
+
+    if T <= rows:
+        lp = torch.log_softmax(logits.float(), -1)
+        return lp.gather(-1, targets[:, None]).squeeze(-1), (entropy_from_logp(lp.detach()) if with_entropy else None)
+    from torch.utils.checkpoint import checkpoint
+
+    picked, ents = [], []
+    for s in range(0, T, rows):
+        block, tgt = logits[s : s + rows], targets[s : s + rows]
+        picked.append(checkpoint(pick, block, tgt, use_reentrant=False) if block.requires_grad else pick(block, tgt))
+        if with_entropy:
+            with torch.no_grad():
+                ents.append(entropy_from_logp(torch.log_softmax(block.detach().float(), -1)))
+    return torch.cat(picked), (torch.cat(ents) if with_entropy else None)
 
 
 def length_buckets(lengths: Tensor, k: int) -> list[Tensor]:

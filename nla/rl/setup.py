@@ -95,6 +95,8 @@ def build_policy_roles(cfg: RLConfig, policy_dir: str | Path, dp: DataParallel, 
         verify_tokenizer(av_side, tok)
         ref, _ = load_av(cfg.av, device, dtype)
         ref.eval().requires_grad_(False)
+    if cfg.optimiser.gradient_checkpointing:  # the update's backward; no_grad passes run as they are
+        arch.enable_gradient_checkpointing(model)
     # The value model copies the policy's body: from the unsharded policy, before it is sharded.
     value_model = ValueModel(model).to(device) if get_advantage_estimator(cfg.loss.advantage).needs_values else None
     dp.shard(model, arch.decoder_layers(model))
@@ -143,6 +145,8 @@ def build_reconstructor_role(cfg: RLConfig, ar_dir: str | Path, dp: DataParallel
           else Reconstructor.from_pretrained(ar_dir, dtype=dtype)).to(device)
     tok = ar.tokenizer if ar.tokenizer is not None else arch.load_tokenizer(cfg.av)
     verify_tokenizer(ar_side, tok)
+    if cfg.reconstructor.gradient_checkpointing:
+        arch.enable_gradient_checkpointing(ar.base)
     dp.shard(ar, arch.decoder_layers(ar.base))
     try:
         check_ar_max_length(cfg.reconstructor.max_length, ar_side.critic_suffix_ids, "reconstructor.max_length")

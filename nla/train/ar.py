@@ -218,6 +218,8 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
     else:
         _check_d_model(side, width, train_vec, base)
     model.to(device=device, dtype=dtype)
+    if cfg.gradient_checkpointing:
+        arch.enable_gradient_checkpointing(model.base)
     tok = model.tokenizer
     texts = _text_column(train_tab, "prompt", cfg.dataset)
     eval_texts = _text_column(eval_tab, "prompt", cfg.eval_dataset or cfg.dataset)

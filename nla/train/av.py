@@ -325,6 +325,8 @@ def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
     if lora.enabled:
         apply_sft_lora(model, lora, resume_from, train=[] if adapter is None else [adapter])
     model.to(device)
+    if cfg.gradient_checkpointing:
+        arch.enable_gradient_checkpointing(model)
     hook = InjectionHook.from_config(model, side)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 

@@ -87,6 +87,9 @@ class _TrainBase:
         ``"auto"``: follows the machine's load and gives up reproducibility; ``nla.util.threads``).
     lora: :class:`LoRAConfig` (``lora: {r: 8}`` in YAML, ``--set lora.r=8``); r = 0, full
         fine-tuning, is the default.
+    gradient_checkpointing: recompute each block's activations in backward instead of keeping
+        them (``nla.core.arch.enable_gradient_checkpointing``): activation memory of one block
+        instead of all, for one more forward per step; the same gradients.
     """
 
     dataset: str = ""
@@ -118,6 +121,7 @@ class _TrainBase:
     tensorboard: bool = True
     progress: bool = True
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))

@@ -41,13 +41,15 @@ class PolicyLossSettings:
     micro_batch_size: int
     updates_per_rollout: int
     norm_len: int  # the generation cap: the constant of seq-mean-token-sum-norm (Dr.GRPO)
+    share_prefix: bool = True  # off under gradient checkpointing (it drops the prefix's cache)
 
     @classmethod
     def from_config(cls, cfg: RLConfig) -> PolicyLossSettings:
         lo = cfg.loss
         return cls(eps_low=lo.eps_low, eps_high=lo.eps_high, dual_clip_c=lo.dual_clip_c, kl_coef=lo.kl_coef,
                    kl_estimator=lo.kl_estimator, loss_agg=lo.loss_agg, micro_batch_size=cfg.optimiser.micro_batch_size,
-                   updates_per_rollout=cfg.updates_per_rollout, norm_len=cfg.rollout.max_response_len)
+                   updates_per_rollout=cfg.updates_per_rollout, norm_len=cfg.rollout.max_response_len,
+                   share_prefix=not cfg.optimiser.gradient_checkpointing)
 
 
 def policy_micro_loss(model: nn.Module, hook: InjectionHook, rollout: Rollout, idx: Tensor, advantages: Tensor,
@@ -59,7 +61,8 @@ def policy_micro_loss(model: nn.Module, hook: InjectionHook, rollout: Rollout, i
     ``old_logp`` is this forward's detached log-prob.
     """
     logp, ent = response_logprobs(model, hook, rollout.prompt_ids, rollout.response_ids[idx],
-                                  rollout.response_mask[idx], rollout.vectors[idx], with_entropy=True)
+                                  rollout.response_mask[idx], rollout.vectors[idx], with_entropy=True,
+                                  share_prefix=s.share_prefix)
     m = rollout.response_mask[idx].float().to(logp.device)
     old = old_all[idx].to(logp.device) if old_all is not None else logp.detach()
     pg, pm = A.policy_loss(logp, old, advantages[idx].to(logp.device), m, eps_low=s.eps_low,
