@@ -602,3 +602,22 @@ def test_gradient_checkpointing_gives_the_same_updates_and_recomputes(pair, tmp_
         torch.testing.assert_close(w_b[k], w_a[k], rtol=1e-5, atol=5e-6)
     for k in war_a:
         torch.testing.assert_close(war_b[k], war_a[k], rtol=1e-5, atol=5e-6)
+
+
+def test_a_run_whose_plan_exceeds_the_gpu_is_refused_before_loading(pair, tmp_path, monkeypatch, capsys):
+    # A card of 1 MiB (the plan checks GPUs only; here its size is given): the run stops before any
+    # model loads or anything is written, naming the plan's figure and what to change.
+    import yaml
+
+    from nla.cli import main
+    from nla.rl import plan
+
+    cfg = _cfg(pair, tmp_path / "run")
+    (tmp_path / "rl.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    monkeypatch.setattr(plan, "device_memory", lambda device: 2**20)
+    assert main(["rl", "--config", str(tmp_path / "rl.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "memory plan: this RL step needs about" in err and "the GPU has 0.0 GiB" in err
+    assert "--no-plan-check" in err and not (tmp_path / "run").exists()
+    expected = plan.plan_of_config(cfg).peak
+    assert f"needs about {expected / 2**30:.1f} GiB" in err

@@ -30,6 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from the last checkpoint in out_dir (the config must match the run's)")
     p.add_argument("--overwrite", action="store_true", help="delete a previous run in out_dir and start over")
+    p.add_argument("--no-plan-check", action="store_true",
+                   help="start even when the memory plan (nla plan) exceeds the GPU (local backend)")
     p.add_argument("--allow-mixed-provenance", action="store_true",
                    help="run even when the AV, the AR and the datasets record different subjects, layers or "
                         "tokenizers (sets allow_mixed_provenance)")
@@ -72,8 +74,31 @@ def run(args: argparse.Namespace) -> int:
     av_side, ar_side = load_pair_sidecars(cfg.av, cfg.ar)
     check_run_provenance(cfg, av_side, ar_side)  # one subject for the pair and its data (nla.core.provenance)
     check_ar_max_length(cfg.reconstructor.max_length, ar_side.critic_suffix_ids, "reconstructor.max_length")
+    if cfg.backend.name == "local" and not args.no_plan_check:
+        check_plan_fits(cfg)
     prepare_run_dir(cfg.out_dir, cfg.to_dict(), "rl_config.yaml", resume=args.resume, overwrite=args.overwrite)
     result = run_rl(cfg, resume=args.resume)
     log.info("checkpoint: %s (%.1f s)", result.checkpoint_dir, result.seconds)
     log.info("final metrics:\n%s", json.dumps(result.metrics, indent=2, default=str))
     return 0
+
+
+def check_plan_fits(cfg) -> None:
+    """Refuse, before any model loads, an RL run on one GPU whose memory plan (``nla.rl.plan``)
+    exceeds the card; the message says what to change."""
+    from nla.rl.plan import GIB, device_memory, plan_of_config
+    from nla.rl.setup import RLSetupError
+    from nla.train.device import resolve_device
+
+    total = device_memory(str(resolve_device(cfg.device)))
+    if total is None:  # the plan checks GPUs; a CPU run shares the machine's memory with the rest
+        return
+    plan = plan_of_config(cfg)
+    if not plan.fits(total):
+        raise RLSetupError(
+            f"memory plan: this RL step needs about {plan.peak / GIB:.1f} GiB, the GPU has {total / GIB:.1f} GiB "
+            f"(weights and training state {plan.persistent / GIB:.1f} GiB; `nla plan --model {cfg.av} "
+            f"--layer {plan.settings.layer} ...` shows each role); lower optimiser.micro_batch_size or "
+            "rollout.rollout_batch_size, set lora.r / reconstructor.lora_r or optimiser.gradient_checkpointing, "
+            "use --backend ray across GPUs, or pass --no-plan-check")
+
