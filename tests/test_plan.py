@@ -87,3 +87,23 @@ def test_cli_plan_says_what_fits(capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--shape", "qwen2.5-7b", "--layer", "20", "--micro-batch", "0"])
     assert e.value.code == 2
+
+
+def test_the_scale_bench_runs_a_step_at_test_width(tmp_path):
+    # bench/bench_gpu_scale.py (bench/gpu_scale.sh's step): Qwen2.5-0.5B's shape shrunk to d 64 keeps the
+    # real vocabulary and tokenizer; one step on the CPU times every phase and reports the plan.
+    import argparse
+    import json
+
+    from bench.bench_gpu_scale import run
+
+    args = argparse.Namespace(shape="qwen2.5-0.5b", layer=1, lora_r=4, dtype="float32", device="cpu", prompts=2,
+                              samples=2, max_response_len=6, micro_batch=2, steps=1, gradient_checkpointing=False,
+                              ar_gradient_checkpointing=False, width=64, layers=2, json=None)
+    out = run(args)
+    assert [list(s) for s in out["steps"]] == [["generate", "reference log-probs", "reward (live AR)",
+                                                 "policy update", "AR update", "step"]]
+    step = out["steps"][0]
+    assert step["step"] == pytest.approx(sum(v for k, v in step.items() if k != "step"))
+    assert out["samples_per_s"] == pytest.approx(4 / step["step"]) and out["plan_peak_gib"] > 0
+    json.dumps(out)
