@@ -197,9 +197,11 @@ def test_reconstructor_update_on_length_ordered_micro_batches_equals_one_batch(t
 def test_token_logprobs_by_hand_and_chunked_equals_plain():
     import math
 
+    from nla.core.logprobs import token_logprobs
+
     # logits [0, ln 3]: p = [1/4, 3/4]; log p(1) = ln 3/4, log p(0) = ln 1/4; entropy = -(1/4 ln 1/4 + 3/4 ln 3/4)
-    lp, ent = W.token_logprobs(torch.tensor([[0.0, math.log(3)], [0.0, math.log(3)]]), torch.tensor([1, 0]),
-                               with_entropy=True)
+    lp, ent = token_logprobs(torch.tensor([[0.0, math.log(3)], [0.0, math.log(3)]]), torch.tensor([1, 0]),
+                             with_entropy=True)
     torch.testing.assert_close(lp, torch.tensor([math.log(0.75), math.log(0.25)]))
     h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
     torch.testing.assert_close(ent, torch.tensor([h, h]))
@@ -211,7 +213,7 @@ def test_token_logprobs_by_hand_and_chunked_equals_plain():
     out = {}
     for name, chunk in (("plain", 10**9), ("chunked", 8 * 50)):
         x = base.clone().requires_grad_(True)
-        lp, ent = W.token_logprobs(x, tgt, with_entropy=True, chunk_elements=chunk)
+        lp, ent = token_logprobs(x, tgt, with_entropy=True, chunk_elements=chunk)
         (lp * w).sum().backward()
         out[name] = (lp.detach(), ent, x.grad)
     for a, b in zip(out["plain"], out["chunked"], strict=True):

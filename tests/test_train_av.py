@@ -80,6 +80,40 @@ def test_left_and_right_padding_give_same_loss(tiny_tokenizer, tiny_model_dir):
     torch.testing.assert_close(out["left"], out["right"], rtol=1e-5, atol=1e-6)
 
 
+def test_the_warm_start_loss_at_a_large_vocabulary_equals_the_plain_one(tiny_tokenizer, tiny_model_dir, monkeypatch):
+    # Above LOGPROB_CHUNK_ELEMENTS logits, the loss is read at the learned positions only, a row chunk
+    # at a time (nla.core.logprobs): the same per-token losses and gradients as cross_entropy's.
+    from transformers import AutoModelForCausalLM
+
+    import nla.core.logprobs as L
+    import nla.train.av as AV
+
+    base = tiny_model_dir("llama")
+    side = dataset_sidecar(tiny_tokenizer, base, 32, 1, injection_scale=5.0)
+    model = AutoModelForCausalLM.from_pretrained(base).eval()
+    msgs = [{"role": "user", "content": "Explain the hidden state << <INJECT> >> in a few short sentences ."}]
+    ex = build_examples(tiny_tokenizer, [msgs] * 3, ["<explanation>\ncat\n</explanation>",
+                                                     "<explanation>\nthe dog walks to the river\n</explanation>",
+                                                     "<explanation>\nit is morning\n</explanation>"],
+                        side.injection_char, 64)
+    batch = collate(ex, tiny_tokenizer.pad_token_id, "right")
+    hook = InjectionHook.from_config(model, side)
+    v = torch.randn(3, 32, generator=torch.Generator().manual_seed(0))
+    out = {}
+    for name, limit, chunk in (("plain", AV.LOGPROB_CHUNK_ELEMENTS, L.LOGPROB_CHUNK_ELEMENTS), ("chunked", 1, 7 * 200)):
+        monkeypatch.setattr(AV, "LOGPROB_CHUNK_ELEMENTS", limit)
+        monkeypatch.setattr(L, "LOGPROB_CHUNK_ELEMENTS", chunk)  # 7 rows of the tiny vocabulary a chunk
+        model.zero_grad()
+        with hook.vectors(v):
+            nll, m = token_losses(model, batch, torch.device("cpu"))
+        ((nll * m).sum() / m.sum()).backward()
+        out[name] = (nll.detach(), m, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+    assert model.config.vocab_size <= 200 and torch.equal(out["plain"][1], out["chunked"][1])
+    torch.testing.assert_close(out["chunked"][0] * out["plain"][1], out["plain"][0] * out["plain"][1])
+    for k, g in out["plain"][2].items():
+        torch.testing.assert_close(out["chunked"][2][k], g, rtol=1e-4, atol=1e-6)
+
+
 def test_smoke_flags():
     assert smoke_flags("<explanation> a cat </explanation>", "㈎") == []
     assert smoke_flags("   ", "㈎") == ["empty"]

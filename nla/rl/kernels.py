@@ -21,6 +21,8 @@ from torch import Tensor, nn
 
 from nla.core.arch import cache_kwargs, output_cache
 from nla.core.injection import InjectionHook
+from nla.core.logprobs import LOGPROB_CHUNK_ELEMENTS, entropy_from_logp
+from nla.core.logprobs import token_logprobs as _token_logprobs
 from nla.rl.distributed import DataParallel
 from nla.rl.sampling import supports_cache_reuse
 from nla.rl.types import Rollout
@@ -75,7 +77,7 @@ def response_logprobs(
                         logits_to_keep=1)
         # response token 0: the run's last prompt logits [runs, V], read at each row's first token
         last = pre.logits[:, -1]
-        if last.numel() <= LOGPROB_CHUNK_ELEMENTS:  # normalised once per run, then repeated to its rows
+        if last.numel() <= _chunk():  # normalised once per run, then repeated to its rows
             first = take_rows(torch.log_softmax(last.float(), -1), owner)  # [n, V]
             logp = first.gather(-1, resp[:, :1])  # [n, 1]
             ent = entropy_from_logp(first.detach())[:, None] if with_entropy else None
@@ -121,43 +123,13 @@ def response_logprobs(
     return logp, ent
 
 
-# fp32 elements of one log-softmax chunk (``token_logprobs``): 2**25 x 4 B = 128 MiB, 220 rows of
-# Qwen2.5's 151,936 columns; a 512-token vocabulary fits 65,536 rows in one chunk.
-LOGPROB_CHUNK_ELEMENTS = 2**25
+def _chunk() -> int:
+    return LOGPROB_CHUNK_ELEMENTS  # this module's: a bench or test may set it here
 
 
-def token_logprobs(logits: Tensor, targets: Tensor, *, with_entropy: bool = False,
-                   chunk_elements: int | None = None) -> tuple[Tensor, Tensor | None]:
-    """Log-probs [T] of ``targets`` [T] under ``logits`` [T, V] (any dtype; computed in fp32), and
-    entropies [T] (detached).
-
-    The fp32 copy and the log-softmax of a [T, V] block are what an RL step's log-prob passes
-    hold at a large vocabulary (three [T, V] tensors, two of them fp32, kept for backward). Here
-    they exist for ``chunk_elements // V`` rows at a time: each row chunk runs under activation
-    checkpointing, so backward recomputes its softmax instead of keeping it, and memory follows
-    the micro-batch's tokens times the chunk, not times V. One chunk holding every row (a small
-    vocabulary) is the plain computation, the same values bit for bit. ``chunk_elements``: None =
-    ``LOGPROB_CHUNK_ELEMENTS``.
-    """
-    T, V = logits.shape
-    rows = max(1, (chunk_elements or LOGPROB_CHUNK_ELEMENTS) // max(V, 1))
-
-    def pick(block: Tensor, tgt: Tensor) -> Tensor:
-        return torch.log_softmax(block.float(), -1).gather(-1, tgt[:, None]).squeeze(-1)
-
-    if T <= rows:
-        lp = torch.log_softmax(logits.float(), -1)
-        return lp.gather(-1, targets[:, None]).squeeze(-1), (entropy_from_logp(lp.detach()) if with_entropy else None)
-    from torch.utils.checkpoint import checkpoint
-
-    picked, ents = [], []
-    for s in range(0, T, rows):
-        block, tgt = logits[s : s + rows], targets[s : s + rows]
-        picked.append(checkpoint(pick, block, tgt, use_reentrant=False) if block.requires_grad else pick(block, tgt))
-        if with_entropy:
-            with torch.no_grad():
-                ents.append(entropy_from_logp(torch.log_softmax(block.detach().float(), -1)))
-    return torch.cat(picked), (torch.cat(ents) if with_entropy else None)
+def token_logprobs(logits: Tensor, targets: Tensor, *, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """``nla.core.logprobs.token_logprobs`` in chunks of this module's ``LOGPROB_CHUNK_ELEMENTS``."""
+    return _token_logprobs(logits, targets, with_entropy=with_entropy, chunk_elements=_chunk())
 
 
 def length_buckets(lengths: Tensor, k: int) -> list[Tensor]:
@@ -200,11 +172,6 @@ def cache_rows(cache: Any, rows: Tensor) -> Any:
         if layer.keys is not None and layer.keys.numel():
             layer.keys, layer.values = take_rows(layer.keys, rows), take_rows(layer.values, rows)
     return sub
-
-
-def entropy_from_logp(logp: Tensor) -> Tensor:
-    """Entropy [...] of the distributions whose log-probs are ``logp`` [..., V]."""
-    return -(logp.exp() * logp).sum(-1)
 
 
 @contextmanager

@@ -38,6 +38,7 @@ from nla.core.injection import (
     load_adapter_file,
     save_av_weights,
 )
+from nla.core.logprobs import LOGPROB_CHUNK_ELEMENTS, token_logprobs
 from nla.core.lora import LORA_SUBDIR, apply_sft_lora, merged_state_dict, save_adapter
 from nla.core.sidecar import (
     NLAConfig,
@@ -136,10 +137,16 @@ def token_losses(model: torch.nn.Module, batch: AVBatch, device: torch.device) -
     """Per-token next-token loss [B, T-1] and its mask [B, T-1] (true where the label is learned)."""
     out = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
                 position_ids=batch.position_ids.to(device), use_cache=False)
-    logits = out.logits[:, :-1].float()  # [B, T-1, V]
+    logits = out.logits[:, :-1]  # [B, T-1, V]
     labels = batch.labels[:, 1:].to(device)  # [B, T-1]
-    nll = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
-    return nll, labels != IGNORE_INDEX
+    learned = labels != IGNORE_INDEX
+    if logits.numel() <= LOGPROB_CHUNK_ELEMENTS:  # a small vocabulary: the plain loss
+        nll = F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
+        return nll, learned
+    # a large one: the learned positions only, a row chunk of the log-softmax at a time
+    lp, _ = token_logprobs(logits[learned], labels[learned])
+    return torch.zeros(labels.shape, dtype=lp.dtype, device=lp.device).index_put(learned.nonzero(as_tuple=True),
+                                                                                  -lp), learned
 
 
 def _resolve_injection(cfg: AVTrainConfig, side: NLAConfig) -> NLAConfig:
