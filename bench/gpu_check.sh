@@ -32,12 +32,7 @@ STEPS=${STEPS:-20}
 PRESET=${PRESET:-default}
 DEVICE=${DEVICE:-cuda}
 LORA=${LORA:-1}
-export PYTHONUNBUFFERED=1
-if [ -n "${WHEELS:-}" ]; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+. bench/env.sh
 
 "$PY" - "$DEVICE" "$LORA" <<'PYEOF'
 import importlib, sys

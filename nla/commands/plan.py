@@ -9,20 +9,10 @@ from __future__ import annotations
 
 import argparse
 
-from nla.util.validation import positive_int
+from nla.util.validation import non_negative_int, positive_int
 
 # Cards the plan is compared with when no --device-memory is given (GiB as their drivers report it).
 CARDS = {"RTX 4090 (24 GB)": 23.6, "A100 40 GB": 39.4, "A100/H100 80 GB": 79.1, "H200 (141 GB)": 139.8}
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, found {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, found {text!r}")
-    return v
 
 
 def _gib(text: str) -> float:
@@ -42,10 +32,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--shape", choices=sorted(SHAPES), help="a real model's shape (numbers, no weights)")
     src.add_argument("--model", help="a Hugging Face model dir: its config.json")
-    p.add_argument("--layer", type=_non_negative_int, required=True, help="K: the AR keeps blocks 0..K")
+    p.add_argument("--layer", type=non_negative_int, required=True, help="K: the AR keeps blocks 0..K")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    p.add_argument("--lora-r", type=_non_negative_int, default=0, help="the AV's LoRA rank (0: full fine-tuning)")
-    p.add_argument("--ar-lora-r", type=_non_negative_int, default=0)
+    p.add_argument("--lora-r", type=non_negative_int, default=0, help="the AV's LoRA rank (0: full fine-tuning)")
+    p.add_argument("--ar-lora-r", type=non_negative_int, default=0)
     p.add_argument("--prompts", type=positive_int, default=128, help="rollout_batch_size")
     p.add_argument("--samples", type=positive_int, default=8, help="n_samples_per_prompt")
     p.add_argument("--max-response-len", type=positive_int, default=150)
