@@ -36,7 +36,7 @@ quickstart: $(STAMP)
 	$(BIN)/nla quickstart
 
 lint: $(STAMP)
-	$(BIN)/ruff check nla tests bench
+	$(BIN)/ruff check nla tests bench dev
 
 clean:
 	rm -rf $(VENV) .lower build *.egg-info
