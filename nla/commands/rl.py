@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from typing import TYPE_CHECKING
 
 from nla.util.threads import THREADS_HELP, threads_flag
 from nla.util.validation import positive_int
+
+if TYPE_CHECKING:
+    from nla.rl.config import RLConfig
 
 log = logging.getLogger("nla.rl")
 
@@ -83,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_plan_fits(cfg) -> None:
+def check_plan_fits(cfg: RLConfig) -> None:
     """Refuse, before any model loads, an RL run on one GPU whose memory plan (``nla.rl.plan``)
     exceeds the card; the message says what to change."""
     from nla.rl.plan import GIB, device_memory, plan_of_config
