@@ -241,7 +241,7 @@ class _Eval:
 
 
 def load_eval_table(client: NLAClient, path: Path, max_rows: int | None, rng: np.random.Generator
-                     ) -> tuple[Any, Tensor, np.ndarray]:
+                    ) -> tuple[Any, Tensor, np.ndarray]:
     """(table, RAW gold [N, d], parquet rows [N]) of the dataset, a seeded subset when ``max_rows``."""
     from nla.core.sidecar import sidecar_path_for
     from nla.datagen.io import read_parquet, read_vectors

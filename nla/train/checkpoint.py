@@ -7,7 +7,6 @@ nothing is ever unpickled. A checkpoint directory appears whole or not at all (`
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import random
 import shutil
@@ -22,9 +21,6 @@ import torch
 
 from nla.train.data import DataCursor
 from nla.util.validation import write_checksums
-
-logger = logging.getLogger(__name__)
-
 
 TRAINING_STATE_FILE = "training_state.pt"
 

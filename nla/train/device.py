@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import logging
-
 import torch
-
-logger = logging.getLogger(__name__)
 
 
 def resolve_device(spec: str) -> torch.device:

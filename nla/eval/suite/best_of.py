@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,8 +11,6 @@ from torch import Tensor
 from nla.client import NLAClient, charged_mse
 from nla.core.graders import DatasetGrader
 from nla.core.vectors import fve_of_mse
-
-logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------ 6. best-of-N

@@ -3,7 +3,6 @@ moves the subject's prediction; ``patch_residual`` and ``steering_vector`` are t
 
 from __future__ import annotations
 
-import logging
 import random
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -15,8 +14,6 @@ from torch import Tensor, nn
 from nla.client import NLAClient
 from nla.core.graders import DatasetGrader
 from nla.eval.suite.common import fact_kind
-
-logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------ 3. causal edits

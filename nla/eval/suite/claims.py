@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
@@ -13,11 +12,9 @@ import numpy as np
 from nla.client import Claim
 from nla.core.graders import DatasetGrader
 
-logger = logging.getLogger(__name__)
-
 
 def claims_summary(attr: list[list[Claim]], raw_mean: float, grader: DatasetGrader | None = None,
-                    truths: list[list[str]] | None = None, earlier: list[set[str]] | None = None) -> dict[str, Any]:
+                   truths: list[list[str]] | None = None, earlier: list[set[str]] | None = None) -> dict[str, Any]:
     """Mean deletion cost of true, false, quotation and other claims, in mse and FVE units; with
     ``earlier`` (facts true before in the document), false claims also split into ``false_stale``
     (a fact that was true earlier) and ``false_invented``."""

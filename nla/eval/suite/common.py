@@ -3,10 +3,7 @@ rows grouped by document."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
-
-logger = logging.getLogger(__name__)
 
 PARTS = ("claims", "hidden_code", "causal", "directions", "confabulation", "best_of")
 

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
 from nla.core.graders import DatasetGrader
 from nla.eval.suite.common import by_document, earlier_truths, fact_kind
-
-logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------ 5. confabulation

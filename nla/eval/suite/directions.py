@@ -75,7 +75,7 @@ def verbalize_directions(client: NLAClient, directions: Tensor, reference: Tenso
 
 
 def directions_summary(client: NLAClient, gold: Tensor, truths: list[list[str]], grader: DatasetGrader,
-                        strengths: Sequence[float], batch_size: int, max_new_tokens: int) -> dict[str, Any]:
+                       strengths: Sequence[float], batch_size: int, max_new_tokens: int) -> dict[str, Any]:
     present = sorted({f for t in truths for f in t})
     facts = [f for f in present if sum(f in t for t in truths) >= 5]  # a direction needs rows to fit it on
     dirs, mean_unit = fact_directions(gold, truths, facts)

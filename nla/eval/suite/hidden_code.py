@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import random
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -12,9 +11,6 @@ from torch import Tensor
 from nla.client import NLAClient, charged_mse
 from nla.core.graders import DatasetGrader
 from nla.core.vectors import fve_of_mse
-
-logger = logging.getLogger(__name__)
-
 
 # ------------------------------------------------------------------ 2. hidden-code tests
 Paraphraser = Callable[[list[str]], list[str | None]]
@@ -68,8 +64,8 @@ def hidden_code_variants(texts: Sequence[str | None], grader: DatasetGrader, see
 
 
 def hidden_code_summary(client: NLAClient, texts: list[str | None], gold: Tensor, grader: DatasetGrader,
-                         raw_mean: float, seed: int, batch_size: int, paraphraser: Paraphraser | None,
-                         oracle: list[str] | None = None) -> dict[str, Any]:
+                        raw_mean: float, seed: int, batch_size: int, paraphraser: Paraphraser | None,
+                        oracle: list[str] | None = None) -> dict[str, Any]:
     """The re-writings' FVE costs on the AV's texts and, as the control, on the grader's oracle texts
     (``oracle_*``): what the AR's reading alone loses on a text that holds no code."""
     out: dict[str, Any] = {}

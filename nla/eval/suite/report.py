@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from nla.eval.suite.common import TARGETS
-
-logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------ the report
