@@ -206,3 +206,25 @@ def test_sampling_split_into_shares_draws_the_tokens_of_one_batch(av, tiny_token
     assert torch.equal(got, ref)
     with pytest.raises(ValueError, match=r"share=\(4, 6\) does not hold 6 prompts"):
         S.sample_responses(model, hook, prompt, vectors, G, L, eos, pad, share=(4, B), **kw)
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_the_captured_decode_writes_the_eager_tokens(av, tiny_tokenizer, greedy):
+    # rollout.decode: captured runs the decode on a static KV cache without compaction (and, on a
+    # GPU, as a CUDA graph): for a seed it writes the eager loop's tokens, while rows end at
+    # different steps (the eager loop drops them, here they stay) and others never end.
+    model, side, hook, prompt, vectors = av
+    if not S.supports_cache_reuse(model):
+        pytest.skip(f"{model.config.model_type}: sampled by HF generate whatever the decode")
+    eos, pad = varied_eos(av, tiny_tokenizer), tiny_tokenizer.pad_token_id
+    out = {}
+    for decode in ("eager", "captured"):
+        torch.manual_seed(7)
+        out[decode] = S.sample_responses(model, hook, prompt, vectors, G, L, eos, pad,
+                                         suppress_ids=[side.injection_token_id], greedy=greedy, temperature=1.3,
+                                         decode=decode)
+    assert torch.equal(out["captured"], out["eager"])
+    ended = (out["eager"] == eos).any(1)
+    assert 0 < int(ended.sum()) < out["eager"].shape[0]
+    with pytest.raises(ValueError, match=r"decode: expected one of \['eager', 'captured'\], found 'graph'"):
+        S.sample_responses(model, hook, prompt, vectors, G, L, eos, pad, decode="graph")

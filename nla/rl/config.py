@@ -80,6 +80,10 @@ def _one_of(name: str, registry: Any, v: Any) -> None:
         _bad(name, f"one of {sorted(registry)}", v)
 
 
+# How the rollout's decode steps run (nla.rl.sampling, item 6 of its docstring).
+DECODES = ("eager", "captured")
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     """Sampling: ``rollout_batch_size`` prompts x ``n_samples_per_prompt`` samples per step.
@@ -89,6 +93,10 @@ class RolloutConfig:
       the next generates (null = the whole rollout at once).
     dynamic_sampling (DAPO): drop groups with zero reward spread and refill, up to
       ``max_refill_rounds`` extra generations per step.
+    decode: ``eager`` (the reference: finished rows leave the batch) or ``captured`` (a static KV
+      cache, and on a GPU the decode step as one CUDA graph; the same tokens for a seed;
+      ``nla.rl.sampling``, item 6). Models outside ``CACHE_REUSE_MODEL_TYPES`` sample with HF
+      ``generate`` either way.
     """
 
     rollout_batch_size: int = 8
@@ -99,8 +107,11 @@ class RolloutConfig:
     generation_chunk_prompts: int | None = None
     dynamic_sampling: bool = False
     max_refill_rounds: int = 2
+    decode: str = "eager"
 
     def __post_init__(self) -> None:
+        if self.decode not in DECODES:
+            _bad("rollout.decode", f"one of {list(DECODES)}", self.decode)
         _positive_ints("rollout.", self, "rollout_batch_size", "n_samples_per_prompt", "max_response_len")
         _optional_positive_int("rollout.", "generation_chunk_prompts", self.generation_chunk_prompts)
         _positive_floats("rollout.", self, "temperature")

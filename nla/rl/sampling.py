@@ -30,9 +30,18 @@ tests hold it to under greedy decoding):
    one draw per call however many steps run (the rollout of 2, 3 or more generating ranks
    equals the local one for a seed, float rounding of the logits aside, which moves a draw
    only when it lands on a CDF step).
+6. ``decode="captured"``: the decode runs on a static KV cache of P + ``max_new_tokens`` positions
+   (HF ``StaticCache``, the prefill's cache repeated into it), finished rows stay in the batch
+   (no compaction: every step has the same shapes), and on a CUDA device the decode step is one
+   captured CUDA graph, replayed at every step (one launch instead of one per op per token,
+   where small batches spend their time). The draws are item 5's, so the tokens are the eager
+   loop's for a seed (tested on the CPU, where the static cache runs without a graph). The eager
+   loop stays the reference and the default.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -45,6 +54,7 @@ from transformers.generation.logits_process import (
 
 from nla.core.arch import cache_kwargs, output_cache
 from nla.core.injection import InjectionHook
+from nla.rl.config import DECODES
 
 COMPACT_DIVISOR = 8
 
@@ -110,11 +120,71 @@ def draw_seed() -> int:
     return int(torch.randint(0, 2**62, (1,)))
 
 
+def _static_cache(model: nn.Module, prefill: Any, repeats: int, length: int) -> Any:
+    """A ``StaticCache`` of ``length`` positions holding the prefill's keys and values, each prompt's
+    repeated ``repeats`` times (the rows of its group)."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    for i, layer in enumerate(prefill.layers):
+        keys, values = layer.keys.repeat_interleave(repeats, 0), layer.values.repeat_interleave(repeats, 0)
+        cache.update(keys, values, i, {"cache_position": torch.arange(keys.shape[-2], device=keys.device)})
+    return cache
+
+
+class _StaticStep:
+    """One decode step on a static cache: ``step(nxt [N], position) -> logits [N, V]`` (fp32). On
+    a CUDA device the forward is captured once as a CUDA graph and replayed; where capture fails
+    (a model whose forward synchronises with the host), the step runs as it is, with a warning:
+    the same tokens either way."""
+
+    def __init__(self, model: nn.Module, cache: Any, n: int, device: torch.device) -> None:
+        self.model, self.cache, self.device = model, cache, device
+        self.ids = torch.zeros(n, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.graph: Any = None
+        self.capture = device.type == "cuda"
+        self.out: Tensor | None = None
+
+    def _forward(self) -> Tensor:
+        return self.model(input_ids=self.ids, cache_position=self.pos, use_cache=True,
+                          **cache_kwargs(self.cache)).logits[:, -1].float()
+
+    def __call__(self, nxt: Tensor, position: int) -> Tensor:
+        self.ids.copy_(nxt[:, None])
+        self.pos.fill_(position)
+        if not self.capture:
+            return self._forward()
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out.clone()
+        # The first step runs for real on a side stream (capture needs a warm-up there), then is
+        # captured; capturing records the kernels without running them, so the cache holds this
+        # step's keys and values once.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            logits = self._forward()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.out = self._forward()
+            self.graph = graph
+        except RuntimeError as err:
+            import logging
+
+            logging.getLogger(__name__).warning("decode: the step could not be captured as a CUDA graph (%s); "
+                                                "it runs on the static cache without one", err)
+            self.capture = False
+        return logits
+
+
 @torch.no_grad()
 def sample_responses(model: nn.Module, hook: InjectionHook, prompt_ids: Tensor, vectors: Tensor, n_samples: int,
                      max_new_tokens: int, eos_id: int, pad_id: int, *, suppress_ids: list[int] = (),
                      temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-                     share: tuple[int, int] | None = None) -> Tensor:
+                     share: tuple[int, int] | None = None, decode: str = "eager") -> Tensor:
     """``n_samples`` responses per vector: token ids [N, L] (groups contiguous), ``pad_id`` after EOS.
 
     prompt_ids: [P] the prompt holding one injection site; vectors: [B, d] RAW (the hook
@@ -125,8 +195,11 @@ def sample_responses(model: nn.Module, hook: InjectionHook, prompt_ids: Tensor, 
     whole batch is one share. Sampling draws one seed from the global stream; greedy none. A
     model outside ``CACHE_REUSE_MODEL_TYPES`` is sampled by ``hf_generate`` from that seed
     (plus the share's first prompt: split over ranks the shares' samples are independent, but
-    not those of the whole batch in one call).
+    not those of the whole batch in one call). ``decode``: ``eager`` (this loop, compacting finished
+    rows) or ``captured`` (a static cache, and a CUDA graph of the step on a GPU; item 6).
     """
+    if decode not in DECODES:
+        raise ValueError(f"decode: expected one of {list(DECODES)}, found {decode!r}")
     B, P, G = vectors.shape[0], prompt_ids.shape[0], n_samples
     first, total = share if share is not None else (0, B)
     if not 0 <= first <= first + B <= total:
@@ -149,7 +222,10 @@ def sample_responses(model: nn.Module, hook: InjectionHook, prompt_ids: Tensor, 
     with hook.vectors(vectors.to(device)):
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
     cache = output_cache(out)
-    if G > 1:
+    static = decode == "captured"
+    if static:
+        step = _StaticStep(model, _static_cache(model, cache, G, P + max_new_tokens), N, device)
+    elif G > 1:
         cache.batch_repeat_interleave(G)
     logits = out.logits[:, -1].float().repeat_interleave(G, 0)  # [N, V]
     procs = logits_processors(list(suppress_ids), temperature, top_p, greedy, device)
@@ -170,6 +246,9 @@ def sample_responses(model: nn.Module, hook: InjectionHook, prompt_ids: Tensor, 
         n_alive = int(alive.sum())
         if n_alive == 0 or steps == max_new_tokens:
             break
+        if static:  # finished rows stay: the step's shapes never change
+            logits = step(nxt, P + t)
+            continue
         if (len(rows) - n_alive) * COMPACT_DIVISOR >= len(rows):
             keep = alive.nonzero(as_tuple=True)[0]
             cache.batch_select_indices(keep)
@@ -178,4 +257,4 @@ def sample_responses(model: nn.Module, hook: InjectionHook, prompt_ids: Tensor, 
     return tokens[:, :steps]
 
 
-__all__ = ["CACHE_REUSE_MODEL_TYPES", "COMPACT_DIVISOR", "draw_seed", "hf_generate", "supports_cache_reuse", "logits_processors", "sample_categorical", "sample_responses"]
+__all__ = ["CACHE_REUSE_MODEL_TYPES", "COMPACT_DIVISOR", "DECODES", "draw_seed", "hf_generate", "supports_cache_reuse", "logits_processors", "sample_categorical", "sample_responses"]

@@ -108,7 +108,7 @@ def build_policy_roles(cfg: RLConfig, policy_dir: str | Path, dp: DataParallel, 
         "reference": ReferenceWorker(ref, av_side, cfg.optimiser.micro_batch_size, dp, adapters_off=ref is model),
     }
     rollout_model = load_av(policy_dir, device, dtype)[0] if dp.shards else model
-    roles["rollout"] = RolloutWorker(rollout_model, tok, av_side, device, dp)
+    roles["rollout"] = RolloutWorker(rollout_model, tok, av_side, device, dp, decode=cfg.rollout.decode)
     if value_model is not None:
         dp.shard(value_model, arch.decoder_layers(value_model.body))
         roles["value"] = ValueWorker(value_model, av_side, OptimSettings.for_value(cfg), cfg.optimiser.micro_batch_size,

@@ -47,8 +47,9 @@ class RolloutWorker:
     """Samples explanations from the current AV weights (the local backend shares the policy module)."""
 
     def __init__(self, model: nn.Module, tokenizer: Any, sidecar: NLAConfig, device: torch.device,
-                 dp: DataParallel | None = None) -> None:
+                 dp: DataParallel | None = None, decode: str = "eager") -> None:
         self.model, self.tokenizer, self.sidecar, self.device = model, tokenizer, sidecar, device
+        self.decode = decode  # nla.rl.sampling.DECODES
         self.dp = dp if dp is not None else DataParallel()
         self.hook = InjectionHook.from_config(model, sidecar)
         self.prompt_ids = torch.tensor(canonical_av_prompt_ids(tokenizer, sidecar.av_messages()), dtype=torch.long)
@@ -83,7 +84,7 @@ class RolloutWorker:
                 self.pad_id, temperature=temperature, top_p=top_p, greedy=greedy,
                 # The AV must never write the marker: a second site in prompt+response would
                 # shift the injection in the log-prob forward (and it is the failure smell).
-                suppress_ids=[self.sidecar.injection_token_id], share=share,
+                suppress_ids=[self.sidecar.injection_token_id], share=share, decode=self.decode,
             ).cpu()
         finally:
             self.model.train(was_training)
