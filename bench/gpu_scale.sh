@@ -2,7 +2,8 @@
 # The RL step at real scale on one GPU: a Qwen2.5-7B-shaped AV (LoRA r 16) and its AR (blocks
 # 0..20) in bf16, the published step (128 prompts x 8 samples, 150-token cap), then the same at
 # 0.5B; each phase timed (generate / reference log-probs / reward / policy / AR), samples/s, peak
-# GPU memory against `nla plan`'s figure. Random weights (memory and throughput do not depend on
+# GPU memory against `nla plan`'s figure; then the rollout's decode at 0.5B, eager vs captured
+# (rollout.decode: a static cache and a CUDA graph), tokens/s at 64 and 1,024 rows. Random weights (memory and throughput do not depend on
 # them), Qwen2.5's real tokenizer. Under 8 minutes on an H200.
 #
 #   bash bench/gpu_scale.sh                              # OUT=runs/gpu_scale
@@ -28,4 +29,5 @@ print(torch.cuda.get_device_name(0), 'torch', torch.__version__, 'transformers',
     --json "$OUT/scale_7b.json"
 "$PY" -m bench.bench_gpu_scale --shape qwen2.5-0.5b --layer 16 --lora-r 0 --micro-batch 32 --steps "$STEPS" \
     --json "$OUT/scale_0.5b.json"
+"$PY" -m bench.bench_decode --shape qwen2.5-0.5b --rows 64 1024 --repeat 1 --json "$OUT/decode_0.5b.json"
 echo "figures in $OUT"

@@ -107,3 +107,21 @@ def test_the_scale_bench_runs_a_step_at_test_width(tmp_path):
     assert step["step"] == pytest.approx(sum(v for k, v in step.items() if k != "step"))
     assert out["samples_per_s"] == pytest.approx(4 / step["step"]) and out["plan_peak_gib"] > 0
     json.dumps(out)
+
+
+def test_the_decode_bench_runs_both_decodes_at_test_width(tmp_path):
+    # bench/bench_decode.py (bench/gpu_scale.sh's last step) on the CPU: both decodes write the same
+    # greedy tokens; the figures come back as JSON
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "decode.json"
+    subprocess.run([sys.executable, "-m", "bench.bench_decode", "--shape", "qwen2.5-0.5b", "--width", "64",
+                    "--layers", "2", "--rows", "8", "--samples", "4", "--len", "6", "--dtype", "float32", "--device",
+                    "cpu", "--repeat", "1", "--json", str(out)], check=True, capture_output=True,
+                   cwd=Path(__file__).resolve().parents[1])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["rows"], r["tokens"], r["same_tokens"]) for r in rows] == [(8, 48, True)]
+    assert rows[0]["ratio"] > 0

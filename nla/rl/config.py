@@ -94,8 +94,8 @@ class RolloutConfig:
     dynamic_sampling (DAPO): drop groups with zero reward spread and refill, up to
       ``max_refill_rounds`` extra generations per step.
     decode: ``eager`` (the reference: finished rows leave the batch) or ``captured`` (a static KV
-      cache, and on a GPU the decode step as one CUDA graph; the same tokens for a seed;
-      ``nla.rl.sampling``, item 6). Models outside ``CACHE_REUSE_MODEL_TYPES`` sample with HF
+      cache, and on a GPU the decode step as one CUDA graph; greedy, the same tokens; sampled,
+      the same draws up to the last-bit rounding of the logits: ``nla.rl.sampling``, item 6). Models outside ``CACHE_REUSE_MODEL_TYPES`` sample with HF
       ``generate`` either way.
     """
 
