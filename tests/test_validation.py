@@ -609,6 +609,26 @@ def test_resume_compares_config_sections_field_by_field(tmp_path):
                         resume=True, overwrite=False)
 
 
+def test_a_run_saved_before_a_field_existed_resumes_at_its_default(tmp_path):
+    # rollout.decode and optimiser.gradient_checkpointing came after this run was saved: at their
+    # defaults (what ran then) it resumes; set otherwise it is another run, named.
+    import yaml
+
+    from nla.train.rundir import ADDED_FIELDS, RunDirError, prepare_run_dir
+
+    saved = {"steps": 10, "rollout": {"max_response_len": 24}, "optimiser": {"lr": 1e-4}}
+    ckpt = tmp_path / "checkpoints" / "step_00000005"
+    ckpt.mkdir(parents=True)
+    (ckpt / "rl_config.yaml").write_text(yaml.safe_dump(saved))
+    assert ADDED_FIELDS["rollout.decode"] == "eager"
+    now = {"steps": 10, "rollout": {"max_response_len": 24, "decode": "eager"},
+           "optimiser": {"lr": 1e-4, "gradient_checkpointing": False}}
+    prepare_run_dir(tmp_path, now, "rl_config.yaml", resume=True, overwrite=False)
+    with pytest.raises(RunDirError, match=r"rollout.decode: '<absent>' in the run, 'captured' now"):
+        prepare_run_dir(tmp_path, {**now, "rollout": {"max_response_len": 24, "decode": "captured"}},
+                        "rl_config.yaml", resume=True, overwrite=False)
+
+
 @pytest.mark.parametrize("argv", [
     ["train", "ar", "--set", "lr=[1"],
     ["train", "av", "--set", "lr=[1"],

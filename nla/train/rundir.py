@@ -26,7 +26,7 @@ from nla.util.validation import InputError, load_yaml
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RESUME_MAY_CHANGE", "RunDirError", "prepare_run_dir", "remove_stale_temp_dirs"]
+__all__ = ["ADDED_FIELDS", "RESUME_MAY_CHANGE", "RunDirError", "prepare_run_dir", "remove_stale_temp_dirs"]
 
 # Fields that only say how this invocation runs or reports, not what it trains; a field of a
 # config section (RL) is named by its dotted path.
@@ -35,6 +35,15 @@ RESUME_MAY_CHANGE = frozenset({
     "eval_max_rows", "checkpointing.keep_last", "checkpointing.save_every", "backend.ray_address",
     "allow_mixed_provenance", "out_dir",  # a run copied or moved elsewhere is still that run
 })
+
+
+# Fields added after runs were saved without them, with the default that keeps such a run what it
+# was: a run saved before a field existed resumes when the field is at this default now.
+ADDED_FIELDS = {
+    "gradient_checkpointing": False,  # nla train ar|av
+    "optimiser.gradient_checkpointing": False, "reconstructor.gradient_checkpointing": False,
+    "rollout.decode": "eager",
+}
 
 
 class RunDirError(InputError):
@@ -81,6 +90,8 @@ def _differences(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -
         key = f"{prefix}{name}"
         if key in RESUME_MAY_CHANGE:
             continue
+        if name not in saved and key in ADDED_FIELDS and now.get(name) == ADDED_FIELDS[key]:
+            continue  # saved before the field existed, and it is at the default that ran then
         a, b = saved.get(name, "<absent>"), now.get(name, "<absent>")
         if isinstance(a, dict) and isinstance(b, dict):  # a config section: compare field by field
             out.extend(_differences(a, b, f"{key}."))
