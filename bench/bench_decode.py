@@ -21,7 +21,7 @@ from pathlib import Path
 def main() -> None:
     import torch
 
-    from bench.bench_gpu_scale import _tokenizer
+    from bench.bench_gpu_scale import _tokenizer, at_test_width
     from nla.core.injection import InjectionHook
     from nla.core.shapes import SHAPES, get_shape
     from nla.core.sidecar import NLAConfig, canonical_av_prompt_ids
@@ -43,17 +43,10 @@ def main() -> None:
     args = ap.parse_args()
 
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
-    shape = get_shape(args.shape)
-    over = {}
-    if args.width:
-        heads = max(1, args.width // shape.head_dim)
-        over = dict(hidden_size=args.width, intermediate_size=4 * args.width, num_attention_heads=heads,
-                    num_key_value_heads=max(1, heads // 4))
-    if args.layers:
-        over["num_hidden_layers"] = args.layers
+    shape = at_test_width(get_shape(args.shape), args.width, args.layers)
     tok = _tokenizer()
     torch.manual_seed(0)
-    model = shape.build(dtype=dtype, device=device, **over).eval()
+    model = shape.build(dtype=dtype, device=device).eval()
     d = model.config.hidden_size
     side = NLAConfig.from_tokenizer(tok, kind="nla_model", role="av", d_model=d, layer_index=0,
                                     av_template=DEFAULT_AV_TEMPLATE, ar_template=DEFAULT_AR_TEMPLATE,

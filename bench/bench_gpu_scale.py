@@ -35,6 +35,21 @@ def _tokenizer():
     return AutoTokenizer.from_pretrained(str(Path(spec.submodule_search_locations[0]) / "tokenizer_files"))
 
 
+def at_test_width(shape, width: int | None, layers: int | None):
+    """``shape`` at a test width and depth (the vocabulary kept; heads of the preset's head_dim, a
+    quarter of them for keys and values), or as it is."""
+    from dataclasses import replace
+
+    over = {}
+    if width:
+        heads = max(1, width // shape.head_dim)
+        over = dict(hidden_size=width, intermediate_size=4 * width, num_attention_heads=heads,
+                    num_key_value_heads=max(1, heads // 4))
+    if layers:
+        over["num_hidden_layers"] = layers
+    return replace(shape, **over, name=shape.name + "-test-width") if over else shape
+
+
 def _sync(device) -> None:
     import torch
 
@@ -63,16 +78,7 @@ def run(args: argparse.Namespace) -> dict:
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype)
-    shape = get_shape(args.shape)
-    over = {}
-    if args.width:
-        heads = max(1, args.width // shape.head_dim)
-        over = dict(hidden_size=args.width, intermediate_size=4 * args.width, num_attention_heads=heads,
-                    num_key_value_heads=max(1, heads // 4))
-    if args.layers:
-        over["num_hidden_layers"] = args.layers
-    if over:
-        shape = type(shape)(**{**shape.__dict__, **over, "name": shape.name + "-test-width"})
+    shape = at_test_width(get_shape(args.shape), args.width, args.layers)
     tok = _tokenizer()
     side = NLAConfig.from_tokenizer(tok, kind="nla_model", role="av", d_model=shape.hidden_size, layer_index=args.layer,
                                     av_template=DEFAULT_AV_TEMPLATE, ar_template=DEFAULT_AR_TEMPLATE,
