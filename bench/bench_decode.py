@@ -21,7 +21,7 @@ from pathlib import Path
 def main() -> None:
     import torch
 
-    from bench.bench_gpu_scale import _tokenizer, at_test_width
+    from bench.bench_gpu_scale import at_test_width, qwen_tokenizer
     from nla.core.injection import InjectionHook
     from nla.core.shapes import SHAPES, get_shape
     from nla.core.sidecar import NLAConfig, canonical_av_prompt_ids
@@ -44,7 +44,7 @@ def main() -> None:
 
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
     shape = at_test_width(get_shape(args.shape), args.width, args.layers)
-    tok = _tokenizer()
+    tok = qwen_tokenizer()
     torch.manual_seed(0)
     model = shape.build(dtype=dtype, device=device).eval()
     d = model.config.hidden_size

