@@ -446,10 +446,15 @@ def checked_ar_suffix(cfg: NLAConfig, tokenizer: Any) -> tuple[int, ...]:
     shares (:func:`stable_ar_suffix`). Always at least the token the prediction is read at; all of
     what nla records; a published sidecar's longer tail (ids a BPE merges with the explanation's
     last character) is checked where it can hold."""
+    return _checked_tail(cfg, tokenizer)[0]
+
+
+def _checked_tail(cfg: NLAConfig, tokenizer: Any) -> tuple[tuple[int, ...], list[list[int]]]:
+    """``checked_ar_suffix`` and the probe explanations' AR-text ids it was read from."""
     recorded = tuple(cfg.critic_suffix_ids)
     seqs, n_tail = _ar_tails(tokenizer, cfg.ar_template)
     n = max(1, min(len(recorded), len(_common_tail(seqs, max(n_tail, len(recorded))))))
-    return recorded[-n:]
+    return recorded[-n:], seqs
 
 
 def derive_token_ids(tokenizer: Any, injection_char: str | None, av_template: str | None,
@@ -478,7 +483,7 @@ def token_id_changes(path: str | os.PathLike, tokenizer: Any) -> dict[str, tuple
                                cfg.av_template if cfg.has_av_fields else None,
                                cfg.ar_template if cfg.has_ar_fields else None)
     changes = {}
-    if "critic_suffix_ids" in derived and derived["critic_suffix_ids"][-1:] == tuple(cfg.critic_suffix_ids)[-1:]:
+    if "critic_suffix_ids" in derived:
         checked = checked_ar_suffix(cfg, tokenizer)
         if tuple(derived["critic_suffix_ids"])[-len(checked):] == checked:
             del derived["critic_suffix_ids"]  # the recorded tail holds where it can (a published longer one)
@@ -547,10 +552,9 @@ def _verify_av(cfg: NLAConfig, tokenizer: Any) -> None:
 
 
 def _verify_ar(cfg: NLAConfig, tokenizer: Any) -> None:
-    checked = checked_ar_suffix(cfg, tokenizer)
+    checked, seqs = _checked_tail(cfg, tokenizer)  # the probes' AR texts, tokenised once
     n = len(checked)
-    for explanation in _PROBE_EXPLANATIONS:
-        ids = _ar_ids(tokenizer, cfg.ar_text(explanation))
+    for explanation, ids in zip(_PROBE_EXPLANATIONS, seqs, strict=True):
         tail = tuple(ids[-n:])
         if tail[-1:] != checked[-1:]:
             raise ARSuffixMismatchError(
