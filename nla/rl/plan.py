@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from nla.core.logprobs import LOGPROB_CHUNK_ELEMENTS
 from nla.core.shapes import ModelShape
 
 if TYPE_CHECKING:
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
 __all__ = ["DTYPE_BYTES", "MemoryPlan", "PlanSettings", "device_memory", "plan_of_config", "plan_rl_step"]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-LOGPROB_CHUNK_VALUES = 2**25  # nla.rl.kernels.LOGPROB_CHUNK_ELEMENTS (rl.kernels imports the roles' stack)
 GIB = 2**30
 
 
@@ -140,7 +140,7 @@ def plan_rl_step(shape: ModelShape, s: PlanSettings) -> MemoryPlan:
     plan.phases["generation (KV cache, decode logits)"] = kv + 2 * n * V * 4
     tokens = s.micro_batch * s.max_response_len
     logits = tokens * V * b
-    chunk = 3 * min(LOGPROB_CHUNK_VALUES, tokens * V) * 4
+    chunk = 3 * min(LOGPROB_CHUNK_ELEMENTS, tokens * V) * 4
     acts = _activations(shape, s.micro_batch * (s.prompt_len + s.max_response_len), shape.num_hidden_layers, b,
                         s.gradient_checkpointing)
     plan.phases["policy update (per micro-batch)"] = 2 * logits + chunk + acts
