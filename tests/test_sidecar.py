@@ -186,7 +186,9 @@ def test_written_layouts_round_trip_and_follow_the_published_keys(tmp_path):
     write_sidecar(tmp_path / "av", av)
     doc = yaml.safe_load((tmp_path / "av" / "nla_meta.yaml").read_text())
     assert "layer_index" not in doc["extraction"] and "critic_suffix_ids" not in doc["tokens"] and "ar" not in doc
-    assert load_sidecar(tmp_path / "av") == av
+    # an absent mse_scale means sqrt_d_model; it is written as that number (readers take float(...))
+    assert av.mse_scale == "sqrt_d_model" and doc["extraction"]["mse_scale"] == math.sqrt(3584)
+    assert load_sidecar(tmp_path / "av") == av.replace(mse_scale=math.sqrt(3584))
 
 
 def test_messages_and_ar_text():

@@ -1,5 +1,7 @@
 """AV warm-start: batch layout by hand, padding invariance, the vector-use gap, errors."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -162,7 +164,10 @@ def test_injection_scale_required(tmp_path, tiny_tokenizer, tiny_model_dir):
         train_av(_cfg(ds, tmp_path / "run"))
     # the config may supply it instead
     res = train_av(_cfg(ds, tmp_path / "run2", max_steps=2, warmup_steps=1, injection_scale="sqrt_d_model", smoke_num=1))
-    assert load_sidecar(res.checkpoint_dir).injection_scale == "sqrt_d_model"
+    # written as the number it stands for (the published readers take float(injection_scale))
+    written = load_sidecar(res.checkpoint_dir)
+    assert written.injection_scale == math.sqrt(written.d_model)
+    assert "sqrt_d_model" not in (res.checkpoint_dir / "nla_meta.yaml").read_text()
 
 
 def test_missing_dataset_named(tmp_path, tiny_tokenizer, tiny_model_dir):

@@ -211,6 +211,59 @@ def load_tokenizer(path: str | Any, **kwargs: Any) -> Any:
             "came from") from None
 
 
+# The tokenizer class every transformers (4.x and 5.x) and SGLang resolve to "read tokenizer.json as
+# saved". transformers 5 writes ``TokenizersBackend``, a class 4.x does not have.
+PORTABLE_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+
+
+def save_tokenizer(tokenizer: Any, directory: Any) -> None:
+    """``tokenizer.save_pretrained(directory)``, then ``tokenizer_config.json`` made readable by
+    transformers 4.57 (what the published NLA stack pins) as well as 5.x.
+
+    transformers 5 writes what 4.57 cannot load: ``"tokenizer_class": "TokenizersBackend"`` (4.57:
+    "does not exist") and ``extra_special_tokens`` as a list (4.57 takes a mapping there: "'list'
+    object has no attribute 'keys'"; a list belongs in ``additional_special_tokens``, which 5.x
+    reads too). With a ``tokenizer.json`` beside it the class becomes ``PreTrainedTokenizerFast``:
+    every version then reads the file verbatim, as ``load_tokenizer`` does. Last, a declared BOS
+    that tokenization never adds (``tok(text)`` does not start with it) is not declared in the
+    saved config: nla's AR was trained on ``tok(text)``, and the published reconstructor reader
+    refuses a tokenizer whose ``bos_token_id`` is set but not produced (its ARs were trained with
+    the BOS that Gemma's and Llama's tokenizers add). Where the chat template uses ``bos_token``
+    the declaration stays (the AV's prompt depends on it), with a warning.
+    """
+    import json
+    import logging
+    from pathlib import Path
+
+    tokenizer.save_pretrained(directory)
+    path = Path(directory) / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if (Path(directory) / "tokenizer.json").is_file():
+        config["tokenizer_class"] = PORTABLE_TOKENIZER_CLASS
+    extra = config.get("extra_special_tokens")
+    if isinstance(extra, list):
+        del config["extra_special_tokens"]
+        named = list(config.get("additional_special_tokens") or [])
+        config["additional_special_tokens"] = named + [t for t in extra if t not in named]
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and config.get("bos_token") is not None:
+        probe = tokenizer("x", add_special_tokens=True)["input_ids"]
+        if not probe or probe[0] != bos:
+            template = getattr(tokenizer, "chat_template", None) or ""
+            if "bos_token" in (template if isinstance(template, str) else str(template)):
+                logging.getLogger(__name__).warning(
+                    "%s: the tokenizer declares BOS %r but does not add it, and its chat template uses it; the "
+                    "declaration stays, so the published reconstructor reader will refuse this tokenizer",
+                    directory, config["bos_token"])
+            else:
+                config["bos_token"] = None
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(config, indent=2, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
 def is_sharded(module: nn.Module) -> bool:
     """Whether FSDP2 (``fully_shard``) sharded ``module`` itself (``FSDPModule``; a torch build
     without ``torch.distributed`` shards nothing)."""

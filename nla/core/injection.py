@@ -245,6 +245,21 @@ def save_av_weights(model: nn.Module, directory: str | Path, state_dict: dict[st
     save_adapter_file(own, directory)
 
 
+def save_av_checkpoint(model: nn.Module, tokenizer: Any, sidecar: Any, directory: str | Path,
+                       state_dict: dict[str, Tensor] | None = None, **provenance: Any) -> Path:
+    """An AV checkpoint directory: the weights (``save_av_weights``), the tokenizer in the form every
+    transformers version reads (``arch.save_tokenizer``) and ``nla_meta.yaml`` (role ``av``,
+    ``provenance`` merged into ``training``). What the warm-start and RL both write."""
+    from nla.core.arch import save_tokenizer
+    from nla.core.sidecar import write_sidecar
+
+    directory = Path(directory)
+    save_av_weights(model, directory, state_dict)
+    save_tokenizer(tokenizer, directory)
+    write_sidecar(directory, sidecar.replace(kind="nla_model", role="av"), **provenance)
+    return directory
+
+
 def load_av_model(path: str | Path, sidecar: Any, *, dtype: torch.dtype = torch.float32) -> nn.Module:
     """An AV checkpoint dir as a causal LM, with its injection adapter attached when the sidecar has one."""
     from transformers import AutoModelForCausalLM

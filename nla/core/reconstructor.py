@@ -340,7 +340,7 @@ class Reconstructor(nn.Module):
             self.base.save_pretrained(tmp, state_dict=base_state, safe_serialization=True)
             save_file({"weight": head.detach().cpu().contiguous()}, str(tmp / VALUE_HEAD_FILE))
             if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(tmp)
+                arch.save_tokenizer(self.tokenizer, tmp)
             meta = sidecar if sidecar is not None else self.sidecar
             if meta is not None:
                 meta = meta.replace(kind="nla_model", role="ar", layer_index=self.layer_index)

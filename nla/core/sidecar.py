@@ -743,7 +743,9 @@ def sidecar_document(cfg: NLAConfig, **provenance: Any) -> dict:
         extraction["base_model"] = cfg.base_model
     if cfg.layer_index is not None:
         extraction["layer_index"] = cfg.layer_index
-    extraction.update(injection_scale=cfg.injection_scale, mse_scale=cfg.mse_scale)
+    # Numbers, never the symbol "sqrt_d_model" (which stays a valid input): the published readers
+    # convert both scales with float(), and their released sidecars hold numbers (150, 59.87).
+    extraction.update(injection_scale=cfg.injection_scale_value(), mse_scale=cfg.mse_scale_value())
     doc["extraction"] = extraction
     tokens: dict[str, Any] = {}
     templates: dict[str, Any] = {}

@@ -36,7 +36,7 @@ from nla.core.injection import (
     InjectionHook,
     attach_adapter,
     load_adapter_file,
-    save_av_weights,
+    save_av_checkpoint,
 )
 from nla.core.logprobs import LOGPROB_CHUNK_ELEMENTS, token_logprobs
 from nla.core.lora import LORA_SUBDIR, apply_sft_lora, merged_state_dict, save_adapter
@@ -45,7 +45,6 @@ from nla.core.sidecar import (
     canonical_av_prompt_ids,
     derive_token_ids,
     verify_tokenizer,
-    write_sidecar,
 )
 from nla.core.templates import AV_PLACEHOLDER
 from nla.core.vectors import resolve_scale
@@ -404,11 +403,10 @@ def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
 
     def save_model(directory: Path, step: int) -> dict[str, Any]:
         # + nla_injection_adapter.safetensors when the AV has one; base + LoRA merged under LoRA
-        save_av_weights(model, directory, merged_state_dict(model) if lora.enabled else None)
-        tok.save_pretrained(directory)
-        meta = side.replace(kind="nla_model", role="av", base_model=side.base_model or base)
-        write_sidecar(directory, meta, lr=cfg.lr, batch_size=cfg.batch_size, step=step,
-                      parent_dataset=str(Path(cfg.dataset).resolve()), stage="av_warm_start")
+        save_av_checkpoint(model, tok, side.replace(base_model=side.base_model or base), directory,
+                           merged_state_dict(model) if lora.enabled else None, lr=cfg.lr,
+                           batch_size=cfg.batch_size, step=step, parent_dataset=str(Path(cfg.dataset).resolve()),
+                           stage="av_warm_start")
         if lora.enabled:  # the adapter alone, in peft's format: resume reads it; NLAClient loads it too
             save_adapter(model, directory / LORA_SUBDIR, base, nla_dir=directory)
         with torch.no_grad():

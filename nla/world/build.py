@@ -34,6 +34,7 @@ from typing import Any
 
 import yaml
 
+from nla.core.arch import save_tokenizer
 from nla.core.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE
 from nla.util.configcheck import check_config_types
 from nla.util.numerics import cpu_kernels
@@ -338,7 +339,7 @@ def _build_into(config: WorldConfig, tmp: Path, progress: bool) -> None:
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(subject_dir, safe_serialization=True)
-    tok.save_pretrained(subject_dir)
+    save_tokenizer(tok, subject_dir)
     (tmp / "world_config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     _plot_losses(result.losses, heldout_loss, entropy, tmp / "loss_curve.png", config.name)
 

@@ -7,6 +7,8 @@
 3. ``<<`` and ``>>`` (the delimiters around the marker in the AV prompt) are added tokens
    as well, so the marker's neighbours are the same ids in every context, independent of
    which merges BPE happened to learn.
+4. ``<|bos|>`` is in the vocabulary (a special token) but is not the tokenizer's BOS: no text is
+   tokenised with it, so declaring it would tell readers that the AR's inputs start with it.
 """
 
 from __future__ import annotations
@@ -56,12 +58,14 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
     )
     tok.train_from_iterator(texts, trainer=trainer)
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in (INJECTION_CHAR, *DELIMITER_TOKENS)])
+    # BOS_TOKEN keeps its id and stays special, but is not declared the BOS: no sequence starts with
+    # it (pretraining, extraction and the AR read the text as it is), and a declared BOS that
+    # tokenization never adds is one the published reconstructor reader refuses (item 4, above).
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
-        additional_special_tokens=list(ROLE_TOKENS),
+        additional_special_tokens=[BOS_TOKEN, *ROLE_TOKENS],
         clean_up_tokenization_spaces=False,
     )
     fast.chat_template = CHAT_TEMPLATE

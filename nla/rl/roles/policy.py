@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from nla.core.injection import InjectionHook, save_av_weights
-from nla.core.sidecar import SIDECAR_NAME, NLAConfig, write_sidecar
+from nla.core.injection import InjectionHook, save_av_checkpoint
+from nla.core.sidecar import NLAConfig
 from nla.rl import algorithms as A
 from nla.rl.config import RLConfig
 from nla.rl.distributed import DataParallel
@@ -145,9 +145,8 @@ class PolicyWorker(Trainable):
         state = merged_state_dict(self.model, full) if lora else full
         if self.dp.answers:
             directory = Path(directory)
-            save_av_weights(self.model, directory, state)  # the injection adapter's file too, when the AV has one
-            self.tokenizer.save_pretrained(directory)
-            write_sidecar(directory / SIDECAR_NAME, self.sidecar.replace(kind="nla_model", role="av"), **provenance)
+            # the injection adapter's file too, when the AV has one
+            save_av_checkpoint(self.model, self.tokenizer, self.sidecar, directory, state, **provenance)
             if lora:  # the adapter alone too: RL resumes from it on the warm-started base
                 save_adapter(self.model, adapter_dir_for(directory), provenance.get("parent_av", ""), state=full)
 
