@@ -16,10 +16,20 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-test: $(STAMP)
+# transformers 4.57.1, what the published NLA inference client pins, in a --target dir beside the
+# venv's newer one: tests/test_published_reader.py reads nla's checkpoints under it the published way.
+PUBLISHED_READER := $(VENV)/published-reader
+READER_STAMP := $(PUBLISHED_READER)/.installed
+$(READER_STAMP): $(STAMP)
+	rm -rf $(PUBLISHED_READER)
+	$(BIN)/pip install -q --target $(PUBLISHED_READER) --no-deps "transformers==4.57.1" \
+		"tokenizers>=0.22,<0.23" "huggingface_hub>=0.34,<1.0"
+	touch $@
+
+test: $(STAMP) $(READER_STAMP)
 	$(BIN)/python -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(READER_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
 # The suite against the oldest transformers pyproject.toml admits (installed beside the venv's
