@@ -290,6 +290,11 @@ BAD = [
     ("/api/explain", {"text": WORDS, "seed": 2**70}, 400, "field 'seed': 1180591620717411303424 is out of range"),
     ("/api/explain", {"text": WORDS, "positions": [2**64]}, 400, "expected a list of (64-bit) integers"),
     ("/api/score", {"texts": ["a"], "vectors": [[True] * 32]}, 400, "found a boolean"),
+    # issue 48: an integer too large for a float was a 500; NaN and float32 overflow are named too
+    ("/api/score", {"texts": ["a"], "vectors": [[10**400] * 32]}, 400, "field 'vectors': an entry is too large"),
+    ("/api/score", {"texts": ["a"], "vectors": [[1.0] * 31 + [float("nan")]]}, 400,
+     "field 'vectors': entry [0, 31] is nan"),
+    ("/api/score", {"texts": ["a"], "vectors": [[1e39] * 32]}, 400, "expected finite float32 numbers"),
 ]
 
 
@@ -351,6 +356,8 @@ def test_only_the_allowed_hosts_are_answered(explorer):
     assert TestClient(app, base_url="http://[::1]:8765").get("/api/info").status_code == 200  # IPv6 loopback
     r = TestClient(app, base_url="http://evil.example").get("/api/info")
     assert r.status_code == 400 and "Invalid host header 'evil.example'" in r.json()["error"]
+    r = TestClient(app, base_url="http://127.0.0.1:8765").get("/api/info", headers={"host": "[::1]evil.com"})
+    assert r.status_code == 400 and "Invalid host header '[::1]evil.com'" in r.json()["error"]
 
 
 def test_every_bind_keeps_a_host_allow_list():
@@ -360,6 +367,9 @@ def test_every_bind_keeps_a_host_allow_list():
 
     assert [host_name(h) for h in ("[::1]:8765", "[::1]", "LocalHost:80", "a.b", "::1")] == [
         "::1", "::1", "localhost", "a.b", "::1"]
+    # issue 48: only ":port" may follow the bracket (the host was read as ::1 and answered)
+    assert [host_name(h) for h in ("[::1]evil.com", "[::1]:80x", "[::1", "a.b:evil")] == [
+        "[::1]evil.com", "[::1]:80x", "[::1", "a.b:evil"]
     assert explore_cmd.allowed_hosts("::1", []) == sorted(explore_cmd.LOOPBACK)
     every = explore_cmd.allowed_hosts("0.0.0.0", ["lab.example"])
     assert {*explore_cmd.LOOPBACK, socket.gethostname(), "lab.example"} <= set(every)

@@ -1,0 +1,315 @@
+"""What nla's HTTP servers share (``nla explore``, ``nla serve``): JSON bodies with caps, checked
+fields, one-line JSON errors, the Host allow-list, and a real server in a thread for tests.
+
+Needs starlette and uvicorn (the ``explore`` extra); nothing else in ``nla.util`` imports this module.
+
+Safety, in the order a request meets it:
+
+1. :class:`HostAllowList`: only requests addressed to the allowed host names are answered (the
+   defence against DNS rebinding). ``host_name`` reads the ``Host`` header strictly: a bracketed
+   IPv6 literal may be followed by ``:port`` and nothing else, a name by ``:port`` only.
+2. :func:`read_json_body`: ``application/json`` only (a cross-site form cannot send it without a CORS
+   preflight, which is never granted), at most ``limit`` bytes, a JSON object.
+3. :func:`get_field`, :func:`int_list`, :func:`float_array`: every field checked; a bad one raises
+   :class:`RequestError`, which the apps answer as ``{"error": "<one line>"}`` with its 4xx status.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy as np
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+__all__ = [
+    "FLOAT32_MAX",
+    "INT_LIMIT",
+    "LOOPBACK",
+    "MISSING",
+    "BackgroundServer",
+    "HostAllowList",
+    "RequestError",
+    "allowed_hosts",
+    "check_bind_host",
+    "check_text",
+    "error_response",
+    "float_array",
+    "get_field",
+    "host_name",
+    "int_list",
+    "port_flag",
+    "read_json_body",
+]
+
+MISSING = object()  # get_field's "no default": the field is required
+# JSON integers are unbounded; every integer field is a count, a position, an id or a seed.
+INT_LIMIT = 2**63
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+ALL_INTERFACES = ("0.0.0.0", "::", "")
+# Bodies above this size are parsed in a worker thread, not on the event loop.
+_THREAD_PARSE_BYTES = 256 * 1024
+
+
+class RequestError(ValueError):
+    """A request the server cannot serve; ``status`` is the HTTP status to answer with (4xx)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def error_response(message: str, status: int) -> JSONResponse:
+    """``{"error": message}`` on one line, with ``status``."""
+    return JSONResponse({"error": " ".join(str(message).split())}, status_code=status)
+
+
+def _parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RequestError(f"request body is not valid JSON ({err.msg if hasattr(err, 'msg') else err})") from None
+    except RecursionError:
+        raise RequestError("request body is nested too deeply to parse; send flat JSON (an object of fields)") from None
+    except ValueError as err:  # e.g. an integer of more than 4,300 digits (Python's int-conversion limit)
+        raise RequestError(f"request body is not usable JSON ({' '.join(str(err).split())})") from None
+
+
+async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
+    """The request's JSON object: 415 unless ``application/json``, 413 over ``limit`` bytes, 400 unless an object."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/json":
+        raise RequestError(f"expected a JSON body (Content-Type: application/json), found {ctype or 'none'!r}",
+                           status=415)
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestError(f"request body is {int(declared)} bytes; the cap is {limit}", status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(f"request body is over the cap of {limit} bytes", status=413)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    body = await run_in_threadpool(_parse_json, raw) if len(raw) > _THREAD_PARSE_BYTES else _parse_json(raw)
+    if not isinstance(body, dict):
+        raise RequestError(f"expected a JSON object, found {type(body).__name__}")
+    return body
+
+
+def check_text(text: str, what: str) -> None:
+    """A JSON string may hold a lone surrogate (``"\\ud800"``), which is no Unicode text: no
+    tokenizer can read it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise RequestError(f"{what}: character {err.start} is a lone surrogate ({text[err.start]!a}), not valid "
+                           "Unicode text; send UTF-8 text") from None
+
+
+def get_field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = MISSING) -> Any:
+    """``body[name]`` checked against ``kind`` (bool is never an int or a float here); the error names the field.
+
+    A float field accepts integers too when ``kind`` includes ``float``; a float must be finite."""
+    if name not in body or body[name] is None:
+        if default is MISSING:
+            raise RequestError(f"missing field {name!r}")
+        return default
+    value = body[name]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if float in kinds and int not in kinds:
+        kinds = (*kinds, int)
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise RequestError(f"field {name!r}: expected {names}, found {type(value).__name__}")
+    if isinstance(value, str):
+        check_text(value, f"field {name!r}")
+    if isinstance(value, int) and not isinstance(value, bool):
+        if float in kinds:
+            if not abs(value) <= FLOAT32_MAX:
+                digits = str(abs(value))
+                raise RequestError(f"field {name!r}: an integer of {len(digits)} digits is too large; expected a "
+                                   f"finite float32 number (|x| <= {FLOAT32_MAX:.4g})")
+        elif not -INT_LIMIT <= value < INT_LIMIT:
+            raise RequestError(f"field {name!r}: {value} is out of range (a 64-bit integer)")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise RequestError(f"field {name!r}: expected a finite number, found {value}")
+    return value
+
+
+def int_list(body: dict[str, Any], name: str) -> list[int] | None:
+    """``body[name]`` as a list of 64-bit integers, or None when absent."""
+    value = get_field(body, name, list, None)
+    if value is None:
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and -INT_LIMIT <= v < INT_LIMIT for v in value):
+        raise RequestError(f"field {name!r}: expected a list of (64-bit) integers")
+    return value
+
+
+def _has_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return True
+    return isinstance(value, list) and any(_has_bool(v) for v in value)
+
+
+def float_array(value: Any, what: str, *, ndim: int, width: int | None = None, width_name: str = "d") -> np.ndarray:
+    """A JSON array of ``ndim`` nesting levels of numbers as a float32 array, or a 400 naming ``what``:
+    not a list, ragged, not numbers, booleans (``true`` is no entry), the last axis not ``width``, or an
+    entry that is not a finite float32 (NaN, Infinity, ``1e400``, ``10**400``, ``1e39``)."""
+    shape_word = "[" + ", ".join(["N", "T", "d"][3 - ndim:] if ndim <= 3 else ["..."]) + "]"
+    if not isinstance(value, list):
+        raise RequestError(f"{what}: expected a {shape_word} list of numbers, found {type(value).__name__}")
+    if _has_bool(value):
+        raise RequestError(f"{what}: expected numbers, found a boolean (true/false are not entries)")
+    try:
+        arr = np.array(value, dtype=np.float64)
+    except OverflowError:
+        raise RequestError(f"{what}: an entry is too large for a number (it overflows float64); expected finite "
+                           "float32 numbers") from None
+    except (TypeError, ValueError):
+        raise RequestError(f"{what}: expected a {shape_word} list of equal-length lists of numbers") from None
+    if arr.ndim != ndim:
+        raise RequestError(f"{what}: expected a {shape_word} list of equal-length lists of numbers, found "
+                           f"{arr.ndim} nesting level(s) (shape {tuple(arr.shape)})")
+    if width is not None and arr.shape[-1] != width:
+        raise RequestError(f"{what}: expected {width_name} = {width} numbers per row, found {arr.shape[-1]} "
+                           f"(shape {tuple(arr.shape)})")
+    bad = ~np.isfinite(arr) | (np.abs(arr) > FLOAT32_MAX)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise RequestError(f"{what}: entry {list(where)} is {float(arr[where])}; expected finite float32 numbers "
+                           f"(|x| <= {FLOAT32_MAX:.4g}; {int(bad.sum())} such entries)")
+    return arr.astype(np.float32)
+
+
+def host_name(header: str) -> str:
+    """The host of a ``Host`` header without its port: ``[::1]:8765`` -> ``::1``, ``a.b:80`` -> ``a.b``.
+
+    Strict: after an IPv6 literal's ``]`` only ``:port`` may follow, and a name's port must be digits;
+    anything else comes back whole (so it matches no allowed name): ``[::1]evil.com`` is not ``::1``."""
+    header = header.strip().lower()
+    if header.startswith("["):  # an IPv6 literal (RFC 3986): the port follows the bracket
+        end = header.find("]")
+        if end < 0:
+            return header
+        rest = header[end + 1:]
+        if rest and not (rest.startswith(":") and rest[1:].isdigit()):
+            return header
+        return header[1:end]
+    if header.count(":") == 1:
+        name, port = header.split(":")
+        return name if port.isdigit() else header
+    return header
+
+
+class HostAllowList:
+    """Answer only requests whose ``Host`` names one of ``allowed_hosts`` (the defence against DNS
+    rebinding); others get a JSON 400. Starlette's ``TrustedHostMiddleware`` cuts the header at its
+    first colon, so it refuses every request to an IPv6 literal such as ``[::1]``.
+
+    ``label`` names the server in the refusal, ``hint`` says how to add a name."""
+
+    def __init__(self, app: Any, allowed_hosts: list[str], label: str = "this server",
+                 hint: str = "--allow-host NAME adds one") -> None:
+        self.app = app
+        self.allowed = {h.strip("[]").lower() for h in allowed_hosts}
+        self.label, self.hint = label, hint
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            headers = dict(scope.get("headers") or [])
+            host = host_name(headers.get(b"host", b"").decode("latin-1"))
+            if host not in self.allowed:
+                response = error_response(f"Invalid host header {host!r}: {self.label} answers "
+                                          f"{sorted(self.allowed)} ({self.hint})", 400)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def allowed_hosts(bind: str, extra: list[str]) -> list[str]:
+    """The host names a server bound to ``bind`` answers: never "any" (the DNS-rebinding defence stays
+    on for every bind). Loopback: the loopback names. All interfaces: those, this machine's names and
+    addresses. One address: it and this machine's names. Plus the ``extra`` (``--allow-host``) names."""
+    names = set(extra)
+    if bind in LOOPBACK:
+        names.update(LOOPBACK)
+    else:
+        names.update({socket.gethostname(), socket.getfqdn()})
+        if bind in ALL_INTERFACES:
+            names.update(LOOPBACK)
+            try:
+                names.update(info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None))
+            except OSError:
+                pass
+        else:
+            names.add(bind)
+    return sorted(n for n in names if n)
+
+
+def port_flag(text: str) -> int:
+    """argparse type of ``--port``: an integer 1-65535, checked before any model loads."""
+    import argparse
+
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer port 1-65535, found {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 1-65535, found {port}")
+    return port
+
+
+def check_bind_host(host: str) -> str:
+    """``--host``: an address or a name this machine can bind to, checked before any model loads
+    (a typo used to fail only at bind time); a ValueError names the flag."""
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as err:
+        raise ValueError(f"--host: cannot resolve {host!r} to an address to bind ({err}); give an address of this "
+                         "machine such as 127.0.0.1 (the default) or 0.0.0.0") from None
+    return host
+
+
+class BackgroundServer:
+    """An ASGI app under a real uvicorn server in a daemon thread (tests, screenshots, benchmarks);
+    a context manager. ``port=0`` binds a free port; ``url`` is ``http://host:port``."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, start_timeout: float = 30.0,
+                 name: str = "nla-http-server") -> None:
+        import uvicorn
+
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.host, self.port = host, self._sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True,
+                                        name=name)
+        self._thread.start()
+        deadline = time.monotonic() + start_timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the server did not start on {self.url}")
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
