@@ -15,7 +15,7 @@ import sys
 from nla import __version__
 
 # Subcommand modules, in the order `nla --help` lists them.
-COMMANDS = ("world", "datagen", "train", "rl", "plan", "eval", "verbalize", "score", "quickstart", "explore", "sidecar")
+COMMANDS = ("world", "datagen", "train", "rl", "plan", "eval", "verbalize", "score", "quickstart", "explore", "serve", "sidecar")
 
 
 class OneLineParser(argparse.ArgumentParser):
