@@ -84,9 +84,12 @@ class NLAService:
     def close(self) -> None:
         self.batcher.close()
 
-    def _decode(self, jobs: list[GenerateJob]) -> list[list[int]]:
+    def _decode(self, jobs: list[GenerateJob]) -> list[dict[str, Any]]:
+        """The batch's SGLang response objects (the texts decoded here too: one thread uses the tokenizer)."""
         adapt_threads()
-        return decode_batch(self.model, jobs, self.eos_id, self.pad_id, self.suppress_ids)
+        ids = decode_batch(self.model, jobs, self.eos_id, self.pad_id, self.suppress_ids)
+        return [generation_output(self.tokenizer, row, job.params, job.embeds.shape[0], self.eos_id)
+                for job, row in zip(jobs, ids, strict=True)]
 
     # ------------------------------------------------------------------ inputs of /generate
     def prompts(self, body: dict[str, Any]) -> tuple[list[torch.Tensor], bool]:
@@ -206,11 +209,14 @@ class ServeApp:
             raise ServeError("fields 'stream' and 'return_logprob': only false is supported (one JSON answer, "
                              "text only)")
         params = SamplingParams.parse(body.get("sampling_params"), self.s.limits)
-        prompts, batch = self.s.prompts(body)
+        if body.get("text") is not None:
+            # The tokenizer is not safe to call from two threads at once (its Rust side may be
+            # borrowed by the batcher's decode): text is tokenised on the batcher's thread.
+            prompts, batch = await self._wait(self.s.batcher.submit_task(lambda: self.s.prompts(body), count=False))
+        else:
+            prompts, batch = self.s.prompts(body)
         jobs = [GenerateJob(p, params) for p in prompts]
-        results = await asyncio.gather(*(self._wait(f) for f in self.s.batcher.submit_generate(jobs)))
-        out = [generation_output(self.s.tokenizer, ids, params, job.embeds.shape[0], self.s.eos_id)
-               for job, ids in zip(jobs, results, strict=True)]
+        out = await asyncio.gather(*(self._wait(f) for f in self.s.batcher.submit_generate(jobs)))
         return JSONResponse(out if batch else out[0])
 
     def _vectors(self, body: dict[str, Any], name: str = "vectors") -> torch.Tensor:

@@ -254,12 +254,13 @@ class Batcher:
             self._cond.notify()
         return [job.future for job in jobs]
 
-    def submit_task(self, fn: Callable[[], Any]) -> Future:
+    def submit_task(self, fn: Callable[[], Any], *, count: bool = True) -> Future:
+        """Run ``fn`` alone on the thread; ``count=False``: a step of a request counted elsewhere."""
         task = _Task(fn)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batcher is closed")
-            self._counts["requests"] += 1
+            self._counts["requests"] += int(count)
             self._queue.append(task)
             self._cond.notify()
         return task.future
