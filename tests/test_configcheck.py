@@ -131,3 +131,102 @@ def test_rl_reward_timeout_field():
         load_rl_config(None, {**base, "reward.reward_timeout_seconds": "soon"})
     with pytest.raises(ValueError, match=r"key 'reward_timeout_seconds' belongs to section 'reward'"):
         load_rl_config(None, {**base, "reward_timeout_seconds": 60})
+
+
+# Issue 48: duplicate YAML keys, non-finite numbers and seeds outside the RNGs' range.
+@pytest.mark.parametrize(
+    ("text", "key", "first", "again"),
+    [("av: a\nloss:\n  kl_coef: 0.1\nsteps: 3\nloss:\n  eps_low: 0.2\n", "loss", 2, 5),  # a second section
+     ("steps: 3\nav: a\nsteps: 4\n", "steps", 1, 3),
+     ("loss:\n  kl_coef: 0.1\n  kl_coef: 0.2\n", "kl_coef", 2, 3)],  # nested
+)
+def test_a_repeated_yaml_key_is_refused_with_both_lines(tmp_path, capsys, text, key, first, again):
+    cfg = tmp_path / "rl.yaml"
+    cfg.write_text(text)
+    assert main(["rl", "--config", str(cfg), "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == (
+        f"nla rl: error: {cfg}:{again}: the RLConfig config repeats the key {key!r} (first at line {first}, again at "
+        f"line {again}); YAML would keep only the last one silently: delete or merge one of them\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_config_loader_refuses_repeated_keys(tmp_path):
+    from nla.util.validation import InputError, load_yaml, safe_load_unique
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("seed: 1\nprovider:\n  model: a\n  model: b\n")
+    for load in (lambda: DatagenConfig.from_yaml(cfg), lambda: WorldConfig.from_yaml(cfg),
+                 lambda: load_config(ARTrainConfig, cfg), lambda: load_yaml(cfg, "sidecar")):
+        with pytest.raises(InputError, match=r"c.yaml:4: the .* repeats the key 'model' \(first at line 3, again at "
+                                             r"line 4\)"):
+            load()
+    # a merge key may still be overridden by an explicit key: that is not a repetition
+    assert safe_load_unique("base: &b {x: 1, y: 2}\nuse:\n  <<: *b\n  x: 3\n")["use"] == {"x": 3, "y": 2}
+    with pytest.raises(ValueError, match=r"^--set 'loss=\{a: 1, a: 2\}': the key 'a' appears twice in one mapping "
+                                         r"\(line 1 and line 1\); give each key once$"):
+        load_rl_config(None, ["loss={a: 1, a: 2}"])
+
+
+@pytest.mark.parametrize("raw", [".nan", ".inf", "-.inf", ".NaN"])
+def test_non_finite_numbers_are_refused_in_every_config(tmp_path, capsys, raw):
+    assert main(["rl", "--set", "av=a", "--set", "ar=b", "--set", "dataset=c", "--set", f"loss.kl_coef={raw}",
+                 "--out", str(tmp_path / "run")]) == 2
+    value = {".nan": "nan", ".NaN": "nan", ".inf": "inf", "-.inf": "-inf"}[raw]
+    assert capsys.readouterr().err == (
+        f"nla rl: error: LossConfig.kl_coef: expected a finite number (NaN and infinities are refused), found {value} "
+        "(float); fix it in the YAML or with --set loss.kl_coef=...\n")
+    assert not (tmp_path / "run").exists()
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text(f"dataset: d.parquet\nlr: {raw}\n")
+    with pytest.raises(ConfigTypeError, match=r"^ARTrainConfig.lr: expected a finite number \(NaN and infinities "
+                                              r"are refused\)"):
+        load_config(ARTrainConfig, yaml_file)
+    with pytest.raises(ConfigTypeError, match=r"^ProviderConfig.temperature: expected a finite number"):
+        DatagenConfig.from_dict({"provider": {"temperature": float(value)}})
+    with pytest.raises(ConfigTypeError, match=r"^Toy.pair: expected a list of 2 \(a number, a number\) \(item 1: a "
+                                              r"finite number"):
+        check_config_types(Toy, {"pair": [0.0, float(value)]})
+    with pytest.raises(ConfigTypeError, match=r"^Toy.scale: expected a finite number"):  # a float | str field
+        check_config_types(Toy, {"scale": float(value)})
+
+
+def test_mappings_and_untyped_fields_are_searched_for_non_finite_numbers():
+    @dataclass(frozen=True)
+    class Loose:
+        extra: dict = field(default_factory=dict)
+
+    with pytest.raises(ConfigTypeError, match=r"^Loose.extra: expected finite numbers only \(NaN and infinities are "
+                                              r"refused; at a.b\[1\]\), found"):
+        check_config_types(Loose, {"extra": {"a": {"b": [1.0, float("nan")]}}})
+    assert check_config_types(Loose, {"extra": {"a": [1.0, "nan"]}}) == {"extra": {"a": [1.0, "nan"]}}
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 10**23])
+def test_a_seed_outside_the_rngs_range_names_the_field_before_anything_is_written(tmp_path, capsys, seed):
+    out = tmp_path / "run"
+    assert main(["rl", "--set", "av=a", "--set", "ar=b", "--set", "dataset=c", "--set", f"seed={seed}",
+                 "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"nla rl: error: RLConfig.seed: expected an integer seed in 0..4294967295 (the range numpy's and torch's "
+        f"seeds share), found {seed} (int); fix it in the YAML or with --set seed=...\n")
+    assert not out.exists()  # no rl.jsonl, nothing
+    with pytest.raises(ConfigTypeError, match=rf"^DatagenConfig.world_seed: expected an integer seed in 0..4294967295 "
+                                              rf".*found {seed}"):
+        DatagenConfig.from_dict({"world_seed": seed})
+    with pytest.raises(ConfigTypeError, match=r"^WorldConfig.seed: expected an integer seed"):
+        WorldConfig.from_dict({"seed": seed})
+    assert load_rl_config(None, {"av": "a", "ar": "b", "dataset": "c", "seed": 2**32 - 1}).seed == 2**32 - 1
+
+
+@pytest.mark.parametrize("command", [["quickstart"], ["verbalize", "--av", "a", "--vectors", "v.npy"],
+                                     ["eval", "--ar", "b", "--dataset", "d.parquet"]])
+@pytest.mark.parametrize("seed", ["-1", "100000000000000000000000", "4294967296"])
+def test_seed_flags_give_the_allowed_range(tmp_path, capsys, command, seed):
+    with pytest.raises(SystemExit) as exc:
+        main([*command, "--seed", seed, "--out", str(tmp_path / "o")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"nla {command[0]}: error: argument --seed: expected an integer seed in 0..4294967295 (the range "
+                   f"numpy's and torch's seeds share), found {int(seed)}; pick a seed in that range; see "
+                   f"nla {command[0]} --help")
+    assert not (tmp_path / "o").exists()

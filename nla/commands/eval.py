@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from nla.util.validation import non_negative_int, positive_int
+from nla.util.validation import non_negative_int, positive_int, seed_flag
 
 log = logging.getLogger("nla.eval")
 
@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                        "a private code between an RL'd pair shows as a gap to it")
     p.add_argument("--dataset", required=True, help="held-out parquet with activation_vector (+ sidecar)")
     p.add_argument("--max-rows", type=positive_int, help="evaluate a seeded random subset of this many rows")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_flag, default=0, help="seed of the row subset and the suite (0..2**32-1)")
     p.add_argument("--max-new-tokens", type=positive_int, default=150)
     p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--samples", type=non_negative_int, default=8,

@@ -7,7 +7,7 @@ import json
 import sys
 
 from nla.util.threads import THREADS_HELP, threads_flag
-from nla.util.validation import non_negative_float, non_negative_int
+from nla.util.validation import non_negative_float, seed_flag
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="run directory (default runs/quickstart-<preset>)")
     p.add_argument("--backend", default="local", choices=["local", "ray"], help="RL worker backend")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    p.add_argument("--seed", type=non_negative_int, default=0,
+    p.add_argument("--seed", type=seed_flag, default=0,
                    help="one seed for every stage: the world (stories, subject), datagen, both warm-starts, RL and "
                         "the held-out split (default 0; BENCHMARKS.md reports seeds 0-2)")
     p.add_argument("--threads", type=threads_flag, default=None,

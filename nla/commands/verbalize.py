@@ -12,7 +12,7 @@ import argparse
 import logging
 
 from nla.commands.eval import add_model_args
-from nla.util.validation import positive_int
+from nla.util.validation import positive_int, seed_flag
 
 log = logging.getLogger("nla.verbalize")
 
@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n-samples", type=positive_int, default=1)
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=seed_flag, help="the sampling seed (0..2**32-1)")
     p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--reference", help="parquet of the AV's training-like vectors: warn for vectors whose norm is far "
                                        "outside theirs (needed by --directions)")

@@ -17,7 +17,7 @@ import yaml
 
 from nla.util.configcheck import check_config_types
 from nla.util.threads import check_threads
-from nla.util.validation import load_yaml
+from nla.util.validation import DuplicateKeyError, load_yaml, safe_load_unique
 
 _DEVICES_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -306,7 +306,9 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
         if not sep or not key.strip():
             raise ValueError(f"--set {item!r}: expected key=value, e.g. --set lr=1e-4 or --set provider.model=gpt-4o")
         try:
-            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+            out[key.strip()] = safe_load_unique(raw) if raw.strip() else None
+        except DuplicateKeyError as err:
+            raise ValueError(f"--set {item!r}: {err}; give each key once") from None
         except yaml.YAMLError as err:
             problem = getattr(err, "problem", None) or type(err).__name__
             raise ValueError(f"--set {item!r}: the value {raw!r} is not valid YAML ({problem}); quote it to pass "

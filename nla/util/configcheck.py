@@ -15,19 +15,28 @@ Conventions, in order of surprise:
 3. ``tuple[X, Y]`` and ``tuple[X, ...]`` accept YAML lists; the length of a fixed tuple is checked.
 4. A nested dataclass field accepts a mapping, checked recursively (``provider.max_tokens``),
    or an instance; unknown keys of a mapping are left to the config's own check.
-5. Annotations the checker does not model (``Any``, callables) accept anything.
+5. Annotations the checker does not model (``Any``, callables) accept anything finite.
+6. No field anywhere holds NaN or an infinity (YAML's ``.nan``, ``.inf``, ``-.inf``; inside lists and
+   mappings too): a NaN ``loss.kl_coef`` made every RL step non-finite and the run still exited 0.
+7. A field named ``seed`` or ``*_seed`` holds an integer in ``0..SEED_MAX`` (2**32 - 1: numpy's
+   legacy seeds need less than 2**32, torch's less than 2**63); -1 used to fail deep in numpy
+   after the run directory was written.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any, Literal, Union
 
-__all__ = ["ConfigTypeError", "check_config_types"]
+__all__ = ["SEED_MAX", "ConfigTypeError", "check_config_types", "find_non_finite"]
+
+SEED_MAX = 2**32 - 1  # the largest seed every RNG nla seeds accepts (numpy's np.random.seed: < 2**32)
+NON_FINITE = "a finite number (NaN and infinities are refused)"
 
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
@@ -54,6 +63,8 @@ def check_config_types(cls: type, data: Mapping[str, Any], *, prefix: str = "") 
         path = f"{prefix}{f.name}"
         try:
             out[f.name] = _check(hints.get(f.name, Any), out[f.name], path, cls)
+            if f.name == "seed" or f.name.endswith("_seed"):
+                _check_seed(out[f.name])
         except _Mismatch as err:
             expected = str(err)
             value = out[f.name]
@@ -64,10 +75,39 @@ def check_config_types(cls: type, data: Mapping[str, Any], *, prefix: str = "") 
     return out
 
 
+def find_non_finite(value: Any, where: str = "") -> str | None:
+    """The place of the first NaN or infinity in ``value`` (a number, or lists and mappings of them):
+    ``""`` for the value itself, ``"[2]"`` or ``".key"`` inside it; None when every number is finite."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            found = find_non_finite(v, f"{where}.{k}")
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = find_non_finite(v, f"{where}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _check_seed(value: Any) -> None:
+    if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= SEED_MAX:
+        raise _Mismatch(f"an integer seed in 0..{SEED_MAX} (the range numpy's and torch's seeds share)")
+
+
 def _check(tp: Any, value: Any, path: str, owner: type) -> Any:
     origin = typing.get_origin(tp)
-    if tp is Any or tp is object:
-        return value
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _Mismatch(NON_FINITE)
+    if tp is Any or tp is object or origin in (dict, Mapping) or tp in (dict, Mapping):
+        inner = None if isinstance(value, str) else find_non_finite(value)
+        if inner:
+            raise _Mismatch(f"finite numbers only (NaN and infinities are refused; at {inner.lstrip('.')})")
+        if tp is Any or tp is object:
+            return value
     if origin in (Union, types.UnionType):
         options = typing.get_args(tp)
         if value is None and type(None) in options:

@@ -8,7 +8,8 @@ half-written artifact behind.
 1. Vectors: real floats only (complex, bool, integer and string data are refused, not cast);
    rows with NaN/Inf, with an all-zero vector, or whose norm overflows float32 are refused
    with their row numbers (a zero or infinite norm has no direction, and ``mse_nrm`` divides by it).
-2. YAML: a syntax error names the file, line and column.
+2. YAML: a syntax error names the file, line and column; a key repeated in one mapping (at any
+   depth) is refused with both line numbers (plain YAML keeps the last one silently).
 3. Checkpoints: ``config.json`` parses, the weights are safetensors and every safetensors file
    is complete (its header parses and its data section is as long as the header says). nla's
    own saves also record each safetensors file's SHA-256 (``nla_checksums.sha256``), checked at
@@ -48,6 +49,8 @@ __all__ = [
     "write_checksums",
     "drop_bad_rows",
     "load_yaml",
+    "safe_load_unique",
+    "seed_flag",
     "non_negative_int",
     "positive_int",
 ]
@@ -146,8 +149,64 @@ def drop_bad_rows(vectors: Any, source: str = "vectors") -> tuple[np.ndarray, np
 # ---------------------------------------------------------------------------------------------
 # YAML
 # ---------------------------------------------------------------------------------------------
+class DuplicateKeyError(ValueError):
+    """A YAML mapping names the same key twice; ``key``, ``first`` and ``again`` (1-based lines)."""
+
+    def __init__(self, key: Any, first: int, again: int) -> None:
+        super().__init__(f"the key {key!r} appears twice in one mapping (line {first} and line {again})")
+        self.key, self.first, self.again = key, first, again
+
+
+def _unique_key_loader() -> type:
+    """A ``yaml.SafeLoader`` that refuses a key repeated within one mapping, at any depth.
+
+    Plain YAML loaders keep the last value silently: a second ``loss:`` section replaced the first,
+    a repeated ``steps:`` changed the run (issue 48). Merge keys (``<<: *base``) may still be
+    overridden by explicit keys; only explicit keys are compared.
+    """
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            if isinstance(node, yaml.MappingNode):
+                seen: dict[Any, int] = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key = self.construct_object(key_node, deep=True)
+                    try:
+                        first = seen.get(key)
+                    except TypeError:  # an unhashable key: the base loader reports it
+                        continue
+                    line = key_node.start_mark.line + 1
+                    if first is not None:
+                        raise DuplicateKeyError(key, first, line)
+                    seen[key] = line
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeyLoader
+
+
+_LOADER: type | None = None
+
+
+def safe_load_unique(text: str) -> Any:
+    """``yaml.safe_load`` that raises :class:`DuplicateKeyError` for a key repeated in one mapping.
+
+    Every YAML nla reads goes through here (configs via :func:`load_yaml`, ``--set`` values);
+    ``nla.core.sidecar`` reads sidecars with :func:`load_yaml` too.
+    """
+    import yaml
+
+    global _LOADER
+    if _LOADER is None:
+        _LOADER = _unique_key_loader()
+    return yaml.load(text, Loader=_LOADER)  # noqa: S506 (a SafeLoader subclass)
+
+
 def load_yaml(path: str | os.PathLike, what: str = "config") -> Any:
-    """Parse a YAML file; a syntax error names the file, line and column (1-based)."""
+    """Parse a YAML file; a syntax error names the file, line and column (1-based), a repeated key
+    names the key and both lines."""
     import yaml
 
     p = Path(path)
@@ -158,7 +217,12 @@ def load_yaml(path: str | os.PathLike, what: str = "config") -> Any:
     except UnicodeDecodeError as err:
         raise InputError(f"{p}: the {what} is not UTF-8 text ({err.reason} at byte {err.start})") from None
     try:
-        return yaml.safe_load(text)
+        return safe_load_unique(text)
+    except DuplicateKeyError as err:
+        raise InputError(
+            f"{p}:{err.again}: the {what} repeats the key {err.key!r} (first at line {err.first}, again at line "
+            f"{err.again}); YAML would keep only the last one silently: delete or merge one of them"
+        ) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
         where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
@@ -500,4 +564,19 @@ def non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, found {text!r}") from None
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, found {text}")
+    return value
+
+
+def seed_flag(text: str) -> int:
+    """argparse type of ``--seed``: an integer in the range every RNG nla seeds accepts
+    (``nla.util.configcheck.SEED_MAX``: numpy's legacy seeds need < 2**32)."""
+    from nla.util.configcheck import SEED_MAX
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed in 0..{SEED_MAX}, found {text!r}") from None
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"expected an integer seed in 0..{SEED_MAX} (the range numpy's and torch's "
+                                         f"seeds share), found {value}; pick a seed in that range")
     return value

@@ -38,8 +38,6 @@ def _datagen_config(dataset_path: Path, what: str = "recall slots") -> Any:
     """The datagen settings the dataset sidecar's provenance records (``training.datagen_config``),
     or None (with a warning naming ``what`` when the file is unreadable)."""
     try:
-        import yaml
-
         from nla.core.sidecar import load_sidecar
         from nla.datagen.config import DatagenConfig
 
@@ -47,7 +45,7 @@ def _datagen_config(dataset_path: Path, what: str = "recall slots") -> Any:
         # recorded as written (often relative to where datagen ran); it sits beside the datasets
         for path in ([Path(prov), Path(dataset_path).parent / Path(prov).name] if prov else []):
             if path.is_file():
-                return DatagenConfig.from_dict(yaml.safe_load(path.read_text()) or {})
+                return DatagenConfig.from_yaml(path)
     except (OSError, ValueError) as err:
         logger.warning("%s: cannot read the datagen settings (%s); using defaults", what, err)
     return None
