@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from nla import __version__
 from nla.cli import main
 
@@ -22,3 +24,51 @@ def test_bad_input_is_one_clear_line_and_exit_code_2(capsys):
     assert main(["rl", "--set", "steps=3"]) == 2
     err = capsys.readouterr().err
     assert "nla rl: error: RLConfig.av: expected a path" in err and "Traceback" not in err
+
+
+# Issue 48: docs/index.md ("CPU threads") says every command takes --threads; these lacked it.
+THREAD_COMMANDS = {
+    "verbalize": ["verbalize", "--av", "{tmp}/no-av", "--vectors", "{tmp}/v.npy"],
+    "eval": ["eval", "--ar", "{tmp}/no-ar", "--dataset", "{tmp}/d.parquet"],
+    "score": ["score", "--ar", "{tmp}/no-ar", "--texts", "{tmp}/t.txt", "--vectors", "{tmp}/v.npy"],
+    "explore": ["explore", "--av", "{tmp}/no-av", "--ar", "{tmp}/no-ar"],
+    "world build": ["world", "build", "--preset", "tiny", "--out", "{tmp}/w"],
+    "world probe": ["world", "probe", "--preset", "tiny", "--out", "{tmp}/w"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(THREAD_COMMANDS))
+def test_every_model_command_takes_and_applies_threads(name, tmp_path, capsys, monkeypatch):
+    import nla.util.threads as threads
+
+    applied = []
+
+    def record(requested=None, *, processes=1):
+        applied.append(requested)
+        raise ValueError(f"threads applied: {requested!r}")  # stop before any model or world loads
+
+    monkeypatch.setattr(threads, "apply_threads", record)
+    argv = [a.format(tmp=tmp_path) for a in THREAD_COMMANDS[name]]
+    for value, parsed in (("1", 1), ("auto", "auto")):
+        assert main([*argv, "--threads", value]) == 2
+        assert capsys.readouterr().err == f"nla {argv[0]}: error: threads applied: {parsed!r}\n"
+    assert main(argv) == 2  # without the flag: the shared default ($OMP_NUM_THREADS, else every core)
+    capsys.readouterr()
+    assert applied == [1, "auto", None]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--threads", "0"])
+    assert exc.value.code == 2
+    assert "argument --threads: expected a positive integer or 'auto', found 0" in capsys.readouterr().err
+
+
+def test_verbalize_threads_reach_torch(tmp_path, capsys):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert main(["verbalize", "--av", str(tmp_path / "no-av"), "--vectors", str(tmp_path / "v.npy"),
+                     "--threads", "1"]) == 2  # the missing vectors file stops it after the threads are set
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -9,19 +9,30 @@ from __future__ import annotations
 import argparse
 import logging
 
+from nla.util.threads import THREADS_HELP, threads_flag
 from nla.util.validation import non_negative_int, positive_int, seed_flag
 
 log = logging.getLogger("nla.eval")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by eval / verbalize / score to load checkpoints."""
+    """Flags shared by eval / verbalize / score to load checkpoints (and ``--threads``, applied by
+    :func:`apply_threads_flag` before any model loads)."""
     p.add_argument("--sidecar", help="explicit nla_meta.yaml (overrides the checkpoints' own)")
     p.add_argument("--allow-mixed-provenance", action="store_true",
                    help="run even when the checkpoints and the data record different subjects, layers or "
                         "tokenizers (a warning instead of an error)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=threads_flag, help=f"torch CPU threads ({THREADS_HELP})")
+
+
+def apply_threads_flag(args: argparse.Namespace) -> int:
+    """``--threads`` as every command applies it (``nla.util.threads.apply_threads``: the flag, else
+    ``$OMP_NUM_THREADS``, else every core, fixed for the run); call it before any model loads."""
+    from nla.util import threads
+
+    return threads.apply_threads(args.threads)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -79,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         get_grader(args.grader)  # an unknown name is refused before any model loads
     if args.out:
         check_output_path(args.out, "--out")
+    apply_threads_flag(args)
     read_vectors(args.dataset)  # NaN / Inf / zero rows are named with the file before any model loads
     mixed = args.allow_mixed_provenance
     client = NLAClient(args.av, args.ar, device=args.device, dtype=args.dtype, sidecar=args.sidecar,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from nla.util.threads import THREADS_HELP, threads_flag
+
 log = logging.getLogger("nla.explore")
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -46,16 +48,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="serve even when the pair and --subject record different subjects, layers or tokenizers")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=threads_flag, help=f"torch CPU threads ({THREADS_HELP})")
     p.set_defaults(func=run)
 
 
 def build(args: argparse.Namespace):
     """The app for ``args``: models that fail to load become the page's setup error, a bad --run raises."""
+    from nla.commands.eval import apply_threads_flag
     from nla.explore import ExploreLimits, Explorer, create_app, load_run
 
     given = {"max_new_tokens": args.max_new_tokens, "max_tokens": args.max_tokens, "max_samples": args.max_samples}
     limits = ExploreLimits(**{k: v for k, v in given.items() if v is not None})
     run_summary = load_run(args.run) if args.run else None
+    apply_threads_flag(args)
     explorer, setup_error = None, None
     try:
         explorer = Explorer.load(args.av, args.ar, args.subject, device=args.device, dtype=args.dtype, limits=limits,

@@ -12,7 +12,7 @@ import logging
 
 import numpy as np
 
-from nla.commands.eval import add_model_args
+from nla.commands.eval import add_model_args, apply_threads_flag
 from nla.util.validation import positive_int
 
 log = logging.getLogger("nla.score")
@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     check_device(args.device)
     if args.out:
         check_output_path(args.out, "--out", is_file=True)
+    apply_threads_flag(args)
     if args.texts:
         if not args.vectors:
             raise ValueError("--texts needs --vectors (parquet or .npy) to score against")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from nla.commands.eval import add_model_args
+from nla.commands.eval import add_model_args, apply_threads_flag
 from nla.util.validation import positive_int, seed_flag
 
 log = logging.getLogger("nla.verbalize")
@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
                          "direction where the AV was trained)")
     if args.out:
         check_output_path(args.out, "--out", is_file=True)
+    apply_threads_flag(args)
     if args.skip_bad_rows:
         vectors, kept, report = drop_bad_rows(load_vectors(args.vectors, rows=args.rows, check=False),
                                               f"vectors {args.vectors}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from nla.util.threads import THREADS_HELP, threads_flag
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("world", help="the built-in synthetic world: corpus, tokenizer, subject model")
@@ -15,6 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--out", type=Path, default=None, help="base directory (default: $NLA_CACHE/world)")
     b.add_argument("--force", action="store_true", help="rebuild even if a cached build exists")
     b.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    b.add_argument("--threads", type=threads_flag, help=f"torch CPU threads ({THREADS_HELP})")
     b.set_defaults(func=run_build)
     pr = wsub.add_parser("probe", help="linear-probe each fact kind at every layer: what is in the vector?")
     pr.add_argument("--preset", default="default", help="world preset: tiny | default (default: default)")
@@ -26,6 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="held-out stories they are scored on (default: 300, or all the world holds out if fewer)")
     pr.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     pr.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    pr.add_argument("--threads", type=threads_flag, help=f"torch CPU threads ({THREADS_HELP})")
     pr.set_defaults(func=run_probe)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
@@ -65,9 +69,12 @@ def _target(args: argparse.Namespace):
 
 
 def run_build(args: argparse.Namespace) -> int:
+    from nla.commands.eval import apply_threads_flag
     from nla.world.build import build_world
 
-    art = build_world(_target(args), out=args.out, force=args.force, progress=not args.no_progress)
+    target = _target(args)
+    apply_threads_flag(args)
+    art = build_world(target, out=args.out, force=args.force, progress=not args.no_progress)
     print(format_summary(art))
     return 0
 
@@ -82,13 +89,16 @@ def _parse_layers(text: str | None) -> list[int] | None:
 
 
 def run_probe(args: argparse.Namespace) -> int:
+    from nla.commands.eval import apply_threads_flag
     from nla.world.build import build_world
     from nla.world.probe import best_layer, probe_table_markdown, probe_world, write_probe_json
 
     for name in ("train_docs", "test_docs"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, found {getattr(args, name)}")
-    art = build_world(_target(args), out=args.out, progress=not args.no_progress)
+    target = _target(args)
+    apply_threads_flag(args)
+    art = build_world(target, out=args.out, progress=not args.no_progress)
     n_test = args.test_docs if args.test_docs is not None else min(300, art.config.n_heldout_docs)
     results = probe_world(art, layers=_parse_layers(args.layers), n_train_docs=args.train_docs,
                           n_test_docs=n_test, progress=not args.no_progress)
