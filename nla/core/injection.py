@@ -29,12 +29,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nla.core.sidecar import INJECTION_ADAPTER_FILE
 from nla.core.vectors import normalize_activation, ridge_solve
 
 logger = logging.getLogger(__name__)
 
 ADAPTER_ATTR = "nla_injection_adapter"  # the adapter's submodule name on the AV
-ADAPTER_FILE = "nla_injection_adapter.safetensors"
+ADAPTER_FILE = INJECTION_ADAPTER_FILE  # "nla_injection_adapter.safetensors", what nla's saves name
 
 
 class ScaledRotation(nn.Module):
@@ -210,16 +211,79 @@ def save_adapter_file(adapter_state: dict[str, Tensor], directory: str | Path) -
     return path
 
 
-def load_adapter_file(directory: str | Path, sidecar: Any, *, dtype: torch.dtype = torch.float32) -> InjectionAdapter:
-    """The adapter the sidecar's ``injection_adapter`` block names, from ``directory``."""
-    from safetensors.torch import load_file
+def adapter_file_path(directory: str | Path, sidecar: Any) -> Path:
+    """The file the sidecar's ``injection_adapter.file`` names in the checkpoint ``directory``, checked:
+    it resolves inside ``directory`` (no ``..``, absolute path or symlink out of it), and, when the
+    checkpoint has ``nla_checksums.sha256``, the record lists it and its SHA-256 matches
+    (``NLA_VERIFY_CHECKSUMS``); else an :class:`~nla.util.validation.InputError` naming the field."""
+    from nla.util.validation import CHECKSUM_FILE, InputError, _sha256, verify_mode
 
-    spec = sidecar.injection_adapter
-    path = Path(directory) / spec["file"]
-    if not path.is_file():
+    d = Path(directory)
+    name = sidecar.injection_adapter["file"]
+    where = f"{d}: the sidecar's injection_adapter.file {name!r}"
+    root, path = d.resolve(), (d / name)
+    resolved = path.resolve()
+    if Path(name).is_absolute() or not resolved.is_relative_to(root):
+        raise InputError(f"{where} resolves to {resolved}, outside the checkpoint dir {root}; an AV's adapter is a "
+                         f"file of its own checkpoint (nla writes {ADAPTER_FILE}): fix the sidecar or restore the "
+                         "checkpoint dir as it was written")
+    if not resolved.is_file():
         raise FileNotFoundError(f"{path}: the sidecar's injection_adapter names this file but it is missing; the AV "
                                 "cannot read vectors without it. Restore the checkpoint dir as it was written")
-    state = load_file(str(path))
+    record = d / CHECKSUM_FILE
+    if record.is_file():
+        rel = resolved.relative_to(root).as_posix()
+        listed = {}
+        for line in record.read_text(encoding="utf-8").splitlines():
+            digest, _, listed_name = line.partition("  ")
+            if listed_name:
+                listed[listed_name] = digest
+        if rel not in listed:
+            raise InputError(f"{where} is not listed in {record} (it lists {sorted(listed)}); the checksum record does "
+                             "not cover the adapter it names, so it is not the file this checkpoint was saved with: "
+                             f"name {ADAPTER_FILE}, or restore the checkpoint dir as it was written")
+        mode = verify_mode()
+        if mode != "off" and _sha256(resolved, use_record=mode == "once") != listed[rel]:
+            raise InputError(f"{resolved}: its SHA-256 differs from the one recorded when it was saved ({record.name}); "
+                             "the file is corrupted or replaced: re-download or re-save the checkpoint")
+    return resolved
+
+
+def check_adapter_named(directory: str | Path, sidecar: Any) -> None:
+    """An AV checkpoint holding ``nla_injection_adapter.safetensors`` whose sidecar has no
+    ``injection_adapter`` block is refused: loading it without the adapter feeds the AV vectors
+    it was not trained to read (or of the wrong width), silently."""
+    from nla.util.validation import CHECKSUM_FILE, InputError
+
+    d = Path(directory)
+    if (sidecar is not None and sidecar.injection_adapter is not None) or not (d / ADAPTER_FILE).exists():
+        return
+    record = d / CHECKSUM_FILE
+    listed = record.is_file() and any(line.partition("  ")[2] == ADAPTER_FILE
+                                      for line in record.read_text(encoding="utf-8").splitlines())
+    raise InputError(
+        f"{d / ADAPTER_FILE}: present{f' and listed in {CHECKSUM_FILE}' if listed else ''}, but the sidecar has no "
+        "injection_adapter block naming it; the AV would load without the adapter it was trained with. Use the "
+        "sidecar saved with this checkpoint, or restore its injection_adapter block (kind: affine, d_in, d_out, "
+        f"file: {ADAPTER_FILE})")
+
+
+def load_adapter_file(directory: str | Path, sidecar: Any, *, dtype: torch.dtype = torch.float32) -> InjectionAdapter:
+    """The adapter the sidecar's ``injection_adapter`` block names, from ``directory`` (checked by
+    :func:`adapter_file_path`: inside the checkpoint and covered by its checksum record)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from nla.util.validation import InputError
+
+    spec = sidecar.injection_adapter
+    path = adapter_file_path(directory, sidecar)
+    try:
+        state = load_file(str(path))
+    except SafetensorError as err:
+        raise InputError(f"{path}: not a safetensors file ({path.stat().st_size} bytes; safetensors: {err}); the "
+                         f"sidecar's injection_adapter.file must name the adapter's safetensors weights "
+                         f"({ADAPTER_FILE}): restore the checkpoint dir as it was written") from None
     adapter = InjectionAdapter(spec["d_in"], spec["d_out"], dtype=dtype, mean_invariant=spec.get("mean_invariant", False),
                                conformal=spec.get("conformal", False))
     want = {k: tuple(v.shape) for k, v in adapter.state_dict().items()}
@@ -264,9 +328,11 @@ def load_av_model(path: str | Path, sidecar: Any, *, dtype: torch.dtype = torch.
     """An AV checkpoint dir as a causal LM, with its injection adapter attached when the sidecar has one."""
     from transformers import AutoModelForCausalLM
 
+    check_adapter_named(path, sidecar)
+    adapter = load_adapter_file(path, sidecar, dtype=dtype) if sidecar is not None and sidecar.injection_adapter else None
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, use_safetensors=True)
-    if sidecar is not None and sidecar.injection_adapter is not None:
-        attach_adapter(model, load_adapter_file(path, sidecar, dtype=dtype))
+    if adapter is not None:
+        attach_adapter(model, adapter)
     return model
 
 

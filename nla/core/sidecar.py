@@ -576,6 +576,22 @@ def _verify_ar(cfg: NLAConfig, tokenizer: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 # Reading and writing
 # ---------------------------------------------------------------------------------------------
+INJECTION_ADAPTER_FILE = "nla_injection_adapter.safetensors"  # the AV's adapter file (nla.core.injection)
+
+
+def _check_adapter_named(file: Path, doc: Mapping) -> None:
+    """An AV checkpoint dir holding the injection adapter file needs the block that names it: without
+    it every loader would read the AV without its adapter, silently (issue 48)."""
+    if file.name != SIDECAR_NAME or doc.get("injection_adapter") is not None or doc.get("kind") != "nla_model":
+        return
+    if doc.get("role") in ("ar", "critic") or not (file.parent / INJECTION_ADAPTER_FILE).exists():
+        return
+    raise SidecarError(
+        f"{file}: no injection_adapter block, but {file.parent / INJECTION_ADAPTER_FILE} is there; the AV would "
+        "load without the adapter it was trained with. Use the sidecar saved with this checkpoint, or restore its "
+        f"injection_adapter block (kind: affine, d_in, d_out, file: {INJECTION_ADAPTER_FILE})")
+
+
 def sidecar_path_for(path: str | os.PathLike) -> Path:
     """Where the sidecar of ``path`` lives: ``dir/nla_meta.yaml`` or ``x.parquet.nla_meta.yaml``."""
     p = Path(path)
@@ -620,6 +636,7 @@ def load_sidecar(path: str | os.PathLike) -> NLAConfig:
     if not isinstance(doc, Mapping):
         raise SidecarError(f"{file}: expected a YAML mapping at the top level, found {type(doc).__name__}")
     _check_template_digests(doc, file)
+    _check_adapter_named(file, doc)
 
     def need(name: str, *paths: tuple[str, ...]) -> Any:
         value = _lookup(doc, *paths)
