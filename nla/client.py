@@ -41,7 +41,7 @@ from nla.core.reward import Status, charge_failures, failed_mse
 from nla.core.sidecar import SIDECAR_NAME, NLAConfig, SidecarError, load_sidecar, verify_tokenizer
 from nla.core.vectors import cosine, mse_nrm
 from nla.util.threads import adapt_threads
-from nla.util.validation import check_checkpoint, check_vectors
+from nla.util.validation import check_checkpoint, check_sample_count, check_vectors
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +164,26 @@ def _as_tensor(vectors: Any, d_model: int, what: str) -> Tensor:
         )
     # np.array copies: arrow-backed arrays are read-only, which torch warns about.
     return torch.from_numpy(np.array(check_vectors(arr, "vectors"), dtype=np.float32))
+
+
+def decode_memory_lower_bound(model: nn.Module, sequences: int, tokens: int) -> int:
+    """Bytes that decoding ``sequences`` rows of ``tokens`` tokens together cannot do without: the
+    KV cache (keys and values of every layer, in the model's dtype) and one step's fp32 logits and
+    their softmax. Activations and the weights come on top, so this only ever under-counts."""
+    cfg = getattr(model, "config", None)
+    text = getattr(cfg, "text_config", None) or cfg
+    layers = int(getattr(text, "num_hidden_layers", 0) or getattr(text, "n_layer", 0) or 0)
+    hidden = int(getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0) or 0)
+    heads = int(getattr(text, "num_attention_heads", 0) or getattr(text, "n_head", 0) or 1)
+    kv_heads = int(getattr(text, "num_key_value_heads", 0) or heads)
+    head_dim = int(getattr(text, "head_dim", 0) or hidden // max(heads, 1))
+    vocab = int(getattr(text, "vocab_size", 0) or 0)
+    try:
+        elt = next(model.parameters()).element_size()
+    except (StopIteration, AttributeError):
+        elt = 4
+    kv = sequences * tokens * 2 * layers * kv_heads * head_dim * elt
+    return kv + sequences * vocab * 4 * 2
 
 
 def device_of(model: nn.Module) -> torch.device:
@@ -382,6 +402,13 @@ class NLAClient:
                 f"verbalize: n_samples, batch_size, max_new_tokens and best_of must be >= 1, found {n_samples}, "
                 f"{batch_size}, {max_new_tokens}, {best_of}"
             )
+        try:
+            check_sample_count(n_samples, "n_samples")
+            check_sample_count(best_of, "best_of")
+        except ValueError as err:
+            raise NLAClientError(str(err)) from None
+        self._check_decode_memory(min(batch_size, vec.shape[0]), max(n_samples, best_of), max_new_tokens,
+                                  "best_of" if best_of > 1 else "n_samples")
         if best_of > 1:
             return self._best_of(vec, best_of, n_samples=n_samples, greedy=greedy, max_new_tokens=max_new_tokens,
                                  temperature=temperature, seed=seed, batch_size=batch_size)
@@ -403,6 +430,20 @@ class NLAClient:
                 for i, status in enumerate(ro.statuses()):
                     out.append(Verbalization(ro.texts[i], ro.explanations[i], status, int(ro.prompt_rows[i])))
         return out
+
+    def _check_decode_memory(self, vectors: int, samples: int, max_new_tokens: int, what: str) -> None:
+        """Refuse, before decoding, a batch whose KV cache and logits alone exceed the memory free now
+        (``vectors`` x ``samples`` sequences of the prompt + ``max_new_tokens`` tokens decode together)."""
+        from nla.train.health import available_memory
+
+        need = decode_memory_lower_bound(self.av_model, vectors * samples, max_new_tokens + 64)
+        free = available_memory(device_of(self.av_model))
+        if free is not None and need > free:
+            raise NLAClientError(
+                f"verbalize: {what}={samples} decodes {vectors} x {samples} = {vectors * samples} sequences at once, "
+                f"which needs at least {need / 2**30:.1f} GiB (KV cache and logits) and {free / 2**30:.1f} GiB is "
+                "free; ask for fewer samples, a smaller batch_size (--batch-size) or fewer max_new_tokens"
+            )
 
     def _best_of(self, vec: Tensor, best_of: int, *, n_samples: int, greedy: bool, **kw: Any) -> list[Verbalization]:
         self.require_ar("verbalize(best_of=...)")

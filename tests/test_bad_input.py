@@ -201,3 +201,52 @@ def test_a_max_length_too_short_for_the_ar_tail_is_named_as_the_cause(pair, ar_d
                       "--set", "device=cpu")
     assert code == 2 and not run.exists()
     assert_one_error_line(lines, "rl", "reconstructor.max_length: 2 tokens cannot hold")
+
+
+# Issue 48: a missing --subject, and sample counts bounded before any decoding.
+def test_a_missing_or_non_model_subject_is_an_error_naming_the_flag(pair, ar_data, tmp_path, capsys):  # noqa: F811
+    ds = ar_data[0]
+    base = ["eval", "--av", pair["av"], "--ar", pair["ar"], "--dataset", ds, "--suite", "causal", "--device", "cpu",
+            "--out", tmp_path / "ev"]
+    code, lines = cli(capsys, *base, "--subject", tmp_path / "missing")
+    assert code == 2 and not (tmp_path / "ev").exists()
+    assert lines == [f"nla eval: error: --subject: no directory at {tmp_path / 'missing'}; check the path"]
+    (tmp_path / "empty").mkdir()
+    code, lines = cli(capsys, *base, "--subject", tmp_path / "empty")
+    assert code == 2 and lines == [f"nla eval: error: --subject: {tmp_path / 'empty'} has no config.json; it is not a "
+                                   "Hugging Face model directory"]
+    code, lines = cli(capsys, "eval", "--ar", pair["ar"], "--dataset", ds, "--subject", pair["av"])  # no --suite
+    assert code == 2 and lines == ["nla eval: error: --subject: only the suite's causal edits read a subject; add "
+                                   "--suite causal (or --suite)"]
+
+
+def test_sample_counts_are_bounded_before_any_work(pair, ar_data, tmp_path, capsys, monkeypatch):  # noqa: F811
+    from nla.client import NLAClient, NLAClientError
+    from nla.util.validation import MAX_SAMPLES_PER_VECTOR
+
+    assert MAX_SAMPLES_PER_VECTOR == 1024
+    code, lines = cli(capsys, "eval", "--av", pair["av"], "--ar", pair["ar"], "--dataset", ar_data[0], "--suite",
+                      "best_of", "--best-of", "1,100000", "--out", tmp_path / "ev")
+    assert code == 2 and not (tmp_path / "ev").exists()
+    assert lines == ["nla eval: error: --best-of: expected comma-separated sample counts in 1..1024 such as 1,4,8 "
+                     "(every sample of a vector is decoded in one batch), found '1,100000'"]
+    code, lines = cli(capsys, "verbalize", "--av", pair["av"], "--vectors", pair["root"] / "good.npy", "--sample",
+                      "--n-samples", "1025")
+    assert code == 2 and lines[-1] == ("nla verbalize: error: argument --n-samples: expected a sample count in "
+                                       "1..1024 per vector (every sample of a vector is decoded in one batch), found "
+                                       "1025; see nla verbalize --help")
+    client = NLAClient(pair["av"], pair["ar"], device="cpu")
+    with pytest.raises(NLAClientError, match=r"^best_of: expected a sample count in 1..1024 per vector .* found "
+                                             r"100000; ask for fewer samples$"):
+        client.verbalize(pair["good"], greedy=False, best_of=100000)
+    # Under the cap, the decode batch's KV cache and logits are compared with the memory free now.
+    import nla.train.health as health
+
+    monkeypatch.setattr(health, "available_memory", lambda device: 2**20)  # 1 MiB free
+    with pytest.raises(NLAClientError, match=r"^verbalize: n_samples=512 decodes 4 x 512 = 2048 sequences at once, "
+                                             r"which needs at least \d+\.\d GiB \(KV cache and logits\) and 0.0 GiB is "
+                                             r"free; ask for fewer samples, a smaller batch_size \(--batch-size\) or "
+                                             r"fewer max_new_tokens$"):
+        client.verbalize(pair["good"], greedy=False, n_samples=512)
+    monkeypatch.setattr(health, "available_memory", lambda device: 2**40)
+    assert len(client.verbalize(pair["good"][:1], greedy=False, n_samples=2, max_new_tokens=2)) == 2

@@ -60,7 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                      "dataset's sidecar records)")
     p.add_argument("--baseline-av", help="--suite: the warm-start AV, whose false-claim rate is compared with the "
                                          "pair's")
-    p.add_argument("--best-of", default="1,4,8", help="--suite: the N of best-of-N decoding (comma-separated)")
+    p.add_argument("--best-of", default="1,4,8", help="--suite: the N of best-of-N decoding (comma-separated, each "
+                                                       "at most 1024)")
     p.add_argument("--temperature", type=float, default=0.7, help="--suite: best-of-N's sampling temperature")
     p.add_argument("--paraphrase-provider", choices=["anthropic", "openai"],
                    help="--suite: re-phrase the claims the grader cannot through this API (off by default; needs "
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from nla.client import NLAClient
     from nla.datagen.io import read_vectors
     from nla.eval.evaluate import evaluate_pair
-    from nla.util.validation import check_device, check_output_path
+    from nla.util.validation import check_checkpoint, check_device, check_output_path
 
     check_device(args.device)
     parts = _suite_parts(args) if args.suite is not None else None
@@ -90,6 +91,11 @@ def run(args: argparse.Namespace) -> int:
         get_grader(args.grader)  # an unknown name is refused before any model loads
     if args.out:
         check_output_path(args.out, "--out")
+    if args.subject is not None:
+        # a missing --subject used to be reported as "causal: not run" with exit 0
+        if parts is None:
+            raise ValueError("--subject: only the suite's causal edits read a subject; add --suite causal (or --suite)")
+        check_checkpoint(args.subject, "--subject")
     apply_threads_flag(args)
     read_vectors(args.dataset)  # NaN / Inf / zero rows are named with the file before any model loads
     mixed = args.allow_mixed_provenance
@@ -136,12 +142,15 @@ def _suite_parts(args: argparse.Namespace) -> list[str]:
 
 
 def _best_of(spec: str) -> list[int]:
+    from nla.util.validation import MAX_SAMPLES_PER_VECTOR
+
     try:
         ns = sorted({int(x) for x in spec.split(",") if x.strip()})
     except ValueError:
         ns = []
-    if not ns or ns[0] < 1:
-        raise ValueError(f"--best-of: expected comma-separated sample counts >= 1 such as 1,4,8, found {spec!r}")
+    if not ns or ns[0] < 1 or ns[-1] > MAX_SAMPLES_PER_VECTOR:
+        raise ValueError(f"--best-of: expected comma-separated sample counts in 1..{MAX_SAMPLES_PER_VECTOR} such as "
+                         f"1,4,8 (every sample of a vector is decoded in one batch), found {spec!r}")
     return ns
 
 

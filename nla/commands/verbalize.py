@@ -12,7 +12,7 @@ import argparse
 import logging
 
 from nla.commands.eval import add_model_args, apply_threads_flag
-from nla.util.validation import positive_int, seed_flag
+from nla.util.validation import positive_int, sample_count_flag, seed_flag
 
 log = logging.getLogger("nla.verbalize")
 
@@ -24,7 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rows", type=positive_int, help="only the first N vectors")
     p.add_argument("--out", help="JSONL file (one {row, status, explanation, text} per sample); default stdout")
     p.add_argument("--max-new-tokens", type=positive_int, default=150)
-    p.add_argument("--n-samples", type=positive_int, default=1)
+    p.add_argument("--n-samples", type=sample_count_flag, default=1,
+                   help="explanations per vector (at most nla.util.validation.MAX_SAMPLES_PER_VECTOR = 1024)")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=seed_flag, help="the sampling seed (0..2**32-1)")

@@ -51,6 +51,9 @@ __all__ = [
     "load_yaml",
     "safe_load_unique",
     "seed_flag",
+    "sample_count_flag",
+    "check_sample_count",
+    "MAX_SAMPLES_PER_VECTOR",
     "non_negative_int",
     "positive_int",
 ]
@@ -579,4 +582,31 @@ def seed_flag(text: str) -> int:
     if not 0 <= value <= SEED_MAX:
         raise argparse.ArgumentTypeError(f"expected an integer seed in 0..{SEED_MAX} (the range numpy's and torch's "
                                          f"seeds share), found {value}; pick a seed in that range")
+    return value
+
+
+# The most explanations drawn for one vector (verbalize --n-samples, eval --best-of, NLAClient.verbalize's
+# n_samples / best_of). Every sample of a vector is decoded in the same batch, so memory grows with the
+# count: --best-of 100000 ran for a minute and was killed at 23 GB (issue 48). A count under the cap is
+# still checked against the memory it needs (NLAClient.verbalize) before decoding starts.
+MAX_SAMPLES_PER_VECTOR = 1024
+
+
+def check_sample_count(value: int, what: str) -> int:
+    """``value`` explanations per vector: 1..MAX_SAMPLES_PER_VECTOR, or an :class:`InputError` naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SAMPLES_PER_VECTOR:
+        raise InputError(f"{what}: expected a sample count in 1..{MAX_SAMPLES_PER_VECTOR} per vector (every sample "
+                         f"of a vector is decoded in one batch), found {value!r}; ask for fewer samples")
+    return value
+
+
+def sample_count_flag(text: str) -> int:
+    """argparse type of a per-vector sample count (``--n-samples``): 1..MAX_SAMPLES_PER_VECTOR."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer in 1..{MAX_SAMPLES_PER_VECTOR}, found {text!r}") from None
+    if not 1 <= value <= MAX_SAMPLES_PER_VECTOR:
+        raise argparse.ArgumentTypeError(f"expected a sample count in 1..{MAX_SAMPLES_PER_VECTOR} per vector (every "
+                                         f"sample of a vector is decoded in one batch), found {value}")
     return value
