@@ -17,7 +17,11 @@ here:
 - ``save_adapter`` / ``load_adapter``: the adapter alone, in peft's own format
   (``adapter_config.json`` + ``adapter_model.safetensors``, keys ``base_model.model.*``), so
   ``peft.PeftModel.from_pretrained(base, dir)`` also reads it; RL resumes from it on top of
-  the warm-started AV (the reference must stay that base).
+  the warm-started AV (the reference must stay that base). ``nla_lora.json`` records the
+  settings, the base's path and, when the base is a local dir, ``base_weights_sha256`` (the
+  SHA-256 of the base's checksum record, ``base_fingerprint``): ``load_merged`` refuses an
+  adapter on any other base, even one of the same shape. Reading an adapter dir checks
+  ``nla_lora.json`` by schema and refuses pickled weight files before peft sees the dir.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["DEFAULT_TARGETS", "LORA_SUBDIR", "LoRASettings", "adapter_dir_for", "adapter_state", "adapters_off",
-           "apply_lora", "apply_sft_lora", "has_lora", "held_state_bytes", "is_adapter_dir", "load_adapter",
-           "load_merged", "lora_scaling", "merged_items", "merged_state_dict", "save_adapter"]
+           "apply_lora", "apply_sft_lora", "base_fingerprint", "check_adapter_files", "check_base_weights", "has_lora",
+           "held_state_bytes", "is_adapter_dir", "load_adapter", "load_merged", "lora_scaling", "merged_items",
+           "merged_state_dict", "read_lora_meta", "save_adapter"]
 
 # The linear projections of a Llama / Qwen2 / Gemma block (attention and MLP).
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -214,11 +219,121 @@ def save_adapter(model: nn.Module, directory: str | Path, base_model: str | Path
     config.base_model_name_or_path = base
     config.save_pretrained(str(directory))
     meta = {**asdict(settings), "base_model": base}
+    if base and Path(base).is_dir():  # the exact weights this adapter was trained on (a hub id: none)
+        fingerprint = base_fingerprint(base)
+        if fingerprint is not None:
+            meta["base_weights_sha256"] = fingerprint
     if nla_dir is not None:  # ".." for a checkpoint's own adapter, so the run dir can move
         home = Path(nla_dir).resolve()
         meta["nla_dir"] = ".." if home == directory.resolve().parent else str(home)
     (directory / "nla_lora.json").write_text(json.dumps(meta, indent=1))
     return directory
+
+
+LORA_META = "nla_lora.json"
+# nla_lora.json: key -> (accepted types, required). ``nla_dir`` and ``base_weights_sha256`` came later.
+_META_SCHEMA: dict[str, tuple[tuple[type, ...], bool]] = {
+    "r": ((int,), True), "alpha": ((int, float), True), "dropout": ((int, float), True),
+    "target_modules": ((list,), True), "base_model": ((str,), True), "nla_dir": ((str,), False),
+    "base_weights_sha256": ((str,), False),
+}
+# Weight files torch or peft would unpickle (adapter_model.bin is peft's fallback when no safetensors).
+PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+
+def read_lora_meta(directory: str | Path) -> dict[str, Any]:
+    """``directory``'s ``nla_lora.json``, checked by schema (an object with ``r`` > 0, ``alpha``,
+    ``dropout``, ``target_modules`` (names), ``base_model``; ``nla_dir`` and
+    ``base_weights_sha256`` optional), or an :class:`~nla.util.validation.InputError` naming the
+    file, the key, what was expected and what was found."""
+    from nla.util.validation import InputError
+
+    path = Path(directory) / LORA_META
+    fix = "re-save the adapter with nla (nla.core.lora.save_adapter), or load the merged AV dir beside it"
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: missing; this is not a LoRA adapter dir nla wrote") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InputError(f"{path}: not valid JSON ({err}); {fix}") from None
+    if not isinstance(meta, dict):
+        raise InputError(f"{path}: expected a JSON object {{r, alpha, dropout, target_modules, base_model, ...}}, "
+                         f"found a {type(meta).__name__}; {fix}")
+    for key, (types, required) in _META_SCHEMA.items():
+        if key not in meta:
+            if required:
+                raise InputError(f"{path}: missing key {key!r} (expected {' or '.join(t.__name__ for t in types)}); {fix}")
+            continue
+        value = meta[key]
+        ok = isinstance(value, types) and not isinstance(value, bool)
+        if ok and key == "r":
+            ok = value > 0
+        if ok and key == "target_modules":
+            ok = bool(value) and all(isinstance(t, str) and t for t in value)
+        if ok and key == "base_weights_sha256":
+            ok = bool(re.fullmatch(r"[0-9a-f]{64}", value))
+        if not ok:
+            want = {"r": "a positive int", "target_modules": "a non-empty list of module names",
+                    "base_weights_sha256": "64 hex digits"}.get(key, " or ".join(t.__name__ for t in types))
+            raise InputError(f"{path}: {key}: expected {want}, found {value!r}; {fix}")
+    return meta
+
+
+def check_adapter_files(directory: str | Path) -> None:
+    """Refuse an adapter dir holding a pickled weight file (``adapter_model.bin``, ``*.pt``, ...)
+    before peft reads it: nla never unpickles (peft would, or fail with an UnpicklingError)."""
+    from nla.util.validation import InputError
+
+    d = Path(directory)
+    pickled = sorted(f.name for f in d.iterdir() if f.suffix.lower() in PICKLED_SUFFIXES) if d.is_dir() else []
+    if pickled:
+        raise InputError(
+            f"{d}: holds pickled weight file(s) {pickled}; nla never unpickles (loading a pickle can run any code): "
+            "convert the adapter to safetensors (adapter_model.safetensors, e.g. peft's save_pretrained(..., "
+            "safe_serialization=True)) and remove the pickled file(s)")
+
+
+def base_fingerprint(directory: str | Path) -> str | None:
+    """SHA-256 of a checkpoint's weights: of the ``nla_checksums.sha256`` lines (``<sha256>  <name>``,
+    sorted by name) of its ``*.safetensors`` files, read from its checksum record when it has one
+    (nla's saves; cheap), else computed (once per file and machine). None without safetensors files."""
+    import hashlib
+
+    from nla.util.validation import CHECKSUM_FILE, _sha256
+
+    d = Path(directory)
+    record = d / CHECKSUM_FILE
+    digests: dict[str, str] = {}
+    if record.is_file():
+        for line in record.read_text(encoding="utf-8").splitlines():
+            digest, _, name = line.partition("  ")
+            if name:
+                digests[name] = digest
+    else:
+        for f in sorted(d.glob("*.safetensors")):
+            if f.is_file():
+                digests[f.name] = _sha256(f, use_record=True)
+    if not digests:
+        return None
+    return hashlib.sha256("".join(f"{digests[n]}  {n}\n" for n in sorted(digests)).encode()).hexdigest()
+
+
+def check_base_weights(directory: str | Path, meta: dict[str, Any], base: Path) -> None:
+    """The base dir holds the weights the adapter was saved on (``base_weights_sha256``; an adapter
+    saved before that field existed is checked by its base path only, as before)."""
+    from nla.util.validation import InputError, verify_checksums
+
+    want = meta.get("base_weights_sha256")
+    if want is None:
+        return
+    verify_checksums(base)  # its files match their record (NLA_VERIFY_CHECKSUMS), so the record's digest is theirs
+    found = base_fingerprint(base)
+    if found != want:
+        raise InputError(
+            f"{Path(directory) / LORA_META}: base_weights_sha256 {want[:12]}… but the base AV {base} (base_model) now "
+            f"holds weights {(found or 'none')[:12]}…; the adapter was trained on other weights (another AV of the "
+            "same shape, or a base re-saved since): load it with the base it was saved on, or load the merged AV "
+            "dir beside the adapter")
 
 
 def is_adapter_dir(directory: str | Path) -> bool:
@@ -234,12 +349,21 @@ def load_merged(directory: str | Path, dtype: torch.dtype = torch.float32) -> tu
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    meta = json.loads((Path(directory) / "nla_lora.json").read_text())
+    from nla.util.validation import check_safetensors_file
+
+    meta = read_lora_meta(directory)
+    check_adapter_files(directory)
+    weights = Path(directory) / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights}: missing; the adapter dir is incomplete: re-save the adapter, or load the "
+                                "merged AV dir beside it")
+    check_safetensors_file(weights)
     base = Path(meta.get("base_model") or "")
     if not str(base) or not (base / "config.json").is_file():
         raise FileNotFoundError(f"{directory}: the adapter's base AV {str(base)!r} (nla_lora.json base_model) is "
                                 "not a checkpoint dir here; load the merged AV dir beside the adapter instead")
-    from nla.core.injection import attach_adapter, load_adapter_file
+    check_base_weights(directory, meta, base)
+    from nla.core.injection import attach_adapter, check_adapter_named, load_adapter_file
     from nla.core.sidecar import SIDECAR_NAME, load_sidecar
 
     home = (Path(directory) / meta["nla_dir"]).resolve() if meta.get("nla_dir") else base
@@ -249,6 +373,7 @@ def load_merged(directory: str | Path, dtype: torch.dtype = torch.float32) -> tu
     model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, use_safetensors=True)
     merged = PeftModel.from_pretrained(model, str(directory)).merge_and_unload()
     side = load_sidecar(home)
+    check_adapter_named(home, side)
     if side.injection_adapter is not None:  # RL: frozen, the base AV's own; a warm-start: the one it trained
         attach_adapter(merged, load_adapter_file(home, side, dtype=dtype))
     return merged, home
@@ -260,6 +385,7 @@ def load_adapter(model: nn.Module, directory: str | Path) -> None:
     from safetensors.torch import load_file
 
     path = Path(directory) / "adapter_model.safetensors"
+    check_adapter_files(directory)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no LoRA adapter here; resume a LoRA run from a checkpoint it wrote")
     state = {k.removeprefix(ADAPTER_PREFIX): v for k, v in load_file(str(path)).items()}
