@@ -140,27 +140,41 @@ class GenericGrader(DatasetGrader):
 
 @dataclass(frozen=True)
 class Faithfulness:
-    """Mean fact recall / precision over rows; ``by_kind[kind] = (recall, precision)``."""
+    """Mean fact recall / precision over the rows with ground truth; ``by_kind[kind] = (recall,
+    precision)``; ``n`` rows graded. A row whose ``facts`` is null has no ground truth and is not
+    graded (it is not a perfect row); when no row has any, ``recall`` / ``precision`` are None and
+    ``note`` says so (``note`` also counts the ungraded rows when some are)."""
 
-    recall: float
-    precision: float
+    recall: float | None
+    precision: float | None
     by_kind: dict[str, tuple[float, float]]
     n: int
+    note: str | None = None
 
 
 def faithfulness(texts: list[str | None], facts: list[list[str]], grader: DatasetGrader | None = None
                  ) -> Faithfulness | None:
     """Mean recall / precision of ``texts`` (None = claimed nothing) against each row's ``facts``,
     graded by ``grader`` (the world grader when None: a ``facts`` column of "kind=value"
-    strings); None when the grader grades no facts."""
+    strings); None when the grader grades no facts. A row whose facts are None (a null in the
+    column) has no ground truth: it is left out, not graded as perfect; with none left, recall and
+    precision are None and ``note`` says "no ground truth" (an empty list is a truth: nothing holds)."""
     grader = grader or get_grader("world")
     if len(texts) != len(facts):
         raise ValueError(f"faithfulness: {len(texts)} texts for {len(facts)} fact lists")
     recalls, precisions = [], []
     per_kind: dict[str, list[tuple[float, float]]] = {}
+    missing = [i for i, fs in enumerate(facts) if fs is None]
+    if missing and len(missing) == len(facts):
+        if grader.grade("", []) is None:
+            return None
+        return Faithfulness(None, None, {}, 0, note=f"no ground truth: facts is null on every row ({len(facts)}); "
+                                                   "recall and precision are not graded")
     for i, (t, fs) in enumerate(zip(texts, facts, strict=True)):
+        if fs is None:
+            continue
         try:
-            g = grader.grade(t or "", list(fs or []))
+            g = grader.grade(t or "", list(fs))
         except ValueError as err:
             raise ValueError(f"facts: row {i}: {err}") from None
         if g is None:
@@ -172,7 +186,9 @@ def faithfulness(texts: list[str | None], facts: list[list[str]], grader: Datase
     order = [k for k in grader.kinds if k in per_kind] + sorted(set(per_kind) - set(grader.kinds))
     by_kind = {k: (float(np.mean([r for r, _ in per_kind[k]])), float(np.mean([p for _, p in per_kind[k]])))
                for k in order}
-    return Faithfulness(float(np.mean(recalls)), float(np.mean(precisions)), by_kind, len(texts))
+    note = (f"{len(missing)} of {len(facts)} rows have no ground truth (facts null) and are not graded"
+            if missing else None)
+    return Faithfulness(float(np.mean(recalls)), float(np.mean(precisions)), by_kind, len(recalls), note=note)
 
 
 # ------------------------------------------------------------------ text helpers (any language)

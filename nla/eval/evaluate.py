@@ -144,6 +144,9 @@ class EvalReport:
                 f"{_fmt(f.recall if f else None)} | {_fmt(f.precision if f else None)} | "
                 f"{_pct(r.degenerate['any']) if r.degenerate else '-'} |"
             )
+        notes = list(dict.fromkeys(r.faithfulness.note for r in self.rows if r.faithfulness and r.faithfulness.note))
+        if notes:  # rows without ground truth are not graded (issue 48: all-null facts once graded 1.000)
+            lines += [""] + [f"Fact recall / precision: {n}." for n in notes]
         kinds = [r for r in self.rows if r.faithfulness and r.faithfulness.by_kind]
         if kinds:
             lines += ["", "## Fact recall / precision by kind", "",

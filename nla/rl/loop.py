@@ -213,7 +213,7 @@ def grade_facts(rollout: Rollout, facts: list[list[str]] | None, grader: Dataset
         return {}
     truth = [facts[int(r)] for r in rollout.prompt_rows.tolist()]
     f = faithfulness(rollout.explanations, truth, grader)
-    return {} if f is None else {"fact_recall": f.recall, "fact_precision": f.precision}
+    return {} if f is None or f.recall is None else {"fact_recall": f.recall, "fact_precision": f.precision}
 
 
 def collect_rollout(groups: WorkerGroups, cfg: RLConfig, data: RLData, cursor: DataCursor,
