@@ -7,6 +7,7 @@ nothing is ever unpickled. A checkpoint directory appears whole or not at all (`
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import random
 import shutil
@@ -69,6 +70,15 @@ def atomic_dir(final_path: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if _is_disk_full(exc):
+            # save_pretrained's safetensors writer raises SafetensorError("... No space left on device (os error
+            # 28)"), neither an OSError nor a RuntimeError: it was a traceback (issue 48).
+            free = shutil.disk_usage(final.parent).free
+            raise CheckpointSaveError(
+                f"saving the checkpoint {final} failed: the disk is full (no space left on device; "
+                f"{free / 2**20:.0f} MB are free under {final.parent} now). The previous checkpoint is intact; free "
+                "space (or pick another out_dir) and rerun with --resume"
+            ) from exc
         if isinstance(exc, (OSError, RuntimeError)) and not isinstance(exc, CheckpointSaveError):
             # torch.save on a full disk says only "[enforce fail at inline_container.cc] unexpected pos".
             free = shutil.disk_usage(final.parent).free
@@ -78,6 +88,22 @@ def atomic_dir(final_path: str | os.PathLike) -> Iterator[Path]:
                 "rerun with --resume"
             ) from exc
         raise
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a full disk: an OSError with errno
+    ENOSPC / EDQUOT, or a writer's message carrying it (safetensors' ``os error 28``)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen and not isinstance(e, CheckpointSaveError):
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(e)
+        if f"os error {errno.ENOSPC})" in text or "No space left on device" in text:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 class CheckpointSaveError(RuntimeError):
