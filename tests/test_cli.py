@@ -72,3 +72,42 @@ def test_verbalize_threads_reach_torch(tmp_path, capsys):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_explore_refuses_a_port_in_use_before_printing_the_link(tmp_path, capsys):
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = main(["explore", "--av", str(tmp_path / "av"), "--ar", str(tmp_path / "ar"), "--port", str(port)])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.err == (f"nla explore: error: --port: cannot listen on 127.0.0.1:{port} (Address already in use); "
+                            "another program uses the port: stop it or pass another --port\n")
+    assert "open http" not in captured.out + captured.err
+
+
+def test_explore_on_all_interfaces_answers_the_machines_own_addresses(monkeypatch):
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from nla.commands import explore
+    from nla.util.http import HostAllowList
+
+    own = explore.interface_addresses()
+    assert "127.0.0.1" in own
+    hosts = explore.allowed_hosts("0.0.0.0", [])
+    assert own <= set(hosts)
+    # an interface address getaddrinfo(hostname) does not return (the case that was refused)
+    monkeypatch.setattr(explore, "interface_addresses", lambda: {"127.0.0.1", "192.0.2.2", "fd00::2"})
+    hosts = explore.allowed_hosts("0.0.0.0", [])
+    assert {"192.0.2.2", "fd00::2"} <= set(hosts) and "192.0.2.2" not in explore.allowed_hosts("127.0.0.1", [])
+    app = HostAllowList(Starlette(routes=[Route("/", lambda r: PlainTextResponse("ok"))]), hosts)
+    client = TestClient(app)
+    assert client.get("/", headers={"Host": "192.0.2.2:8765"}).text == "ok"
+    assert client.get("/", headers={"Host": "[fd00::2]:8765"}).text == "ok"
+    assert client.get("/", headers={"Host": "evil.example:8765"}).status_code == 400

@@ -75,10 +75,55 @@ def build(args: argparse.Namespace):
 ALL_INTERFACES = ("0.0.0.0", "::", "")
 
 
+def interface_addresses() -> set[str]:
+    """This machine's own addresses: the IPv4 address of every interface (Linux ``SIOCGIFADDR``), its
+    IPv6 addresses (``/proc/net/if_inet6``), the source address of the default route, and what its
+    host name resolves to. ``getaddrinfo(hostname)`` alone often gives only 127.0.x.1, so a server
+    bound to 0.0.0.0 refused requests addressed to the machine's real address (issue 48)."""
+    import ipaddress
+    import socket
+
+    found: set[str] = set()
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _index, name in socket.if_nameindex():
+                try:
+                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+                except OSError:
+                    continue
+                found.add(socket.inet_ntoa(packed[20:24]))
+    except (ImportError, AttributeError, OSError):  # not Linux
+        pass
+    try:
+        with open("/proc/net/if_inet6") as fh:
+            for line in fh:
+                raw = line.split()[0]
+                found.add(str(ipaddress.IPv6Address(bytes.fromhex(raw))))
+    except (OSError, ValueError, IndexError):
+        pass
+    for family, probe in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):
+        try:  # connecting a UDP socket sends nothing; it picks the route's source address
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((probe, 9))
+                found.add(s.getsockname()[0])
+        except OSError:
+            pass
+    for name in {socket.gethostname(), socket.getfqdn()}:
+        try:
+            found.update(info[4][0] for info in socket.getaddrinfo(name, None))
+        except OSError:
+            pass
+    return {a.split("%")[0] for a in found if a}  # a Host header carries no zone id
+
+
 def allowed_hosts(bind: str, extra: list[str]) -> list[str]:
     """The host names the explorer answers: never "any" (the DNS-rebinding defence stays on for
     every bind). Loopback: the loopback names. All interfaces: those, this machine's names and
-    addresses. One address: it and this machine's names. Plus ``--allow-host`` names."""
+    the addresses of every interface (:func:`interface_addresses`). One address: it and this
+    machine's names. Plus ``--allow-host`` names."""
     import socket
 
     names = set(extra)
@@ -88,19 +133,38 @@ def allowed_hosts(bind: str, extra: list[str]) -> list[str]:
         names.update({socket.gethostname(), socket.getfqdn()})
         if bind in ALL_INTERFACES:
             names.update(LOOPBACK)
-            try:
-                names.update(info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None))
-            except OSError:
-                pass
+            names.update(interface_addresses())
         else:
             names.add(bind)
     return sorted(n for n in names if n)
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Bind ``host``:``port`` once and let it go, before the models load and before "open http://..."
+    is printed: a port in use used to print the link and then exit 3. A ValueError names the port."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as err:
+        raise ValueError(f"--host: cannot resolve {host!r} to an address to bind ({err}); give an address of this "
+                         "machine such as 127.0.0.1 (the default) or 0.0.0.0") from None
+    family, socktype, proto, _, address = infos[0]
+    with socket.socket(family, socktype, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            s.bind(address)
+        except OSError as err:
+            raise ValueError(f"--port: cannot listen on {host}:{port} ({err.strerror or err}); another program "
+                             "uses the port: stop it or pass another --port") from None
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    check_port_free(args.host, args.port)
     app = build(args)
+    check_port_free(args.host, args.port)  # again: the models took a while to load
     if args.host not in LOOPBACK:
         log.warning("binding to %s: anyone who can reach this address can use the explorer (it answers requests "
                     "addressed to %s; --allow-host adds names)", args.host, ", ".join(allowed_hosts(args.host,
