@@ -1,7 +1,7 @@
 """nla serve: a real uvicorn server on a free loopback port, real HTTP requests.
 
 The AV is a random-weight tiny Llama (the conftest tokenizer with the explanation tags) written
-with nla's own writers (``save_pretrained``, ``write_sidecar``), and the AR is built from it
+with nla's own writers (``save_av_checkpoint``, ``Reconstructor.save_pretrained``), and the AR is built from it
 (``Reconstructor.from_base``). Its greedy texts differ between vectors (some end at EOS, some run
 out of tokens), so equality with ``NLAClient.verbalize`` is a real check. The "published client"
 below is written from the description of what it does: chat template -> embedding rows read from
@@ -24,8 +24,9 @@ from conftest import build_tiny_model, build_tiny_tokenizer
 
 from nla.cli import build_parser, main
 from nla.client import NLAClient
+from nla.core.injection import save_av_checkpoint
 from nla.core.reconstructor import Reconstructor
-from nla.core.sidecar import NLAConfig, canonical_av_prompt_ids, write_sidecar
+from nla.core.sidecar import NLAConfig, canonical_av_prompt_ids
 from nla.core.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
 from nla.serve import ServeLimits
 from nla.serve.app import NLAService, create_app
@@ -51,9 +52,7 @@ def build_random_pair(root: Path, seed: int = 3) -> tuple[Path, Path]:
     )
     model = build_tiny_model("llama", tok, seed=seed)
     av_dir, ar_dir = root / "av", root / "ar"
-    model.save_pretrained(av_dir)
-    tok.save_pretrained(av_dir)
-    write_sidecar(av_dir / "nla_meta.yaml", side)
+    save_av_checkpoint(model, tok, side, av_dir)
     ar = Reconstructor.from_base(model, 1, tokenizer=tok, sidecar=side)
     ar.save_pretrained(ar_dir)
     return av_dir, ar_dir
@@ -411,3 +410,24 @@ def test_cli_parses_and_refuses_bad_port_and_host(pair, capsys):
         assert info["limits"]["max_new_tokens"] == 9 and info["av"] == str(pair[0])
         assert re.search("Invalid host header 'evil.example'", httpx.get(
             f"{srv.url}/health", headers={"host": "evil.example"}).text)
+
+
+def test_prompts_of_different_lengths_decode_together_as_alone(service):
+    """Left padding: a short and a long prompt in one batch give each one's tokens decoded alone
+    (the positions follow the attention mask)."""
+    from nla.serve.engine import GenerateJob, SamplingParams, decode_batch
+
+    emb = service.model.get_input_embeddings()
+
+    def job(text: str) -> GenerateJob:
+        with torch.no_grad():
+            e = emb(torch.tensor(service.tokenizer(text)["input_ids"])).float()
+        return GenerateJob(e, SamplingParams.parse({"temperature": 0, "max_new_tokens": 12}, service.limits))
+
+    texts = ["the cat walks", "the dog sleeps in the house and the cat walks to the garden"]
+    alone = [decode_batch(service.model, [job(t)], service.eos_id, service.pad_id, service.suppress_ids)[0]
+             for t in texts]
+    together = decode_batch(service.model, [job(t) for t in texts], service.eos_id, service.pad_id,
+                            service.suppress_ids)
+    assert together == alone
+    assert alone[0] != alone[1]
