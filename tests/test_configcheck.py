@@ -230,3 +230,18 @@ def test_seed_flags_give_the_allowed_range(tmp_path, capsys, command, seed):
                    f"numpy's and torch's seeds share), found {int(seed)}; pick a seed in that range; see "
                    f"nla {command[0]} --help")
     assert not (tmp_path / "o").exists()
+
+
+def test_paths_are_spelled_one_way_so_resume_compares_alike(tmp_path):
+    from nla.train.config import normalise_paths
+    from nla.train.rundir import _differences
+
+    rl = [normalise_paths(load_rl_config(None, {"av": av, "ar": "runs//ar", "dataset": "d.parquet",
+                                                "out_dir": "runs/rl/"})) for av in ("runs/av/", "./runs/av", "runs/av")]
+    assert {(c.av, c.ar, c.out_dir) for c in rl} == {("runs/av", "runs/ar", "runs/rl")}
+    assert rl[0].loss == rl[2].loss  # the sections survive the rebuild
+    # runs/av does not exist here, so only the one spelling makes the resume comparison agree
+    assert _differences(rl[0].to_dict(), rl[1].to_dict()) == []
+    ar = normalise_paths(load_config(ARTrainConfig, None, {"dataset": "./data/ar.parquet",
+                                                           "base_model": "Qwen/Qwen2.5-0.5B"}))
+    assert (ar.dataset, ar.base_model) == ("data/ar.parquet", "Qwen/Qwen2.5-0.5B")  # a hub id is unchanged

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from nla.rl.config import load_rl_config
     from nla.rl.loop import check_rollout_rows, check_run_provenance, run_rl
     from nla.rl.setup import load_pair_sidecars
-    from nla.train.config import parse_overrides
+    from nla.train.config import normalise_paths, parse_overrides
     from nla.train.rundir import prepare_run_dir
     from nla.util.validation import check_checkpoint, check_device, check_output_path
 
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             overrides[key] = value
     if args.allow_mixed_provenance:
         overrides["allow_mixed_provenance"] = True
-    cfg = load_rl_config(args.config, overrides)
+    cfg = normalise_paths(load_rl_config(args.config, overrides))  # one spelling per path, so --resume compares alike
     # Every input is checked before anything is written (nla.util.validation).
     check_output_path(cfg.out_dir, "out_dir")
     check_device(cfg.device)

@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from nla.datagen.io import read_vectors
-    from nla.train.config import ARTrainConfig, AVTrainConfig, load_config, parse_overrides
+    from nla.train.config import ARTrainConfig, AVTrainConfig, load_config, normalise_paths, parse_overrides
     from nla.train.rundir import prepare_run_dir
     from nla.util.validation import check_device, check_model_source, check_output_path
 
@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         from nla.train.av import train_av as train
 
         cfg = load_config(AVTrainConfig, args.config, overrides)
+    cfg = normalise_paths(cfg)  # one spelling per path, so --resume compares alike
     # Every input is checked before anything is written (nla.util.validation).
     check_output_path(cfg.out_dir, "out_dir")
     check_device(cfg.device)

@@ -357,10 +357,34 @@ def load_config(
     return config_from_dict(cls, data)
 
 
+PATH_FIELDS = ("av", "ar", "dataset", "eval_dataset", "out_dir", "base_model")
+
+
+def normalise_paths(cfg: C) -> C:
+    """``cfg`` with its path fields spelled one way (``os.path.normpath``: ``runs/av/``, ``./runs/av``
+    and ``runs//av`` are all ``runs/av``; a hub id such as ``org/name`` is unchanged).
+
+    The commands that save a run's config (``nla train``, ``nla rl``) call it, so ``--resume`` compares
+    one spelling with one spelling (``nla.train.rundir`` also matches two spellings of a path that
+    exists; this covers the saved config and paths that are not there at the comparison)."""
+    changes = {}
+    for name in PATH_FIELDS:
+        value = getattr(cfg, name, None)
+        if isinstance(value, str) and value:
+            norm = os.path.normpath(value)
+            if norm != value:
+                changes[name] = norm
+    if not changes:
+        return cfg
+    if hasattr(cfg, "replace"):  # RLConfig: its sections are rebuilt from the dict
+        return cfg.replace(**changes)
+    return dataclasses.replace(cfg, **changes)
+
+
 def save_config(cfg: Any, path: str | os.PathLike) -> None:
     """Write the resolved config as YAML (the file `load_config` reads back to the same object)."""
     Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
 
 
-__all__ = ["ARTrainConfig", "AVTrainConfig", "LoRAConfig", "config_from_dict", "load_config", "parse_overrides", "read_config_file",
-           "save_config"]
+__all__ = ["ARTrainConfig", "AVTrainConfig", "LoRAConfig", "PATH_FIELDS", "config_from_dict", "load_config",
+           "normalise_paths", "parse_overrides", "read_config_file", "save_config"]
