@@ -216,7 +216,7 @@ def adapter_file_path(directory: str | Path, sidecar: Any) -> Path:
     it resolves inside ``directory`` (no ``..``, absolute path or symlink out of it), and, when the
     checkpoint has ``nla_checksums.sha256``, the record lists it and its SHA-256 matches
     (``NLA_VERIFY_CHECKSUMS``); else an :class:`~nla.util.validation.InputError` naming the field."""
-    from nla.util.validation import CHECKSUM_FILE, InputError, _sha256, verify_mode
+    from nla.util.validation import CHECKSUM_FILE, InputError, file_sha256, verify_mode
 
     d = Path(directory)
     name = sidecar.injection_adapter["file"]
@@ -243,7 +243,7 @@ def adapter_file_path(directory: str | Path, sidecar: Any) -> Path:
                              "not cover the adapter it names, so it is not the file this checkpoint was saved with: "
                              f"name {ADAPTER_FILE}, or restore the checkpoint dir as it was written")
         mode = verify_mode()
-        if mode != "off" and _sha256(resolved, use_record=mode == "once") != listed[rel]:
+        if mode != "off" and file_sha256(resolved, use_record=mode == "once") != listed[rel]:
             raise InputError(f"{resolved}: its SHA-256 differs from the one recorded when it was saved ({record.name}); "
                              "the file is corrupted or replaced: re-download or re-save the checkpoint")
     return resolved

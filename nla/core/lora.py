@@ -299,7 +299,7 @@ def base_fingerprint(directory: str | Path) -> str | None:
     (nla's saves; cheap), else computed (once per file and machine). None without safetensors files."""
     import hashlib
 
-    from nla.util.validation import CHECKSUM_FILE, _sha256
+    from nla.util.validation import CHECKSUM_FILE, file_sha256
 
     d = Path(directory)
     record = d / CHECKSUM_FILE
@@ -312,7 +312,7 @@ def base_fingerprint(directory: str | Path) -> str | None:
     else:
         for f in sorted(d.glob("*.safetensors")):
             if f.is_file():
-                digests[f.name] = _sha256(f, use_record=True)
+                digests[f.name] = file_sha256(f, use_record=True)
     if not digests:
         return None
     return hashlib.sha256("".join(f"{digests[n]}  {n}\n" for n in sorted(digests)).encode()).hexdigest()

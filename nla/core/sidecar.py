@@ -502,7 +502,7 @@ def rewrite_token_ids(path: str | os.PathLike, changes: Mapping[str, tuple[Any, 
     import shutil
 
     side = sidecar_path_for(path)
-    doc = yaml.safe_load(side.read_text(encoding="utf-8"))
+    doc = load_yaml(side, "sidecar")  # a repeated key is refused here too
     for key, (_old, new) in changes.items():
         node = doc
         *parents, leaf = key.split(".")

@@ -178,9 +178,10 @@ def check_av_base(base: Path) -> None:
 
     role = None
     if (base / SIDECAR_NAME).is_file():
-        import yaml
+        from nla.util.validation import load_yaml
 
-        role = (yaml.safe_load((base / SIDECAR_NAME).read_text()) or {}).get("role")
+        doc = load_yaml(base / SIDECAR_NAME, "sidecar")
+        role = doc.get("role") if isinstance(doc, dict) else None
     if (base / VALUE_HEAD_FILE).is_file() or role in ("ar", "critic"):
         raise AVTrainError(
             f"base_model: {base} is a reconstructor (AR) checkpoint ({VALUE_HEAD_FILE}, role {role or 'ar'}): a "

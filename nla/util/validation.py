@@ -47,6 +47,7 @@ __all__ = [
     "describe_rows",
     "verify_checksums",
     "write_checksums",
+    "file_sha256",
     "drop_bad_rows",
     "load_yaml",
     "safe_load_unique",
@@ -367,7 +368,9 @@ def _remember(path: Path, digest: str) -> None:
         logger.debug("cannot record the checksum of %s in %s: %s", path, _record_path(), err)
 
 
-def _sha256(path: Path, *, use_record: bool = False) -> str:
+def file_sha256(path: Path, *, use_record: bool = False) -> str:
+    """SHA-256 of a file, once per process; ``use_record``: also taken from (and kept in) this
+    machine's record of verified files (``$NLA_CACHE/verified-checksums.jsonl``)."""
     import hashlib
 
     key = _file_key(path)
@@ -392,7 +395,7 @@ def write_checksums(directory: str | os.PathLike) -> Path | None:
     if not files:
         return None
     out = d / CHECKSUM_FILE
-    out.write_text("".join(f"{_sha256(f)}  {f.name}\n" for f in files), encoding="utf-8")
+    out.write_text("".join(f"{file_sha256(f)}  {f.name}\n" for f in files), encoding="utf-8")
     return out
 
 
@@ -450,7 +453,7 @@ def verify_checksums(directory: str | os.PathLike) -> None:
                              "re-download or re-save it")
         if mode == "always":
             _verified.pop(_file_key(f), None)
-        if _sha256(f, use_record=mode == "once") != digest:
+        if file_sha256(f, use_record=mode == "once") != digest:
             raise InputError(
                 f"{f}: its SHA-256 differs from the one recorded when it was saved ({record.name}); the file is "
                 "corrupted (a flipped bit, a bad copy): re-download or re-save the checkpoint"
