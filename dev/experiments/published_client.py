@@ -39,7 +39,7 @@ CHILD = r"""
 import importlib.util, json, sys
 import numpy as np, torch
 spec = importlib.util.spec_from_file_location("nla_inference", sys.argv[1])
-pub = importlib.util.module_from_spec(spec); spec.loader.exec_module(pub)
+pub = importlib.util.module_from_spec(spec); sys.modules["nla_inference"] = pub; spec.loader.exec_module(pub)
 args = json.loads(open(sys.argv[2]).read())
 vectors = np.load(args["vectors"])
 client = pub.NLAClient(args["av"], sglang_url=args["url"])
