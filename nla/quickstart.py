@@ -177,6 +177,10 @@ PRESETS["full"] = dataclasses.replace(
 STAGE_DIRS = ("ar", "av", "rl", "eval_warmstart", "eval_rl", "suite")
 
 
+class QuickstartError(ValueError):
+    """The quickstart cannot run as asked (a finished stage of another config in its out dir)."""
+
+
 def rl_settings(preset: QuickstartPreset, datagen: Path) -> dict[str, Any]:
     """The preset's RL settings with the AR replay pointed at the run's own AR warm-start data."""
     rl = dict(preset.rl)
@@ -264,8 +268,13 @@ def pair_settings(injection_adapter: str, pair_subject: str | None = None,
 def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart", *, backend: str = "local",
                    progress: bool = True, threads: int | None = None, seed: int = 0, pair_world: str | None = None,
                    injection_adapter: str = "none", pair_roles: str = "both",
-                   mean_shift_augment: float = 0.0) -> Path:
+                   mean_shift_augment: float = 0.0, overwrite: bool = False) -> Path:
     """Run every stage; returns the path of ``report.md``.
+
+    A stage already finished in ``out`` with the same config is reused; one finished with another
+    config (other threads, another seed, other CPU kernels) is refused, naming what differs,
+    unless ``overwrite`` (then it and the stages after it run again). ``out`` is locked for the
+    run (``nla.train.rundir.lock_run_dir``): a second quickstart on it is refused.
 
     threads: torch CPU threads of every stage (None: ``nla.util.threads.resolve_threads``'s fixed
     default; ``"auto"``: follows the machine's load, not reproducible); resolved once, passed to
@@ -290,15 +299,7 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
         AV: a small verbalizer with the subject's own AR, whose reading is the expensive part to
         lose: BENCHMARKS.md, "Explain one model with another").
     """
-    from nla.datagen.config import DatagenConfig
-    from nla.datagen.pipeline import run as run_datagen
-    from nla.rl.config import RLConfig
-    from nla.rl.loop import run_rl
-    from nla.train.ar import train_ar
-    from nla.train.av import train_av
-    from nla.train.config import ARTrainConfig, AVTrainConfig
     from nla.util.threads import AUTO, apply_threads, resolve_threads
-    from nla.world import build_world
     from nla.world.build import WORLD_PRESETS
 
     if preset not in PRESETS:
@@ -327,11 +328,48 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     apply_threads(threads)  # world build, probe and eval run here; the trained stages set it again
     thr = {"threads": threads}
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    from nla.train.rundir import lock_run_dir
+
+    with lock_run_dir(out):  # one quickstart per out dir, held to the end
+        return _run_stages(out, p, preset, thr, threads, backend, progress, seed, pair_world, injection_adapter,
+                           pair_roles, mean_shift_augment, overwrite)
+
+
+def finished_stage_conflict(out: Path, name: str, config: dict[str, Any]) -> str | None:
+    """Why the stage ``name`` finished in ``out`` cannot be reused for ``config`` (the fields that
+    differ, or the CPU kernels), or None when it was not finished or matches."""
+    marker = out / f"{name}.stage_done.json"
+    if not marker.is_file() or _cached_stage(out, name, config) is not None:
+        return None
+    try:
+        rec = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return f"its record {marker} cannot be read"
+    old, new = rec.get("config") or {}, json.loads(json.dumps(config, default=str))
+    diff = [f"{k}: {old.get(k, '<absent>')!r} then, {new.get(k, '<absent>')!r} now"
+            for k in sorted(set(old) | set(new)) if k != "progress" and old.get(k) != new.get(k)]
+    return "; ".join(diff[:4]) + (f" (+{len(diff) - 4} more)" if len(diff) > 4 else "") if diff else \
+        "the machine's CPU kernels differ (nla.util.numerics), which changes its numbers"
+
+
+def _run_stages(out: Path, p: QuickstartPreset, preset: str, thr: dict[str, Any], threads: Any, backend: str,
+                progress: bool, seed: int, pair_world: str | None, injection_adapter: str, pair_roles: str,
+                mean_shift_augment: float, overwrite: bool) -> Path:
+    from nla.datagen.config import DatagenConfig
+    from nla.datagen.pipeline import run as run_datagen
+    from nla.rl.config import RLConfig
+    from nla.rl.loop import run_rl
+    from nla.train.ar import train_ar
+    from nla.train.av import train_av
+    from nla.train.config import ARTrainConfig, AVTrainConfig
+    from nla.world import build_world
+
     stages: list[StageRecord] = []
     configs: dict[str, Any] = {}
+    report_cleared = False
 
     def stage(name: str, config: dict[str, Any], fn) -> dict[str, Any]:
+        nonlocal report_cleared
         configs[name] = config
         cached = _cached_stage(out, name, config)
         if cached is not None:
@@ -339,6 +377,18 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
                         out / f"{name}.stage_done.json")
             stages.append(StageRecord(name, float(cached.get("seconds", 0.0)), True, cached))
             return cached
+        conflict = finished_stage_conflict(out, name, config)
+        if conflict is not None and not overwrite:
+            raise QuickstartError(
+                f"{out}: the {name} stage finished there with another config ({conflict}); rerunning it would "
+                f"replace it{' and its directory ' + str(out / name) if name in STAGE_DIRS else ''}. Pass "
+                "--overwrite to run it again, or use another --out")
+        if not report_cleared:
+            # from here on the run differs from the one the report describes: an interrupted rerun
+            # must not leave a report of the old run beside the new run's stages
+            for old_report in (out / "report.json", out / "report.md"):
+                old_report.unlink(missing_ok=True)
+            report_cleared = True
         stale = out / name
         if name in STAGE_DIRS and stale.exists():
             # A stage that reruns (new config, or a crash before it finished) starts from an empty
@@ -477,13 +527,19 @@ def _probe(preset, out: Path, kw: dict[str, Any], progress: bool) -> dict[str, A
 
 def train_stage(fn, cfg) -> dict[str, Any]:
     """A warm-start stage (``train_ar`` / ``train_av`` on its config) as the stage cache records it."""
-    res = fn(cfg)
+    from nla.train.rundir import lock_run_dir
+
+    with lock_run_dir(cfg.out_dir):  # a stage dir is a run dir: no second writer (nla train --out it)
+        res = fn(cfg)
     return {"checkpoint": str(res.checkpoint_dir), "metrics": res.metrics}
 
 
 def rl_stage(fn, cfg) -> dict[str, Any]:
     """The RL stage (``run_rl`` on its config) as the stage cache records it: the last checkpoint's AV and AR."""
-    res = fn(cfg)
+    from nla.train.rundir import lock_run_dir
+
+    with lock_run_dir(cfg.out_dir):
+        res = fn(cfg)
     return {"checkpoint": str(res.checkpoint_dir), "av": str(res.checkpoint_dir / "av"),
             "ar": str(res.checkpoint_dir / "ar"), "metrics": res.metrics}
 

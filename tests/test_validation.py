@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -889,3 +891,97 @@ def test_checksums_are_verified_once_per_file_and_machine(tmp_path, monkeypatch)
     monkeypatch.setenv("NLA_VERIFY_CHECKSUMS", "sometimes")
     with pytest.raises(V.InputError, match="NLA_VERIFY_CHECKSUMS: expected one of once, always, off"):
         V.verify_checksums(ckpt)
+
+
+# ---------------------------------------------------------------- issue 48: one run per dir, --overwrite
+HOLDER = """
+import sys, time
+from nla.train.rundir import lock_run_dir
+lock = lock_run_dir(sys.argv[1], "nla rl --config holder.yaml")
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def _hold_lock(directory) -> subprocess.Popen:
+    """A second process that takes ``directory``'s run lock and keeps it (until killed)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_second_writer_is_refused_and_a_crash_releases_the_lock(pair, capsys, tmp_path, tiny_tokenizer,
+                                                                   single_thread):
+    """Two ``nla rl`` on one out_dir both ran and both reported success; now the second is refused
+    with the holder's pid and command, and the lock ends with the holder, kill -9 included."""
+    from train_helpers import dataset_sidecar, write_ar_dataset
+
+    vec = np.random.default_rng(0).standard_normal((8, D)).astype(np.float32)
+    ds = write_ar_dataset(tmp_path / "ar.parquet", dataset_sidecar(tiny_tokenizer, pair["av"], D, 1), vec)
+    holder = _hold_lock(tmp_path / "run")
+    try:
+        code, lines = cli(capsys, *_ar_train_args(tmp_path, ds))
+        assert code == 2
+        assert_one_error_line(lines, "train", f"out_dir {tmp_path / 'run'} is in use by another nla run",
+                              f"pid {holder.pid}", "`nla rl --config holder.yaml`", "another --out")
+        assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".nla.lock"]  # nothing written
+    finally:
+        holder.kill()  # SIGKILL: no clean-up runs in the holder
+        holder.wait()
+    assert cli(capsys, *_ar_train_args(tmp_path, ds, "--max-steps", "2"))[0] == 0
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_00000002"]
+
+
+def test_the_lock_is_reentrant_in_a_process_and_given_back(tmp_path):
+    from nla.train.rundir import RunDirError, lock_run_dir
+
+    with lock_run_dir(tmp_path / "d", "outer"), lock_run_dir(tmp_path / "d", "inner"):
+        probe = subprocess.run([sys.executable, "-c", HOLDER.replace("time.sleep(600)", ""), str(tmp_path / "d")],
+                               capture_output=True, text=True)
+        assert probe.returncode != 0 and "is in use by another nla run" in probe.stderr and "`outer`" in probe.stderr
+    holder = _hold_lock(tmp_path / "d")  # both released: another process takes it
+    try:
+        with pytest.raises(RunDirError, match=f"pid {holder.pid}"):
+            lock_run_dir(tmp_path / "d")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_overwrite_deletes_only_what_a_run_wrote_and_never_its_inputs(pair, capsys, tmp_path, tiny_tokenizer,
+                                                                       single_thread, caplog):
+    """--overwrite removed the whole out_dir (a user's notes and a datagen folder included), and with
+    an input inside the old run it deleted it, then failed."""
+    import shutil
+
+    from train_helpers import dataset_sidecar, write_ar_dataset
+
+    vec = np.random.default_rng(0).standard_normal((8, D)).astype(np.float32)
+    ds = write_ar_dataset(tmp_path / "ar.parquet", dataset_sidecar(tiny_tokenizer, pair["av"], D, 1), vec)
+    run = tmp_path / "run"
+    assert cli(capsys, *_ar_train_args(tmp_path, ds, "--max-steps", "2"))[0] == 0
+    (run / "notes.txt").write_text("my notes")
+    (run / "datagen").mkdir()
+    (run / "datagen" / "keep.parquet").write_bytes(b"data")
+    # an input inside what --overwrite deletes: refused, nothing deleted
+    inner = run / "checkpoints" / "step_00000002" / "copy.parquet"
+    shutil.copy(ds, inner)
+    shutil.copy(str(ds) + ".nla_meta.yaml", str(inner) + ".nla_meta.yaml")
+    code, lines = cli(capsys, *_ar_train_args(tmp_path, inner, "--overwrite"))
+    assert code == 2
+    assert_one_error_line(lines, "train", "--overwrite would delete inputs of this run", f"dataset = {inner}",
+                          "another --out")
+    assert inner.is_file() and (run / "checkpoints" / "step_00000002" / "model.safetensors").is_file()
+    # an input inside out_dir but outside a run's outputs is safe: the run reads its data from datagen/
+    data = run / "datagen" / "ar.parquet"
+    shutil.copy(ds, data)
+    shutil.copy(str(ds) + ".nla_meta.yaml", str(data) + ".nla_meta.yaml")
+    with caplog.at_level("WARNING", logger="nla.train.rundir"):
+        assert cli(capsys, *_ar_train_args(tmp_path, data, "--overwrite", "--max-steps", "2"))[0] == 0
+    assert "deleting the previous run in" in caplog.text
+    assert "ar.jsonl" in caplog.text and "checkpoints" in caplog.text
+    assert "keeping what a run does not write: datagen, notes.txt" in caplog.text
+    assert (run / "notes.txt").read_text() == "my notes" and (run / "datagen" / "keep.parquet").is_file()
+    assert data.is_file()
+    assert not inner.exists()  # the old checkpoint went, the new run's is there
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000002"]

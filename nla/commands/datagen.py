@@ -55,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
     if cfg.model_dir:
         check_model_source(cfg.model_dir, "model_dir")
     stages = STAGES if args.datagen_step == "run" else (args.datagen_step,)
-    summary = run_pipeline(cfg, stages=stages, force=args.force)
+    from nla.train.rundir import lock_run_dir
+
+    with lock_run_dir(cfg.out_dir):  # one writer per out_dir (nla.train.rundir)
+        summary = run_pipeline(cfg, stages=stages, force=args.force)
     log.info("datagen summary:\n%s", json.dumps(summary, indent=2, default=str))
     return 0

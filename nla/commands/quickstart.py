@@ -43,6 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="train the AV on vectors with a*mean added (a uniform in [-M, M], the response unchanged) so "
                         "it reads a shifted mean (a difference of means, an offset) like the training data; 0: off "
                         "(default), 1: the setting BENCHMARKS.md measures")
+    p.add_argument("--overwrite", action="store_true",
+                   help="run again a stage that finished in --out with another config (other --threads, seed or "
+                        "CPU kernels), replacing it and the stages after it; without it such a stage is refused")
     p.set_defaults(func=run)
 
 
@@ -80,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     report = run_quickstart(args.preset, out, backend=args.backend, progress=not args.no_progress,
                             threads=args.threads, seed=args.seed, pair_world=args.pair_world,
                             injection_adapter=args.injection_adapter, pair_roles=args.pair_roles,
-                            mean_shift_augment=args.mean_shift_augment)
+                            mean_shift_augment=args.mean_shift_augment, overwrite=args.overwrite)
     head = json.loads((report.parent / "report.json").read_text())["headline"]
     print("\n== nla quickstart: done ==", file=sys.stderr)
     print(f"round-trip FVE (held-out): warm-start {head['round_trip_fve_warmstart']:.3f} -> "

@@ -80,8 +80,9 @@ def run(args: argparse.Namespace) -> int:
     check_ar_max_length(cfg.reconstructor.max_length, ar_side.critic_suffix_ids, "reconstructor.max_length")
     if cfg.backend.name == "local" and not args.no_plan_check:
         check_plan_fits(cfg)
-    prepare_run_dir(cfg.out_dir, cfg.to_dict(), "rl_config.yaml", resume=args.resume, overwrite=args.overwrite)
-    result = run_rl(cfg, resume=args.resume)
+    # the out_dir's lock is held for the whole run: a second writer is refused (nla.train.rundir)
+    with prepare_run_dir(cfg.out_dir, cfg.to_dict(), "rl_config.yaml", resume=args.resume, overwrite=args.overwrite):
+        result = run_rl(cfg, resume=args.resume)
     log.info("checkpoint: %s (%.1f s)", result.checkpoint_dir, result.seconds)
     log.info("final metrics:\n%s", json.dumps(result.metrics, indent=2, default=str))
     return 0

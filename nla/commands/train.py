@@ -68,8 +68,10 @@ def run(args: argparse.Namespace) -> int:
             check_av_base(Path(cfg.base_model))
     for dataset in filter(None, (cfg.dataset, cfg.eval_dataset)):
         read_vectors(dataset)  # NaN / Inf / zero rows stop the run here, named
-    prepare_run_dir(cfg.out_dir, cfg.to_dict(), "train_config.yaml", resume=args.resume, overwrite=args.overwrite)
-    result = train(cfg, resume=args.resume)
+    # the out_dir's lock is held for the whole run: a second writer is refused (nla.train.rundir)
+    with prepare_run_dir(cfg.out_dir, cfg.to_dict(), "train_config.yaml", resume=args.resume,
+                         overwrite=args.overwrite):
+        result = train(cfg, resume=args.resume)
     log.info("checkpoint: %s (%.1f s)", result.checkpoint_dir, result.seconds)
     log.info("final metrics:\n%s", json.dumps(result.metrics, indent=2, default=str))
     return 0

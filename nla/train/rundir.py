@@ -12,6 +12,15 @@ Used by ``nla train`` and ``nla rl`` before any work starts:
    field (a config section, such as RL's ``loss``, field by field too, named by its dotted
    path); any difference outside :data:`RESUME_MAY_CHANGE` is refused with the fields named
    (resuming with another lr or step count used to continue silently with the old one's state).
+4. One run per directory: :func:`lock_run_dir` takes an OS file lock (``flock`` on
+   ``out_dir/.nla.lock``, released by the kernel when the process ends, crashed or not) for the
+   whole run; a second writer is refused with the holder's pid and command. Two ``nla rl`` on one
+   out_dir used to both run and both report success, their logs interleaved and one run's
+   checkpoints lost.
+5. ``--overwrite`` cannot lose inputs: it deletes only what a run writes in out_dir
+   (:data:`RUN_OUTPUTS`), naming each entry (a user's notes or a datagen folder beside them stay),
+   and refuses when a path of the config (an AV checkpoint, a dataset, a base model) lies inside
+   one of those (it used to delete the dir, then fail on its own input).
 """
 
 from __future__ import annotations
@@ -26,7 +35,14 @@ from nla.util.validation import InputError, load_yaml
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ADDED_FIELDS", "RESUME_MAY_CHANGE", "RunDirError", "prepare_run_dir", "remove_stale_temp_dirs"]
+__all__ = ["ADDED_FIELDS", "LOCK_FILE", "RESUME_MAY_CHANGE", "RUN_OUTPUTS", "RunDirError", "RunLock", "inputs_inside",
+           "lock_run_dir", "prepare_run_dir", "remove_stale_temp_dirs"]
+
+LOCK_FILE = ".nla.lock"
+# What a run of nla train / nla rl writes at the top of its out_dir (nla.train.loop, nla.rl.loop,
+# nla.util.metrics): the only entries --overwrite deletes.
+RUN_OUTPUTS = ("checkpoints", "tensorboard", "rl_config.yaml", "rl_summary.json",
+               *(f"{name}{suffix}" for name in ("ar", "av", "rl") for suffix in (".jsonl", "_curves.png")))
 
 # Fields that only say how this invocation runs or reports, not what it trains; a field of a
 # config section (RL) is named by its dotted path.
@@ -48,6 +64,115 @@ ADDED_FIELDS = {
 
 class RunDirError(InputError):
     """The run directory holds another run, or a config that does not match the resumed one."""
+
+
+# Locks this process holds: resolved out_dir -> [fd, count] (re-entrant: the quickstart holds its
+# out_dir while its stages, in the same process, take their own).
+_HELD: dict[str, list[int]] = {}
+
+
+class RunLock:
+    """A held run-dir lock (a context manager); :meth:`release` gives it back."""
+
+    def __init__(self, key: str | None) -> None:
+        self.key = key
+
+    def release(self) -> None:
+        if self.key is None or self.key not in _HELD:
+            return
+        held = _HELD[self.key]
+        held[1] -= 1
+        if held[1] == 0:
+            import fcntl
+
+            del _HELD[self.key]
+            fcntl.flock(held[0], fcntl.LOCK_UN)
+            os.close(held[0])
+        self.key = None
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def lock_run_dir(out_dir: str | os.PathLike, command: str | None = None) -> RunLock:
+    """Take ``out_dir``'s lock for this process (creating the dir), or raise :class:`RunDirError`
+    naming the process that holds it. The file stays; the lock is the kernel's and ends with the
+    process that holds it (a crash, kill -9 included), so a stale file never blocks a run."""
+    import json
+    import sys
+    import time
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    key = os.path.realpath(out)
+    if key in _HELD:
+        _HELD[key][1] += 1
+        return RunLock(key)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, said once per dir
+        logger.warning("%s: this platform has no flock; two runs on one out_dir are not prevented here", out)
+        return RunLock(None)
+    path = out / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        try:
+            holder = json.loads(path.read_text(encoding="utf-8") or "{}")
+        except (OSError, ValueError):
+            holder = {}
+        who = (f"pid {holder.get('pid', '?')}, `{holder.get('command', '?')}`, since {holder.get('since', '?')}"
+               if holder else "a process that did not say which")
+        raise RunDirError(
+            f"out_dir {out} is in use by another nla run ({who}); wait for it to end, or write to another --out. "
+            f"The lock ({path}) ends with that process, also if it crashes") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps({"pid": os.getpid(), "command": command or " ".join(["nla", *sys.argv[1:]]),
+                             "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+    _HELD[key] = [fd, 1]
+    return RunLock(key)
+
+
+def _inside(path: str, root: str) -> bool:
+    p = os.path.realpath(path)
+    return p == root or p.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def inputs_inside(config: dict[str, Any], roots: list[str | os.PathLike], prefix: str = "") -> list[str]:
+    """``field = path`` for every existing path in ``config`` (any depth; ``out_dir`` itself aside)
+    that lies inside one of ``roots``: what deleting them would take with it."""
+    real = [os.path.realpath(r) for r in roots]
+    found = []
+    for name, value in config.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, dict):
+            found.extend(inputs_inside(value, roots, f"{key}."))
+        elif (isinstance(value, str) and key != "out_dir" and value and os.path.exists(value)
+              and any(_inside(value, r) for r in real)):
+            found.append(f"{key} = {value}")
+    return found
+
+
+def _overwrite(out: Path, config: dict[str, Any]) -> None:
+    doomed = [out / name for name in RUN_OUTPUTS if (out / name).exists() or (out / name).is_symlink()]
+    inside = inputs_inside(config, doomed)
+    if inside:
+        raise RunDirError(
+            f"--overwrite would delete inputs of this run, which live in the previous run's outputs in {out}: "
+            f"{'; '.join(inside)}. Copy them out of it first, or write this run to another --out")
+    kept = sorted(p.name for p in out.iterdir() if p.name not in RUN_OUTPUTS and p.name != LOCK_FILE)
+    logger.warning("--overwrite: deleting the previous run in %s: %s%s", out, ", ".join(p.name for p in doomed),
+                   f"; keeping what a run does not write: {', '.join(kept)}" if kept else "")
+    for p in doomed:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
 
 def _checkpoints(out: Path) -> list[Path]:
@@ -106,22 +231,33 @@ def _differences(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -
 
 
 def prepare_run_dir(out_dir: str | os.PathLike, config: dict[str, Any], config_name: str, *, resume: bool,
-                    overwrite: bool) -> None:
-    """Make ``out_dir`` ready for this run (see the module docstring); raise :class:`RunDirError` if it is not.
+                    overwrite: bool, command: str | None = None) -> RunLock:
+    """Make ``out_dir`` ready for this run (see the module docstring) and return its lock, held: keep
+    it for the run (``with prepare_run_dir(...):``). Raise :class:`RunDirError` if it is not ready.
 
     ``config`` is the new run's resolved config as a dict; ``config_name`` the file each
-    checkpoint saves it under (``train_config.yaml`` / ``rl_config.yaml``).
+    checkpoint saves it under (``train_config.yaml`` / ``rl_config.yaml``); ``command`` what the
+    lock says holds it (default: this process's command line).
     """
     out = Path(out_dir)
     if resume and overwrite:
         raise RunDirError("--resume and --overwrite contradict each other: continue the run, or replace it")
+    lock = lock_run_dir(out, command)
+    try:
+        _prepare(out, config, config_name, resume=resume, overwrite=overwrite)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _prepare(out: Path, config: dict[str, Any], config_name: str, *, resume: bool, overwrite: bool) -> None:
     remove_stale_temp_dirs(out)
     ckpts = _checkpoints(out)
-    if not ckpts:
+    if overwrite and any((out / name).exists() for name in RUN_OUTPUTS):
+        _overwrite(out, config)
         return
-    if overwrite:
-        logger.warning("--overwrite: deleting the previous run in %s (%d checkpoints)", out, len(ckpts))
-        shutil.rmtree(out)
+    if not ckpts:
         return
     if not resume:
         raise RunDirError(

@@ -1,0 +1,79 @@
+"""Issue 48: the quickstart's out dir holds one run. A stage that finished with another config is
+refused (it used to be cleared without asking: ``--threads 1`` on a run made with another count
+cleared ``ar/`` and ``av/``), ``--overwrite`` runs it again, and a rerun that is interrupted leaves
+no report describing the old run. A second quickstart on the same dir is refused while one runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from nla.cli import main
+from nla.quickstart import PRESETS
+
+HOLDER = """
+import sys, time
+from nla.train.rundir import lock_run_dir
+lock = lock_run_dir(sys.argv[1], "nla quickstart --out X")
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def _cli(capsys, *argv) -> tuple[int, list[str]]:
+    code = main([str(a) for a in argv])
+    return code, [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+
+
+def _finished_run(out):
+    """A run dir whose world stage finished with threads=2, with a report and an AR stage dir."""
+    out.mkdir()
+    (out / "world.stage_done.json").write_text(json.dumps(
+        {"config_hash": "0" * 12, "config": {"preset": PRESETS["tiny"].world, "threads": 2}, "seconds": 1.0}))
+    (out / "report.json").write_text('{"old": true}')
+    (out / "report.md").write_text("old report")
+    (out / "ar").mkdir()
+    (out / "ar" / "ar.jsonl").write_text("{}\n")
+
+
+def test_a_finished_stage_of_another_config_is_refused_and_nothing_cleared(tmp_path, capsys):
+    out = tmp_path / "qs"
+    _finished_run(out)
+    code, lines = _cli(capsys, "quickstart", "--preset", "tiny", "--out", out, "--threads", "1", "--no-progress")
+    assert code == 2
+    errors = [ln for ln in lines if ln.startswith("nla quickstart: error: ")]
+    assert len(errors) == 1, lines
+    assert "the world stage finished there with another config (threads: 2 then, 1 now)" in errors[0]
+    assert "--overwrite" in errors[0]
+    assert (out / "report.json").read_text() == '{"old": true}' and (out / "ar" / "ar.jsonl").is_file()
+
+
+def test_overwrite_reruns_it_and_an_interrupted_rerun_leaves_no_old_report(tmp_path, capsys, monkeypatch):
+    import nla.quickstart as qs
+
+    out = tmp_path / "qs"
+    _finished_run(out)
+
+    def interrupted(*args, **kwargs):
+        raise RuntimeError("interrupted while building the world")
+
+    monkeypatch.setattr(qs, "_world", interrupted)
+    code, lines = _cli(capsys, "quickstart", "--preset", "tiny", "--out", out, "--threads", "1", "--no-progress",
+                       "--overwrite")
+    assert code == 2 and any("interrupted while building the world" in ln for ln in lines)
+    assert not (out / "report.json").exists() and not (out / "report.md").exists()
+
+
+def test_a_second_quickstart_on_one_dir_is_refused(tmp_path, capsys):
+    out = tmp_path / "qs"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        code, lines = _cli(capsys, "quickstart", "--preset", "tiny", "--out", out, "--threads", "1", "--no-progress")
+        assert code == 2
+        assert any(f"is in use by another nla run (pid {holder.pid}, `nla quickstart --out X`" in ln for ln in lines)
+        assert sorted(p.name for p in out.iterdir()) == [".nla.lock"]
+    finally:
+        holder.kill()
+        holder.wait()
