@@ -424,3 +424,17 @@ def test_claims_summary_by_hand():
     rep = SuiteReport("d", 3, 0, sections={"claims": out})
     (t,) = [t for t in rep.targets if t["key"] == "true_over_false"]
     assert t["met"] is True and "(<= 0)" in t["note"]
+
+
+def test_a_subject_of_another_width_or_depth_is_named_not_a_shape_error(tiny_model_dir):
+    """Issue 48: a subject of another width gave a raw torch shape error deep in the causal part."""
+    from nla.client import NLAClientError
+    from nla.eval.suite.run import load_subject
+
+    subject = tiny_model_dir("llama")  # d = 32, 4 blocks
+    model, _ = load_subject(subject, torch.device("cpu"), 32, 1)
+    assert model.config.hidden_size == 32
+    with pytest.raises(NLAClientError, match=r"subject: .* has width 32, but the dataset's vectors are 64-d"):
+        load_subject(subject, torch.device("cpu"), 64, 1)
+    with pytest.raises(NLAClientError, match=r"has 4 blocks, but the vectors were read at layer 7"):
+        load_subject(subject, torch.device("cpu"), 32, 7)

@@ -27,13 +27,26 @@ from nla.eval.suite.report import SuiteReport
 logger = logging.getLogger(__name__)
 
 
-def load_subject(path: str | os.PathLike, device: torch.device) -> tuple[nn.Module, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_subject(path: str | os.PathLike, device: torch.device, d_model: int | None = None,
+                 layer: int | None = None) -> tuple[nn.Module, Any]:
+    """The subject model and tokenizer at ``path``; ``d_model`` / ``layer``: what the vectors were
+    read from (the dataset's sidecar), checked against the model before any forward."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from nla.core import arch
 
     p = Path(path)
     if not (p / "config.json").is_file():
         raise NLAClientError(f"subject: {p} is no model directory (no config.json); pass the subject model the "
                              "dataset was extracted from (--subject DIR)")
+    config = AutoConfig.from_pretrained(str(p))
+    width, blocks = arch.hidden_size(config), arch.num_layers(config)
+    if d_model is not None and width != d_model:
+        raise NLAClientError(f"subject: {p} has width {width}, but the dataset's vectors are {d_model}-d; it is not "
+                             "the model they were extracted from: pass that one (--subject DIR)")
+    if layer is not None and not 0 <= layer < blocks:
+        raise NLAClientError(f"subject: {p} has {blocks} blocks, but the vectors were read at layer {layer}; it is "
+                             "not the model they were extracted from: pass that one (--subject DIR)")
     tok = AutoTokenizer.from_pretrained(str(p))
     model = AutoModelForCausalLM.from_pretrained(str(p), use_safetensors=True).to(device).eval()
     return model, tok
@@ -115,6 +128,9 @@ def run_suite(
             report.skipped["causal"] = "the dataset's grader knows no facts"
         elif "context" not in cols:
             report.skipped["causal"] = "the dataset has no context column (the text each vector was read at)"
+        elif subject is not None and not (Path(subject) / "config.json").is_file():
+            raise NLAClientError(f"subject: {subject} is no model directory (no config.json); pass the subject model "
+                                 "the dataset was extracted from (--subject DIR)")
         elif not subject_dir or not (Path(subject_dir) / "config.json").is_file():
             report.skipped["causal"] = (f"no subject model at {subject_dir!r} (the sidecar's extraction.base_model); "
                                         "pass --subject DIR")
@@ -122,7 +138,7 @@ def run_suite(
             logger.info("suite: causal edits on the subject %s", subject_dir)
             from nla.client import device_of
 
-            model, tok = load_subject(subject_dir, device_of(client.ar))
+            model, tok = load_subject(subject_dir, device_of(client.ar), side.d_model, side.layer_index)
             slots = grader.recall_slots(table, path, model, tok, side.layer_index, max_rows, seed=seed)
             if slots is not None and len(slots["context"]):
                 logger.info("suite: verbalizing %d recall slots of the dataset's documents", len(slots["context"]))
