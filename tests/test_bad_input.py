@@ -230,6 +230,12 @@ def test_sample_counts_are_bounded_before_any_work(pair, ar_data, tmp_path, caps
     assert code == 2 and not (tmp_path / "ev").exists()
     assert lines == ["nla eval: error: --best-of: expected comma-separated sample counts in 1..1024 such as 1,4,8 "
                      "(every sample of a vector is decoded in one batch), found '1,100000'"]
+    # without --suite it was ignored (the run then evaluated without it, exit 0): an error now
+    code, lines = cli(capsys, "eval", "--av", pair["av"], "--ar", pair["ar"], "--dataset", ar_data[0], "--best-of",
+                      "100000", "--out", tmp_path / "ev")
+    assert code == 2 and not (tmp_path / "ev").exists()
+    assert lines == ["nla eval: error: --best-of: only the suite's best_of part decodes best-of-N; add --suite "
+                     "best_of (or --suite)"]
     code, lines = cli(capsys, "verbalize", "--av", pair["av"], "--vectors", pair["root"] / "good.npy", "--sample",
                       "--n-samples", "1025")
     assert code == 2 and lines[-1] == ("nla verbalize: error: argument --n-samples: expected a sample count in "

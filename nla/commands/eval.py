@@ -60,8 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                      "dataset's sidecar records)")
     p.add_argument("--baseline-av", help="--suite: the warm-start AV, whose false-claim rate is compared with the "
                                          "pair's")
-    p.add_argument("--best-of", default="1,4,8", help="--suite: the N of best-of-N decoding (comma-separated, each "
-                                                       "at most 1024)")
+    p.add_argument("--best-of", default=None, help="--suite: the N of best-of-N decoding (comma-separated, each "
+                                                    "at most 1024; default 1,4,8)")
     p.add_argument("--temperature", type=float, default=0.7, help="--suite: best-of-N's sampling temperature")
     p.add_argument("--paraphrase-provider", choices=["anthropic", "openai"],
                    help="--suite: re-phrase the claims the grader cannot through this API (off by default; needs "
@@ -82,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
 
     check_device(args.device)
     parts = _suite_parts(args) if args.suite is not None else None
-    best_of = _best_of(args.best_of) if parts is not None else None
+    if args.best_of is not None and parts is None:  # it was ignored: the figure asked for never came
+        raise ValueError("--best-of: only the suite's best_of part decodes best-of-N; add --suite best_of (or --suite)")
+    best_of = _best_of(args.best_of or "1,4,8") if parts is not None else None
     if parts is not None and not args.av:
         raise ValueError("--suite: give the pair's AV (--av DIR) as well as its AR; the suite reads its explanations")
     if args.grader:
