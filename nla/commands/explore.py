@@ -10,23 +10,10 @@ from __future__ import annotations
 import argparse
 import logging
 
+from nla.util.http import LOOPBACK, allowed_hosts, port_flag
 from nla.util.threads import THREADS_HELP, threads_flag
 
 log = logging.getLogger("nla.explore")
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def _port(text: str) -> int:
-    """argparse type of ``--port``: checked before the models load (a bad port used to fail after)."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer port 1-65535, found {text!r}") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port 1-65535, found {port}")
-    return port
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("explore", help="local web explorer: explanations and round-trip scores per token, and runs")
@@ -35,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--subject", help="subject model dir (default: the base_model recorded in the pair's sidecars)")
     p.add_argument("--run", help="a quickstart or nla rl output dir to show in the run view")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    p.add_argument("--port", type=_port, default=8765, help="TCP port, 1-65535 (default 8765)")
+    p.add_argument("--port", type=port_flag, default=8765, help="TCP port, 1-65535 (default 8765)")
     p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                    help="also answer requests addressed to this host name (repeatable); the names of this "
                         "machine and the bound address are allowed already")
@@ -72,71 +59,6 @@ def build(args: argparse.Namespace):
                       allowed_hosts=allowed_hosts(args.host, args.allow_host))
 
 
-ALL_INTERFACES = ("0.0.0.0", "::", "")
-
-
-def interface_addresses() -> set[str]:
-    """This machine's own addresses: the IPv4 address of every interface (Linux ``SIOCGIFADDR``), its
-    IPv6 addresses (``/proc/net/if_inet6``), the source address of the default route, and what its
-    host name resolves to. ``getaddrinfo(hostname)`` alone often gives only 127.0.x.1, so a server
-    bound to 0.0.0.0 refused requests addressed to the machine's real address (issue 48)."""
-    import ipaddress
-    import socket
-
-    found: set[str] = set()
-    try:
-        import fcntl
-        import struct
-
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            for _index, name in socket.if_nameindex():
-                try:
-                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
-                except OSError:
-                    continue
-                found.add(socket.inet_ntoa(packed[20:24]))
-    except (ImportError, AttributeError, OSError):  # not Linux
-        pass
-    try:
-        with open("/proc/net/if_inet6") as fh:
-            for line in fh:
-                raw = line.split()[0]
-                found.add(str(ipaddress.IPv6Address(bytes.fromhex(raw))))
-    except (OSError, ValueError, IndexError):
-        pass
-    for family, probe in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):
-        try:  # connecting a UDP socket sends nothing; it picks the route's source address
-            with socket.socket(family, socket.SOCK_DGRAM) as s:
-                s.connect((probe, 9))
-                found.add(s.getsockname()[0])
-        except OSError:
-            pass
-    for name in {socket.gethostname(), socket.getfqdn()}:
-        try:
-            found.update(info[4][0] for info in socket.getaddrinfo(name, None))
-        except OSError:
-            pass
-    return {a.split("%")[0] for a in found if a}  # a Host header carries no zone id
-
-
-def allowed_hosts(bind: str, extra: list[str]) -> list[str]:
-    """The host names the explorer answers: never "any" (the DNS-rebinding defence stays on for
-    every bind). Loopback: the loopback names. All interfaces: those, this machine's names and
-    the addresses of every interface (:func:`interface_addresses`). One address: it and this
-    machine's names. Plus ``--allow-host`` names."""
-    import socket
-
-    names = set(extra)
-    if bind in LOOPBACK:
-        names.update(LOOPBACK)
-    else:
-        names.update({socket.gethostname(), socket.getfqdn()})
-        if bind in ALL_INTERFACES:
-            names.update(LOOPBACK)
-            names.update(interface_addresses())
-        else:
-            names.add(bind)
-    return sorted(n for n in names if n)
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -235,10 +235,55 @@ class HostAllowList:
         await self.app(scope, receive, send)
 
 
+def interface_addresses() -> set[str]:
+    """This machine's own addresses: the IPv4 address of every interface (Linux ``SIOCGIFADDR``), its
+    IPv6 addresses (``/proc/net/if_inet6``), the source address of the default route, and what its
+    host name resolves to. ``getaddrinfo(hostname)`` alone often gives only 127.0.x.1, so a server
+    bound to 0.0.0.0 refused requests addressed to the machine's real address (issue 48)."""
+    import ipaddress
+
+    found: set[str] = set()
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _index, name in socket.if_nameindex():
+                try:
+                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+                except OSError:
+                    continue
+                found.add(socket.inet_ntoa(packed[20:24]))
+    except (ImportError, AttributeError, OSError):  # not Linux
+        pass
+    try:
+        with open("/proc/net/if_inet6") as fh:
+            for line in fh:
+                raw = line.split()[0]
+                found.add(str(ipaddress.IPv6Address(bytes.fromhex(raw))))
+    except (OSError, ValueError, IndexError):
+        pass
+    for family, probe in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):
+        try:  # connecting a UDP socket sends nothing; it picks the route's source address
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((probe, 9))
+                found.add(s.getsockname()[0])
+        except OSError:
+            pass
+    for name in {socket.gethostname(), socket.getfqdn()}:
+        try:
+            found.update(info[4][0] for info in socket.getaddrinfo(name, None))
+        except OSError:
+            pass
+    return {a.split("%")[0] for a in found if a}  # a Host header carries no zone id
+
+
 def allowed_hosts(bind: str, extra: list[str]) -> list[str]:
-    """The host names a server bound to ``bind`` answers: never "any" (the DNS-rebinding defence stays
-    on for every bind). Loopback: the loopback names. All interfaces: those, this machine's names and
-    addresses. One address: it and this machine's names. Plus the ``extra`` (``--allow-host``) names."""
+    """The host names a server bound to ``bind`` answers (the explorer, ``nla serve``): never "any" (the DNS-rebinding defence stays on for
+    every bind). Loopback: the loopback names. All interfaces: those, this machine's names and
+    the addresses of every interface (:func:`interface_addresses`). One address: it and this
+    machine's names. Plus ``--allow-host`` names."""
+
     names = set(extra)
     if bind in LOOPBACK:
         names.update(LOOPBACK)
@@ -246,10 +291,7 @@ def allowed_hosts(bind: str, extra: list[str]) -> list[str]:
         names.update({socket.gethostname(), socket.getfqdn()})
         if bind in ALL_INTERFACES:
             names.update(LOOPBACK)
-            try:
-                names.update(info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None))
-            except OSError:
-                pass
+            names.update(interface_addresses())
         else:
             names.add(bind)
     return sorted(n for n in names if n)
