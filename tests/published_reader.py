@@ -34,7 +34,8 @@ AR (reconstructor):
      ``mse = mean((p - g)^2)`` (= 2(1 - cos)).
 
 Usage (under transformers 4.57): ``python published_reader.py --av DIR --ar DIR --vectors V.npy
---texts T.json --out OUT.json [--max-new-tokens N] [--server URL]``. Every check that fails raises
+--texts T.json --out OUT.json [--max-new-tokens N] [--server URL]``, or ``--load DIR`` (repeatable)
+to only load checkpoints. Every check that fails raises
 ``ReaderRefused`` with the reason, which the output records (``{"refused": "..."}``).
 """
 
@@ -226,9 +227,24 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-new-tokens", type=int, default=40)
     ap.add_argument("--server")
+    ap.add_argument("--load", action="append", default=[],
+                    help="only load this checkpoint (repeatable; AV or AR by its sidecar's role): "
+                         "result['loads'] holds, per dir, null or why it was refused")
     args = ap.parse_args()
     vectors = np.load(args.vectors)
     result: dict = {"transformers": transformers.__version__}
+    loads = []
+    for directory in map(Path, args.load):
+        try:
+            role = sidecar(directory).get("role")
+            (Reconstructor if role in ("ar", "critic") else Verbalizer)(directory)
+            loads.append(None)
+        except ReaderRefused as err:
+            loads.append(str(err))
+        except Exception as err:  # noqa: BLE001 - a crash of the reader is a refusal too
+            loads.append(f"{type(err).__name__}: {err}")
+    if args.load:
+        result["loads"] = loads
     try:
         if args.av:
             av = Verbalizer(Path(args.av))

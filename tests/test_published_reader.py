@@ -50,14 +50,14 @@ def _reader_env() -> Path:
 
 
 def run_reader(tmp: Path, vectors: np.ndarray, *, av: Path | None = None, ar: Path | None = None,
-               texts: list[str] | None = None, server: str | None = None) -> dict:
+               texts: list[str] | None = None, server: str | None = None, load: list[Path] = ()) -> dict:
     """Run the published-way reader under transformers 4.57; its JSON result."""
     env_dir = _reader_env()
     np.save(tmp / "vectors.npy", vectors.astype(np.float32))
     (tmp / "texts.json").write_text(json.dumps(texts or []))
     cmd = [sys.executable, str(READER), "--vectors", str(tmp / "vectors.npy"), "--texts", str(tmp / "texts.json"),
            "--out", str(tmp / "reader.json"), "--max-new-tokens", str(MAX_NEW)]
-    for flag, value in (("--av", av), ("--ar", ar), ("--server", server)):
+    for flag, value in (("--av", av), ("--ar", ar), ("--server", server), *(("--load", d) for d in load)):
         if value is not None:
             cmd += [flag, str(value)]
     env = {**os.environ, "PYTHONPATH": str(env_dir), "TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1"}
@@ -201,27 +201,27 @@ def test_reader_refuses_what_nla_wrote_before(tiny_pair, tmp_path):
     import shutil
 
     av_dir, ar_dir = tiny_pair
-    vectors = _vectors(32, n=1)
     # 1. transformers 5's tokenizer class
-    bad = tmp_path / "class"
-    shutil.copytree(av_dir, bad)
-    config = json.loads((bad / "tokenizer_config.json").read_text())
-    (bad / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "TokenizersBackend"}))
-    assert "TokenizersBackend does not exist" in run_reader(tmp_path, vectors, av=bad)["refused"]
+    bad_class = tmp_path / "class"
+    shutil.copytree(av_dir, bad_class)
+    config = json.loads((bad_class / "tokenizer_config.json").read_text())
+    (bad_class / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "TokenizersBackend"}))
     # 2. a symbolic scale
-    bad = tmp_path / "scale"
-    shutil.copytree(av_dir, bad)
-    doc = yaml.safe_load((bad / "nla_meta.yaml").read_text())
+    bad_scale = tmp_path / "scale"
+    shutil.copytree(av_dir, bad_scale)
+    doc = yaml.safe_load((bad_scale / "nla_meta.yaml").read_text())
     doc["extraction"]["injection_scale"] = "sqrt_d_model"
-    (bad / "nla_meta.yaml").write_text(yaml.safe_dump(doc, allow_unicode=True))
-    assert "float() cannot read" in run_reader(tmp_path, vectors, av=bad)["refused"]
+    (bad_scale / "nla_meta.yaml").write_text(yaml.safe_dump(doc, allow_unicode=True))
     # 3. a BOS declared but not added, in the AR
-    bad = tmp_path / "bos"
-    shutil.copytree(ar_dir, bad)
-    config = json.loads((bad / "tokenizer_config.json").read_text())
-    (bad / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": "<bos>"}))
-    refused = run_reader(tmp_path, vectors, ar=bad, texts=["the cat"])["refused"]
-    assert "declares bos_token_id" in refused
+    bad_bos = tmp_path / "bos"
+    shutil.copytree(ar_dir, bad_bos)
+    config = json.loads((bad_bos / "tokenizer_config.json").read_text())
+    (bad_bos / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": "<bos>"}))
+    loads = run_reader(tmp_path, _vectors(32, n=1), load=[av_dir, ar_dir, bad_class, bad_scale, bad_bos])["loads"]
+    assert loads[:2] == [None, None]  # the pair as nla wrote it loads
+    assert "TokenizersBackend does not exist" in loads[2]
+    assert "float() cannot read" in loads[3]
+    assert "declares bos_token_id" in loads[4]
 
 
 @pytest.mark.slow
