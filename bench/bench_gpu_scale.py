@@ -11,7 +11,8 @@ rollouts' decoded text.
 
 Printed: each phase's seconds (generate, reference log-probs, reward = the live AR's forward,
 policy update, AR update), samples/s, the peak GPU memory against ``nla plan``'s figure for the
-same settings. ``--width``/``--layers`` shrink the shape (a CPU check of the path).
+same settings (on a CPU, the process's peak resident memory, which adds the runtime's own).
+``--width``/``--layers`` shrink the shape (a CPU check of the path).
 
     python -m bench.bench_gpu_scale --shape qwen2.5-7b --layer 20 --lora-r 16 [--steps 2] [--json out.json]
 """
@@ -162,6 +163,10 @@ def run(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         out["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         out["gpu"] = torch.cuda.get_device_name(device)
+    else:  # the process's peak resident memory (Linux: KiB): the weights, the states, and the runtime
+        import resource
+
+        out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
     print(json.dumps({k: v for k, v in out.items() if k != "steps"}, indent=1))
     if device.type == "cuda":
         print(f"peak {out['peak_gib']:.1f} GiB, plan {out['plan_peak_gib']:.1f} GiB "
