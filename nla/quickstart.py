@@ -248,12 +248,14 @@ INJECTION_ADAPTERS = ("none", "affine", "affine-mean-invariant", "affine-conform
 
 
 def pair_settings(injection_adapter: str, pair_subject: str | None = None,
-                  mean_shift_augment: float = 0.0) -> dict[str, Any]:
-    """The AV warm-start's settings for ``run_quickstart``'s ``injection_adapter`` and
-    ``mean_shift_augment`` and, for a cross-model pair, the other world model's dir (which always
-    reads through the affine adapter). Settings at their defaults are left out, so the default's
-    stage hashes (and its cached stages) do not change."""
+                  mean_shift_augment: float = 0.0, injection_scale: float | None = None) -> dict[str, Any]:
+    """The AV warm-start's settings for ``run_quickstart``'s ``injection_adapter``,
+    ``mean_shift_augment`` and ``injection_scale`` and, for a cross-model pair, the other world
+    model's dir (which always reads through the affine adapter). Settings at their defaults are left
+    out, so the default's stage hashes (and its cached stages) do not change."""
     pair: dict[str, Any] = {} if pair_subject is None else {"base_model": str(pair_subject)}
+    if injection_scale is not None:
+        pair["injection_scale"] = float(injection_scale)
     if pair_subject is not None or injection_adapter != "none":
         pair["injection_adapter"] = "affine"
     if injection_adapter.endswith("mean-invariant"):
@@ -268,7 +270,8 @@ def pair_settings(injection_adapter: str, pair_subject: str | None = None,
 def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart", *, backend: str = "local",
                    progress: bool = True, threads: int | None = None, seed: int = 0, pair_world: str | None = None,
                    injection_adapter: str = "none", pair_roles: str = "both",
-                   mean_shift_augment: float = 0.0, overwrite: bool = False) -> Path:
+                   mean_shift_augment: float = 0.0, overwrite: bool = False,
+                   injection_scale: float | None = None) -> Path:
     """Run every stage; returns the path of ``report.md``.
 
     A stage already finished in ``out`` with the same config is reused; one finished with another
@@ -291,6 +294,8 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
         data), for a same-model or a cross-model pair. "affine-conformal" (and
         "affine-conformal-mean-invariant"): a same-model adapter whose ``W`` is a learned gain times a
         rotation (``InjectionAdapter(conformal=True)``), so it scales every direction alike.
+    injection_scale: the AV's fixed injection norm instead of the dataset's (``sqrt_d_model``); it is
+        written into the AV's sidecar as a number, so the pair stays in the published format.
     mean_shift_augment: the AV warm-start's ``AVTrainConfig.mean_shift_augment`` (0: off, the
         published recipe; 1: each training vector gets ``a * mean`` added, ``a`` in [-1, 1]), which
         makes the pair read vectors whose mean is shifted (a difference of means, an offset) like
@@ -318,6 +323,10 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     if (isinstance(mean_shift_augment, bool) or not isinstance(mean_shift_augment, (int, float))
             or not math.isfinite(mean_shift_augment) or mean_shift_augment < 0):
         raise ValueError(f"mean_shift_augment: expected a finite number >= 0 (0: off), found {mean_shift_augment!r}")
+    if injection_scale is not None and (isinstance(injection_scale, bool) or not isinstance(injection_scale, (int, float))
+                                        or not math.isfinite(injection_scale) or injection_scale <= 0):
+        raise ValueError(f"injection_scale: expected a positive finite number (None: the dataset's), found "
+                         f"{injection_scale!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed: expected an integer >= 0, found {seed!r}")
     p = PRESETS[preset]
@@ -332,7 +341,7 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
 
     with lock_run_dir(out):  # one quickstart per out dir, held to the end
         return _run_stages(out, p, preset, thr, threads, backend, progress, seed, pair_world, injection_adapter,
-                           pair_roles, mean_shift_augment, overwrite)
+                           pair_roles, mean_shift_augment, overwrite, injection_scale)
 
 
 def finished_stage_conflict(out: Path, name: str, config: dict[str, Any]) -> str | None:
@@ -354,7 +363,7 @@ def finished_stage_conflict(out: Path, name: str, config: dict[str, Any]) -> str
 
 def _run_stages(out: Path, p: QuickstartPreset, preset: str, thr: dict[str, Any], threads: Any, backend: str,
                 progress: bool, seed: int, pair_world: str | None, injection_adapter: str, pair_roles: str,
-                mean_shift_augment: float, overwrite: bool) -> Path:
+                mean_shift_augment: float, overwrite: bool, injection_scale: float | None = None) -> Path:
     from nla.datagen.config import DatagenConfig
     from nla.datagen.pipeline import run as run_datagen
     from nla.rl.config import RLConfig
@@ -426,9 +435,9 @@ def _run_stages(out: Path, p: QuickstartPreset, preset: str, thr: dict[str, Any]
     if pair_world is not None:
         pair_cfg = seeded_config(pair_world, seed)
         pw = stage("pair_world", {"preset": pair_world, **sd, **thr}, lambda: _world(build_world, pair_cfg, progress))
-        pair = pair_settings(injection_adapter, pw["subject_dir"], mean_shift_augment)
+        pair = pair_settings(injection_adapter, pw["subject_dir"], mean_shift_augment, injection_scale)
     else:
-        pair = pair_settings(injection_adapter, mean_shift_augment=mean_shift_augment)
+        pair = pair_settings(injection_adapter, mean_shift_augment=mean_shift_augment, injection_scale=injection_scale)
     ar_pair = {k: v for k, v in pair.items() if k == "base_model" and pair_roles == "both"}
     ar_settings, av_settings = p.warm_start_settings(pair_world, pair_roles)
     ar_cfg = dict(dataset=str(datagen / "ar_sft.parquet"), out_dir=str(out / "ar"), progress=progress, **ar_settings,

@@ -77,3 +77,13 @@ def test_a_second_quickstart_on_one_dir_is_refused(tmp_path, capsys):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_injection_scale_setting_reaches_the_av_and_only_when_given(tmp_path, capsys):
+    from nla.quickstart import pair_settings
+
+    assert pair_settings("none") == {}  # the default's stage hashes do not change
+    assert pair_settings("none", injection_scale=32) == {"injection_scale": 32.0}
+    code, lines = _cli(capsys, "quickstart", "--preset", "tiny", "--out", tmp_path / "q", "--injection-scale", "0")
+    assert code == 2
+    assert any("injection_scale: expected a positive finite number" in ln for ln in lines)

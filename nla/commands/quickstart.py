@@ -43,6 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="train the AV on vectors with a*mean added (a uniform in [-M, M], the response unchanged) so "
                         "it reads a shifted mean (a difference of means, an offset) like the training data; 0: off "
                         "(default), 1: the setting BENCHMARKS.md measures")
+    p.add_argument("--injection-scale", type=non_negative_float, default=None, metavar="S",
+                   help="the AV's fixed injection norm instead of the dataset's sqrt(d_model) (a number in the "
+                        "AV's sidecar: the published format); default: the dataset's")
     p.add_argument("--overwrite", action="store_true",
                    help="run again a stage that finished in --out with another config (other --threads, seed or "
                         "CPU kernels), replacing it and the stages after it; without it such a stage is refused")
@@ -77,13 +80,15 @@ def run(args: argparse.Namespace) -> int:
                    + ("-av" if args.pair_world and args.pair_roles == "av" else "")
                    + _adapter_suffix(args.injection_adapter, args.pair_world)
                    + (f"-augment{args.mean_shift_augment:g}" if args.mean_shift_augment else "")
+                   + (f"-scale{args.injection_scale:g}" if args.injection_scale is not None else "")
                    + (f"-seed{args.seed}" if args.seed else ""))
     out = str(check_output_path(args.out or default_out, "--out"))
     _quiet_transformers()
     report = run_quickstart(args.preset, out, backend=args.backend, progress=not args.no_progress,
                             threads=args.threads, seed=args.seed, pair_world=args.pair_world,
                             injection_adapter=args.injection_adapter, pair_roles=args.pair_roles,
-                            mean_shift_augment=args.mean_shift_augment, overwrite=args.overwrite)
+                            mean_shift_augment=args.mean_shift_augment, overwrite=args.overwrite,
+                            injection_scale=args.injection_scale)
     head = json.loads((report.parent / "report.json").read_text())["headline"]
     print("\n== nla quickstart: done ==", file=sys.stderr)
     print(f"round-trip FVE (held-out): warm-start {head['round_trip_fve_warmstart']:.3f} -> "
