@@ -573,19 +573,25 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def _bounded_int_flag(text: str, lo: int, hi: int, not_int: str, out_of_range: str) -> int:
+    """An argparse type's body: ``text`` as an integer in ``lo..hi``; the messages get ``{text}`` / ``{value}``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(not_int.format(text=repr(text))) from None
+    if not lo <= value <= hi:
+        raise argparse.ArgumentTypeError(out_of_range.format(value=value))
+    return value
+
+
 def seed_flag(text: str) -> int:
     """argparse type of ``--seed``: an integer in the range every RNG nla seeds accepts
     (``nla.util.configcheck.SEED_MAX``: numpy's legacy seeds need < 2**32)."""
     from nla.util.configcheck import SEED_MAX
 
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer seed in 0..{SEED_MAX}, found {text!r}") from None
-    if not 0 <= value <= SEED_MAX:
-        raise argparse.ArgumentTypeError(f"expected an integer seed in 0..{SEED_MAX} (the range numpy's and torch's "
-                                         f"seeds share), found {value}; pick a seed in that range")
-    return value
+    return _bounded_int_flag(text, 0, SEED_MAX, f"expected an integer seed in 0..{SEED_MAX}, found {{text}}",
+                             f"expected an integer seed in 0..{SEED_MAX} (the range numpy's and torch's seeds share), "
+                             "found {value}; pick a seed in that range")
 
 
 # The most explanations drawn for one vector (verbalize --n-samples, eval --best-of, NLAClient.verbalize's
@@ -605,11 +611,7 @@ def check_sample_count(value: int, what: str) -> int:
 
 def sample_count_flag(text: str) -> int:
     """argparse type of a per-vector sample count (``--n-samples``): 1..MAX_SAMPLES_PER_VECTOR."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer in 1..{MAX_SAMPLES_PER_VECTOR}, found {text!r}") from None
-    if not 1 <= value <= MAX_SAMPLES_PER_VECTOR:
-        raise argparse.ArgumentTypeError(f"expected a sample count in 1..{MAX_SAMPLES_PER_VECTOR} per vector (every "
-                                         f"sample of a vector is decoded in one batch), found {value}")
-    return value
+    return _bounded_int_flag(text, 1, MAX_SAMPLES_PER_VECTOR,
+                             f"expected an integer in 1..{MAX_SAMPLES_PER_VECTOR}, found {{text}}",
+                             f"expected a sample count in 1..{MAX_SAMPLES_PER_VECTOR} per vector (every sample of a "
+                             "vector is decoded in one batch), found {value}")
