@@ -216,7 +216,7 @@ def adapter_file_path(directory: str | Path, sidecar: Any) -> Path:
     it resolves inside ``directory`` (no ``..``, absolute path or symlink out of it), and, when the
     checkpoint has ``nla_checksums.sha256``, the record lists it and its SHA-256 matches
     (``NLA_VERIFY_CHECKSUMS``); else an :class:`~nla.util.validation.InputError` naming the field."""
-    from nla.util.validation import CHECKSUM_FILE, InputError, file_sha256, verify_mode
+    from nla.util.validation import CHECKSUM_FILE, InputError, file_sha256, read_checksums, verify_mode
 
     d = Path(directory)
     name = sidecar.injection_adapter["file"]
@@ -230,14 +230,9 @@ def adapter_file_path(directory: str | Path, sidecar: Any) -> Path:
     if not resolved.is_file():
         raise FileNotFoundError(f"{path}: the sidecar's injection_adapter names this file but it is missing; the AV "
                                 "cannot read vectors without it. Restore the checkpoint dir as it was written")
-    record = d / CHECKSUM_FILE
-    if record.is_file():
+    record, listed = d / CHECKSUM_FILE, read_checksums(d)
+    if listed is not None:
         rel = resolved.relative_to(root).as_posix()
-        listed = {}
-        for line in record.read_text(encoding="utf-8").splitlines():
-            digest, _, listed_name = line.partition("  ")
-            if listed_name:
-                listed[listed_name] = digest
         if rel not in listed:
             raise InputError(f"{where} is not listed in {record} (it lists {sorted(listed)}); the checksum record does "
                              "not cover the adapter it names, so it is not the file this checkpoint was saved with: "
@@ -253,14 +248,12 @@ def check_adapter_named(directory: str | Path, sidecar: Any) -> None:
     """An AV checkpoint holding ``nla_injection_adapter.safetensors`` whose sidecar has no
     ``injection_adapter`` block is refused: loading it without the adapter feeds the AV vectors
     it was not trained to read (or of the wrong width), silently."""
-    from nla.util.validation import CHECKSUM_FILE, InputError
+    from nla.util.validation import CHECKSUM_FILE, InputError, read_checksums
 
     d = Path(directory)
     if (sidecar is not None and sidecar.injection_adapter is not None) or not (d / ADAPTER_FILE).exists():
         return
-    record = d / CHECKSUM_FILE
-    listed = record.is_file() and any(line.partition("  ")[2] == ADAPTER_FILE
-                                      for line in record.read_text(encoding="utf-8").splitlines())
+    listed = ADAPTER_FILE in (read_checksums(d) or {})
     raise InputError(
         f"{d / ADAPTER_FILE}: present{f' and listed in {CHECKSUM_FILE}' if listed else ''}, but the sidecar has no "
         "injection_adapter block naming it; the AV would load without the adapter it was trained with. Use the "

@@ -299,20 +299,12 @@ def base_fingerprint(directory: str | Path) -> str | None:
     (nla's saves; cheap), else computed (once per file and machine). None without safetensors files."""
     import hashlib
 
-    from nla.util.validation import CHECKSUM_FILE, file_sha256
+    from nla.util.validation import file_sha256, read_checksums
 
     d = Path(directory)
-    record = d / CHECKSUM_FILE
-    digests: dict[str, str] = {}
-    if record.is_file():
-        for line in record.read_text(encoding="utf-8").splitlines():
-            digest, _, name = line.partition("  ")
-            if name:
-                digests[name] = digest
-    else:
-        for f in sorted(d.glob("*.safetensors")):
-            if f.is_file():
-                digests[f.name] = file_sha256(f, use_record=True)
+    digests = read_checksums(d)
+    if digests is None:
+        digests = {f.name: file_sha256(f, use_record=True) for f in sorted(d.glob("*.safetensors")) if f.is_file()}
     if not digests:
         return None
     return hashlib.sha256("".join(f"{digests[n]}  {n}\n" for n in sorted(digests)).encode()).hexdigest()

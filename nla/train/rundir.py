@@ -158,8 +158,11 @@ def inputs_inside(config: dict[str, Any], roots: list[str | os.PathLike], prefix
     return found
 
 
-def _overwrite(out: Path, config: dict[str, Any]) -> None:
+def _overwrite(out: Path, config: dict[str, Any]) -> bool:
+    """Delete the previous run's outputs in ``out`` (see the module docstring); False when there are none."""
     doomed = [out / name for name in RUN_OUTPUTS if (out / name).exists() or (out / name).is_symlink()]
+    if not doomed:
+        return False
     inside = inputs_inside(config, doomed)
     if inside:
         raise RunDirError(
@@ -173,6 +176,7 @@ def _overwrite(out: Path, config: dict[str, Any]) -> None:
             shutil.rmtree(p)
         else:
             p.unlink()
+    return True
 
 
 def _checkpoints(out: Path) -> list[Path]:
@@ -254,8 +258,7 @@ def prepare_run_dir(out_dir: str | os.PathLike, config: dict[str, Any], config_n
 def _prepare(out: Path, config: dict[str, Any], config_name: str, *, resume: bool, overwrite: bool) -> None:
     remove_stale_temp_dirs(out)
     ckpts = _checkpoints(out)
-    if overwrite and any((out / name).exists() for name in RUN_OUTPUTS):
-        _overwrite(out, config)
+    if overwrite and _overwrite(out, config):
         return
     if not ckpts:
         return

@@ -48,6 +48,7 @@ __all__ = [
     "verify_checksums",
     "write_checksums",
     "file_sha256",
+    "read_checksums",
     "drop_bad_rows",
     "load_yaml",
     "safe_load_unique",
@@ -386,6 +387,19 @@ def file_sha256(path: Path, *, use_record: bool = False) -> str:
                 _remember(path, digest)
         _verified[key] = digest
     return _verified[key]
+
+
+def read_checksums(directory: str | os.PathLike) -> dict[str, str] | None:
+    """``directory``'s checksum record as ``{file name: sha256}``; None when it has none."""
+    record = Path(directory) / CHECKSUM_FILE
+    if not record.is_file():
+        return None
+    listed = {}
+    for line in record.read_text(encoding="utf-8").splitlines():
+        digest, _, name = line.partition("  ")
+        if name:
+            listed[name] = digest
+    return listed
 
 
 def write_checksums(directory: str | os.PathLike) -> Path | None:
