@@ -601,7 +601,7 @@ class Claim:
 
     delta_mse: mse_nrm without the claim minus with it (> 0: the claim carried information the
         AR used); truth: the grader's verdict (None: names no fact, or no truth was given);
-        quotation: the claim quotes the text read (the current word) rather than claiming a fact.
+        quotation: the claim quotes the text read (its end, in the world's language) rather than claiming a fact.
     """
 
     text: str

@@ -148,14 +148,14 @@ def test_oracle_row_reads_every_true_fact(nla_pair, client, tmp_path):  # noqa: 
 
     path, gold = _dataset(tmp_path / "rl.parquet", nla_pair, with_explanation=False)
     t = pq.read_table(path)
-    words = ["garden", "morning", "was", "kitchen", "", "night"]
-    pq.write_table(t.append_column("current_word", pa.array(words)), path)
+    words = ["the garden", "morning,", "was", "kitchen", "", "night"]
+    pq.write_table(t.append_column("text_end", pa.array(words)), path)
     report = evaluate_pair(client, path, max_new_tokens=14, n_show=0)
     row = report.row("oracle: every true fact → AR")
     texts = [oracle_explanation([Fact.parse(f) for f in fs], w, i) for i, (fs, w) in enumerate(zip(FACTS, words, strict=True))]
-    assert texts[0].startswith('The current word is "garden". ') and texts[4] in (
+    assert texts[0].startswith('The text ends with "the garden". ') and texts[4] in (
         "This is the start of a story.", "The text has only just begun.", "Nothing specific has been said yet.",
-        "A new story is beginning.")  # no facts, no word: a generic remark
+        "A new story is beginning.")  # no facts, nothing to quote: a generic remark
     assert row.fve == pytest.approx(fve(client.reconstruct(texts), gold, 32**0.5), abs=1e-5)
     # it names every true fact and nothing else: recall 1 and precision 1 on every row
     assert row.faithfulness.recall == 1.0 and row.faithfulness.precision == 1.0

@@ -175,7 +175,7 @@ def _reference_attribution(client, text, vector, facts):
         named = {str(f) for f in parse_facts(c)}
         truth = None if facts is None or not named else named <= set(facts)
         out.append({"text": c, "delta_mse": mse[j + 1] - mse[0], "truth": truth,
-                    "quotation": bool(re.fullmatch(r'The current word is "[A-Za-z]+"\.', c))})
+                    "quotation": bool(re.fullmatch(r'The text ends with "[^"]+"\.', c))})
     return out, mse[0]
 
 
@@ -456,7 +456,7 @@ def _quickstart_run(out):
         row = EvalRow(ROUND_TRIP, fve=fve, cosine=0.5, mse_mean=1.0, mse_p10=0.5, mse_p50=1.0, mse_p90=1.5,
                       faithfulness=Faithfulness(0.5, 0.25, {"person": (1.0, 0.5), "place": (0.0, 0.0)}, 2))
         sample = Sample(row=3, explanation=expl, status="completed", mse_nrm=mse, facts=["person=alice", "place=park"],
-                        context="Alice went to the park", reference='The current word is "park".')
+                        context="Alice went to the park", reference='The text ends with "to the park".')
         return EvalReport("eval.parquet", 2, D, None, 0.9, 1.3, rows=[row], samples=[sample]).to_dict()
 
     _png(out / "rl" / "rl_curves.png")

@@ -40,7 +40,7 @@ class ColourGrader(G.DatasetGrader):
     def degeneracy(self, text):
         return {"shouting": bool(text) and text.isupper()}
 
-    def oracle(self, truth, current_word, key):
+    def oracle(self, truth, quote, key):
         return " ".join(sorted(truth)) or "nothing"
 
 
@@ -147,3 +147,25 @@ def test_eval_refuses_an_unknown_grader_before_any_model_loads(tmp_path, capsys)
                "--grader", "nope", "--device", "cpu"])
     err = capsys.readouterr().err
     assert rc == 2 and "nla eval: error: grader: expected one of" in err and "found 'nope'" in err
+
+
+def test_shuffle_sentences_by_hand():
+    # three sentences, a full stop inside a quotation not ending one; the order is the RNG's permutation
+    text = 'The text ends with "the park.". Leo is one of the characters.  The tone is calm.'
+    sentences = ['The text ends with "the park.".', "Leo is one of the characters.", "The tone is calm."]
+    for seed in range(6):
+        order = np.random.default_rng(seed).permutation(3)
+        assert G.shuffle_sentences(text, np.random.default_rng(seed)) == " ".join(sentences[i] for i in order)
+    assert G.shuffle_sentences("One claim only", np.random.default_rng(0)) == "One claim only"
+    assert G.shuffle_sentences("", np.random.default_rng(0)) == ""
+
+
+def test_world_grader_quotes_the_text_end_column_else_the_current_word():
+    w = G.get_grader("world")
+    both = pa.table({"text_end": ["the park.", None], "current_word": ["park", "x"]})
+    assert w.quotes(both) == ["the park.", None]
+    assert w.quotes(pa.table({"current_word": ["park", "Le"]})) == ["park", "Le"]  # written before text_end
+    assert w.quotes(pa.table({"facts": [["mood=calm"]]})) == [None]  # nothing to quote: facts alone
+    assert G.get_grader("generic").quotes(both) == [None, None]
+    # the oracle quotes what it is given, before every true fact
+    assert w.oracle(["mood=calm"], "the park.", 0).startswith('The text ends with "the park.". ')

@@ -405,9 +405,9 @@ def test_format_flags_generic_and_world():
     from nla.core.reward import format_flags
 
     texts = [
-        'The current word is "He". The mood is sad.',  # clean in both
+        'The text ends with "park. He". The mood is sad.',  # clean in both
         "The mood is sad. The mood is sad.",  # repeated sentence
-        'The current word is "He. The mood is sad.',  # unbalanced quote
+        'The text ends with "He. The mood is sad.',  # unbalanced quote
         "The tone is cooking. The mood is sad.",  # a mood template with an activity word: outside the language
         None,  # failed extraction: charged elsewhere
     ]
@@ -428,6 +428,15 @@ def test_replay_rows_join_each_ar_update(pair, tmp_path):
     t2, v2 = replay.sample(12, 0.25, seed=0, step=3)
     assert len(t1) == 4 and t1 == t2 and torch.equal(v1, v2)
     assert replay.sample(12, 0.25, seed=0, step=4)[0] != t1
+    # shuffled: the same rows and vectors, each text's sentences in an order from the same RNG
+    from nla.core.graders import shuffle_sentences, split_sentences
+
+    t3, v3 = replay.sample(12, 0.25, seed=0, step=3, shuffle=True)
+    assert torch.equal(v3, v1) and all(sorted(split_sentences(a)) == sorted(split_sentences(b))
+                                       for a, b in zip(t3, t1, strict=True))
+    rng = np.random.default_rng([0, 3])
+    rng.choice(len(replay.texts), size=4, replace=False)
+    assert t3 == [shuffle_sentences(t, rng) for t in t1]
     for t, v in zip(t1, v1, strict=True):  # each text comes with its own vector
         assert torch.equal(v, replay.vectors[replay.texts.index(t)]) or replay.texts.count(t) > 1
     cfg = _cfg(pair, tmp_path, steps=2, reconstructor=dict(replay_dataset=str(ar_ds), replay_fraction=0.5))

@@ -31,14 +31,14 @@ from nla.eval.suite import (
 from nla.world.explain import in_language
 
 WORLD = get_grader("world")
-TEXT = 'The current word is "shore". The story is about Felix. The scene is set at the beach. Someone feels glad.'
+TEXT = 'The text ends with "at the shore". The story is about Felix. The scene is set at the beach. Someone feels glad.'
 TRUTH = ["person=felix", "place=beach", "mood=sad"]
 
 
 # ------------------------------------------------------------------ claims and re-writings (no model)
 def test_world_claims_truth_and_quotation():
     claims = WORLD.claims(TEXT)
-    assert claims == ['The current word is "shore".', "The story is about Felix.", "The scene is set at the beach.",
+    assert claims == ['The text ends with "at the shore".', "The story is about Felix.", "The scene is set at the beach.",
                       "Someone feels glad."]
     # the quoted word names no claimed fact ("shore" is a surface word of beach, but quoted)
     assert [WORLD.claim_truth(c, TRUTH) for c in claims] == [None, True, True, False]
@@ -62,7 +62,7 @@ def test_world_paraphrase_keeps_the_fact_and_changes_the_phrasing():
             new = WORLD.paraphrase(claim, rng)
             assert new != claim and in_language(new)
             assert WORLD.named_facts(new) == WORLD.named_facts(claim)
-    assert WORLD.paraphrase('The current word is "shore".', rng) is None
+    assert WORLD.paraphrase('The text ends with "at the shore".', rng) is None
     assert WORLD.paraphrase("Felix ate a bagel.", rng) is None  # outside the language's phrasings
 
 
@@ -71,7 +71,7 @@ def test_world_edit_fact_changes_exactly_that_claim():
     assert WORLD.edit_fact(TEXT, "person=felix", "person=hugo") == TEXT.replace("Felix", "Hugo")  # case kept
     assert WORLD.edit_fact(TEXT, "place=park", "place=cafe") is None  # not claimed
     # a surface word of the fact inside the quotation is not a claim and stays
-    assert '"shore"' in WORLD.edit_fact(TEXT, "place=beach", "place=park")
+    assert '"at the shore"' in WORLD.edit_fact(TEXT, "place=beach", "place=park")
     assert WORLD.fact_of_word(" Shore") == "place=beach" and WORLD.fact_of_word("the") is None
 
 
@@ -406,7 +406,7 @@ def test_cli_suite_paraphrase_provider_needs_its_key(world, tmp_path, capsys, mo
 def test_claims_summary_by_hand():
     from nla.eval.suite import claims_summary
 
-    attr = [[Claim('The current word is "x".', 0.5, None, True), Claim("The story is about Felix.", 0.4, True, False),
+    attr = [[Claim('The text ends with "x".', 0.5, None, True), Claim("The story is about Felix.", 0.4, True, False),
              Claim("The scene is set at the beach.", 0.1, False, False)],
             [Claim("Someone feels sad.", -0.1, False, False), Claim("This is the start of a story.", 0.0, None, False)],
             []]

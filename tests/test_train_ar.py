@@ -184,3 +184,44 @@ def test_gradient_checkpointing_trains_the_same_ar(ar_data, tmp_path, monkeypatc
             torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
     la, lb = ([r["loss"] for r in read_metrics(tmp_path / d / "ar.jsonl")] for d in ("a", "b"))
     np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-7)
+
+
+def test_shuffle_sentences_reads_each_rows_claims_in_its_own_order(ar_data, tmp_path, tiny_tokenizer):
+    """shuffle_sentences: the step-1 loss is that of a plain reference reading each row's sentences in
+    the order shuffle_sentences draws from (seed, doc_id, position 0); the as-written texts give another."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoModelForCausalLM
+
+    from nla.core.graders import shuffle_sentences, split_sentences
+
+    base, side, ds, vec = ar_data
+    t = pq.read_table(ds)
+    expl = [f"{e}. The mood is calm. It is late." for e in explanations(16)]
+    t = t.set_column(t.column_names.index("explanation"), "explanation", pa.array(expl))
+    t = t.set_column(t.column_names.index("prompt"), "prompt", pa.array([side.ar_text(e) for e in expl]))
+    multi = tmp_path / "multi.parquet"
+    pq.write_table(t, multi)
+    (tmp_path / "multi.parquet.nla_meta.yaml").write_text((tmp_path / "ar_sft.parquet.nla_meta.yaml").read_text())
+    shuffled = [shuffle_sentences(e, np.random.default_rng([5, d, 0])) for d, e in enumerate(expl)]
+    assert sum(s != e for s, e in zip(shuffled, expl, strict=True)) >= 8  # most rows read in another order
+    assert all(sorted(split_sentences(s)) == sorted(split_sentences(e)) for s, e in zip(shuffled, expl, strict=True))
+    lm = AutoModelForCausalLM.from_pretrained(base).eval()
+
+    def reference_loss(texts):
+        with torch.no_grad():
+            ref = torch.stack([lm(tiny_tokenizer(side.ar_text(x), return_tensors="pt")["input_ids"],
+                                  output_hidden_states=True).hidden_states[K + 1][0, -1] for x in texts])
+        return float(mse_nrm(ref, torch.from_numpy(vec), side.mse_scale_value()).mean())
+
+    train_ar(_cfg(multi, tmp_path / "run", max_steps=1, batch_size=16, eval_fraction=0.0, seed=5,
+                  shuffle_sentences=True))
+    loss = read_metrics(tmp_path / "run" / "ar.jsonl")[0]["loss"]
+    assert loss == pytest.approx(reference_loss(shuffled), rel=1e-4)
+    assert loss != pytest.approx(reference_loss(expl), rel=1e-4)
+    # without an explanation column there is nothing to re-order: named, before training
+    pq.write_table(t.drop(["explanation"]), multi)
+    with pytest.raises(ARTrainError, match="shuffle_sentences: .* no 'explanation' column"):
+        train_ar(_cfg(multi, tmp_path / "run2", shuffle_sentences=True))
+    with pytest.raises(ValueError, match="shuffle_sentences"):
+        _cfg(ds, tmp_path / "r", shuffle_sentences="yes")

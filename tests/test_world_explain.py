@@ -124,14 +124,14 @@ def test_every_kind_has_several_phrasings():
     assert all(len(v) >= 3 for v in FACT_TEMPLATES.values())
 
 
-def test_current_word_is_named_in_quotes_and_not_graded_as_a_fact():
+def test_text_end_is_quoted_and_not_graded_as_a_fact():
     from nla.world import Fact, TextExplainer, grade, parse_facts
 
     facts = frozenset({Fact("person", "felix"), Fact("activity", "singing")})
     plain = TextExplainer(seed=3, wrong_rate=0.0).explain(facts, key=7)
-    with_word = TextExplainer(seed=3, wrong_rate=0.0).explain(facts, key=7, current_word="shore")
-    # the word is prepended; which facts are named does not change
-    assert with_word == 'The current word is "shore". ' + plain
+    with_word = TextExplainer(seed=3, wrong_rate=0.0).explain(facts, key=7, quote="to the  shore")
+    # the quotation is prepended (white space made single); which facts are named does not change
+    assert with_word == 'The text ends with "to the shore". ' + plain
     # "shore" reveals place=beach, but a quotation is not a claim
     assert parse_facts(with_word) == parse_facts(plain)
     assert Fact("place", "beach") not in parse_facts(with_word)
@@ -145,7 +145,7 @@ def test_word_rate_zero_never_names_the_word():
 
     ex = TextExplainer(seed=0, word_rate=0.0)
     facts = frozenset({Fact("mood", "calm")})
-    assert all("current word" not in ex.explain(facts, k, "calm") for k in range(50))
+    assert all("text ends" not in ex.explain(facts, k, "so calm") for k in range(50))
     with pytest.raises(ValueError, match="word_rate"):
         TextExplainer(word_rate=1.5)
 
@@ -153,16 +153,17 @@ def test_word_rate_zero_never_names_the_word():
 def test_degeneracy_on_hand_made_explanations():
     from nla.world.explain import degeneracy, in_language, split_sentences
 
-    clean = 'The current word is "kite". Leo is one of the characters. The tone is calm.'
+    clean = 'The text ends with "the kite.". Leo is one of the characters. The tone is calm.'
     assert not degeneracy(clean).any and all(in_language(s) for s in split_sentences(clean))
     # a repeated sentence (case-insensitive)
     d = degeneracy("The mood is sad. the mood is sad.")
     assert (d.repeated_sentence, d.broken_quote, d.outside_language) == (True, False, False)
-    # a broken quotation: the quote runs past the word
-    d = degeneracy('The current word is " umbrella in the morning.".')
+    # a quotation in another sentence than the language's own
+    d = degeneracy('The current word is "umbrella in the morning.".')
     assert d.broken_quote and d.outside_language and not d.repeated_sentence
-    # an unmatched quote
-    assert degeneracy('The current word is "kite. The mood is sad.').broken_quote
+    # an unmatched quote; an empty quotation
+    assert degeneracy('The text ends with "kite. The mood is sad.').broken_quote
+    assert degeneracy('The text ends with "". The mood is sad.').broken_quote
     # a template with a word of another kind ("tone" is a mood template, "cooking" an activity)
     d = degeneracy("The tone is cooking.")
     assert d.outside_language and not d.broken_quote and not d.repeated_sentence
@@ -170,7 +171,7 @@ def test_degeneracy_on_hand_made_explanations():
     assert degeneracy("Alice is in the garden").outside_language
     assert not degeneracy(None).any and not degeneracy("  ").any
     # a period inside a quotation does not end the sentence
-    assert split_sentences('The current word is "a.b". The mood is sad.') == ['The current word is "a.b".',
+    assert split_sentences('The text ends with "a. b". The mood is sad.') == ['The text ends with "a. b".',
                                                                                "The mood is sad."]
 
 

@@ -149,6 +149,27 @@ def test_current_word():
         current_word(doc, 99)
 
 
+def test_text_end_quotes_the_token_and_the_two_units_before_it():
+    from nla.world.facts import text_end, unit_ends
+
+    doc = Document(0, 'One morning,  Leo "went" to the park. He', ())
+    assert text_end(doc, 0) == ""
+    assert text_end(doc, 2) == "On"  # inside the first word: the token's part of it
+    assert text_end(doc, 11) == "One morning"
+    assert text_end(doc, 12) == "One morning,"  # the mark is a unit of its own
+    assert text_end(doc, 17) == "morning, Leo"  # two spaces made one
+    assert text_end(doc, 23) == ", Leo went"  # the quote mark is dropped, not counted
+    assert text_end(doc, 24) == ", Leo went"
+    assert text_end(doc, 37) == "the park."
+    assert text_end(doc, 40) == "park. He"
+    assert text_end(doc, 40, n_units=1) == "He"
+    assert unit_ends("Leo went, home.") == [3, 8, 9, 14, 15]
+    with pytest.raises(ValueError, match="char_end must be in"):
+        text_end(doc, 99)
+    with pytest.raises(ValueError, match="n_units"):
+        text_end(doc, 5, n_units=0)
+
+
 def test_fact_validation_and_str():
     f = Fact("place", "beach")
     assert str(f) == "place=beach"

@@ -54,8 +54,9 @@ class DatasetGrader:
 
     - ``grade(explanation, truth) -> FactGrade | None``: truth is the row's ``facts`` strings;
     - ``degeneracy(text) -> {check: flagged}`` over ``degeneracy_checks`` (None/empty: nothing);
-    - ``oracle(truth, current_word, key) -> str | None``: the most faithful explanation the
-      language can say (the ceiling row of ``nla eval``);
+    - ``oracle(truth, quote, key) -> str | None``: the most faithful explanation the
+      language can say (the ceiling row of ``nla eval``), ``quote`` being the row's entry of
+      ``quotes(table)`` (what it quotes of the text read);
     - ``text_explainer(table, dataset_path) -> list[str] | None``: the data's own explainer
       output per row, when the table does not carry it.
     """
@@ -76,8 +77,12 @@ class DatasetGrader:
         """Whether any of the format checks flags ``text`` (the format penalty's test)."""
         return any(self.degeneracy(text).values())
 
-    def oracle(self, truth: Sequence[str], current_word: str | None, key: int) -> str | None:
+    def oracle(self, truth: Sequence[str], quote: str | None, key: int) -> str | None:
         return None
+
+    def quotes(self, table: Any) -> list[str | None]:
+        """What the oracle quotes of the text read, per row of ``table`` (the base: nothing, None)."""
+        return [None] * table.num_rows
 
     def text_explainer(self, table: Any, dataset_path: Path) -> list[str] | None:
         return None
@@ -203,6 +208,15 @@ def split_sentences(text: str) -> list[str]:
     out = [m.group().strip() for m in _SENTENCE_RE.finditer(text)]
     rest = _SENTENCE_RE.sub("", text).strip()
     return [s for s in out if s] + ([rest] if rest else [])
+
+
+def shuffle_sentences(text: str, rng: Any) -> str:
+    """``text``'s sentences (``split_sentences``) in a random order drawn from ``rng`` (a
+    ``numpy.random.Generator``), joined by one space: the same claims, another order. A reader
+    trained on such texts cannot use the order of the claims as a code (the suite's hidden-code
+    test measures what re-ordering costs)."""
+    sentences = split_sentences(text)
+    return " ".join(sentences[i] for i in rng.permutation(len(sentences)))
 
 
 def has_repeated_sentence(sentences: list[str]) -> bool:

@@ -90,7 +90,7 @@ class WorldExplainerConfig:
     min_facts: int = 3
     max_facts: int = 6
     wrong_rate: float = 0.1
-    word_rate: float = 1.0  # how often the explanation also names the current word
+    word_rate: float = 1.0  # how often the explanation also quotes the text's end (nla.world.facts.text_end)
     # Each true fact named on its own with this probability (at least one), instead of a count drawn
     # from min_facts..max_facts; None: the count rule.
     fact_rate: float | None = None

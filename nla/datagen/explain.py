@@ -55,6 +55,7 @@ class WorldExplainer(Explainer):
 
     def explain_batch(self, rows: list[dict[str, Any]]) -> list[str | None]:
         from nla.world import Fact
+        from nla.world.explain import row_quote
 
         out: list[str | None] = []
         for r in rows:
@@ -64,7 +65,7 @@ class WorldExplainer(Explainer):
                     "column; the world explainer needs world activations (source: world)"
                 )
             facts = frozenset(Fact(*s.split("=", 1)) for s in r["facts"])
-            text = self._text.explain(facts, row_key(r["doc_id"], r["position"]), r.get("current_word"))
+            text = self._text.explain(facts, row_key(r["doc_id"], r["position"]), row_quote(r))
             if not text or not text.strip():
                 self.drops["world_no_explanation"] += 1
                 out.append(None)

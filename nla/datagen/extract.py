@@ -178,7 +178,7 @@ def block_outputs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
 
 
 def _world_annotations(doc: CorpusDoc, offsets: list[tuple[int, int]] | None, positions: np.ndarray):
-    from nla.world import current_word, token_facts
+    from nla.world import current_word, text_end, token_facts
 
     if offsets is None:
         raise DatagenError(
@@ -188,6 +188,7 @@ def _world_annotations(doc: CorpusDoc, offsets: list[tuple[int, int]] | None, po
     return (
         [sorted(str(f) for f in facts[p]) for p in positions],
         [current_word(doc.world_doc, offsets[p][1]) for p in positions],
+        [text_end(doc.world_doc, offsets[p][1]) for p in positions],
     )
 
 
@@ -210,7 +211,7 @@ def _chunk_rows(
     device = next(model.parameters()).device
     cols: dict[str, list] = {k: [] for k in ("doc_id", "position", "n_raw_tokens", "context", "token")}
     if world:
-        cols["facts"], cols["current_word"] = [], []
+        cols["facts"], cols["current_word"], cols["text_end"] = [], [], []
     vec_parts: list[np.ndarray] = []
     dropped: Counter = Counter()
     n_tokens = 0
@@ -241,9 +242,10 @@ def _chunk_rows(
                     cols["context"].append(tokenizer.decode(ids[: p + 1]))
                 cols["token"].append(tokenizer.decode([ids[p]]))
             if world:
-                facts, words = _world_annotations(doc, offsets, positions)
+                facts, words, ends = _world_annotations(doc, offsets, positions)
                 cols["facts"] += facts
                 cols["current_word"] += words
+                cols["text_end"] += ends
         if progress is not None:
             progress.update(len(batch))
         if not b_vec:
@@ -278,6 +280,7 @@ def _rows_table(vectors: np.ndarray, cols: dict[str, list], layer_index: int, wo
     if world:
         data["facts"] = pa.array(cols["facts"], pa.list_(pa.string()))
         data["current_word"] = pa.array(cols["current_word"], pa.string())
+        data["text_end"] = pa.array(cols["text_end"], pa.string())
     return pa.table(data)
 
 

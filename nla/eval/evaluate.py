@@ -20,8 +20,8 @@ Conventions (where this departs from a bare metric):
 5. ``frozen_ar``: the AV's explanations are also read by an AR that never saw them (the
    warm-start AR). A private code between an RL'd AV and its live AR shows up as a gap
    between "AV → AR round trip" and "AV → frozen warm-start AR".
-6. The oracle row (a grader with an oracle, data with ``current_word``): every true fact and
-   the current word, nothing else (the world's ``oracle_explanation``), read by the live AR: the ceiling of
+6. The oracle row (a grader with an oracle, data the grader can quote, ``DatasetGrader.quotes``): every
+   true fact and the quoted end of the text, nothing else (the world's ``oracle_explanation``), read by the live AR: the ceiling of
    the round trip for explanations that say only true things. A round trip above it comes
    from something other than the facts (a private code, or luck on the phrasing).
 7. The text-explainer row uses the dataset's ``explanation`` column when present (that is
@@ -312,8 +312,8 @@ def _text_rows(ev: _Eval, text_explainer_baseline: bool) -> tuple[list[str] | No
         te = ev.grader.text_explainer(ev.table, ev.path)
     if te is not None:
         ev.read("text explainer → AR", te, failure_rate=0.0)
-    if ev.grader is not None and ev.facts is not None and "current_word" in cols:
-        words = ev.table.column("current_word").to_pylist()
+    words = ev.grader.quotes(ev.table) if ev.grader is not None and ev.facts is not None else None
+    if words is not None:
         oracle = [ev.grader.oracle(list(fs or []), w, int(r))
                   for fs, w, r in zip(ev.facts, words, ev.dataset_rows, strict=True)]
         if all(o is not None for o in oracle):

@@ -149,7 +149,7 @@ def ceiling_line(headline: dict[str, Any]) -> list[str]:
     if oracle is None or fve is None:
         return []
     share = f" ({fve / oracle:.0%} of it)" if oracle > 0 else ""
-    return [f"Ceiling: an explanation naming every true fact and the current word, read by the same AR, scores "
+    return [f"Ceiling: an explanation naming every true fact and quoting the text's end, read by the same AR, scores "
             f"FVE {_f(oracle)} after RL ({_f(headline.get('oracle_fve_warmstart'))} with the warm-start AR); the "
             f"RL'd verbalizer reaches {_f(fve)}{share}.", ""]
 

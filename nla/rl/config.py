@@ -273,7 +273,10 @@ class ReconstructorConfig:
     replay_dataset / replay_fraction: each AR update also trains on data explanations (a
     parquet with ``explanation`` and ``activation_vector``, e.g. the AR warm-start split), so
     that they are ``replay_fraction`` of its rows. The AR keeps reading honest English instead
-    of drifting toward whatever the AV writes. 0 = off.
+    of drifting toward whatever the AV writes. 0 = off. With ``shuffle_sentences`` the replay
+    rows are read with their sentences in a random order (keyed on the seed, the step and the
+    row), as an AR warm-started with ``shuffle_sentences`` read them; the rollouts are trained on
+    as they were scored.
 
     lora_r: LoRA rank for the AR's body (0 = off: the AR trains in full). On, only the
     adapters and the linear head train; alpha, dropout and target modules are the ``lora``
@@ -287,6 +290,7 @@ class ReconstructorConfig:
     max_length: int = 256
     replay_dataset: str | None = None
     replay_fraction: float = 0.0
+    shuffle_sentences: bool = False
     lora_r: int = 0
     gradient_checkpointing: bool = False
 
@@ -298,6 +302,8 @@ class ReconstructorConfig:
             _bad("reconstructor.lora_r", "an integer >= 0 (0 = off: the AR trains in full)", self.lora_r)
         if not 0.0 <= self.replay_fraction < 1.0:
             _bad("reconstructor.replay_fraction", "a share in [0, 1) (0 = off)", self.replay_fraction)
+        if not isinstance(self.shuffle_sentences, bool):
+            _bad("reconstructor.shuffle_sentences", "true or false", self.shuffle_sentences)
         if self.replay_fraction > 0 and not self.replay_dataset:
             _bad("reconstructor.replay_dataset",
                  "a parquet of data explanations (e.g. ar_sft.parquet) when replay_fraction > 0", self.replay_dataset)

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nla.core.graders import DatasetGrader, faithfulness, grader_for_table
+from nla.core.graders import DatasetGrader, faithfulness, grader_for_table, shuffle_sentences
 from nla.core.vectors import check_spread, fve_of_mse
 from nla.datagen.io import read_parquet, read_vectors
 from nla.rl import algorithms as A
@@ -121,14 +121,20 @@ class ReplayData:
                              f"{replay.vectors.shape[1]}-d vectors, the RL data {width}-d")
         return replay
 
-    def sample(self, n_rollout_rows: int, fraction: float, seed: int, step: int) -> tuple[list[str], torch.Tensor]:
+    def sample(self, n_rollout_rows: int, fraction: float, seed: int, step: int,
+               shuffle: bool = False) -> tuple[list[str], torch.Tensor]:
         """Rows so that they make ``fraction`` of an AR update with ``n_rollout_rows`` rollout rows;
-        drawn from an RNG keyed on ``(seed, step)`` (a resumed run replays the same rows)."""
+        drawn from an RNG keyed on ``(seed, step)`` (a resumed run replays the same rows), with
+        ``shuffle`` each text's sentences in a random order from the same RNG."""
         n = int(round(n_rollout_rows * fraction / (1.0 - fraction)))
         if n == 0:
             return [], self.vectors[:0]
-        idx = np.random.default_rng([seed, step]).choice(len(self.texts), size=n, replace=n > len(self.texts))
-        return [self.texts[i] for i in idx], self.vectors[torch.from_numpy(idx)]
+        rng = np.random.default_rng([seed, step])
+        idx = rng.choice(len(self.texts), size=n, replace=n > len(self.texts))
+        texts = [self.texts[i] for i in idx]
+        if shuffle:
+            texts = [shuffle_sentences(t, rng) for t in texts]
+        return texts, self.vectors[torch.from_numpy(idx)]
 
 
 @dataclass
@@ -403,7 +409,8 @@ def ar_rows(everything: Rollout, replay: ReplayData | None, cfg: RLConfig, step:
     golds = everything.vectors[ok]
     if replay is None:
         return exps, golds, 0
-    r_texts, r_golds = replay.sample(len(exps), cfg.reconstructor.replay_fraction, cfg.seed, step)
+    r_texts, r_golds = replay.sample(len(exps), cfg.reconstructor.replay_fraction, cfg.seed, step,
+                                     cfg.reconstructor.shuffle_sentences)
     return exps + r_texts, torch.cat([golds, r_golds.to(golds.dtype)]), len(r_texts)
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from nla.core import arch
+from nla.core.graders import shuffle_sentences
 from nla.core.lora import LORA_SUBDIR, apply_sft_lora, merged_state_dict, save_adapter
 from nla.core.reconstructor import (
     Reconstructor,
@@ -126,6 +127,20 @@ def _text_column(table: Any, column: str, path: Any) -> list[str]:
     return values
 
 
+def _shuffled_prompts(table: Any, side: NLAConfig, cfg: ARTrainConfig) -> list[str]:
+    """The AR texts of ``table`` with each explanation's sentences in a random order of the row's own
+    (``ARTrainConfig.shuffle_sentences``)."""
+    if "explanation" not in table.column_names:
+        raise ARTrainError(f"shuffle_sentences: dataset {cfg.dataset} has no 'explanation' column (found "
+                           f"{table.column_names}); it re-orders the explanation's sentences, so train on an "
+                           "ar_sft parquet, or set shuffle_sentences: false")
+    explanations = _text_column(table, "explanation", cfg.dataset)
+    rows = table.column("doc_id").to_pylist() if "doc_id" in table.column_names else range(len(explanations))
+    positions = table.column("position").to_pylist() if "position" in table.column_names else [0] * len(explanations)
+    return [side.ar_text(shuffle_sentences(e, np.random.default_rng([cfg.seed, int(d), int(p)])))
+            for e, d, p in zip(explanations, rows, positions, strict=True)]
+
+
 def resolve_sidecar_and_base(cfg: Any) -> tuple[NLAConfig, str]:
     side = resolve_sidecar(cfg.sidecar, None, cfg.dataset)
     base = cfg.base_model or side.base_model
@@ -222,6 +237,8 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
         arch.enable_gradient_checkpointing(model.base)
     tok = model.tokenizer
     texts = _text_column(train_tab, "prompt", cfg.dataset)
+    if cfg.shuffle_sentences:
+        texts = _shuffled_prompts(train_tab, side, cfg)
     eval_texts = _text_column(eval_tab, "prompt", cfg.eval_dataset or cfg.dataset)
     gold_all = torch.from_numpy(np.ascontiguousarray(train_vec))
     try:

@@ -188,15 +188,23 @@ class ARTrainConfig(_TrainBase):
 
     layer_index: K, the extraction layer; null = the dataset sidecar's. Set it only to
         override a sidecar that lacks it.
+    shuffle_sentences: each training row's explanation is read with its sentences in a random
+        order of its own (``nla.core.graders.shuffle_sentences``, keyed on the seed and the row, so
+        a resumed run reads the same texts; the dataset's ``explanation`` column re-wrapped in the
+        AR template), so the AR learns what the claims say, not where they stand. Evaluation
+        reads the texts as written.
     """
 
     out_dir: str = "runs/train_ar"
     layer_index: int | None = None
+    shuffle_sentences: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.layer_index is not None and (not isinstance(self.layer_index, int) or self.layer_index < 0):
             _bad("layer_index", "an integer >= 0 or null (take it from the sidecar)", self.layer_index)
+        if not isinstance(self.shuffle_sentences, bool):
+            _bad("shuffle_sentences", "true or false", self.shuffle_sentences)
 
 
 @dataclass(frozen=True)

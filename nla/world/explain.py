@@ -10,8 +10,9 @@ Scoring conventions (``grade``):
 2. ``precision = n_correct / n_pred``; an empty prediction gets precision 1.0 when the
    truth is empty too (it claimed nothing, and nothing was there) and 0.0 otherwise, so
    saying nothing is never a free win.
-3. Text inside double quotes is a quotation, not a claim: ``The current word is "shore".``
-   names the token being read, and is not graded as the fact place=beach.
+3. Text inside double quotes is a quotation, not a claim: ``The text ends with "to the shore".``
+   quotes the token being read and the words before it, and is not graded as the fact
+   place=beach.
 """
 
 from __future__ import annotations
@@ -105,12 +106,39 @@ def parse_facts(text: str) -> set[Fact]:
     return {SURFACE_INDEX[w] for w, _, _ in words_with_spans(claims) if w in SURFACE_INDEX}
 
 
-def render_current_word(word: str) -> str:
-    """Names the word being read, in quotes (so the grader does not count it as a fact claim)."""
-    return f'The current word is "{word.replace(chr(34), "")}".'
+def render_text_end(quote: str) -> str:
+    """Quotes the end of the text read (``nla.world.facts.text_end``: the token and the two words or
+    marks before it), so the grader does not count its words as fact claims.
+
+    The language's one non-fact sentence. It used to quote only the current word, which left out
+    what a vector at a middle layer mostly holds: the token itself (at a full stop the word before
+    it was quoted) and the previous words; a linear read of the vectors from the true facts and the
+    current word explained 0.76-0.78 of their variance, with the token and the two units before it
+    0.84-0.87 (dev/LOG.md, 2026-12-01, "What the explanation language cannot say")."""
+    return f'The text ends with "{" ".join(quote.replace(chr(34), "").split())}".'
 
 
-CURRENT_WORD_RE = re.compile(r'^The current word is "[A-Za-z]+"\.$')  # one word, as render_current_word writes it
+QUOTE_RE = re.compile(r'^The text ends with "[^"]+"\.$')  # as render_text_end writes it
+
+# Where a world dataset keeps the text to quote: ``text_end`` (datagen since the quotation of the
+# text's end), else ``current_word`` (datasets written before it: the quotation is that word).
+QUOTE_COLUMNS = ("text_end", "current_word")
+
+
+def row_quote(row: dict) -> str | None:
+    """The quotation for one dataset row (a dict of its columns), or None when it has none."""
+    for c in QUOTE_COLUMNS:
+        if row.get(c) is not None:
+            return row[c]
+    return None
+
+
+def table_quotes(table) -> list[str | None] | None:
+    """The quotation of every row of a pyarrow ``table``, or None when it has no quote column."""
+    for c in QUOTE_COLUMNS:
+        if c in table.column_names:
+            return table.column(c).to_pylist()
+    return None
 
 
 def _template_regex(template: str, kind: str) -> re.Pattern[str]:
@@ -121,14 +149,14 @@ def _template_regex(template: str, kind: str) -> re.Pattern[str]:
 
 
 # Every sentence the explanation language has (docs/design.md §5): a fact template with any surface
-# word of its kind, a generic remark, or the quoted current word. PHRASINGS: (kind, template
+# word of its kind, a generic remark, or the quoted end of the text. PHRASINGS: (kind, template
 # index, regex) of every fact phrasing.
 PHRASINGS = tuple((k, i, _template_regex(t, k)) for k, ts in FACT_TEMPLATES.items() for i, t in enumerate(ts))
 
 
 def in_language(sentence: str) -> bool:
     """Is ``sentence`` one the explainer could have written (any phrasing, any surface word)?"""
-    return (bool(CURRENT_WORD_RE.match(sentence)) or sentence in GENERIC_EXPLANATIONS
+    return (bool(QUOTE_RE.match(sentence)) or sentence in GENERIC_EXPLANATIONS
             or any(p.match(sentence) for _, _, p in PHRASINGS))
 
 
@@ -151,25 +179,25 @@ def degeneracy(text: str | None) -> Degeneracy:
 
     1. repeated sentence: the same sentence (case-insensitive) twice;
     2. broken quote: an odd number of double quotes, or a quotation that is not the whole
-       ``The current word is "…".`` sentence;
+       ``The text ends with "…".`` sentence;
     3. outside the language: a sentence the explainer could not have written (``in_language``).
     """
     if not text or not text.strip():
         return Degeneracy(False, False, False)
     sentences = split_sentences(text)
-    broken = text.count('"') % 2 == 1 or any('"' in s and not CURRENT_WORD_RE.match(s) for s in sentences)
+    broken = text.count('"') % 2 == 1 or any('"' in s and not QUOTE_RE.match(s) for s in sentences)
     outside = any(not in_language(s) for s in sentences)
     return Degeneracy(has_repeated_sentence(sentences), broken, outside)
 
 
-def oracle_explanation(facts: Iterable[Fact], current_word: str | None, key: int) -> str:
-    """Every true fact and the current word, nothing else: the most faithful explanation the
+def oracle_explanation(facts: Iterable[Fact], quote: str | None, key: int) -> str:
+    """Every true fact and the quoted end of the text (``quote``), nothing else: the most faithful explanation the
     language can say (phrasing drawn from an RNG keyed on ``key``). Read by an AR it gives the
     ceiling of the round trip for explanations that only say true things."""
     rng = random.Random(f"nla-oracle:{key}")
     text = render_facts(facts, rng)
-    if current_word and current_word.strip():
-        text = render_current_word(current_word.strip()) + " " + text
+    if quote and quote.strip():
+        text = render_text_end(quote) + " " + text
     return text
 
 
@@ -221,13 +249,14 @@ def grade(text: str, truth: Iterable[Fact]) -> Grade:
 class TextExplainer:
     """Mimics an API model reading the context: names a few revealed facts, imperfectly.
 
-    ``explain(facts, key, current_word)`` names ``min_facts..max_facts`` of the revealed
+    ``explain(facts, key, quote)`` names ``min_facts..max_facts`` of the revealed
     facts (fewer if fewer are known), or, with ``fact_rate`` set, each revealed fact on its own
     with that probability (at least one), and with probability ``wrong_rate`` adds one fact that
     is *not* revealed (a plausible mistake), so RL has room to improve on the SFT data.
-    Like an API model describing the token it reads, it also names the current word (with
-    probability ``word_rate``, when one is given): in a small subject model the residual
-    stream at a middle layer is dominated by the current token, so an explanation without it
+    Like an API model describing the token it reads, it also quotes the end of the text (``quote``,
+    ``nla.world.facts.text_end``: the token and the two words or marks before it; with probability
+    ``word_rate``, when one is given): in a small subject model the residual stream at a middle
+    layer is dominated by the current token and its neighbours, so an explanation without them
     cannot be reconstructed. The RNG is keyed on ``(seed, key)``: the same row always gets
     the same explanation.
     """
@@ -272,7 +301,7 @@ class TextExplainer:
             chosen.append(rng.choice(wrong))
         return chosen, rng
 
-    def explain(self, facts: frozenset[Fact], key: int, current_word: str | None = None) -> str:
+    def explain(self, facts: frozenset[Fact], key: int, quote: str | None = None) -> str:
         chosen, rng = self.choose(facts, key)
         if not facts:
             # Nothing revealed yet: a generic remark, plus the occasional wrong guess.
@@ -280,8 +309,8 @@ class TextExplainer:
             text = generic if not chosen else generic + " " + render_facts(chosen, rng)
         else:
             text = render_facts(chosen, rng)
-        # A separate stream, so adding the word never changes which facts a row names.
+        # A separate stream, so adding the quotation never changes which facts a row names.
         word_rng = random.Random(f"nla-explainer-word:{self.seed}:{key}")
-        if current_word and current_word.strip() and word_rng.random() < self.word_rate:
-            text = render_current_word(current_word.strip()) + " " + text
+        if quote and quote.strip() and word_rng.random() < self.word_rate:
+            text = render_text_end(quote) + " " + text
         return text

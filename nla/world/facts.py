@@ -228,6 +228,32 @@ def current_word(doc: Document, char_end: int) -> str:
     return words[-1] if words else ""
 
 
+# A unit of the text's end: a word, or one mark (a full stop, a comma, a question mark ...).
+_UNIT_RE = re.compile(r"[A-Za-z]+|[^\sA-Za-z]")
+TEXT_END_UNITS = 3  # the token read and the two units before it (dev/LOG.md, "The text's end")
+
+
+def text_end(doc: Document, char_end: int, n_units: int = TEXT_END_UNITS) -> str:
+    """The last ``n_units`` words or marks of ``doc.text[:char_end]`` as written (runs of white space
+    made one space, double quotes dropped): ``"the park."`` after a full stop, ``"to the park"`` at
+    "park", ``"Le"`` inside the story's first word. It ends exactly where the token read ends, so it
+    says the token itself (a mark, or part of a word) and the words before it; "" at the start."""
+    if not 0 <= char_end <= len(doc.text):
+        raise ValueError(f"text_end: char_end must be in [0, {len(doc.text)}], found {char_end}")
+    if n_units < 1:
+        raise ValueError(f"text_end: n_units must be >= 1, found {n_units}")
+    head = doc.text[:char_end].replace('"', "")
+    units = list(_UNIT_RE.finditer(head))
+    if not units:
+        return ""
+    return " ".join(head[units[-min(n_units, len(units))].start():].split())
+
+
+def unit_ends(text: str) -> list[int]:
+    """Where each word or mark of ``text`` ends: the places a token read can end at a whole unit."""
+    return [m.end() for m in _UNIT_RE.finditer(text)]
+
+
 def words_with_spans(text: str) -> list[tuple[str, int, int]]:
     """``(lowercase word, start, end)`` for every alphabetic word in ``text``."""
     return [(m.group().lower(), m.start(), m.end()) for m in _WORD_RE.finditer(text)]

@@ -13,15 +13,16 @@ from typing import Any
 
 from nla.core.graders import DatasetGrader, split_sentences
 from nla.world.explain import (
-    CURRENT_WORD_RE,
     FACT_TEMPLATES,
     PHRASINGS,
+    QUOTE_RE,
     Grade,
     TextExplainer,
     degeneracy,
     grade,
     oracle_explanation,
     parse_facts,
+    table_quotes,
 )
 from nla.world.facts import KINDS, SURFACE_INDEX, VOCAB, Fact, words_with_spans
 
@@ -75,12 +76,15 @@ class WorldGrader(DatasetGrader):
         return {"repeated": d.repeated_sentence, "broken_quote": d.broken_quote,
                 "outside_language": d.outside_language}
 
-    def oracle(self, truth: Sequence[str], current_word: str | None, key: int) -> str:
-        return oracle_explanation(_truth(truth), current_word, key)
+    def oracle(self, truth: Sequence[str], quote: str | None, key: int) -> str:
+        return oracle_explanation(_truth(truth), quote, key)
+
+    def quotes(self, table: Any) -> list[str | None]:
+        return table_quotes(table) or [None] * table.num_rows
 
     # --- the explanation suite (nla.eval.suite): one claim per sentence, the language's phrasings
     def is_quotation(self, claim: str) -> bool:
-        return bool(CURRENT_WORD_RE.match(claim.strip()))
+        return bool(QUOTE_RE.match(claim.strip()))
 
     def named_facts(self, text: str | None) -> frozenset[str]:
         return frozenset(str(f) for f in parse_facts(text or ""))
@@ -163,7 +167,7 @@ class WorldGrader(DatasetGrader):
             seed, kw = dc.seed, dict(min_facts=w.min_facts, max_facts=w.max_facts, wrong_rate=w.wrong_rate,
                                      word_rate=w.word_rate, fact_rate=w.fact_rate)
         explainer = TextExplainer(seed=seed, **kw)
-        words = table.column("current_word").to_pylist() if "current_word" in cols else [None] * table.num_rows
+        words = table_quotes(table) or [None] * table.num_rows
         return [explainer.explain(frozenset(_truth(fs)), row_key(doc, pos), word)
                 for fs, doc, pos, word in zip(table.column("facts").to_pylist(), table.column("doc_id").to_pylist(),
                                               table.column("position").to_pylist(), words, strict=True)]

@@ -9,7 +9,7 @@ or that the vector does what the text says. The suite measures that, where the d
    it). With truth: the mean cost of deleting a true vs a false claim.
 2. **hidden-code tests** (``hidden_code_variants``): FVE after re-phrasing every claim (the
    grader's phrasings, or a provider's for a real model), after shuffling the order of the
-   claims, and after dropping the quotation of the current word. An honest explanation loses
+   claims, and after dropping the quotation (the world's: of the text's end). An honest explanation loses
    little; a private code (meaning carried by phrasing or order) loses much.
 3. **causal edits** (``causal_edits``): rows where the subject predicts a true fact as its next
    token (a recall slot); the explanation's claim of that fact is edited to another value of its

@@ -117,7 +117,7 @@ def run_suite(
         logger.info("suite: hidden-code tests")
         oracle = None
         if truths is not None:
-            words = table.column("current_word").to_pylist() if "current_word" in cols else [None] * len(truths)
+            words = grader.quotes(table)
             oracle = [grader.oracle(t, w, int(r)) for t, w, r in zip(truths, words, dataset_rows, strict=True)]
             oracle = None if any(o is None for o in oracle) else oracle
         report.sections["hidden_code"] = hidden_code_summary(client, texts, gold, grader, base.raw_mean, seed,

@@ -155,7 +155,7 @@ function claimBars(e, scale, graded) {
   const claims = e.claim_attribution || [];
   if (!claims.length) return null;
   const mark = (c) => {
-    if (c.quotation) return el("span", { class: "claim-mark quote", title: "quotes the current word (no fact)" }, "“”");
+    if (c.quotation) return el("span", { class: "claim-mark quote", title: "quotes the end of the text read (no fact)" }, "“”");
     if (c.truth === true) return el("span", { class: "claim-mark true", title: "true at this token" }, "✓");
     if (c.truth === false) return el("span", { class: "claim-mark false", title: "not true at this token" }, "✗");
     return el("span", { class: "claim-mark none", title: graded ? "names no fact" : "no ground truth for this text" },
