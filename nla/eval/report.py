@@ -171,11 +171,11 @@ def suite_section(suite: dict[str, Any] | None) -> list[str]:
     c, h, e = s.get("claims"), s.get("hidden_code"), s.get("causal")
     if c:
         md += ["", f"- Deleting one claim costs FVE {_f(c['fve_cost_true'])} when it is true, "
-                   f"{_f(c['fve_cost_false'])} when false, {_f(c['fve_cost_quotation'])} for the quoted word "
+                   f"{_f(c['fve_cost_false'])} when false, {_f(c['fve_cost_quotation'])} for the quotation "
                    f"({c['n_true']} true, {c['n_false']} false claims)."]
     if h:
         md.append(f"- FVE {_f(h['fve'])} as written; re-phrased {_f(h['paraphrase_fve'])}, re-ordered "
-                  f"{_f(h['shuffle_fve'])}, without the quoted word {_f(h['drop_quotation_fve'])}.")
+                  f"{_f(h['shuffle_fve'])}, without the quotation {_f(h['drop_quotation_fve'])}.")
     if e:
         md.append(f"- Causal edits ({e['edits']} recall slots edited): the subject's prediction moves to the edited "
                   f"value {_f(e['edited_moves'])}, stays with the unedited reconstruction {_f(e['unedited_keeps'])}, "

@@ -141,8 +141,8 @@ WORLD_PRESETS: dict[str, WorldConfig] = {
     # probe there reads every fact kind at ~0.99 top-1 (chance 0.105); 6 blocks trained for
     # 600 steps without it read them at chance (bench/BENCHMARKS: "What the world's vectors hold").
     # 1,200 steps, not 600: at 600 the held-out loss is near its end (0.861 nats/token against
-    # 0.806) but the probe at block 2 read activity, object and mood at chance (0.10 / 0.14 / 0.24
-    # top-1, against 0.68 / 0.82 / 1.00 at 1,200; issue 47, dev/LOG.md 2026-12-05).
+    # 0.794) but the probe at block 2 reads activity, object and mood at chance (0.10 / 0.14 / 0.24
+    # top-1, against 0.94 / 0.89 / 0.92 at 1,200; seed 0, issue 47, dev/LOG.md 2026-12-05).
     "default": WorldConfig(name="default", n_layers=4, train_steps=1200, lr=3e-3, warmup_steps=50, default_layer=2),
 }
 # A second world model on the same stories (same seed, corpus and tokenizer) at half the width: the

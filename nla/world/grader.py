@@ -91,7 +91,7 @@ class WorldGrader(DatasetGrader):
 
     def paraphrase(self, claim: str, rng: Any) -> str | None:
         """The same fact in another of its kind's phrasings (the same surface word), or None for a
-        sentence outside the fact phrasings (the quoted word, a generic remark, free text)."""
+        sentence outside the fact phrasings (the quotation, a generic remark, free text)."""
         for kind, i, pattern in PHRASINGS:
             m = pattern.match(claim.strip())
             if m:

@@ -68,7 +68,7 @@ class SuiteReport:
             if "oracle_fve" in h:
                 lines += ["", f"The control, the oracle explanation (every true fact, no code; FVE "
                               f"{_f(h['oracle_fve'])} as written): re-phrased costs {_f(h['oracle_paraphrase_cost'])}, "
-                              f"re-ordered {_f(h['oracle_shuffle_cost'])}, without the quoted word "
+                              f"re-ordered {_f(h['oracle_shuffle_cost'])}, without the quotation "
                               f"{_f(h['oracle_drop_quotation_cost'])}: what the AR's reading loses on a text that "
                               "holds no code."]
         if "causal" in s:
