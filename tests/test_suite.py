@@ -40,7 +40,7 @@ def test_world_claims_truth_and_quotation():
     claims = WORLD.claims(TEXT)
     assert claims == ['The text ends with "at the shore".', "The story is about Felix.", "The scene is set at the beach.",
                       "Someone feels glad."]
-    # the quoted word names no claimed fact ("shore" is a surface word of beach, but quoted)
+    # the quotation names no claimed fact ("shore" is a surface word of beach, but quoted)
     assert [WORLD.claim_truth(c, TRUTH) for c in claims] == [None, True, True, False]
     assert [WORLD.is_quotation(c) for c in claims] == [True, False, False, False]
     assert WORLD.named_facts(TEXT) == {"person=felix", "place=beach", "mood=happy"}

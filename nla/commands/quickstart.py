@@ -44,8 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "it reads a shifted mean (a difference of means, an offset) like the training data; 0: off "
                         "(default), 1: the setting BENCHMARKS.md measures")
     p.add_argument("--injection-scale", type=non_negative_float, default=None, metavar="S",
-                   help="the AV's fixed injection norm instead of the dataset's sqrt(d_model) (a number in the "
-                        "AV's sidecar: the published format); default: the dataset's")
+                   help="the AV's fixed injection norm (a number in the AV's sidecar: the published format); "
+                        "default: the preset's (32 for default and full; tiny: the dataset's sqrt(d_model))")
     p.add_argument("--overwrite", action="store_true",
                    help="run again a stage that finished in --out with another config (other --threads, seed or "
                         "CPU kernels), replacing it and the stages after it; without it such a stage is refused")
