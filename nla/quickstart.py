@@ -157,7 +157,7 @@ PRESETS: dict[str, QuickstartPreset] = {
         # Reading a kind from the one injected vector is learnt in a sudden drop of the loss whose
         # step varies with the world: at 1,000 steps and lr 1e-3 seed 2's AV read the place at 0.46
         # (teacher-forced, probe 1.00) and RL then dropped it; at 1,500 steps and lr 2e-3 it reads
-        # it at 0.98 (issue 25; BENCHMARKS.md, "The warm-started AV under-trained").
+        # it at 0.98 (issue 25; dev/LOG.md, "The warm-started AV under-trained").
         # The injected vector's norm: 32, not sqrt(d_model) = 11.3. Over three seeds FVE after RL
         # 0.735 +- 0.020 against 0.680 +- 0.029, recall 0.930 against 0.885, every seed better (issue 47;
         # BENCHMARKS.md). A number in the AV's sidecar, so the published client reads it.
