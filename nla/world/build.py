@@ -45,7 +45,7 @@ from nla.world.generator import generate_documents
 
 logger = logging.getLogger(__name__)
 
-WORLD_FORMAT_VERSION = 4  # bump when the build's output changes for the same config
+WORLD_FORMAT_VERSION = 5  # bump when the build's output changes for the same config (5: explanations quote the text's end)
 
 
 @dataclass(frozen=True)
