@@ -167,7 +167,7 @@ class WorldGrader(DatasetGrader):
             seed, kw = dc.seed, dict(min_facts=w.min_facts, max_facts=w.max_facts, wrong_rate=w.wrong_rate,
                                      word_rate=w.word_rate, fact_rate=w.fact_rate)
         explainer = TextExplainer(seed=seed, **kw)
-        words = table_quotes(table) or [None] * table.num_rows
+        words = self.quotes(table)
         return [explainer.explain(frozenset(_truth(fs)), row_key(doc, pos), word)
                 for fs, doc, pos, word in zip(table.column("facts").to_pylist(), table.column("doc_id").to_pylist(),
                                               table.column("position").to_pylist(), words, strict=True)]
