@@ -157,7 +157,12 @@ class HeadlessChromium:
     def _center(self, selector: str) -> tuple[float, float]:
         box = self.evaluate(
             f"(() => {{ const e = document.querySelector({json.dumps(selector)}); if (!e) return null;"
-            " e.scrollIntoView({block: 'center'}); const r = e.getBoundingClientRect();"
+            " e.scrollIntoView({block: 'center'});"
+            # An inline element that wraps (a token whose leading space ends one line and whose word
+            # starts the next) has one box per line; the centre of their union lies between the two
+            # and hits nothing, so aim at the widest box, where a reader would click.
+            " const rs = [...e.getClientRects()]; const r = rs.length"
+            " ? rs.reduce((a, b) => (b.width > a.width ? b : a)) : e.getBoundingClientRect();"
             " return [r.left + r.width / 2, r.top + r.height / 2]; })()")
         if box is None:
             raise BrowserError(f"no element matches {selector!r}")
