@@ -84,11 +84,17 @@ class QuickstartPreset:
             "rl": lambda: RLConfig.from_dict(dict(av=str(here), ar=str(here), dataset=str(here / "r.parquet"),
                                                   out_dir=str(here), **rl)),
         }
+        classes = {"ar": ARTrainConfig, "av": AVTrainConfig, "cross_model ar": ARTrainConfig,
+                   "cross_model av": AVTrainConfig}
         for stage, build in checks.items():
             try:
                 build()
             except (TypeError, ValueError) as err:
-                raise ValueError(f"preset {name!r}, stage {stage}: {err}") from None
+                hint = ""
+                if "unexpected keyword argument" in str(err) and stage in classes:
+                    fields = sorted(f.name for f in dataclasses.fields(classes[stage]) if f.name not in ("dataset", "out_dir"))
+                    hint = f"; its settings are {', '.join(fields)}"
+                raise ValueError(f"preset {name!r}, stage {stage}: {err}{hint}") from None
         for key in self.probe:
             if key not in ("n_train_docs", "n_test_docs"):
                 raise ValueError(f"preset {name!r}, stage probe: unknown setting {key!r}; "
@@ -187,6 +193,70 @@ PRESETS["full"] = dataclasses.replace(
 STAGE_DIRS = ("ar", "av", "rl", "eval_warmstart", "eval_rl", "suite")
 
 
+# What ``--set`` may change: a stage's settings (``STAGE.KEY=VALUE``, nested keys with more dots, e.g.
+# ``rl.rollout.n_samples_per_prompt=4``), or one of the preset's own fields (``eval_max_rows=800``).
+SETTABLE_STAGES = ("datagen", "ar", "av", "rl", "suite", "probe", "cross_model")
+SETTABLE_FIELDS = ("world", "eval_fraction", "eval_max_rows", "max_new_tokens")
+
+
+def parse_setting(text: str) -> tuple[tuple[str, ...], Any]:
+    """``"av.max_steps=1000"`` -> ``(("av", "max_steps"), 1000)``. The value is read as YAML (numbers,
+    true/false, null, ``[1, 8]``), with ``3e-4``-style floats read as numbers too (YAML 1.1 reads
+    them as text); anything else stays text."""
+    import yaml
+
+    key, sep, raw = text.partition("=")
+    path = tuple(key.strip().split("."))
+    if not sep or not raw.strip() or any(not part for part in path):
+        raise ValueError(f"--set {text!r}: expected STAGE.KEY=VALUE (e.g. av.max_steps=1000) or FIELD=VALUE "
+                         f"(e.g. eval_max_rows=800)")
+    if path[0] in SETTABLE_STAGES:
+        if len(path) < 2:
+            raise ValueError(f"--set {text!r}: {path[0]} is a stage; name one of its settings ({path[0]}.KEY=VALUE)")
+    elif path[0] in SETTABLE_FIELDS:
+        if len(path) > 1:
+            raise ValueError(f"--set {text!r}: {path[0]} is a single value; write {path[0]}=VALUE")
+    else:
+        raise ValueError(f"--set {text!r}: unknown stage or field {path[0]!r}; expected a stage "
+                         f"({', '.join(SETTABLE_STAGES)}) or a field ({', '.join(SETTABLE_FIELDS)})")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        raise ValueError(f"--set {text!r}: the value is not valid YAML ({err})") from None
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    return path, value
+
+
+def with_settings(preset: QuickstartPreset, settings: list[str] | tuple[str, ...]) -> QuickstartPreset:
+    """The preset with each ``--set`` applied in order (``parse_setting``); the preset itself is left as
+    it is. ``QuickstartPreset.check`` then validates the result, naming the stage and the field."""
+    import copy
+
+    changes: dict[str, Any] = {}
+    for text in settings:
+        path, value = parse_setting(text)
+        if len(path) == 1:
+            changes[path[0]] = value
+            continue
+        stage = changes.setdefault(path[0], copy.deepcopy(getattr(preset, path[0])))
+        node = stage
+        for depth, part in enumerate(path[1:-1], start=1):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {text!r}: {'.'.join(path[:depth + 1])} is a value, not a group of settings")
+        node[path[-1]] = value
+    return dataclasses.replace(preset, **changes)
+
+
+def settings_label(settings: list[str] | tuple[str, ...]) -> str:
+    """How a run made with ``--set`` names itself in its report and default directory."""
+    return " ".join(s.strip() for s in settings)
+
+
 class QuickstartError(ValueError):
     """The quickstart cannot run as asked (a finished stage of another config in its out dir)."""
 
@@ -281,7 +351,7 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
                    progress: bool = True, threads: int | None = None, seed: int = 0, pair_world: str | None = None,
                    injection_adapter: str = "none", pair_roles: str = "both",
                    mean_shift_augment: float = 0.0, overwrite: bool = False,
-                   injection_scale: float | None = None) -> Path:
+                   injection_scale: float | None = None, settings: list[str] | tuple[str, ...] = ()) -> Path:
     """Run every stage; returns the path of ``report.md``.
 
     A stage already finished in ``out`` with the same config is reused; one finished with another
@@ -313,6 +383,9 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     pair_roles: with ``pair_world``, "both" (the AV and the AR start from it) or "av" (only the
         AV: a small verbalizer with the subject's own AR, whose reading is the expensive part to
         lose: BENCHMARKS.md, "Explain one model with another").
+    settings: changes to the preset, ``"STAGE.KEY=VALUE"`` or ``"FIELD=VALUE"`` (``with_settings``;
+        ``nla quickstart --set``), e.g. ``["av.max_steps=1000", "rl.steps=50"]``: each changed stage
+        and the stages after it run again; the report names the settings in its title.
     """
     from nla.util.threads import AUTO, apply_threads, resolve_threads
     from nla.world.build import WORLD_PRESETS
@@ -340,7 +413,11 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed: expected an integer >= 0, found {seed!r}")
     p = PRESETS[preset]
-    p.check(preset)
+    label = preset
+    if settings:
+        p = with_settings(p, settings)
+        label = f"{preset} with {settings_label(settings)}"
+    p.check(label)
     # One count for every stage, fixed for the run (unless "auto" was asked for): the same seed gives
     # the same numbers whatever else the machine runs.
     threads = threads if threads == AUTO else resolve_threads(threads)
@@ -350,7 +427,7 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     from nla.train.rundir import lock_run_dir
 
     with lock_run_dir(out):  # one quickstart per out dir, held to the end
-        return _run_stages(out, p, preset, thr, threads, backend, progress, seed, pair_world, injection_adapter,
+        return _run_stages(out, p, label, thr, threads, backend, progress, seed, pair_world, injection_adapter,
                            pair_roles, mean_shift_augment, overwrite, injection_scale)
 
 

@@ -46,6 +46,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--injection-scale", type=non_negative_float, default=None, metavar="S",
                    help="the AV's fixed injection norm (a number in the AV's sidecar: the published format); "
                         "default: the preset's (32 for default and full; tiny: the dataset's sqrt(d_model))")
+    p.add_argument("--set", dest="settings", action="append", default=[], metavar="STAGE.KEY=VALUE",
+                   help="change one of the preset's settings (repeatable): a stage's (datagen, ar, av, rl, suite, "
+                        "probe, cross_model; nested with more dots, e.g. rl.rollout.n_samples_per_prompt=4) or a "
+                        "field (world, eval_fraction, eval_max_rows, max_new_tokens), e.g. --set av.max_steps=1000 "
+                        "--set rl.steps=50; the value is read as YAML; the run gets its own default --out and "
+                        "its report names the settings")
     p.add_argument("--overwrite", action="store_true",
                    help="run again a stage that finished in --out with another config (other --threads, seed or "
                         "CPU kernels), replacing it and the stages after it; without it such a stage is refused")
@@ -60,6 +66,14 @@ def _adapter_suffix(choice: str, pair_world: str | None) -> str:
         return ""
     rest = choice.removeprefix("affine")
     return rest if pair_world else "-adapter" + rest
+
+
+def _settings_digest(settings: list[str]) -> str:
+    """A short name for a run's --set settings (their order kept: a later one wins), so a changed preset
+    never reuses the plain preset's run directory."""
+    import hashlib
+
+    return hashlib.sha256("\n".join(s.strip() for s in settings).encode()).hexdigest()[:8]
 
 
 def _quiet_transformers() -> None:
@@ -81,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
                    + _adapter_suffix(args.injection_adapter, args.pair_world)
                    + (f"-augment{args.mean_shift_augment:g}" if args.mean_shift_augment else "")
                    + (f"-scale{args.injection_scale:g}" if args.injection_scale is not None else "")
+                   + (f"-set-{_settings_digest(args.settings)}" if args.settings else "")
                    + (f"-seed{args.seed}" if args.seed else ""))
     out = str(check_output_path(args.out or default_out, "--out"))
     _quiet_transformers()
@@ -88,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
                             threads=args.threads, seed=args.seed, pair_world=args.pair_world,
                             injection_adapter=args.injection_adapter, pair_roles=args.pair_roles,
                             mean_shift_augment=args.mean_shift_augment, overwrite=args.overwrite,
-                            injection_scale=args.injection_scale)
+                            injection_scale=args.injection_scale, settings=args.settings)
     head = json.loads((report.parent / "report.json").read_text())["headline"]
     print("\n== nla quickstart: done ==", file=sys.stderr)
     print(f"round-trip FVE (held-out): warm-start {head['round_trip_fve_warmstart']:.3f} -> "
