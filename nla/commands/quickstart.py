@@ -13,8 +13,9 @@ from nla.util.validation import non_negative_float, seed_flag
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quickstart", help="build the world, generate data, train AR/AV, run RL, evaluate, report")
     p.add_argument("--preset", default="default", choices=["tiny", "default", "full"],
-                   help="tiny: about 2 minutes, for CI; default: the full CPU run (about 10 min on 2 cores); "
-                        "full: the default with a data explainer that names 3-6 facts instead of 1-3")
+                   help="tiny: about 2 minutes, for CI; default: the full CPU run (about 13 min on 2 cores, "
+                        "BENCHMARKS.md); full: the default with a data explainer that names 3-6 of the true facts "
+                        "instead of each with probability 0.8")
     p.add_argument("--out", default=None, help="run directory (default runs/quickstart-<preset>)")
     p.add_argument("--backend", default="local", choices=["local", "ray"], help="RL worker backend")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
