@@ -205,6 +205,8 @@ def parse_setting(text: str) -> tuple[tuple[str, ...], Any]:
     them as text); anything else stays text."""
     import yaml
 
+    from nla.util.validation import safe_load_unique  # every --set value's YAML reader
+
     key, sep, raw = text.partition("=")
     path = tuple(key.strip().split("."))
     if not sep or not raw.strip() or any(not part for part in path):
@@ -220,8 +222,8 @@ def parse_setting(text: str) -> tuple[tuple[str, ...], Any]:
         raise ValueError(f"--set {text!r}: unknown stage or field {path[0]!r}; expected a stage "
                          f"({', '.join(SETTABLE_STAGES)}) or a field ({', '.join(SETTABLE_FIELDS)})")
     try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError as err:
+        value = safe_load_unique(raw)
+    except (yaml.YAMLError, ValueError) as err:  # ValueError: a key repeated in a mapping value
         raise ValueError(f"--set {text!r}: the value is not valid YAML ({err})") from None
     if isinstance(value, str):
         try:

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     base = WORLD_PRESETS["default"]
-    names = {f.name: f.type for f in dataclasses.fields(base)}
+    names = {f.name for f in dataclasses.fields(base)}
     changes = {}
     for key, value in _parse_set(args.fields).items():
         if key not in names or key in ("name", "seed"):
