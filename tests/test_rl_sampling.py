@@ -240,3 +240,66 @@ def test_the_captured_decode_writes_the_eager_tokens(av, tiny_tokenizer):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"decode: expected one of \['eager', 'captured'\], found 'graph'"):
         S.sample_responses(model, hook, prompt, vectors, G, L, eos, pad, decode="graph")
+
+
+
+# ATen ops that read a tensor's values back to the host (.item(), int(), bool() of a tensor, and
+# the ops whose output shape depends on values): on a GPU each synchronises with the host, which
+# CUDA-graph capture refuses.
+HOST_READS = frozenset({"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten._unique2",
+                        "aten.unique_consecutive", "aten.unique_dim", "aten.repeat_interleave"})
+
+
+def test_the_captured_step_is_one_graph_at_every_position(av, tiny_tokenizer, monkeypatch):
+    # What a CUDA graph needs of the decode step, checked where no GPU is. (1) No op of the step
+    # reads a tensor's value back to the host (HOST_READS: capture would fail). (2) The step's
+    # Python-side decisions do not change with the position: a capture records them once and every
+    # replay reuses them. TorchDynamo checks (2): traced with fullgraph=True, a decision that changed
+    # would trip its guards into a second compile. HF takes the same branches under dynamo as under
+    # stream capture (``is_tracing`` is true in both). The traced graph, run at every step, must
+    # write the eager loop's tokens.
+    import torch._dynamo.testing
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    model, side, hook, prompt, vectors = av
+    if not S.supports_cache_reuse(model):
+        pytest.skip(f"{model.config.model_type}: sampled by HF generate whatever the decode")
+    eos, pad = varied_eos(av, tiny_tokenizer), tiny_tokenizer.pad_token_id
+    kw = dict(greedy=True, suppress_ids=[side.injection_token_id])
+    counter, ops = torch._dynamo.testing.CompileCounter(), Ops()
+    plain_forward = S._StaticStep._forward
+    traced: dict = {}
+
+    def recorded(self):  # the step as it runs eagerly, its ops recorded
+        with ops:
+            return plain_forward(self)
+
+    def compiled(self):  # the step traced once, the trace run at every position
+        if self not in traced:
+            traced[self] = torch.compile(lambda: plain_forward(self), backend=counter, fullgraph=True)
+        return traced[self]()
+
+    got = {}
+    for name, forward in (("recorded", recorded), ("compiled", compiled)):
+        monkeypatch.setattr(S._StaticStep, "_forward", forward)
+        torch._dynamo.reset()
+        try:
+            got[name] = S.sample_responses(model, hook, prompt, vectors, G, L, eos, pad, decode="captured", **kw)
+        finally:
+            torch._dynamo.reset()
+            monkeypatch.undo()
+    want = S.sample_responses(model, hook, prompt, vectors, G, L, eos, pad, decode="eager", **kw)
+    assert "aten.mm" in ops.seen or "aten.addmm" in ops.seen  # the recorder saw the step
+    assert not ops.seen & HOST_READS, f"the step reads tensors back to the host: {sorted(ops.seen & HOST_READS)}"
+    assert got["compiled"].shape[1] > 3  # several positions ran through the one graph
+    assert counter.frame_count == 1, f"the step compiled {counter.frame_count} times: a decision changed"
+    assert torch.equal(got["compiled"], want) and torch.equal(got["recorded"], want)

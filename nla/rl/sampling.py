@@ -164,7 +164,12 @@ class _StaticStep:
             return self.out.clone()
         # The first step runs for real on a side stream (capture needs a warm-up there), then is
         # captured; capturing records the kernels without running them, so the cache holds this
-        # step's keys and values once.
+        # step's keys and values once. HF's StaticCache writes at a position of its own, a device
+        # counter that each update advances (``cumulative_length``, transformers 5.17 to 5.25), so
+        # every replay advances it too; ``self.pos`` sets the rotary positions and the mask, and the
+        # two agree because each step (warm-up, then one replay a step) runs exactly once. Whether
+        # the step is capturable is checked on the CPU: tests/test_rl_sampling.py,
+        # test_the_captured_step_is_one_graph_at_every_position.
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
