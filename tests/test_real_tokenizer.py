@@ -24,6 +24,7 @@ from conftest import QWEN_MARKER_ID, QWEN_VOCAB_ROWS
 
 from nla.core.sidecar import (
     ARSuffixMismatchError,
+    MarkerNotSingleTokenError,
     NLAConfig,
     SidecarError,
     canonical_av_prompt_ids,
@@ -116,6 +117,35 @@ def test_ar_training_rows_with_the_real_tokenizer_end_in_the_checked_suffix(qwen
     check_ar_suffix(enc["input_ids"], enc["attention_mask"], checked_ar_suffix(side, tok))
     with pytest.raises(ARTrainError, match=r"training row 0 ends in token ids \[624, 19237, 4621, 25\]"):
         check_ar_suffix(enc["input_ids"], enc["attention_mask"], side.critic_suffix_ids)
+
+
+def test_a_marker_of_several_tokens_is_refused_before_extract_with_ones_the_tokenizer_has(qwen_model_dir, tmp_path):
+    # "㈀" (U+3200) is two tokens on Qwen2.5 ([124021, 222]). Datagen checks the tokenizer before it
+    # extracts anything (extract can take hours; build, which needs the marker, comes last), and names
+    # characters of the marker's own Unicode block that are single tokens here, rarest (highest id)
+    # first: "㊥" 151633, "㈼" 151617, "㉫" 151605 (read off the tokenizer by hand).
+    from nla.datagen.config import DatagenConfig
+    from nla.datagen.pipeline import run
+
+    assert qwen_tokenizer_encode(qwen_model_dir, "㈀") == [124021, 222]
+    cfg = DatagenConfig(out_dir=str(tmp_path / "dg"), source="file", corpus_path=str(ENGLISH),
+                        model_dir=str(qwen_model_dir), layer_index=1, positions_per_doc=2, skip_first=2, max_len=64,
+                        explainer="context", injection_char="㈀", device="cpu")
+    with pytest.raises(MarkerNotSingleTokenError, match=r"injection_char: expected '㈀' to encode to exactly 1 token, found 2 "
+                                           r"tokens \[124021, 222\]; set injection_char .* \(this tokenizer has, as "
+                                           r"single tokens: '㊥' id 151633, '㈼' id 151617, '㉫' id 151605; pick one "
+                                           r"your text never contains\)"):
+        run(cfg)
+    assert not (tmp_path / "dg" / "activations.parquet").exists()  # refused before extract
+    run(cfg.replace(injection_char="㊥"))  # the first one named builds
+    side = yaml.safe_load((tmp_path / "dg" / "av_sft.parquet.nla_meta.yaml").read_text())
+    assert side["tokens"]["injection_token_id"] == 151633
+
+
+def qwen_tokenizer_encode(model_dir: Path, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir).encode(text, add_special_tokens=False)
 
 
 # ------------------------------------------------------------------ the whole pipeline

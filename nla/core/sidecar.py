@@ -373,13 +373,45 @@ def _ar_ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+# Where single_token_markers looks for a marker: the published marker's own Unicode block (Enclosed
+# CJK Letters and Months, U+3200-U+32FF, where '㈎' is), then Enclosed Alphanumerics and Geometric Shapes.
+MARKER_BLOCKS = ((0x3200, 0x3300), (0x2460, 0x2500), (0x25A0, 0x2600))
+
+
+def single_token_markers(tokenizer: Any, n: int = 3) -> list[tuple[str, int]]:
+    """Up to ``n`` characters of ``MARKER_BLOCKS`` that ``tokenizer`` encodes as one known token and
+    decodes back, as (character, id), each block's highest ids first.
+
+    The highest ids first because both BPE (merges in order of frequency) and SentencePiece (pieces in
+    order of score) give rarer pieces later ids, and a marker should be rare: on Qwen2.5 the published
+    '㈎' is 149,705 of 151,643 regular ids. Whether a candidate also keeps its neighbours in the AV
+    template is checked when it is used (``NLAConfig.from_tokenizer``).
+    """
+    unk = getattr(tokenizer, "unk_token_id", None)
+    found: list[tuple[str, int]] = []
+    for lo, hi in MARKER_BLOCKS:
+        block = []
+        for cp in range(lo, hi):
+            ids = tokenizer.encode(chr(cp), add_special_tokens=False)
+            if len(ids) == 1 and ids[0] != unk and tokenizer.decode(ids) == chr(cp):
+                block.append((chr(cp), int(ids[0])))
+        found += sorted(block, key=lambda c: -c[1])
+        if len(found) >= n:
+            break
+    return found[:n]
+
+
 def _single_marker_id(tokenizer: Any, injection_char: str) -> int:
     ids = tokenizer.encode(injection_char, add_special_tokens=False)
     if len(ids) != 1:
+        have = single_token_markers(tokenizer)
+        hint = (" (this tokenizer has, as single tokens: "
+                + ", ".join(f"{c!r} id {i}" for c, i in have) + "; pick one your text never contains)") if have else ""
         raise MarkerNotSingleTokenError(
             f"injection_char: expected {injection_char!r} to encode to exactly 1 token, found {len(ids)} "
-            f"tokens {ids}; add it to the tokenizer (tokenizer.add_tokens([{injection_char!r}])) or pick a "
-            "character the tokenizer already has as a single token"
+            f"tokens {ids}; set injection_char to a character the tokenizer already has as a single token{hint}, "
+            f"or add it to the tokenizer (tokenizer.add_tokens([{injection_char!r}]), then resize the model's "
+            "embeddings)"
         )
     unk = getattr(tokenizer, "unk_token_id", None)
     if unk is not None and ids[0] == unk:

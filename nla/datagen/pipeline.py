@@ -177,6 +177,17 @@ def _build(res: Resolved, out: Path) -> dict[str, Any]:
     return {"files": r.files}
 
 
+def _check_tokenizer(res: Resolved) -> None:
+    """What build will check of the model's tokenizer (the marker is one token, the chat template
+    builds the AV prompt, the AR's read token, the layer), checked before extract: it reads only the
+    tokenizer and config, where extract may take hours before build would refuse."""
+    from nla.datagen.build import dataset_config
+
+    c = res.cfg
+    dataset_config(c.model_dir, c.layer_index, av_template=c.av_template, ar_template=c.ar_template,
+                   injection_char=c.injection_char, injection_scale=c.injection_scale, mse_scale=c.mse_scale)
+
+
 _RUNNERS = {"extract": _extract, "split": _split, "explain": _explain, "build": _build}
 
 
@@ -188,6 +199,8 @@ def run(cfg: DatagenConfig, stages: Sequence[str] | None = None, force: bool = F
         raise DatagenError(f"unknown stage(s) {bad}; valid stages: {list(STAGES)}")
     apply_threads(cfg.threads)
     res = resolve(cfg)
+    if "build" in stages:
+        _check_tokenizer(res)
     out = Path(res.cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(
