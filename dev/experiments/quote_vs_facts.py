@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         facts = t.column("facts").to_pylist()[:n]
         ends = t.column("text_end").to_pylist()[:n]
         texts = [v.explanation or "" for v in client.verbalize(vec, max_new_tokens=64)]
-        oracles = [oracle_explanation([Fact.parse(f) for f in fs], e, i) for i, (fs, e) in enumerate(zip(facts, ends))]
+        oracles = [oracle_explanation([Fact.parse(f) for f in fs], e, i) for i, (fs, e) in enumerate(zip(facts, ends, strict=False))]
         av_q = [split(x)[0] for x in texts]
         av_rest = [split(x)[1] for x in texts]
         or_rest = [split(o)[1] for o in oracles]
@@ -57,16 +57,16 @@ def main(argv: list[str] | None = None) -> int:
         def join(q: str | None, rest: str) -> str:
             return (render_text_end(q) + " " + rest).strip() if q else rest
 
-        variants = {"av": texts, "av_facts_true_quote": [join(e, r) for e, r in zip(ends, av_rest)],
-                    "true_facts_av_quote": [join(q, r) for q, r in zip(av_q, or_rest)], "oracle": oracles}
+        variants = {"av": texts, "av_facts_true_quote": [join(e, r) for e, r in zip(ends, av_rest, strict=False)],
+                    "true_facts_av_quote": [join(q, r) for q, r in zip(av_q, or_rest, strict=False)], "oracle": oracles}
         import torch
 
         gold = torch.from_numpy(vec)
         scale = client.mse_scale
         check_spread(gold, scale, str(run))
         f = {k: fve(client.reconstruct(v), gold, scale) for k, v in variants.items()}
-        exact = np.mean([q == e for q, e in zip(av_q, ends)])
-        token = np.mean([q is not None and q.split()[-1:] == e.split()[-1:] for q, e in zip(av_q, ends)])
+        exact = np.mean([q == e for q, e in zip(av_q, ends, strict=False)])
+        token = np.mean([q is not None and q.split()[-1:] == e.split()[-1:] for q, e in zip(av_q, ends, strict=False)])
         print(f"| {run.name} | {f['av']:.3f} | {f['av_facts_true_quote']:.3f} | {f['true_facts_av_quote']:.3f} | "
               f"{f['oracle']:.3f} | {exact:.3f} | {token:.3f} |")
     return 0
