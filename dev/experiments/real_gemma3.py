@@ -182,8 +182,10 @@ def injection_effect(model_dir: Path, dataset: Path, n: int = 8) -> dict:
 
 
 def last(path: Path, key: str) -> float | None:
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-    vals = [r[key] for r in rows if key in r]
+    """The last value of ``key`` in a run's metrics JSONL, or None."""
+    from nla.util.metrics import read_metrics
+
+    vals = [r[key] for r in read_metrics(path) if key in r]
     return vals[-1] if vals else None
 
 
