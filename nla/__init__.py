@@ -17,7 +17,7 @@ from typing import Any
 
 from nla.util.numerics import pin_cpu_kernels as _pin_cpu_kernels
 
-# Before anything loads torch: the same CPU kernels on every x86 machine (nla.util.numerics).
+# Before anything loads torch or NumPy: the same CPU code paths on every x86 machine (nla.util.numerics).
 _pin_cpu_kernels()
 
 __version__ = "0.1.0"

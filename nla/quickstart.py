@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from nla.util.numerics import cpu_kernels
+from nla.util.numerics import cpu_paths
 
 logger = logging.getLogger(__name__)
 
@@ -281,11 +281,11 @@ class StageRecord:
 
 def _hash(obj: Any) -> str:
     # "progress" (bars on or off) is left out: it changes nothing a stage computes. "threads" stays
-    # in: torch's CPU results change with the thread count (nla.util.threads), and so do the CPU kernels
-    # torch runs (nla.util.numerics): a stage done with other kernels is done again.
+    # in: torch's CPU results change with the thread count (nla.util.threads), and so do the code paths
+    # the numeric libraries run (nla.util.numerics): a stage done on other paths is done again.
     if isinstance(obj, dict) and "progress" in obj:
         obj = {k: v for k, v in obj.items() if k != "progress"}
-    blob = {"config": obj, "cpu_kernels": cpu_kernels()}
+    blob = {"config": obj, "cpu_paths": cpu_paths()}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -357,7 +357,7 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     """Run every stage; returns the path of ``report.md``.
 
     A stage already finished in ``out`` with the same config is reused; one finished with another
-    config (other threads, another seed, other CPU kernels) is refused, naming what differs,
+    config (other threads, another seed, other CPU code paths) is refused, naming what differs,
     unless ``overwrite`` (then it and the stages after it run again). ``out`` is locked for the
     run (``nla.train.rundir.lock_run_dir``): a second quickstart on it is refused.
 
@@ -426,8 +426,9 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     apply_threads(threads)  # world build, probe and eval run here; the trained stages set it again
     thr = {"threads": threads}
     out = Path(out)
-    from nla.train.rundir import lock_run_dir
+    from nla.train.rundir import lock_run_dir, log_cpu_paths
 
+    log_cpu_paths()  # the report names them again, with any shortfall of the pin
     with lock_run_dir(out):  # one quickstart per out dir, held to the end
         return _run_stages(out, p, label, thr, threads, backend, progress, seed, pair_world, injection_adapter,
                            pair_roles, mean_shift_augment, overwrite, injection_scale)
@@ -435,7 +436,7 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
 
 def finished_stage_conflict(out: Path, name: str, config: dict[str, Any]) -> str | None:
     """Why the stage ``name`` finished in ``out`` cannot be reused for ``config`` (the fields that
-    differ, or the CPU kernels), or None when it was not finished or matches."""
+    differ, or the CPU code paths), or None when it was not finished or matches."""
     marker = out / f"{name}.stage_done.json"
     if not marker.is_file() or _cached_stage(out, name, config) is not None:
         return None
@@ -447,7 +448,7 @@ def finished_stage_conflict(out: Path, name: str, config: dict[str, Any]) -> str
     diff = [f"{k}: {old.get(k, '<absent>')!r} then, {new.get(k, '<absent>')!r} now"
             for k in sorted(set(old) | set(new)) if k != "progress" and old.get(k) != new.get(k)]
     return "; ".join(diff[:4]) + (f" (+{len(diff) - 4} more)" if len(diff) > 4 else "") if diff else \
-        "the machine's CPU kernels differ (nla.util.numerics), which changes its numbers"
+        "the machine's CPU code paths differ (nla.util.numerics), which changes its numbers"
 
 
 def _run_stages(out: Path, p: QuickstartPreset, preset: str, thr: dict[str, Any], threads: Any, backend: str,

@@ -9,6 +9,10 @@ rebuilds a qwen2-typed directory's tokenizer from its vocab and breaks this word
 
 from __future__ import annotations
 
+# isort: off
+import nla  # noqa: F401  (first: its CPU pin must precede torch's and NumPy's first use; nla.util.numerics)
+# isort: on
+
 from pathlib import Path
 
 import pytest
@@ -122,13 +126,44 @@ def single_thread():
     torch.set_num_threads(n)
 
 
+def numpy_avx512_targets() -> str:
+    """NumPy's AVX-512 dispatch targets, read from NumPy's own list (not from nla's table)."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_dispatch__
+    except ImportError:  # NumPy < 2
+        from numpy.core._multiarray_umath import __cpu_dispatch__
+    return " ".join(t for t in __cpu_dispatch__ if "AVX512" in t or t == "X86_V4")
+
+
+# Every library's AVX2 path pinned by hand, as a user could (nla.util.numerics's table, written out
+# again so that a library missing from that table shows as a difference).
+PINNED_BY_HAND = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "MKL_DYNAMIC": "FALSE",
+                  "ONEDNN_MAX_CPU_ISA": "AVX2", "OPENBLAS_CORETYPE": "Haswell"}
+
+
+def user_environment() -> dict[str, str]:
+    """This process's environment less the CPU-pin variables `import nla` set here: the shell a user
+    starts `nla` from, where nla pins the libraries itself (nla.util.numerics)."""
+    import os
+
+    from nla.util.numerics import pins
+
+    ours = {p.var: p.value for p in pins()}
+    return {k: v for k, v in os.environ.items() if ours.get(k) != v}
+
+
 @pytest.fixture(scope="session")
 def tiny_quickstart_run(tmp_path_factory):
-    """One `nla quickstart --preset tiny` run dir, shared by the end-to-end tests that read it."""
-    from nla.cli import main
+    """One `nla quickstart --preset tiny` run dir, shared by the end-to-end tests that read it: run
+    as a user runs it, a process of its own (in this one, earlier tests have already run torch ops,
+    so the CPU paths would be whatever they chose)."""
+    import subprocess
+    import sys
 
     out = tmp_path_factory.mktemp("qs") / "run"
-    assert main(["quickstart", "--preset", "tiny", "--out", str(out), "--no-progress"]) == 0
+    proc = subprocess.run([sys.executable, "-m", "nla.cli", "quickstart", "--preset", "tiny", "--out", str(out),
+                           "--no-progress"], env=user_environment(), capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
 

@@ -1,9 +1,9 @@
 """The same config and seed give the same numbers, whatever else the machine runs (issue 25).
 
-Run A is the shared tiny quickstart run (this process, an idle machine as far as it knows).
-Run B is the same command in a fresh process with an empty world cache, so every stage from
-the world's tokenizer to the RL eval is computed again, beside a competing busy process for
-the whole run. Before the fix, the thread count followed the machine's load (the governor
+Run A is the shared tiny quickstart run (a process of its own, as a user runs it, on an idle
+machine as far as it knows; nla pins the CPU paths). Run B is the same command in a fresh process
+with an empty world cache, so every stage from the world's tokenizer to the RL eval is computed
+again, beside a competing busy process for the whole run, with the CPU paths pinned by hand. Before the fix, the thread count followed the machine's load (the governor
 saw the busy process and dropped a thread) and the two runs differed from the first stage
 on (warm-start FVE -0.2125955 vs -0.2125967, after RL -0.148 vs -0.053).
 
@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import PINNED_BY_HAND, numpy_avx512_targets, user_environment
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,11 @@ def test_metrics_ignore_time_and_paths_only():
 @pytest.mark.timeout(1500)  # two tiny quickstarts (the shared run and run B beside the busy process)
 def test_tiny_quickstart_is_identical_beside_a_busy_process(tiny_quickstart_run, tmp_path):
     out = tmp_path / "run_b"
-    env = {**os.environ, "NLA_CACHE": str(tmp_path / "cache")}
+    # Run B's CPU paths are pinned by hand, every library written out (NumPy's targets read from NumPy),
+    # where run A (the fixture, a user's shell) has nla pin them: a library nla's pin left to the CPU
+    # runs its widest path in A and differs on a CPU whose widest path is not AVX2 (issue 61).
+    by_hand = {**PINNED_BY_HAND, "NPY_DISABLE_CPU_FEATURES": numpy_avx512_targets()}
+    env = {**user_environment(), **by_hand, "NLA_CACHE": str(tmp_path / "cache")}
     busy = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"])
     try:
         proc = subprocess.run([sys.executable, "-m", "nla.cli", "quickstart", "--preset", "tiny", "--out", str(out),

@@ -48,11 +48,16 @@ def test_report_has_every_section_with_finite_numbers(run_dir):
     warm = {r["name"]: r for r in rep["eval_warmstart"]["rows"]}
     assert warm["AV → frozen warm-start AR"]["fve"] == pytest.approx(warm["AV → AR round trip"]["fve"], abs=1e-6)
     assert rep["headline"]["probe_mean_top1"] > rep["headline"]["probe_mean_chance"]
-    # the kernels torch ran are on record (nla.util.numerics): the pinned AVX2 ones on an x86 CPU that has them
-    from nla.util.numerics import cpu_kernels
+    # the code paths every numeric library ran are on record, read back in the run's own process
+    # (nla.util.numerics): on an x86 CPU with AVX2, the pinned AVX2 ones, with no shortfall
+    from nla.util.numerics import describe_cpu_paths, pin_applies
 
-    assert rep["headline"]["cpu_kernels"] == cpu_kernels()
-    assert f"{cpu_kernels()} CPU kernels)" in md.splitlines()[0]
+    paths = rep["headline"]["cpu_paths"]
+    assert f"CPU paths {describe_cpu_paths(paths)})" in md.splitlines()[0]
+    assert rep["headline"]["cpu_pin_shortfalls"] == [] and "the CPU pin did not hold" not in md
+    if pin_applies():
+        assert rep["headline"]["cpu_kernels"] == paths["aten"] == "AVX2"
+        assert (paths["mkl"], paths["mkl_dynamic"], paths["openblas"]) == ("AVX2", "FALSE", "Haswell")
     for png in rep["plots"].values():
         assert (run_dir / png).stat().st_size > 1000
 

@@ -103,28 +103,29 @@ def test_force_rebuilds_in_place(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [first.root.name]
 
 
-def test_a_cached_build_from_other_cpu_kernels_is_built_again(tmp_path, caplog):
-    """A build records the CPU kernels it ran (nla.util.numerics); one that ran others, or did not say, is redone."""
-    from nla.util.numerics import cpu_kernels
+def test_a_cached_build_from_other_cpu_paths_is_built_again(tmp_path, caplog):
+    """A build records the CPU paths its libraries ran (nla.util.numerics); one that ran others, or
+    did not say (a build from before every library was pinned), is redone."""
+    from nla.util.numerics import cpu_paths, describe_cpu_paths
 
+    here = cpu_paths()
     first = build_world(MICRO, out=tmp_path, progress=False)
-    assert first.summary["cpu_kernels"] == cpu_kernels()
+    assert first.summary["cpu_paths"] == here
     summary = first.root / "summary.json"
-    for other in ("AVX512", None):
+    for other in ({**here, "mkl": "AVX512_E1 (by CPU)"}, None):
         data = json.loads(summary.read_text())
         if other is None:
-            del data["cpu_kernels"]
+            del data["cpu_paths"]
         else:
-            data["cpu_kernels"] = other
+            data["cpu_paths"] = other
         summary.write_text(json.dumps(data))
         with caplog.at_level("WARNING", logger="nla.world.build"):
             again = build_world(MICRO, out=tmp_path, progress=False)
-        assert not again.from_cache and again.summary["cpu_kernels"] == cpu_kernels()
-        assert f"ran {other or 'unrecorded'} CPU kernels, this process runs {cpu_kernels()}" in caplog.text
-        assert again.summary["train_losses"] == first.summary["train_losses"]  # same kernels: the same build
+        assert not again.from_cache and again.summary["cpu_paths"] == here
+        was = describe_cpu_paths(other) if other else "unrecorded"
+        assert f"ran {was} CPU paths, this process runs {describe_cpu_paths(here)}" in caplog.text
+        assert again.summary["train_losses"] == first.summary["train_losses"]  # same paths: the same build
         assert sorted(p.name for p in tmp_path.iterdir()) == [first.root.name]
-        caplog.clear()
-    assert build_world(MICRO, out=tmp_path, progress=False).from_cache
 
 
 def test_concurrent_build_of_the_same_config_uses_the_finished_one(tmp_path, monkeypatch):

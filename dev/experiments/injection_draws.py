@@ -1,6 +1,6 @@
 """One AV injection on one warm-start draw of a quickstart run, and the table over draws (issue 24).
 
-Which kinds a warm-started AV learns to read is a draw (BENCHMARKS "The warm-start is a per-kind
+Which kinds a warm-started AV learns to read is a draw (dev/LOG.md "The warm-start is a per-kind
 lottery"), so an injection (the fixed scale, a learned adapter) is judged over several draws:
 worlds (the quickstart's --seed) times training seeds of the AV warm-start. A draw keeps the run's
 world, data, AR warm-start and RL config and changes only the AV's injection and training seed:

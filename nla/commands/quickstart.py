@@ -55,7 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "its report names the settings")
     p.add_argument("--overwrite", action="store_true",
                    help="run again a stage that finished in --out with another config (other --threads, seed or "
-                        "CPU kernels), replacing it and the stages after it; without it such a stage is refused")
+                        "CPU code paths), replacing it and the stages after it; without it such a stage is refused")
     p.set_defaults(func=run)
 
 

@@ -17,7 +17,7 @@ from nla.eval.evaluate import ROW_ORACLE as ORACLE
 from nla.eval.evaluate import ROW_ROUND_TRIP as ROUND_TRIP
 from nla.eval.evaluate import ROW_SHUFFLED as SHUFFLED
 from nla.eval.suite import targets_table
-from nla.util.numerics import cpu_kernels
+from nla.util.numerics import cpu_kernels, cpu_paths, describe_cpu_paths, pin_shortfalls
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def kind_table(warm: dict[str, Any], after: dict[str, Any], probe: dict[str, Any
 
 
 # A kind the warm-started AV names no more often truly than it does from shuffled vectors (recall within
-# this of the shuffled row's) is one it does not read; RL seldom adds such a kind (BENCHMARKS.md, "The
+# this of the shuffled row's) is one it does not read; RL seldom adds such a kind (dev/LOG.md, "The
 # warm-start is a per-kind lottery"). Graded against ground truth: a report line, never a reward.
 UNREAD_MARGIN = 0.05
 
@@ -226,6 +226,9 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
         "seed": seed,
         "threads": threads,
         "cpu_kernels": cpu_kernels(),
+        # every numeric library's code path, read back (nla.util.numerics), and where the pin did not hold
+        "cpu_paths": cpu_paths(),
+        "cpu_pin_shortfalls": pin_shortfalls(),
         "round_trip_fve_warmstart": fve_warm,
         "round_trip_fve_rl": fve_rl,
         "rl_improved_fve": fve_rl > fve_warm,
@@ -260,10 +263,13 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
                        "seldom adds such a kind: train the AV warm-start again with another seed or longer",
                        ", ".join(headline["unread_kinds_warmstart"]), UNREAD_MARGIN)
     md = [f"# NLA quickstart report (preset `{preset}`, seed {seed}, {threads} torch threads, "
-          f"{headline['cpu_kernels']} CPU kernels)", "",
+          f"CPU paths {describe_cpu_paths(headline['cpu_paths'])})", "",
+          *(["> **Warning: the CPU pin did not hold**, so another machine gives other numbers "
+             "(docs/index.md, \"CPU kernels\"):", "", *[f"- {w}" for w in headline["cpu_pin_shortfalls"]], ""]
+            if headline["cpu_pin_shortfalls"] else []),
           *(["> **Warning: a stage looked stuck.**", "", *stuck, ""] if stuck else []),
           *(["> **Warning: the warm-started AV does not read every kind.** It names these no more truly than "
-             "from shuffled vectors, and RL seldom adds such a kind (BENCHMARKS.md, \"The warm-start is a "
+             "from shuffled vectors, and RL seldom adds such a kind (dev/LOG.md, \"The warm-start is a "
              "per-kind lottery\"): train the AV warm-start again with another seed or for longer.", "",
              *unread, ""] if unread else []),
           f"Round-trip FVE on held-out vectors: **{_f(fve_warm)}** after warm-start → **{_f(fve_rl)}** after RL "

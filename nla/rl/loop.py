@@ -521,5 +521,8 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
         metrics_log.plot(out / "rl_curves.png", PLOT_KEYS, title="RL")
         metrics_log.close()
     final["stuck_warnings"] = stuck.warnings
-    (out / "rl_summary.json").write_text(json.dumps({"step": step, **final}, indent=2, default=float))
+    from nla.util.numerics import cpu_paths
+
+    (out / "rl_summary.json").write_text(json.dumps({"step": step, **final, "cpu_paths": cpu_paths()}, indent=2,
+                                                    default=float))
     return RLResult(out, last_ckpt, {"step": step, **final}, time.perf_counter() - t_start)

@@ -252,7 +252,19 @@ def prepare_run_dir(out_dir: str | os.PathLike, config: dict[str, Any], config_n
     except BaseException:
         lock.release()
         raise
+    log_cpu_paths()
     return lock
+
+
+def log_cpu_paths() -> None:
+    """Name, in a run's first lines, the code paths the numeric libraries run, read back
+    (nla.util.numerics), and warn where the pin did not hold: that run's numbers are this machine's."""
+    from nla.util.numerics import describe_cpu_paths, pin_shortfalls
+
+    logger.info("CPU paths: %s", describe_cpu_paths())
+    for shortfall in pin_shortfalls():
+        logger.warning("the CPU pin did not hold: %s; another machine gives other numbers (docs/index.md, "
+                       "\"CPU kernels\")", shortfall)
 
 
 def _prepare(out: Path, config: dict[str, Any], config_name: str, *, resume: bool, overwrite: bool) -> None:

@@ -1,4 +1,4 @@
-"""Leaf utilities: input validation, config checks, threads, CPU kernels, files, metrics logs.
+"""Leaf utilities: input validation, config checks, threads, CPU code paths, files, metrics logs.
 
 Nothing here imports from nla outside ``nla.util`` (tests/test_layering.py holds it).
 """

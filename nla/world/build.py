@@ -37,7 +37,7 @@ import yaml
 from nla.core.arch import save_tokenizer
 from nla.core.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE
 from nla.util.configcheck import check_config_types
-from nla.util.numerics import cpu_kernels
+from nla.util.numerics import cpu_kernels, cpu_paths, describe_cpu_paths
 from nla.util.validation import load_yaml
 from nla.world.explain import TextExplainer
 from nla.world.facts import Document, all_facts, facts_at, text_end, token_facts, unit_ends
@@ -139,7 +139,7 @@ WORLD_PRESETS: dict[str, WorldConfig] = {
     ),
     # About two to three minutes on 2 CPU cores. 4 blocks, the state objective at block 2: a linear
     # probe there reads every fact kind at ~0.99 top-1 (chance 0.105); 6 blocks trained for
-    # 600 steps without it read them at chance (bench/BENCHMARKS: "What the world's vectors hold").
+    # 600 steps without it read them at chance (BENCHMARKS.md, "What the world's vectors hold").
     # 1,200 steps, not 600: at 600 the held-out loss is near its end (0.861 nats/token against
     # 0.794) but the probe at block 2 reads activity, object and mood at chance (0.10 / 0.14 / 0.24
     # top-1, against 0.94 / 0.89 / 0.92 at 1,200; seed 0, issue 47, dev/LOG.md 2026-12-05).
@@ -225,14 +225,15 @@ def build_world(
     root = world_dir(config, out)
     if (root / "summary.json").exists() and not force:
         cached = load_world(root)
-        built_with = cached.summary.get("cpu_kernels")
-        if built_with == cpu_kernels():
+        built_with, here = cached.summary.get("cpu_paths"), cpu_paths()
+        if built_with == here:
             logger.info("world %s: using cached build %s", config.name, root)
             return cached
-        # Other CPU kernels give other bits (nla.util.numerics); a build from before they were
-        # recorded may have run either, so it is built again too.
-        logger.warning("world %s: the cached build %s ran %s CPU kernels, this process runs %s; building it again",
-                       config.name, root, built_with or "unrecorded", cpu_kernels())
+        # Other CPU code paths give other bits (nla.util.numerics); a build from before they were
+        # all recorded may have run any, so it is built again too.
+        logger.warning("world %s: the cached build %s ran %s CPU paths, this process runs %s; building it again",
+                       config.name, root, describe_cpu_paths(built_with) if built_with else "unrecorded",
+                       describe_cpu_paths(here))
         force = True
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = root.parent / f".tmp-{root.name}-{uuid.uuid4().hex[:8]}"
@@ -370,7 +371,8 @@ def _build_into(config: WorldConfig, tmp: Path, progress: bool) -> None:
         "tokens_per_second": result.tokens / max(result.seconds, 1e-9),
         "build_seconds": time.perf_counter() - t_start,
         "torch_threads": torch.get_num_threads(),
-        "cpu_kernels": cpu_kernels(),  # nla.util.numerics: which CPU kernels torch ran (AVX2 unless overridden)
+        "cpu_kernels": cpu_kernels(),  # nla.util.numerics: which CPU kernels ATen ran (AVX2 unless overridden)
+        "cpu_paths": cpu_paths(),  # and every numeric library's code path, read back
         "injection_token_id": inj,
         "injection_left_neighbor_id": left,
         "injection_right_neighbor_id": right,
