@@ -9,6 +9,19 @@ settings depends on what they change.
     python -m dev.experiments.cpu_paths --out DIR            # capture, replay, compare
     python -m dev.experiments.cpu_paths --out DIR --replay   # replay and compare an earlier capture
 
+Across machines (where two CPUs give a stage other numbers under the same pin), the first op that
+differs names the culprit: every op before it saw the same inputs on both machines.
+
+    python -m dev.experiments.cpu_paths trace --out A.json -- train av --config RUN/av/checkpoints/step_*/train_config.yaml --max-steps 1 --out /tmp/t --overwrite
+    python -m dev.experiments.cpu_paths diff A.json B.json   # the first op whose output differs
+
+`cpu_paths_av_trace_xeon.json` beside this file is the reference: the first 8,000 op calls of the
+default quickstart's AV warm-start (seed 0, 2 threads, `NLA_CACHE=<empty> nla quickstart`, then the
+trace command above on its `av/checkpoints/step_00001500/train_config.yaml`), on an Intel Xeon
+with AVX-512 and AMX under nla's pin (2026-12-05). Traced the same way on another CPU, `diff`
+names the first op that machine computes otherwise. With NLA_CPU_PIN=off on that Xeon it is call
+1134, `aten.mm` on [2368, 128] x [128, 128] (MKL's AVX-512 branch).
+
 Settings (names used in the comparison):
 - free: nothing pinned (each library chooses by CPU)
 - aten: ATEN_CPU_CAPABILITY=avx2 only (nla's pin before issue 61)
@@ -27,6 +40,10 @@ NumPy and OpenBLAS are outside ATen's dispatch; tests/cpu_paths_workload.py cove
 """
 
 from __future__ import annotations
+
+# isort: off
+import nla  # noqa: F401  (first: the CPU pin, before torch or NumPy load; NLA_CPU_PIN=off for the libraries' own choice)
+# isort: on
 
 import argparse
 import collections
@@ -133,7 +150,75 @@ def run_setting(name: str, ops: Path, out: Path, threads: int) -> dict[str, str]
     return json.loads(result.read_text())
 
 
+def trace(out: Path, command: list[str], limit: int) -> int:
+    """Run an `nla` command with every ATen op's output digested, in call order (the first ``limit``)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from nla.cli import main as nla_main
+    from nla.util.numerics import cpu_paths
+
+    calls: list[list] = []
+
+    class Enough(BaseException):  # not an Exception: the CLI reports those as errors and goes on
+        pass
+
+    class Digest(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if len(calls) >= limit:
+                raise Enough
+            if "empty" not in str(func):  # empty: uninitialised memory
+                h = hashlib.sha256()
+                for leaf in tree_leaves(result):
+                    if (isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and leaf.numel()
+                            and leaf.device.type != "meta"):  # meta: a model built before its weights load
+                        h.update(leaf.detach().cpu().clone(memory_format=torch.contiguous_format).reshape(-1)
+                                 .view(torch.uint8).numpy().tobytes())
+                shapes = [list(a.shape) for a in args if isinstance(a, torch.Tensor)]
+                calls.append([str(func), shapes, h.hexdigest()[:16]])
+            return result
+
+    code = 0
+    try:
+        with Digest():
+            code = nla_main(command)
+    except Enough:
+        pass  # the command stops at the limit: a trace of its first op calls
+    out.write_text(json.dumps({"command": command, "cpu_paths": cpu_paths(), "calls": calls}))
+    print(f"{len(calls)} op calls digested -> {out} (exit {code})")
+    return code
+
+
+def diff(a: Path, b: Path) -> int:
+    """The first op call whose output differs between two traces of the same command."""
+    ta, tb = json.loads(a.read_text()), json.loads(b.read_text())
+    print(f"A: {ta['cpu_paths']}\nB: {tb['cpu_paths']}")
+    for i, (x, y) in enumerate(zip(ta["calls"], tb["calls"], strict=False)):
+        if x[:2] != y[:2]:
+            print(f"call {i}: the two runs called different ops ({x[:2]} vs {y[:2]}): an earlier difference "
+                  "outside ATen's ops (data, Python) or a control-flow change")
+            return 1
+        if x[2] != y[2]:
+            print(f"call {i}: {x[0]} on inputs of shapes {x[1]} is the first op whose output differs")
+            return 1
+    print(f"the first {min(len(ta['calls']), len(tb['calls']))} op calls agree")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["trace"]:
+        sep = argv.index("--")
+        tp = argparse.ArgumentParser(prog="cpu_paths trace")
+        tp.add_argument("--out", type=Path, required=True)
+        tp.add_argument("--limit", type=int, default=20_000,
+                        help="op calls digested, from the first; the command is stopped there")
+        targs = tp.parse_args(argv[1:sep])
+        return trace(targs.out, argv[sep + 1:], targs.limit)
+    if argv[:1] == ["diff"]:
+        return diff(Path(argv[1]), Path(argv[2]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--per-op", type=int, default=4, help="calls kept per op (distinct input shapes)")
