@@ -136,7 +136,8 @@ def numpy_avx512_targets() -> str:
 
 
 # Every library's AVX2 path pinned by hand, as a user could (nla.util.numerics's table, written out
-# again so that a library missing from that table shows as a difference).
+# again so that a library missing from that table shows as a difference). MKL_CBWR=AVX2 is MKL's AVX2
+# branch on an Intel CPU; MKL runs AUTO for it on any other, which is what nla's pin asks there.
 PINNED_BY_HAND = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "MKL_DYNAMIC": "FALSE",
                   "ONEDNN_MAX_CPU_ISA": "AVX2", "OPENBLAS_CORETYPE": "Haswell"}
 

@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 from conftest import PINNED_BY_HAND, numpy_avx512_targets
 
-from nla.util.numerics import ENV_VAR, _cpu_flags, cpu_kernels, pinned_capability, pinned_environment
+from nla.util.numerics import (
+    ENV_VAR,
+    _cpu_flags,
+    cpu_kernels,
+    mkl_branch,
+    pinned_capability,
+    pinned_environment,
+)
 
 HAS_AVX2 = platform.machine().lower() in ("x86_64", "amd64") and "avx2" in _cpu_flags()
 
@@ -59,6 +66,11 @@ PIN_VARS = (*PINNED_BY_HAND, "NPY_DISABLE_CPU_FEATURES")
 WORKLOAD = Path(__file__).with_name("cpu_paths_workload.py")
 
 
+def _isa(path: str) -> str:
+    """The instruction set of a read-back path: "AVX512_E1 (by CPU)" -> AVX512_E1, "AUTO (AVX2)" -> AVX2."""
+    return path.split("(")[1].split()[0].rstrip(")") if "(" in path else path
+
+
 def _workload(env_extra: dict[str, str], import_nla: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in PIN_VARS}  # a shell where nothing is pinned
     env.update(env_extra)
@@ -70,10 +82,16 @@ def _workload(env_extra: dict[str, str], import_nla: bool) -> dict:
 
 def test_pinned_environment_cases():
     avx2 = {"avx2", "fma"}
-    env = pinned_environment(env={}, machine="x86_64", flags=avx2)
+    env = pinned_environment(env={}, machine="x86_64", flags=avx2, vendor="GenuineIntel")
     assert set(env) == set(PIN_VARS)
     assert (env["ATEN_CPU_CAPABILITY"], env["MKL_CBWR"], env["MKL_DYNAMIC"], env["OPENBLAS_CORETYPE"]) == \
         ("avx2", "AVX2", "FALSE", "Haswell")
+    # MKL offers its AVX2 branch on Intel CPUs only (elsewhere it would silently run AUTO): AUTO is asked there
+    assert pinned_environment(env={}, machine="x86_64", flags=avx2, vendor="AuthenticAMD")["MKL_CBWR"] == "AUTO"
+    # the portable pin: MKL's COMPATIBLE branch on every vendor, so Intel and AMD machines agree
+    for vendor in ("GenuineIntel", "AuthenticAMD"):
+        assert pinned_environment(env={"NLA_CPU_PIN": "portable"}, machine="x86_64", flags=avx2,
+                                  vendor=vendor)["MKL_CBWR"] == "COMPATIBLE"
     assert env["NPY_DISABLE_CPU_FEATURES"].split() == numpy_avx512_targets().split()
     # an explicit setting wins, variable by variable; the rest are still pinned
     mine = pinned_environment(env={"MKL_CBWR": "AUTO"}, machine="x86_64", flags=avx2)
@@ -96,12 +114,11 @@ def test_the_pin_puts_every_library_on_its_avx2_path_and_leaves_none_to_the_cpu(
     assert {lib: pinned[lib] for lib in libraries} == {lib: by_hand[lib] for lib in libraries}
     # read back, not asked: what each library runs under the pin
     paths = pinned["paths"]
-    assert (paths["aten"], paths["mkl"], paths["mkl_dynamic"], paths["openblas"]) == ("AVX2", "AVX2", "FALSE",
-                                                                                      "Haswell")
+    assert (paths["aten"], paths["mkl_dynamic"], paths["openblas"]) == ("AVX2", "FALSE", "Haswell")
+    assert paths["mkl"].split(" ")[0] == mkl_branch()  # AVX2 on Intel; "AUTO (<its branch>)" elsewhere
     assert paths["numpy"] in ("X86_V3", "AVX2")  # NumPy >= 2.4 calls AVX2+FMA3+... X86_V3
     free = _workload({}, import_nla=False)
-    pinned_path = {"aten": "AVX2", "mkl": "AVX2", "numpy": paths["numpy"], "openblas": "Haswell"}
-    wider = [lib for lib in libraries if free["paths"][lib] != pinned_path[lib]]
+    wider = [lib for lib in libraries if _isa(free["paths"][lib]) != _isa(paths[lib])]
     for lib in wider:  # e.g. on an AVX-512 Xeon: ATen AVX512, MKL AVX512_E1, NumPy AVX512_SPR, OpenBLAS SkylakeX
         assert free[lib] != pinned[lib], f"{lib} runs {free['paths'][lib]} unpinned, yet the workload's bits match"
 
@@ -135,7 +152,8 @@ def test_nla_cpu_pin_off_pins_nothing():
     avx2 = {"avx2"}
     for off in ("off", "OFF", "0", "false"):
         assert pinned_environment(env={"NLA_CPU_PIN": off}, machine="x86_64", flags=avx2) == {}
-    assert pinned_environment(env={"NLA_CPU_PIN": "on"}, machine="x86_64", flags=avx2)["MKL_CBWR"] == "AVX2"
+    assert pinned_environment(env={"NLA_CPU_PIN": "on"}, machine="x86_64", flags=avx2,
+                              vendor="GenuineIntel")["MKL_CBWR"] == "AVX2"
     if HAS_AVX2:  # and the libraries then choose by CPU: as with nothing imported from nla
         off = _workload({"NLA_CPU_PIN": "off"}, import_nla=True)
         free = _workload({}, import_nla=False)
@@ -143,3 +161,14 @@ def test_nla_cpu_pin_off_pins_nothing():
         assert {lib: off[lib] for lib in libraries} == {lib: free[lib] for lib in libraries}
         assert {lib: off["paths"][lib] for lib in libraries} == {lib: free["paths"][lib] for lib in libraries}
         assert off["paths"]["onednn"] == "by CPU"
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="the pin applies to x86 CPUs with AVX2")
+def test_the_portable_pin_runs_mkl_on_its_compatible_branch():
+    """NLA_CPU_PIN=portable: MKL's COMPATIBLE branch, read back from MKL, the rest as the default pin."""
+    portable = _workload({"NLA_CPU_PIN": "portable"}, import_nla=True)
+    assert portable["paths"]["mkl"] == "COMPATIBLE" and portable["paths"]["aten"] == "AVX2"
+    by_hand = _workload({**PINNED_BY_HAND, "MKL_CBWR": "COMPATIBLE",
+                         "NPY_DISABLE_CPU_FEATURES": numpy_avx512_targets()}, import_nla=False)
+    assert {k: portable[k] for k in ("aten", "mkl", "numpy", "openblas")} == \
+        {k: by_hand[k] for k in ("aten", "mkl", "numpy", "openblas")}

@@ -8,12 +8,19 @@ its own inputs under each setting):
 1. **ATen** (torch's vectorised kernels: softmax, log-softmax, attention, ...) uses AVX-512 where
    the CPU has it, else AVX2. Pinned by ``ATEN_CPU_CAPABILITY=avx2``.
 2. **MKL** (torch's CPU wheel does its matmuls, ``bmm``, ``dot``, the CPU flash attention's GEMMs
-   and the vector math of ``exp``, ``log`` and ``sqrt`` in MKL) picks its own branch by CPU:
-   AVX-512 on an Intel CPU that has it, AVX2 on AMD's. Pinned by ``MKL_CBWR=AVX2``, MKL's
-   conditional numerical reproducibility, and ``MKL_DYNAMIC=FALSE``, so MKL runs the thread
-   count torch asks for rather than one of its own choice (which counts physical cores).
-   ``,STRICT`` is not asked: it makes MKL's GEMMs independent of the thread count, which nla
-   fixes anyway (``nla.util.threads``), and ATen's own reductions depend on it all the same.
+   and the vector math of ``exp``, ``log`` and ``sqrt`` in MKL) picks its own branch by CPU. On
+   an Intel CPU it is pinned by ``MKL_CBWR=AVX2``, MKL's conditional numerical reproducibility
+   (CNR) on its AVX2 branch. MKL offers branches other than AUTO and COMPATIBLE on Intel CPUs
+   only (and silently runs AUTO where one is asked elsewhere), so on AMD and other x86 CPUs the
+   pin asks ``MKL_CBWR=AUTO``: CNR on the branch MKL picks for that CPU, with fixed cache sizes
+   and deterministic reductions, the same on every CPU of that kind but not the Intel one.
+   ``NLA_CPU_PIN=portable`` asks ``MKL_CBWR=COMPATIBLE`` on every CPU (SSE2 code without the
+   approximate reciprocals, which differ between vendors): every x86 machine then agrees, at the
+   cost BENCHMARKS.md measures. Everywhere ``MKL_DYNAMIC=FALSE``, so MKL runs the thread count
+   torch asks for rather than one of its own choice (which counts physical cores), as MKL's
+   reproducibility conditions ask. ``,STRICT`` is not asked: it makes MKL's GEMMs independent
+   of the thread count, which nla fixes anyway (``nla.util.threads``), and ATen's own reductions
+   depend on it all the same.
 3. **oneDNN** (torch's ``mkldnn``: bf16 matmuls, convolutions) dispatches up to AMX. No op of
    the fp32 pipeline reaches it today (the replay: capping it changes no op); pinned by
    ``ONEDNN_MAX_CPU_ISA=AVX2`` so that a bf16 or future path does not bring the CPU back in.
@@ -28,8 +35,10 @@ sum and product gave the same bits at every ``ARROW_USER_SIMD_LEVEL``).
 So ``import nla`` sets each variable before the library reads it, on every x86 CPU that has AVX2
 (every x86 server since 2013), unless the user set that variable: an explicit setting wins,
 variable by variable (``ATEN_CPU_CAPABILITY=avx512 nla ...`` runs torch's widest kernels and
-gives up agreement with other machines), and ``NLA_CPU_PIN=off`` leaves every library to the
-CPU (faster on an AVX-512 machine, and that machine's own numbers). Worker processes (Ray
+gives up agreement with other machines). ``NLA_CPU_PIN`` chooses the pin as a whole: unset (or
+``on``) as above; ``portable``, the same with MKL on its COMPATIBLE branch, so that Intel and AMD
+machines agree too; ``off``, nothing pinned (every library runs the CPU's widest path: faster on
+an AVX-512 machine, and that machine's own numbers). Worker processes (Ray
 actors, spawned ranks) inherit the variables.
 
 The libraries read them once: ATen at its first kernel, MKL at its first call, NumPy and
@@ -59,7 +68,7 @@ from functools import lru_cache
 from typing import Any
 
 ENV_VAR = "ATEN_CPU_CAPABILITY"
-OPT_OUT = "NLA_CPU_PIN"  # "off": pin nothing (module docstring)
+OPT_OUT = "NLA_CPU_PIN"  # "off": pin nothing; "portable": MKL's COMPATIBLE branch on every CPU (module docstring)
 PINNED = "avx2"  # the widest kernels every current x86 server has; AVX-512 is not everywhere
 
 # MKL's CNR branch codes (mkl_service.h: MKL_CBWR_*), for reading the branch back.
@@ -91,12 +100,34 @@ class LibraryPin:
     value: str
 
 
-def pins() -> tuple[LibraryPin, ...]:
-    """Every variable of the pin (module docstring), in the order the docstring explains them."""
+def _cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's vendor id (``GenuineIntel``, ``AuthenticAMD``, ...), empty where it cannot be read."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def mkl_branch(mode: str | None = None, vendor: str | None = None) -> str:
+    """The MKL CNR branch the pin asks for (module docstring): COMPATIBLE in the portable mode, else
+    AVX2 on an Intel CPU and AUTO on any other (where MKL offers no other branch)."""
+    mode = os.environ.get(OPT_OUT, "") if mode is None else mode
+    if mode.strip().lower() == "portable":
+        return "COMPATIBLE"
+    return "AVX2" if (_cpu_vendor() if vendor is None else vendor) == "GenuineIntel" else "AUTO"
+
+
+def pins(mode: str | None = None, vendor: str | None = None) -> tuple[LibraryPin, ...]:
+    """Every variable of the pin (module docstring), in the order the docstring explains them;
+    ``mode`` is ``NLA_CPU_PIN``'s value (default: the environment's), ``vendor`` the CPU's."""
     numpy_targets = _numpy_avx512_targets()
     return tuple(p for p in (
         LibraryPin("ATen", ENV_VAR, PINNED),
-        LibraryPin("MKL", "MKL_CBWR", "AVX2"),
+        LibraryPin("MKL", "MKL_CBWR", mkl_branch(mode, vendor)),
         LibraryPin("MKL", "MKL_DYNAMIC", "FALSE"),
         LibraryPin("oneDNN", "ONEDNN_MAX_CPU_ISA", "AVX2"),
         LibraryPin("NumPy", "NPY_DISABLE_CPU_FEATURES", numpy_targets),
@@ -136,7 +167,7 @@ def _opted_out(env: dict[str, str] | os._Environ) -> bool:
 
 
 def pinned_environment(env: dict[str, str] | os._Environ | None = None, machine: str | None = None,
-                       flags: set[str] | None = None) -> dict[str, str]:
+                       flags: set[str] | None = None, vendor: str | None = None) -> dict[str, str]:
     """The variables ``pin_cpu_kernels`` sets: every pin whose variable is unset (blank counts as
     unset), on an x86-64 CPU with AVX2; nothing elsewhere, nor where ``NLA_CPU_PIN=off``."""
     env = os.environ if env is None else env
@@ -144,7 +175,7 @@ def pinned_environment(env: dict[str, str] | os._Environ | None = None, machine:
         return {}
     if not pin_applies(machine, flags):
         return {}
-    return {p.var: p.value for p in pins() if not env.get(p.var, "").strip()}
+    return {p.var: p.value for p in pins(env.get(OPT_OUT, ""), vendor) if not env.get(p.var, "").strip()}
 
 
 # What the pin found when ``import nla`` ran it: libraries that had already chosen their path.
@@ -200,8 +231,9 @@ def _mkl_paths() -> dict[str, str]:
     except (AttributeError, OSError):
         return {"mkl": "unreadable"}
     name = _MKL_BRANCHES.get(branch, str(branch))
-    # OFF: no CNR branch; MKL dispatches by CPU, to the branch it would pick by itself
-    in_force = f"{_MKL_BRANCHES.get(auto, str(auto))} (by CPU)" if name in ("OFF", "AUTO", "UNSET") else name
+    # OFF: no CNR; MKL dispatches by CPU, to the branch it would pick by itself. AUTO: CNR on that branch.
+    by_cpu = _MKL_BRANCHES.get(auto, str(auto))
+    in_force = {"OFF": f"{by_cpu} (by CPU)", "UNSET": f"{by_cpu} (by CPU)", "AUTO": f"AUTO ({by_cpu})"}.get(name, name)
     return {"mkl": in_force, "mkl_dynamic": "TRUE" if dynamic else "FALSE"}
 
 
@@ -251,11 +283,11 @@ def pin_shortfalls(paths: dict[str, str] | None = None) -> list[str]:
     asked = {p.var: p.value for p in pins()}
     ours = {var for var, value in asked.items() if os.environ.get(var) == value}
     checks = (
-        (ENV_VAR, "aten", "AVX2"), ("MKL_CBWR", "mkl", "AVX2"), ("MKL_DYNAMIC", "mkl_dynamic", "FALSE"),
+        (ENV_VAR, "aten", "AVX2"), ("MKL_CBWR", "mkl", asked["MKL_CBWR"]), ("MKL_DYNAMIC", "mkl_dynamic", "FALSE"),
         ("OPENBLAS_CORETYPE", "openblas", "Haswell"),
     )
     out = [f"{key} runs {paths[key]} where {var}={asked[var]} asks {want}"
-           for var, key, want in checks if var in ours and key in paths and paths[key] != want]
+           for var, key, want in checks if var in ours and key in paths and paths[key].split(" ")[0] != want]
     if "NPY_DISABLE_CPU_FEATURES" in ours and paths.get("numpy") not in (None, "X86_V3", "AVX2", "baseline"):
         out.append(f"numpy runs {paths['numpy']} where NPY_DISABLE_CPU_FEATURES asks AVX2 (X86_V3)")
     if out and _ALREADY_LOADED:
