@@ -137,8 +137,8 @@ WORLD_PRESETS: dict[str, WorldConfig] = {
         name="tiny", n_docs=1000, n_heldout_docs=150, vocab_size=512, d_model=64, n_layers=3, n_heads=4,
         d_ff=172, seq_len=64, train_steps=100, batch_size=16, lr=4e-3, warmup_steps=10,
     ),
-    # About three to four minutes on 2 CPU cores (192-231 s measured, 2026-12-05). 4 blocks, the state objective at block 2: a linear
-    # probe there reads every fact kind at ~0.99 top-1 (chance 0.105); 6 blocks trained for
+    # About three to four minutes on 2 CPU cores (192-231 s measured, 2026-12-05). 4 blocks, the state
+    # objective at block 2: a linear probe there reads every fact kind at ~0.99 top-1 (chance 0.105); 6 blocks trained for
     # 600 steps without it read them at chance (BENCHMARKS.md, "What the world's vectors hold").
     # 1,200 steps, not 600: at 600 the held-out loss is near its end (0.861 nats/token against
     # 0.794) but the probe at block 2 reads activity, object and mood at chance (0.10 / 0.14 / 0.24
