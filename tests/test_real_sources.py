@@ -172,3 +172,25 @@ def test_a_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="killed mid-conversion"):
         R.smollm2_dir(tmp_path)
     assert list((tmp_path / "models").iterdir()) == []  # no final dir, no temporary sibling left behind
+
+
+# ---------------------------------------------------------------- dev/experiments/smollm2_vectors.py's figures
+def test_vector_figures_on_hand_worked_vectors():
+    import numpy as np
+
+    from dev.experiments.smollm2_vectors import layer_views, view_stats
+
+    got = view_stats(np.array([[3.0, 0.0], [0.0, 4.0]]))
+    # norms 3 and 4; orthogonal rows: cosine 0; about their mean (1.5, 2) the rows are +-(1.5, -2): one
+    # direction holds all the variance; uncentred singular values^2 are 16 and 9: 16 / 25; energy per
+    # dimension (9 + 0) / 2 = 4.5 and (0 + 16) / 2 = 8: 8 / 12.5 = 0.64 in dimension 1
+    assert got == {"rows": 2, "norm_min_median_max": [3.0, 3.5, 4.0], "mean_pairwise_cosine": 0.0,
+                   "pc1_variance_share": 1.0, "sv1_energy_share_uncentred": 0.64, "top_dim_energy_share": 0.64,
+                   "top_dim": 1}
+    # training mean (2, 0) and direction +-(1, 0): held-out (2, 5), (4, 1) -> centred (0, 5), (2, 1)
+    # -> without the direction (0, 5), (0, 1): norms 5 and 1, cosine 1
+    views = layer_views(np.array([[1.0, 0.0], [3.0, 0.0]]), np.array([[2.0, 5.0], [4.0, 1.0]]))
+    assert views["train_mean_norm"] == 2.0
+    assert views["centred"]["norm_min_median_max"] == [round(5**0.5, 3), round((5**0.5 + 5) / 2, 3), 5.0]
+    assert views["centred_minus_pc1"]["norm_min_median_max"] == [1.0, 3.0, 5.0]
+    assert views["centred_minus_pc1"]["mean_pairwise_cosine"] == 1.0
