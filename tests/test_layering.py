@@ -120,34 +120,3 @@ def test_the_checker_finds_what_it_looks_for(tmp_path):
     assert sorted(_imports(src), key=str) == [("nla.core.vectors", None), ("nla.train.ar", "_x"),
                                               ("nla.util.threads", None)]
     assert _layer("nla.core.vectors") == "core" and _layer("nla") == "root"
-
-
-def test_the_old_module_names_still_import_as_the_moved_modules():
-    # Code written against the flat layout (docs/suite.md's nla.suite.run_suite, a grader plugin's
-    # nla.graders) keeps working: the same module object, with a DeprecationWarning naming the new
-    # home. The two split modules (nla.reward, nla.train.common) have no single home: gone.
-    import subprocess
-    import sys
-
-    code = (
-        "import warnings, importlib\n"
-        "warnings.simplefilter('error')\n"
-        "try:\n"
-        "    import nla.suite\n"
-        "except DeprecationWarning as w:\n"
-        "    print('warned:', w)\n"
-        "warnings.simplefilter('ignore')\n"
-        "import nla.suite, nla.eval.suite, nla.graders, nla.core.graders\n"
-        "from nla import threads, evaluation\n"
-        "import nla.util.threads, nla.eval.evaluate\n"
-        "print(nla.suite is nla.eval.suite, nla.graders is nla.core.graders, threads is nla.util.threads,"
-        " evaluation is nla.eval.evaluate)\n"
-        "for gone in ('nla.reward', 'nla.train.common'):\n"
-        "    try:\n"
-        "        importlib.import_module(gone)\n"
-        "    except ModuleNotFoundError:\n"
-        "        print('gone:', gone)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
-    assert out == ["warned: nla.suite moved to nla.eval.suite; import it from there (the old name will go)",
-                   "True True True True", "gone: nla.reward", "gone: nla.train.common"]
