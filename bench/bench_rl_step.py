@@ -64,7 +64,7 @@ from nla.rl.backend import build_groups
 from nla.rl.config import RLConfig, load_rl_config
 from nla.rl.loop import RLData, fill_rewards, reward_items, run_rl
 from nla.rl.setup import load_av
-from nla.train.config import parse_overrides
+from nla.util.overrides import parse_overrides
 from nla.util.threads import apply_threads
 
 

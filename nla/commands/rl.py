@@ -51,8 +51,9 @@ def run(args: argparse.Namespace) -> int:
     from nla.rl.config import load_rl_config
     from nla.rl.loop import check_rollout_rows, check_run_provenance, run_rl
     from nla.rl.setup import load_pair_sidecars
-    from nla.train.config import normalise_paths, parse_overrides
+    from nla.train.config import normalise_paths
     from nla.train.rundir import prepare_run_dir
+    from nla.util.overrides import parse_overrides
     from nla.util.validation import check_checkpoint, check_device, check_output_path
 
     overrides = parse_overrides(args.set)

@@ -36,8 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from nla.datagen.io import read_vectors
-    from nla.train.config import ARTrainConfig, AVTrainConfig, load_config, normalise_paths, parse_overrides
+    from nla.train.config import ARTrainConfig, AVTrainConfig, load_config, normalise_paths
     from nla.train.rundir import prepare_run_dir
+    from nla.util.overrides import parse_overrides
     from nla.util.validation import check_device, check_model_source, check_output_path
 
     overrides = parse_overrides(args.set)

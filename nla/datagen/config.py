@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from nla.util.configcheck import check_config_types
+from nla.util.overrides import parse_overrides
 from nla.util.threads import check_threads
 from nla.util.validation import load_yaml
 
@@ -275,7 +276,5 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
 
 def parse_override(text: str) -> tuple[str, Any]:
     """`key=value` with the value parsed as YAML (numbers, null, lists): ``parse_overrides``'s rule."""
-    from nla.train.config import parse_overrides
-
     ((key, value),) = parse_overrides([text]).items()
     return key, value

@@ -28,8 +28,9 @@ from typing import Any
 
 from nla.core.graders import available_graders
 from nla.rl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
-from nla.train.config import LoRAConfig, parse_overrides, read_config_file, save_config
+from nla.train.config import LoRAConfig, read_config_file, save_config
 from nla.util.configcheck import check_config_types
+from nla.util.overrides import parse_overrides
 from nla.util.threads import check_threads
 
 # The one registry of backend names: config validation reads it, and the dispatcher

@@ -16,8 +16,9 @@ from typing import Any, TypeVar
 import yaml
 
 from nla.util.configcheck import check_config_types
+from nla.util.overrides import parse_overrides
 from nla.util.threads import check_threads
-from nla.util.validation import DuplicateKeyError, load_yaml, safe_load_unique
+from nla.util.validation import load_yaml
 
 _DEVICES_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -304,26 +305,6 @@ def _positive_float(name: str, value: Any) -> None:
 C = TypeVar("C")
 
 
-def parse_overrides(items: list[str] | None) -> dict[str, Any]:
-    """``["lr=1e-4", "betas=[0.9, 0.95]"]`` -> dict, values parsed as YAML scalars/lists (every
-    command's ``--set``). A missing ``=``, an empty key or a value that is not YAML is a
-    ``ValueError`` naming the override."""
-    out: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set {item!r}: expected key=value, e.g. --set lr=1e-4 or --set provider.model=gpt-4o")
-        try:
-            out[key.strip()] = safe_load_unique(raw) if raw.strip() else None
-        except DuplicateKeyError as err:
-            raise ValueError(f"--set {item!r}: {err}; give each key once") from None
-        except yaml.YAMLError as err:
-            problem = getattr(err, "problem", None) or type(err).__name__
-            raise ValueError(f"--set {item!r}: the value {raw!r} is not valid YAML ({problem}); quote it to pass "
-                             f"a string, e.g. --set '{key.strip()}=\"{raw}\"'") from None
-    return out
-
-
 def config_from_dict(cls: type[C], data: dict[str, Any]) -> C:
     """Build ``cls`` from a dict, rejecting unknown keys with the list of valid ones."""
     valid = {f.name for f in fields(cls)}
@@ -395,4 +376,4 @@ def save_config(cfg: Any, path: str | os.PathLike) -> None:
 
 
 __all__ = ["ARTrainConfig", "AVTrainConfig", "LoRAConfig", "PATH_FIELDS", "config_from_dict", "load_config",
-           "normalise_paths", "parse_overrides", "read_config_file", "save_config"]
+           "normalise_paths", "read_config_file", "save_config"]
