@@ -364,9 +364,9 @@ def test_translation_start_fits_the_small_models_own_vectors(cross_pair):
     times sqrt(32 / 64)); it explains part of them, unlike the seeded random start."""
     from transformers import AutoModelForCausalLM
 
+    from nla.core.activations import block_outputs, pad_right, tokenize_text
     from nla.core.arch import load_tokenizer
     from nla.core.vectors import normalize_activation
-    from nla.datagen.extract import block_outputs, pad_right, tokenize_text
     from nla.train.av import _fit_translation
 
     small = AutoModelForCausalLM.from_pretrained(cross_pair["small"])

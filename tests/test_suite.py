@@ -286,7 +286,7 @@ def slots(world):
 
 
 def test_recall_slots_are_what_they_say(slots):
-    from nla.datagen.extract import block_outputs, tokenize_text
+    from nla.core.activations import block_outputs, tokenize_text
 
     s, docs = slots["slots"], {d.doc_id: d for d in slots["docs"]}
     assert len(s["context"]) > 50 and s["vectors"].shape[0] == len(s["context"])

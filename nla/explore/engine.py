@@ -5,7 +5,7 @@ Notation: T tokens of one text, P requested positions, S samples per position, d
 Every number the page shows comes from the library's own code paths, so the explorer shows
 what training and evaluation measure:
 
-1. Tokens and activations are those of datagen (``nla.datagen.extract.tokenize_text`` and
+1. Tokens and activations are those of datagen (``nla.core.activations.tokenize_text`` and
    ``block_outputs``): the output of block K of the subject model, K from the AR sidecar.
 2. Explanations and scores are ``NLAClient.verbalize`` / ``NLAClient.score``: the AR's
    reconstruction compared with the RAW activation, ``mse_nrm = 2(1 - cos)`` at the AR's
@@ -37,10 +37,11 @@ import numpy as np
 import torch
 
 from nla.client import NLAClient, NLAClientError, ScoreResult, Verbalization
+from nla.core.activations import block_outputs, tokenize_text
 from nla.core.arch import hidden_size, num_layers
 from nla.core.graders import get_grader
 from nla.core.provenance import Provenance, ProvenanceError, check_provenance
-from nla.datagen.extract import block_outputs, load_subject, tokenize_text
+from nla.datagen.extract import load_subject
 from nla.world import Fact, generate_documents, grade, load_world, parse_facts, token_facts
 
 logger = logging.getLogger(__name__)

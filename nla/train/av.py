@@ -216,9 +216,9 @@ def _fit_translation(adapter: InjectionAdapter, model: Any, tok: Any, contexts: 
     the vector's token): the AV then starts as a same-model NLA of its own base, whose fixed-scale
     injection of its own residual is what the published recipe trains. Both sides at the
     injection norm (the AV's at that norm times sqrt(d_av / d_subject), ``sqrt_d_model``'s ratio)."""
+    from nla.core.activations import block_outputs, pad_right, tokenize_text
     from nla.core.reconstructor import last_token_index
     from nla.core.vectors import normalize_activation
-    from nla.datagen.extract import block_outputs, pad_right, tokenize_text
 
     k = side.need_layer("fitting the cross-model injection adapter")
     own_layers = arch.num_layers(model.config)
