@@ -38,7 +38,9 @@ from nla.core.injection import get_adapter
 from nla.core.provenance import Provenance, check_provenance
 from nla.core.reconstructor import VALUE_HEAD_FILE, Reconstructor, tokenize_ar_texts
 from nla.core.reward import Status, charge_failures, failed_mse
-from nla.core.sidecar import SIDECAR_NAME, NLAConfig, SidecarError, load_sidecar, verify_tokenizer
+from nla.core.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar
+from nla.core.sidecar_errors import SidecarError
+from nla.core.token_ids import verify_tokenizer
 from nla.core.vectors import cosine, mse_nrm
 from nla.util.threads import adapt_threads
 from nla.util.validation import check_checkpoint, check_sample_count, check_vectors

@@ -40,13 +40,9 @@ from nla.core.injection import (
 )
 from nla.core.logprobs import LOGPROB_CHUNK_ELEMENTS, token_logprobs
 from nla.core.lora import LORA_SUBDIR, apply_sft_lora, merged_state_dict, save_adapter
-from nla.core.sidecar import (
-    NLAConfig,
-    canonical_av_prompt_ids,
-    derive_token_ids,
-    verify_tokenizer,
-)
+from nla.core.sidecar import NLAConfig
 from nla.core.templates import AV_PLACEHOLDER
+from nla.core.token_ids import canonical_av_prompt_ids, derive_token_ids, verify_tokenizer
 from nla.core.vectors import resolve_scale
 from nla.train.ar import load_split, own_model, resolve_sidecar_and_base
 from nla.train.checkpoint import find_resume_checkpoint, seed_everything
