@@ -26,7 +26,7 @@ _PUBLIC = {
     "NLAClientError": "nla.client",
     "Verbalization": "nla.client",
     "ScoreResult": "nla.client",
-    "Claim": "nla.client",
+    "Claim": "nla.eval.suite.claims",
     "load_vectors": "nla.client",
     "NLAConfig": "nla.core.sidecar",
     "load_sidecar": "nla.core.sidecar",

@@ -125,15 +125,18 @@ def test_explain_matches_direct_forward_and_client_score(api, explorer, world_su
 
 
 def test_explaining_every_token_of_64_is_one_batched_call(api, explorer, monkeypatch):
+    import nla.explore.engine as engine
+
     calls = []
-    for name in ("verbalize", "score", "attribute_claims"):
-        real = getattr(explorer.client, name)
+    # the client's verbalize and score, and the suite's attribute_claims(client, texts, vectors)
+    for owner, name in ((explorer.client, "verbalize"), (explorer.client, "score"), (engine, "attribute_claims")):
+        real = getattr(owner, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
             calls.append((_name, len(args[0] if _name == "verbalize" else args[1])))
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(explorer.client, name, spy)
+        monkeypatch.setattr(owner, name, spy)
     text = " ".join(LONG_TEXT.split()[:64])
     r = api.post("/api/explain", json={"text": text})  # no positions: every token
     assert r.status_code == 200, r.text

@@ -13,7 +13,7 @@ what training and evaluation measure:
 3. On the subject's world, ground truth is ``nla.world.token_facts`` on the held-out
    documents (never seen by the subject or the pair) and claims are graded by
    ``nla.world.grade`` (quotations are not claims).
-4. Each claim's deletion cost is ``NLAClient.attribute_claims`` (``nla.eval.suite``) with the world
+4. Each claim's deletion cost is ``attribute_claims`` (``nla.eval.suite``) with the world
    grader: ``delta_mse`` = the AR's ``mse_nrm`` with the claim deleted minus with it, and the
    claim's truth against the position's facts on a world document (null elsewhere).
 
@@ -42,6 +42,7 @@ from nla.core.arch import hidden_size, num_layers
 from nla.core.graders import get_grader
 from nla.core.provenance import Provenance, ProvenanceError, check_provenance
 from nla.datagen.extract import load_subject
+from nla.eval.suite.claims import attribute_claims
 from nla.world import Fact, generate_documents, grade, load_world, parse_facts, token_facts
 
 logger = logging.getLogger(__name__)
@@ -336,7 +337,7 @@ class Explorer:
     def claim_attribution(self, texts: Sequence[str | None], vectors: torch.Tensor,
                           facts: Sequence[Sequence[str]] | None = None) -> list[list[dict[str, Any]]]:
         """Per explanation, each claim's ``{"text", "delta_mse", "truth", "quotation"}``: what deleting
-        it costs the AR's reconstruction of RAW ``vectors[i]`` [N, d] (``NLAClient.attribute_claims``
+        it costs the AR's reconstruction of RAW ``vectors[i]`` [N, d] (``nla.eval.suite.attribute_claims``
         with the world grader); ``facts[i]``: row i's ground truth (None: every truth is null). A
         failed sample (None) has no claims. What ``explain`` returns as ``claim_attribution``."""
         with self._lock:
@@ -347,8 +348,8 @@ class Explorer:
         """``claim_attribution`` under the caller's lock."""
         if not texts:
             return []
-        attr = self.client.attribute_claims(list(texts), vectors, grader=self.grader,
-                                            truths=None if facts is None else [list(f) for f in facts])
+        attr = attribute_claims(self.client, list(texts), vectors, grader=self.grader,
+                                truths=None if facts is None else [list(f) for f in facts])
         return [[c.to_dict() | {"delta_mse": _finite(c.delta_mse)} for c in cs] for cs in attr]
 
     def score(self, texts: Sequence[str | None], vectors: torch.Tensor,
