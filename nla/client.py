@@ -41,8 +41,9 @@ from nla.core.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar
 from nla.core.sidecar_errors import SidecarError
 from nla.core.token_ids import verify_tokenizer
 from nla.core.vectors import cosine, mse_nrm
+from nla.util.checkpoint_files import check_checkpoint
 from nla.util.threads import adapt_threads
-from nla.util.validation import check_checkpoint, check_sample_count, check_vectors
+from nla.util.validation import check_sample_count, check_vectors
 
 logger = logging.getLogger(__name__)
 

@@ -157,7 +157,7 @@ def _teach_a_fixed_answer(av_dir: Path, out: Path, steps: int = 100) -> None:
 
     from nla.core.injection import InjectionHook
     from nla.core.sidecar import load_sidecar
-    from nla.util.validation import write_checksums
+    from nla.util.checkpoint_files import write_checksums
 
     shutil.copytree(av_dir, out)
     tok = AutoTokenizer.from_pretrained(out)

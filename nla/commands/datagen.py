@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         overrides["threads"] = args.threads
     cfg = DatagenConfig.from_yaml(args.config, overrides)
-    from nla.util.validation import check_device, check_model_source, check_output_path
+    from nla.util.checkpoint_files import check_model_source
+    from nla.util.validation import check_device, check_output_path
 
     check_output_path(cfg.out_dir, "out_dir")
     check_device(cfg.device)

@@ -7,8 +7,8 @@ import json
 import logging
 from typing import TYPE_CHECKING
 
+from nla.util.flags import positive_int
 from nla.util.threads import THREADS_HELP, threads_flag
-from nla.util.validation import positive_int
 
 if TYPE_CHECKING:
     from nla.rl.config import RLConfig
@@ -53,8 +53,9 @@ def run(args: argparse.Namespace) -> int:
     from nla.rl.setup import load_pair_sidecars
     from nla.train.config import normalise_paths
     from nla.train.rundir import prepare_run_dir
+    from nla.util.checkpoint_files import check_checkpoint
     from nla.util.overrides import parse_overrides
-    from nla.util.validation import check_checkpoint, check_device, check_output_path
+    from nla.util.validation import check_device, check_output_path
 
     overrides = parse_overrides(args.set)
     for flag, key in (("av", "av"), ("ar", "ar"), ("dataset", "dataset"), ("out", "out_dir"), ("steps", "steps"), ("threads", "threads"),

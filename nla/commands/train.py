@@ -6,8 +6,8 @@ import argparse
 import json
 import logging
 
+from nla.util.flags import positive_int
 from nla.util.threads import THREADS_HELP, threads_flag
-from nla.util.validation import positive_int
 
 log = logging.getLogger("nla.train")
 
@@ -38,8 +38,9 @@ def run(args: argparse.Namespace) -> int:
     from nla.datagen.io import read_vectors
     from nla.train.config import ARTrainConfig, AVTrainConfig, load_config, normalise_paths
     from nla.train.rundir import prepare_run_dir
+    from nla.util.checkpoint_files import check_model_source
     from nla.util.overrides import parse_overrides
-    from nla.util.validation import check_device, check_model_source, check_output_path
+    from nla.util.validation import check_device, check_output_path
 
     overrides = parse_overrides(args.set)
     for flag, key in (("dataset", "dataset"), ("out", "out_dir"), ("base_model", "base_model"),

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from nla.core import arch
 from nla.core.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar, write_sidecar
 from nla.core.vectors import mse_nrm, normalize_activation, ridge_solve
-from nla.util.validation import check_checkpoint
+from nla.util.checkpoint_files import check_checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -91,7 +91,7 @@ def load_subject(model_dir: str | os.PathLike, device: str = "cpu") -> tuple[Any
     """(model, tokenizer) from a local HF directory, fp32, eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from nla.util.validation import check_checkpoint
+    from nla.util.checkpoint_files import check_checkpoint
 
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").exists():

@@ -31,7 +31,7 @@ from nla.rl.roles import (
     ValueWorker,
 )
 from nla.train.device import resolve_dtype
-from nla.util.validation import check_checkpoint
+from nla.util.checkpoint_files import check_checkpoint
 
 logger = logging.getLogger(__name__)
 

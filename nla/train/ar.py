@@ -38,8 +38,8 @@ from nla.train.checkpoint import find_resume_checkpoint, seed_everything
 from nla.train.config import ARTrainConfig
 from nla.train.device import resolve_device, resolve_dtype
 from nla.train.loop import LoopSpec, TrainResult, run_training_loop
+from nla.util.checkpoint_files import check_model_source
 from nla.util.threads import apply_threads
-from nla.util.validation import check_model_source
 
 logger = logging.getLogger(__name__)
 

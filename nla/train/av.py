@@ -49,8 +49,8 @@ from nla.train.checkpoint import find_resume_checkpoint, seed_everything
 from nla.train.config import AVTrainConfig
 from nla.train.device import resolve_device, resolve_dtype
 from nla.train.loop import LoopSpec, TrainResult, run_training_loop
+from nla.util.checkpoint_files import check_checkpoint
 from nla.util.threads import apply_threads
-from nla.util.validation import check_checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from nla.train.data import DataCursor
-from nla.util.validation import write_checksums
+from nla.util.checkpoint_files import write_checksums
 
 TRAINING_STATE_FILE = "training_state.pt"
 
@@ -57,7 +57,7 @@ def atomic_dir(final_path: str | os.PathLike) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-        # Each folder of weights records their SHA-256: a flipped bit is caught at load (nla.util.validation).
+        # Each folder of weights records their SHA-256: a flipped bit is caught at load (nla.util.checkpoint_files).
         for folder in sorted({f.parent for f in tmp.rglob("*.safetensors")}):
             write_checksums(folder)
         _fsync_tree(tmp)
