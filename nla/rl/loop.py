@@ -160,13 +160,6 @@ def reward_settings(cfg: RLConfig) -> RewardSettings:
                           format_penalty=r.format_penalty)
 
 
-def shape_rewards(status: torch.Tensor, mse: torch.Tensor, lengths: torch.Tensor, cfg: RLConfig,
-                  degenerate: torch.Tensor | None = None, *, failed_cost: torch.Tensor | float) -> torch.Tensor:
-    """RL's rewards [N] (``nla.rl.reward.RewardSettings.rewards`` with the config's settings): a sample
-    whose explanation was not extracted (``status != COMPLETED``) costs ``failed_cost``."""
-    return reward_settings(cfg).rewards(mse, status != COMPLETED, failed_cost, lengths, degenerate)
-
-
 def fill_rewards(rollout: Rollout, scored_mse: list[float], cfg: RLConfig, scale: float | None) -> None:
     """Set ``rollout.mse``, ``rollout.degenerate`` and ``rollout.rewards`` (``nla.rl.reward.score_samples``)
     from the AR's ``mse_nrm`` of the rollout's ok samples; ``scale``: the AR's ``mse_scale``."""
