@@ -366,7 +366,7 @@ def test_only_the_allowed_hosts_are_answered(explorer):
 def test_every_bind_keeps_a_host_allow_list():
     import socket
 
-    from nla.explore.app import host_name
+    from nla.util.http import host_name
 
     assert [host_name(h) for h in ("[::1]:8765", "[::1]", "LocalHost:80", "a.b", "::1")] == [
         "::1", "::1", "localhost", "a.b", "::1"]
@@ -526,7 +526,7 @@ def test_page_and_static_files_are_packaged(api):
 def test_browser_shows_an_explanation_and_a_score(explorer, run_dir, tmp_path):
     from chromium import HeadlessChromium, find_chromium
 
-    from nla.explore.app import BackgroundServer
+    from nla.util.http import BackgroundServer
 
     if find_chromium() is None:
         if os.environ.get("CI"):
