@@ -28,7 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         sp.add_argument("--out", help="output directory (overrides out_dir)")
         sp.add_argument(
             "--set", action="append", default=[], metavar="KEY=VALUE",
-            help="override a config field, e.g. --set n_docs=200 --set provider.model=gpt-4o-mini",
+            help="override a config field, e.g. --set n_docs=200 --set provider.model=gpt-4o-mini (every field: "
+                 "nla config describe datagen)",
         )  # fmt: skip
         sp.add_argument("--threads", type=threads_flag,
                         help=f"torch CPU threads ({THREADS_HELP})")

@@ -20,7 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("rl", help="train the verbalizer with RL against the live reconstructor")
     p.add_argument("--config", help="YAML of RLConfig fields and sections (see configs/rl/)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, section keys dotted: --set steps=20 --set loss.advantage=gae")
+                   help="override a config field, section keys dotted: --set steps=20 --set loss.advantage=gae "
+                        "(every field: nla config describe rl)")
     p.add_argument("--av", help="warm-started AV checkpoint dir (overrides av)")
     p.add_argument("--ar", help="warm-started AR checkpoint dir (overrides ar)")
     p.add_argument("--dataset", help="RL prompts parquet (overrides dataset)")

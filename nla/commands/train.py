@@ -20,7 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         sp = stages.add_parser(stage, help=f"warm-start the {what}")
         sp.add_argument("--config", help=f"YAML of {stage.upper()}TrainConfig fields (see configs/train/)")
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field, e.g. --set lr=1e-4 --set max_steps=200")
+                        help=f"override a config field, e.g. --set lr=1e-4 --set max_steps=200 (every field: "
+                             f"nla config describe {stage})")
         sp.add_argument("--dataset", help="training parquet (overrides dataset)")
         sp.add_argument("--out", help="run directory (overrides out_dir)")
         sp.add_argument("--base-model", help="HF model directory to start from (overrides base_model)")
