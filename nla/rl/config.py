@@ -88,18 +88,9 @@ DECODES = ("eager", "captured")
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """Sampling: ``rollout_batch_size`` prompts x ``n_samples_per_prompt`` samples per step.
-
-    max_response_len, temperature, top_p: generation (the cap is also Dr.GRPO's constant).
-    generation_chunk_prompts: generate this many prompts at a time and score each chunk while
-      the next generates (null = the whole rollout at once).
-    dynamic_sampling (DAPO): drop groups with zero reward spread and refill, up to
-      ``max_refill_rounds`` extra generations per step.
-    decode: ``eager`` (the reference: finished rows leave the batch) or ``captured`` (a static KV
-      cache, and on a GPU the decode step as one CUDA graph; greedy, the same tokens; sampled,
-      the same draws up to the last-bit rounding of the logits: ``nla.rl.sampling``, item 6). Models outside ``CACHE_REUSE_MODEL_TYPES`` sample with HF
-      ``generate`` either way.
-    """
+    """Sampling: ``rollout_batch_size`` prompts x ``n_samples_per_prompt`` samples per step, the
+    response cap, dynamic sampling and the decode loop. Each field's help: ``nla config describe rl
+    rollout``."""
 
     rollout_batch_size: int = option(8, help="prompts (RL vectors) drawn per step. Range: an integer >= 1; the RL "
                                              "data must hold at least this many rows.")
@@ -151,18 +142,8 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Advantages and the policy loss (``nla.rl.algorithms``).
-
-    advantage: grpo | drgrpo (no std scaling) | reinforce_baseline | gae (PPO, needs the value
-      model); gamma / lam: GAE. eps_low / eps_high: clip range (eps_high > eps_low = DAPO
-      clip-higher); dual_clip_c: dual clip (null = off). kl_coef / kl_estimator (k1|k2|k3): KL
-      to the reference as a loss term. loss_agg: token-mean | seq-mean-token-mean |
-      seq-mean-token-sum | seq-mean-token-sum-norm (Dr.GRPO, divides by max_response_len).
-      whiten_advantages: whiten the advantages over the rollout's response tokens (verl's GAE and
-      cleanrl do; off by default). value_clip: PPO2 value clipping range around the old values
-      (null = off; verl's cliprange_value is 0.5, cleanrl's 0.2): both ``nla.rl.algorithms``
-      departure 11.
-    """
+    """Advantages and the policy loss (``nla.rl.algorithms``): the estimator, the clip range, the KL
+    term, the aggregation, PPO's options. Each field's help: ``nla config describe rl loss``."""
 
     advantage: str = option("grpo", help="the advantage estimator (nla.rl.algorithms.ADVANTAGE_ESTIMATORS): grpo "
                                          "(group mean / group std), drgrpo (no std scaling), reinforce_baseline "
@@ -209,17 +190,9 @@ class LossConfig:
 
 @dataclass(frozen=True)
 class OptimiserConfig:
-    """The AV's optimiser (AdamW, warmup then constant LR) and the update layout.
-
-    lr: AV learning rate; value_lr: PPO value model (null = lr). global_batch_size: samples
-    per optimiser step (null = all of a rollout: one step per rollout); a smaller value needs
-    ``allow_multiple_updates: true`` (off-policy steps). micro_batch_size: rows per forward
-    (every role; gradients accumulate in between, any split gives the same step).
-    gradient_checkpointing: the AV's policy update recomputes each block's activations in backward
-    instead of keeping them (``nla.core.arch.enable_gradient_checkpointing``); its forward then runs
-    every row's whole prompt + response (the shared-prefix cache cannot be checkpointed). The
-    same gradients; activation memory of one block instead of all.
-    """
+    """The optimisers (AdamW, warmup then constant LR; the AV's learning rate here, the AR's in
+    ``reconstructor``) and the update layout (micro-batches, steps per rollout). Each field's help:
+    ``nla config describe rl optimiser``."""
 
     micro_batch_size: int = option(16, help="rows per forward, for every role's log-prob passes and updates; "
                                             "gradients accumulate in between (any split gives the same step). "
@@ -275,21 +248,9 @@ STEP0_GUARD_TOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """How a sample's reward is made and served (``nla.rl.reward.RewardSettings``, ``RewardService``).
-
-    log_mse: reward = -log(mse) instead of -mse. overlong_buffer_len / overlong_penalty_factor:
-    DAPO's soft overlong punishment (0 = off). reward_batch_size / reward_flush_seconds: the
-    batcher. reward_timeout_seconds: a reward forward running longer fails every waiting
-    sample with a clear error instead of hanging the run (null = wait forever).
-    step0_guard_tol: refuse to start when the padded reward path and the AR's training layout
-    disagree by more than this ratio of MSEs; null: ``STEP0_GUARD_TOL`` at the run's ``dtype``
-    (the layout bugs it catches differ by O(1); bf16 rounding alone differs by ~2e-3).
-    format_penalty / format_checks: subtract ``format_penalty`` from the reward of an
-    explanation that the format checks of grader ``format_checks`` (``nla.core.graders``) flag as
-    degenerate ("generic": a repeated sentence or an unbalanced quote; "world": also a sentence outside the
-    world's explanation language). Without it RL learns to repeat and to misuse templates,
-    which the live AR learns to read (a private code). 0 = off.
-    """
+    """How a sample's reward is made and served (``nla.rl.reward.RewardSettings``, ``RewardService``):
+    -MSE or -log MSE, DAPO's overlong punishment, the format penalty, the batcher and the step-0
+    guard. Each field's help: ``nla config describe rl reward``."""
 
     log_mse: bool = option(False, help="reward = -log(max(mse_nrm, 1e-6)) instead of -mse_nrm (a failed sample: "
                                        "-log 2).")
@@ -342,23 +303,9 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class ReconstructorConfig:
-    """The online AR: its learning rate (null = optimiser.lr: parity) and token cap per text.
-
-    replay_dataset / replay_fraction: each AR update also trains on data explanations (a
-    parquet with ``explanation`` and ``activation_vector``, e.g. the AR warm-start split), so
-    that they are ``replay_fraction`` of its rows. The AR keeps reading honest English instead
-    of drifting toward whatever the AV writes. 0 = off. With ``shuffle_sentences`` the replay
-    rows are read with their sentences in a random order (keyed on the seed, the step and the
-    row), as an AR warm-started with ``shuffle_sentences`` read them; the rollouts are trained on
-    as they were scored.
-
-    lora_r: LoRA rank for the AR's body (0 = off: the AR trains in full). On, only the
-    adapters and the linear head train; alpha, dropout and target modules are the ``lora``
-    block's (the AV's adapters are on only when ``lora.r > 0``).
-
-    gradient_checkpointing: the AR's update recomputes each block's activations in backward
-    (``nla.core.arch.enable_gradient_checkpointing``); the same gradients.
-    """
+    """The online AR: its learning rate (null = optimiser.lr: parity), token cap, replay of data
+    explanations (so it keeps reading honest text instead of drifting toward whatever the AV
+    writes), LoRA and checkpointing. Each field's help: ``nla config describe rl reconstructor``."""
 
     lr: float | None = option(None, help="the online AR's learning rate (its own AdamW, with the optimiser "
                                          "section's decay, warmup and clipping); null = optimiser.lr (parity "
@@ -414,14 +361,9 @@ class CheckpointingConfig:
 
 @dataclass(frozen=True)
 class BackendConfig:
-    """Where the roles run: ``name`` from ``BACKENDS``; Ray's cluster address and group sizes.
-
-    sharding (Ray): how a group of several ranks holds its model. ``fsdp`` (FSDP2): each rank
-    holds a shard, blocks are all-gathered per forward and backward (the memory of one model
-    spread over the ranks). ``replicate``: each rank holds the whole model and the ranks
-    all-reduce the gradients once per optimiser step; much less traffic, for models that fit
-    on every device (``nla.rl.distributed.Replicas``). Either computes the same step.
-    """
+    """Where the roles run: ``name`` from ``BACKENDS``; Ray's cluster address, group sizes and how a
+    group of several ranks holds its model (``SHARDINGS``; either computes the same step). Each
+    field's help: ``nla config describe rl backend``."""
 
     name: str = option("local", help="where the roles run (BACKENDS): local (every role in this process, on "
                                      "one device) or ray (each role a group of Ray actors; pip install "

@@ -27,11 +27,10 @@ _DEVICES_DTYPES = ("float32", "bfloat16", "float16")
 @dataclass(frozen=True)
 class LoRAConfig:
     """LoRA (``nla.core.lora``, needs peft), the ``lora`` block of the AV's and AR's warm-start and of
-    RL: ``r`` the rank (0: off, full fine-tuning), ``alpha`` (the adapters' scale is alpha / r),
-    ``dropout``, ``target_modules`` (null: the attention and MLP projections,
-    ``nla.core.lora.DEFAULT_TARGETS``). On, only the adapters train (and, in a warm-start, the parts
-    that start new: the AR's head, the AV's injection adapter); every checkpoint is the merged
-    model (a plain HF dir with its sidecar) with the adapter beside it in peft's format."""
+    RL. On (``r`` > 0), only the adapters train (and, in a warm-start, the parts that start new: the
+    AR's head, the AV's injection adapter); every checkpoint is the merged model (a plain HF dir with
+    its sidecar) with the adapter beside it in peft's format. Each field's help: ``nla config
+    describe av lora``."""
 
     r: int = option(0, help="LoRA rank: the adapters' inner width; 0 = off (full fine-tuning). Range: an "
                             "integer >= 0.")
