@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import MISSING, dataclass
 from typing import Any
 
-__all__ = ["HELP", "FieldDoc", "config_fields", "describe", "field_help", "option", "sections", "with_help"]
+__all__ = ["HELP", "FieldDoc", "describe", "field_help", "option", "sections", "with_help"]
 
 HELP = "help"  # the metadata key
 
@@ -71,18 +71,6 @@ def _shown(value: Any) -> str:
         return repr(value)
 
 
-def config_fields(cls: type, prefix: str = "") -> Iterator[FieldDoc]:
-    """Every field of ``cls`` in declaration order, each nested section's fields in its place
-    (``loss.eps_high``); a section itself is not a row."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        section = _section_type(hints.get(f.name))
-        if section is not None:
-            yield from config_fields(section, f"{prefix}{f.name}.")
-        else:
-            yield FieldDoc(f"{prefix}{f.name}", str(f.type), _shown(_default(f)), f.metadata.get(HELP, ""))
-
-
 def sections(cls: type) -> list[str]:
     """The names of ``cls``'s nested sections (``rollout``, ``loss``, ...)."""
     hints = typing.get_type_hints(cls)
@@ -131,9 +119,9 @@ def _rows(cls: type, prefix: str = "") -> Iterator[tuple[str, FieldDoc]]:
 
 def describe(cls: type, section: str | None = None, *, title: str | None = None, width: int = 100) -> str:
     """What ``nla config describe`` prints: per field ``name (type, default ...)`` with its help below;
-    the top-level fields first, then each section under a ``[name]`` line with the section's help. ``section``: only the fields under
-    that section or name (``loss``, ``steps``, ``loss.eps_high``); a name that matches no field is a
-    ``ValueError`` listing the sections and fields."""
+    the top-level fields first, then each section under a ``[name]`` line with the section's help.
+    ``section``: only the fields under that section or name (``loss``, ``steps``, ``loss.eps_high``);
+    a name that matches no field is a ``ValueError`` listing the sections and fields."""
     rows = list(_rows(cls))
     if section:
         rows = [(kind, d) for kind, d in rows if d.name == section or d.name.startswith(section + ".")]
