@@ -3,7 +3,7 @@
     python -m bench.bench_checkpoint_load [--gib 2]
 
 Writes a safetensors file of ``--gib`` GiB with its ``nla_checksums.sha256`` record, then times
-``nla.util.validation.verify_checksums`` in fresh processes (what every policy, reference and rollout
+``nla.util.checkpoint_files.verify_checksums`` in fresh processes (what every policy, reference and rollout
 copy, and every rank, does at start): with ``NLA_VERIFY_CHECKSUMS=always`` (every load hashes:
 the behaviour before issue 23), the first ``once`` load (hashes and records), and a later ``once``
 load (reads the machine's record). Prints seconds and the ratio to the ``always`` load measured
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-CODE = "import sys; from nla.util.validation import verify_checksums; verify_checksums(sys.argv[1])"
+CODE = "import sys; from nla.util.checkpoint_files import verify_checksums; verify_checksums(sys.argv[1])"
 
 
 def timed(ckpt: Path, env: dict[str, str]) -> float:
@@ -36,7 +36,7 @@ def main() -> None:
     import torch
     from safetensors.torch import save_file
 
-    from nla.util.validation import write_checksums
+    from nla.util.checkpoint_files import write_checksums
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "ckpt"

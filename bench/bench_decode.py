@@ -24,8 +24,9 @@ def main() -> None:
     from bench.bench_gpu_scale import at_test_width, qwen_tokenizer
     from nla.core.injection import InjectionHook
     from nla.core.shapes import SHAPES, get_shape
-    from nla.core.sidecar import NLAConfig, canonical_av_prompt_ids
+    from nla.core.sidecar import NLAConfig
     from nla.core.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
+    from nla.core.token_ids import canonical_av_prompt_ids
     from nla.rl.sampling import sample_responses
     from nla.train.device import resolve_device, resolve_dtype
 

@@ -44,13 +44,13 @@ def held(cfg: RLConfig) -> dict[str, int]:
 
 def held_sft(role: str, dataset: Path, out: Path, lora: dict | None) -> dict[str, int]:
     """One optimiser step of ``nla train av|ar`` on ``dataset``; the held state of its model and optimiser."""
-    from nla.train import common
+    from nla.train import loop as train_loop  # the warm-starts build their optimiser there
     from nla.train.ar import train_ar
     from nla.train.av import train_av
     from nla.train.config import ARTrainConfig, AVTrainConfig
 
     seen: dict[str, object] = {}
-    real = common.build_optimizer
+    real = train_loop.build_optimizer
 
     def capture(model, *a, **kw):  # the loop builds its optimiser here: keep the pair to count
         seen["model"], seen["opt"] = model, real(model, *a, **kw)
@@ -60,14 +60,14 @@ def held_sft(role: str, dataset: Path, out: Path, lora: dict | None) -> dict[str
               save_every=1, eval_max_rows=8, tensorboard=False, progress=False, threads=1, lr=1e-3)
     if lora is not None:
         kw["lora"] = lora
-    common.build_optimizer = capture
+    train_loop.build_optimizer = capture
     try:
         if role == "av":
             train_av(AVTrainConfig(smoke_num=0, max_length=128, **kw))
         else:
             train_ar(ARTrainConfig(max_length=128, **kw))
     finally:
-        common.build_optimizer = real
+        train_loop.build_optimizer = real
     return held_state_bytes([seen["model"]], [seen["opt"]])
 
 

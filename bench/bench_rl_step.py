@@ -58,13 +58,14 @@ from pathlib import Path
 import torch
 
 from nla.core.arch import load_tokenizer
-from nla.core.sidecar import SIDECAR_NAME, canonical_av_prompt_ids, load_sidecar
+from nla.core.sidecar import SIDECAR_NAME, load_sidecar
+from nla.core.token_ids import canonical_av_prompt_ids
 from nla.rl import algorithms as A
 from nla.rl.backend import build_groups
 from nla.rl.config import RLConfig, load_rl_config
 from nla.rl.loop import RLData, fill_rewards, reward_items, run_rl
 from nla.rl.setup import load_av
-from nla.train.config import parse_overrides
+from nla.util.overrides import parse_overrides
 from nla.util.threads import apply_threads
 
 

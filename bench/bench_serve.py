@@ -51,7 +51,7 @@ def main() -> None:
     import torch
 
     from nla.core.arch import build_input_embeds
-    from nla.core.sidecar import canonical_av_prompt_ids
+    from nla.core.token_ids import canonical_av_prompt_ids
     from nla.serve import ServeLimits
     from nla.serve.app import NLAService, create_app
     from nla.util.http import BackgroundServer

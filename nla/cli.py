@@ -15,7 +15,8 @@ import sys
 from nla import __version__
 
 # Subcommand modules, in the order `nla --help` lists them.
-COMMANDS = ("world", "datagen", "train", "rl", "plan", "eval", "verbalize", "score", "quickstart", "explore", "serve", "sidecar")
+COMMANDS = ("world", "datagen", "train", "rl", "plan", "eval", "verbalize", "score", "quickstart", "explore", "serve", "sidecar",
+            "config")
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +33,17 @@ import torch
 from torch import Tensor, nn
 
 from nla.core import arch
-from nla.core.graders import DatasetGrader, get_grader
 from nla.core.injection import get_adapter
 from nla.core.provenance import Provenance, check_provenance
 from nla.core.reconstructor import VALUE_HEAD_FILE, Reconstructor, tokenize_ar_texts
 from nla.core.reward import Status, charge_failures, failed_mse
-from nla.core.sidecar import SIDECAR_NAME, NLAConfig, SidecarError, load_sidecar, verify_tokenizer
+from nla.core.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar
+from nla.core.sidecar_errors import SidecarError
+from nla.core.token_ids import verify_tokenizer
 from nla.core.vectors import cosine, mse_nrm
+from nla.util.checkpoint_files import check_checkpoint
 from nla.util.threads import adapt_threads
-from nla.util.validation import check_checkpoint, check_sample_count, check_vectors
+from nla.util.validation import check_sample_count, check_vectors
 
 logger = logging.getLogger(__name__)
 
@@ -523,14 +525,6 @@ class NLAClient:
             cos[ok] = cosine(p, gold[ok])
         return ScoreResult(mse_nrm=mse, cosine=cos, failed=failed, predictions=preds)
 
-    def attribute_claims(self, texts: Sequence[str | None], vectors: np.ndarray | Tensor, *, grader: Any = None,
-                         truths: Sequence[Sequence[str]] | None = None, batch_size: int = 64) -> list[list[Claim]]:
-        """Per explanation, its claims and what deleting each costs the AR's reconstruction of RAW
-        ``vectors`` (:func:`attribute_claims`, the suite's part 1: ``Claim.delta_mse`` > 0 where the AR used the
-        claim; ``Claim.truth`` from ``grader`` and ``truths`` when given)."""
-        return attribute_claims(self, texts, _as_tensor(vectors, self.require_ar("attribute_claims").d_model, "AR"),
-                                grader=grader, truths=truths, batch_size=batch_size)
-
     def round_trip(self, vectors: np.ndarray | Tensor, **verbalize_kwargs: Any) -> tuple[list[Verbalization],
                                                                                          ScoreResult]:
         """Verbalize, then score each sample's explanation against its own vector."""
@@ -571,82 +565,3 @@ def _checkpoint_tokenizer(path: Path, role: str) -> Any:
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise NLAClientError(f"{role}: no tokenizer files in {path}; save the tokenizer beside the checkpoint")
     return arch.load_tokenizer(path)
-
-
-# ------------------------------------------------------------------ scoring texts against vectors
-def mse_of_texts(client: NLAClient, texts: Sequence[str], gold: Tensor, batch_size: int) -> Tensor:
-    """[N] ``mse_nrm`` of the AR's reading of ``texts`` (every one a string, the empty one included)
-    against ``gold`` [N, d] RAW, at the AR's scale."""
-    side = client.require_ar("the suite")
-    if not texts:
-        return torch.zeros(0)
-    pred = client.reconstruct(list(texts), batch_size=batch_size)
-    return mse_nrm(pred, gold.float(), side.mse_scale_value())
-
-
-def charged_mse(client: NLAClient, texts: Sequence[str | None], gold: Tensor, batch_size: int) -> Tensor:
-    """[N] mse with None texts (failed samples) charged the failure cost."""
-    failed = torch.tensor([t is None for t in texts], dtype=torch.bool)
-    mse = torch.zeros(len(texts))
-    ok = [i for i, t in enumerate(texts) if t is not None]
-    if ok:
-        mse[ok] = mse_of_texts(client, [texts[i] for i in ok], gold[ok], batch_size)
-    return charge_failures(mse, failed, failed_mse(gold, client.ar_sidecar.mse_scale_value()))
-
-
-# ------------------------------------------------------------------ claim attribution (the suite's part 1)
-@dataclass(frozen=True)
-class Claim:
-    """One claim of an explanation and what deleting it costs the AR's reconstruction.
-
-    delta_mse: mse_nrm without the claim minus with it (> 0: the claim carried information the
-        AR used); truth: the grader's verdict (None: names no fact, or no truth was given);
-        quotation: the claim quotes the text read (its end, in the world's language) rather than claiming a fact.
-    """
-
-    text: str
-    delta_mse: float
-    truth: bool | None
-    quotation: bool
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def attribute_claims(client: NLAClient, texts: Sequence[str | None], vectors: Any, *,
-                     grader: DatasetGrader | str | None = None, truths: Sequence[Sequence[str]] | None = None,
-                     batch_size: int = 64) -> list[list[Claim]]:
-    """Per explanation, its claims with their deletion cost (module docstring, part 1).
-
-    ``texts[i]`` explains RAW ``vectors[i]``; None (a failed sample) has no claims. ``grader``: the
-    one that splits claims and judges them (``generic``: sentences, no truth); ``truths[i]``: row
-    i's facts, for each claim's ``truth``. All deletions are read in one batched pass of the AR.
-    """
-    grader = get_grader(grader) if isinstance(grader, str) else (grader or get_grader("generic"))
-    gold = torch.as_tensor(np.asarray(vectors), dtype=torch.float32)
-    if gold.ndim != 2 or gold.shape[0] != len(texts):
-        raise NLAClientError(f"attribute_claims: {len(texts)} texts for vectors of shape {tuple(gold.shape)}; pass "
-                             "one [N, d] row per text")
-    if truths is not None and len(truths) != len(texts):
-        raise NLAClientError(f"attribute_claims: {len(truths)} fact lists for {len(texts)} texts")
-    claims = [grader.claims(t) if t is not None else [] for t in texts]
-    variants: list[str] = []  # per row with claims: the full text, then each deletion
-    rows: list[int] = []
-    for i, cs in enumerate(claims):
-        if cs:
-            variants.append(str(texts[i]))
-            variants += [" ".join(cs[:j] + cs[j + 1:]) for j in range(len(cs))]
-            rows += [i] * (len(cs) + 1)
-    mse = mse_of_texts(client, variants, gold[rows], batch_size) if variants else torch.zeros(0)
-    out: list[list[Claim]] = []
-    k = 0
-    for i, cs in enumerate(claims):
-        if not cs:
-            out.append([])
-            continue
-        full = float(mse[k])
-        out.append([Claim(c, float(mse[k + 1 + j]) - full,
-                          grader.claim_truth(c, truths[i]) if truths is not None else None, grader.is_quotation(c))
-                    for j, c in enumerate(cs)])
-        k += len(cs) + 1
-    return out

@@ -19,8 +19,9 @@ from nla.client import NLAClient, NLAClientError, failed_mse, load_vectors
 from nla.core.injection import InjectionHook
 from nla.core.reconstructor import Reconstructor, tokenize_ar_texts
 from nla.core.reward import FAILED_EXTRACTION_MSE
-from nla.core.sidecar import NLAConfig, canonical_av_prompt_ids, write_sidecar
+from nla.core.sidecar import NLAConfig, write_sidecar
 from nla.core.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
+from nla.core.token_ids import canonical_av_prompt_ids
 
 D = 32
 FIXED_EXPLANATION = "Alice is in the garden in the morning"

@@ -85,10 +85,10 @@ def test_refused_values_name_field_expected_and_found(data, message):
 )
 def test_rl_config_strings_where_numbers_belong(key, owner, value, expected):
     # Section fields are checked too (RLConfig.from_dict runs the check over the nested sections);
-    # the message names the section's class and the dotted key to --set.
+    # the message names the section's class and the dotted key to --set, then says what the field is.
     field_name = key.rsplit(".", 1)[-1]
     with pytest.raises(ConfigTypeError, match=rf"^{owner}.{field_name}: expected {expected}, found {value!r} .*"
-                                              rf"--set {key}=\.\.\.$"):
+                                              rf"--set {key}=\.\.\. \({key}: .+\)$"):
         load_rl_config(None, {"av": "a", "ar": "b", "dataset": "c", key: value})
     # the nested YAML layout gives the same refusal as the dotted --set key
     section, _, sub = key.rpartition(".")
@@ -114,7 +114,8 @@ def test_cli_type_error_is_one_line_and_exit_2(capsys, tmp_path):
                  "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err == ("nla rl: error: RolloutConfig.top_p: expected a number, found 'abc' (str); fix it in the YAML or "
-                   "with --set rollout.top_p=...\n")
+                   "with --set rollout.top_p=... (rollout.top_p: nucleus sampling: keep the smallest set of tokens "
+                   "holding this much probability; 1 = off. Range: (0, 1])\n")
     assert not (tmp_path / "run").exists()
 
 
@@ -174,7 +175,9 @@ def test_non_finite_numbers_are_refused_in_every_config(tmp_path, capsys, raw):
     value = {".nan": "nan", ".NaN": "nan", ".inf": "inf", "-.inf": "-inf"}[raw]
     assert capsys.readouterr().err == (
         f"nla rl: error: LossConfig.kl_coef: expected a finite number (NaN and infinities are refused), found {value} "
-        "(float); fix it in the YAML or with --set loss.kl_coef=...\n")
+        "(float); fix it in the YAML or with --set loss.kl_coef=... (loss.kl_coef: weight of the KL to the reference "
+        "AV (the warm-started one), added to the policy loss, never to the reward; 0 = no KL term. Range: a number "
+        ">= 0)\n")
     assert not (tmp_path / "run").exists()
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text(f"dataset: d.parquet\nlr: {raw}\n")
@@ -208,7 +211,9 @@ def test_a_seed_outside_the_rngs_range_names_the_field_before_anything_is_writte
                  "--out", str(out)]) == 2
     assert capsys.readouterr().err == (
         f"nla rl: error: RLConfig.seed: expected an integer seed in 0..4294967295 (the range numpy's and torch's "
-        f"seeds share), found {seed} (int); fix it in the YAML or with --set seed=...\n")
+        f"seeds share), found {seed} (int); fix it in the YAML or with --set seed=... (seed: seeds every random "
+        "draw of the run (data order, sampling, dropout, held-out split): the same seed and config give the same run "
+        "on the same machine. Range: an integer in 0..2**32-1)\n")
     assert not out.exists()  # no rl.jsonl, nothing
     with pytest.raises(ConfigTypeError, match=rf"^DatagenConfig.world_seed: expected an integer seed in 0..4294967295 "
                                               rf".*found {seed}"):

@@ -22,7 +22,8 @@ from nla.core.injection import (
     get_adapter,
     load_adapter_file,
 )
-from nla.core.sidecar import SidecarError, load_sidecar, write_sidecar
+from nla.core.sidecar import load_sidecar, write_sidecar
+from nla.core.sidecar_errors import SidecarError
 from nla.datagen.io import vectors_to_arrow
 from nla.train.ar import ARTrainError, train_ar
 from nla.train.av import AVTrainError, train_av
@@ -230,7 +231,7 @@ def test_fit_head_recovers_a_linear_map(tiny_model_dir):
 def test_hook_injects_the_adapted_vector(tiny_model_dir, tiny_tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from nla.core.sidecar import canonical_av_prompt_ids
+    from nla.core.token_ids import canonical_av_prompt_ids
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()  # width 32
     side = dataset_sidecar(tiny_tokenizer, tiny_model_dir("llama"), 48, 1, injection_scale=3.0)
@@ -364,9 +365,9 @@ def test_translation_start_fits_the_small_models_own_vectors(cross_pair):
     times sqrt(32 / 64)); it explains part of them, unlike the seeded random start."""
     from transformers import AutoModelForCausalLM
 
+    from nla.core.activations import block_outputs, pad_right, tokenize_text
     from nla.core.arch import load_tokenizer
     from nla.core.vectors import normalize_activation
-    from nla.datagen.extract import block_outputs, pad_right, tokenize_text
     from nla.train.av import _fit_translation
 
     small = AutoModelForCausalLM.from_pretrained(cross_pair["small"])

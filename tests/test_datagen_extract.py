@@ -8,13 +8,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from nla.core.activations import sample_positions
 from nla.datagen.corpus import CorpusDoc, read_text_corpus
 from nla.datagen.extract import (
     ACTIVATIONS_FILE,
     check_vectors,
     consolidate_shards,
     extract_activations,
-    sample_positions,
 )
 from nla.datagen.io import DatagenError, read_parquet, read_vectors
 

@@ -125,15 +125,18 @@ def test_explain_matches_direct_forward_and_client_score(api, explorer, world_su
 
 
 def test_explaining_every_token_of_64_is_one_batched_call(api, explorer, monkeypatch):
+    import nla.explore.engine as engine
+
     calls = []
-    for name in ("verbalize", "score", "attribute_claims"):
-        real = getattr(explorer.client, name)
+    # the client's verbalize and score, and the suite's attribute_claims(client, texts, vectors)
+    for owner, name in ((explorer.client, "verbalize"), (explorer.client, "score"), (engine, "attribute_claims")):
+        real = getattr(owner, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
             calls.append((_name, len(args[0] if _name == "verbalize" else args[1])))
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(explorer.client, name, spy)
+        monkeypatch.setattr(owner, name, spy)
     text = " ".join(LONG_TEXT.split()[:64])
     r = api.post("/api/explain", json={"text": text})  # no positions: every token
     assert r.status_code == 200, r.text
@@ -363,7 +366,7 @@ def test_only_the_allowed_hosts_are_answered(explorer):
 def test_every_bind_keeps_a_host_allow_list():
     import socket
 
-    from nla.explore.app import host_name
+    from nla.util.http import host_name
 
     assert [host_name(h) for h in ("[::1]:8765", "[::1]", "LocalHost:80", "a.b", "::1")] == [
         "::1", "::1", "localhost", "a.b", "::1"]
@@ -523,7 +526,7 @@ def test_page_and_static_files_are_packaged(api):
 def test_browser_shows_an_explanation_and_a_score(explorer, run_dir, tmp_path):
     from chromium import HeadlessChromium, find_chromium
 
-    from nla.explore.app import BackgroundServer
+    from nla.util.http import BackgroundServer
 
     if find_chromium() is None:
         if os.environ.get("CI"):

@@ -36,9 +36,10 @@ from nla.core.injection import (
     save_av_checkpoint,
 )
 from nla.core.lora import LoRASettings, apply_lora, load_adapter, load_merged, read_lora_meta, save_adapter
-from nla.core.sidecar import SidecarError, load_sidecar, write_sidecar
-from nla.train.checkpoint import CheckpointSaveError, atomic_dir
-from nla.util.validation import CHECKSUM_FILE, InputError
+from nla.core.sidecar import load_sidecar, write_sidecar
+from nla.core.sidecar_errors import SidecarError
+from nla.util.checkpoint_files import CHECKSUM_FILE, CheckpointSaveError, atomic_dir
+from nla.util.validation import InputError
 
 D_SUBJECT = 48  # the AV (tiny llama) is 32 wide: it reads the subject's 48-d vectors through its adapter
 

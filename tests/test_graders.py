@@ -55,7 +55,7 @@ def colours():
 def test_the_core_imports_no_world_code():
     """Reward, RL loop, roles, evaluation, client, the explanation suite: none loads a module of nla.world."""
     code = ("import sys, nla.core.reward, nla.rl.reward, nla.rl.loop, nla.rl.roles, nla.eval.evaluate, nla.client, nla.core.graders, nla.eval.suite, "
-            "nla.eval.probing; "
+            "nla.core.probing; "
             "print(sorted(m for m in sys.modules if m.startswith('nla.world')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

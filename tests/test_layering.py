@@ -1,5 +1,5 @@
-"""The package's layers hold (docs/design.md §8): what each layer may import, no import cycle between
-modules, no private name imported from another module.
+"""The package's layers hold (docs/design.md §8): one order, each layer importing only the layers
+below it; no import cycle between modules; no private name imported from another module.
 
 Every ``import`` / ``from … import`` statement counts, the ones inside functions too: a lazy
 import is still a dependency.
@@ -8,23 +8,19 @@ import is still a dependency.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "nla"
 
-# layer -> the nla layers it may import (besides itself); "root" is nla/__init__.py
-ALLOWED: dict[str, set[str]] = {
-    "util": set(),
-    "core": {"util"},
-    "datagen": {"util", "core", "train", "world"},  # the world is the built-in corpus and explainer
-    "train": {"util", "core", "datagen"},
-    "rl": {"util", "core", "datagen", "train"},
-    "client": {"util", "core", "datagen", "train", "rl"},
-    "eval": {"util", "core", "datagen", "client"},
-    "world": {"util", "core", "datagen", "train", "eval"},  # its probe command uses eval.probing
-}
+# The layers, bottom first: each may import the layers before it, never one after it. "root" is
+# nla/__init__.py (its public names load on first use, by module name). docs/design.md §8 and
+# docs/index.md draw this order (test_the_docs_draw_the_order).
+LAYERS = ("util", "core", "world", "datagen", "train", "rl", "client", "eval",
+          "quickstart", "explore", "serve", "commands", "root", "cli")
+BELOW = {layer: set(LAYERS[:i]) for i, layer in enumerate(LAYERS)}
 
 
 def _modules() -> dict[str, Path]:
@@ -65,19 +61,34 @@ def _deps() -> dict[str, set[str]]:
 
 
 def test_the_map_sees_every_layer():
-    # a renamed or new top-level module must be placed in a layer here (or is an entry point)
-    entry_points = {"root", "cli", "commands", "quickstart", "explore", "serve"}
-    assert {_layer(m) for m in MODULES} == set(ALLOWED) | entry_points
+    # a renamed or new top-level module must be given its place in LAYERS
+    assert {_layer(m) for m in MODULES} == set(LAYERS)
 
 
-@pytest.mark.parametrize("layer", sorted(ALLOWED))
+@pytest.mark.parametrize("layer", LAYERS)
 def test_each_layer_imports_only_the_layers_below_it(layer):
     bad = sorted(
-        f"{m} imports {d}"
+        f"{m} imports {d} ({_layer(d)} is not below {layer})"
         for m, deps in _deps().items() if _layer(m) == layer
-        for d in deps if _layer(d) not in ALLOWED[layer] | {layer}
+        for d in deps if _layer(d) not in BELOW[layer] | {layer}
     )
     assert not bad, "\n".join(bad)
+
+
+def _dotted(layer: str) -> str:
+    return "nla" if layer == "root" else f"nla.{layer}"
+
+
+def test_the_docs_draw_the_order():
+    root = PKG.parent
+    design = (root / "docs" / "design.md").read_text(encoding="utf-8")
+    table = design[design.index("**Layering rules**"):]
+    drawn = re.findall(r"^\| (\d+) \| `(nla(?:\.\w+)?)`", table, flags=re.M)
+    assert [int(n) for n, _ in drawn] == list(range(1, len(LAYERS) + 1))
+    assert [name for _, name in drawn] == [_dotted(layer) for layer in LAYERS]
+    index = (root / "docs" / "index.md").read_text(encoding="utf-8")
+    chain = " ".join(index[index.index("## Where things live"):].split("\n\n")[1].split())
+    assert re.findall(r"`(nla(?:\.\w+)?)`", chain) == [_dotted(layer) for layer in LAYERS], chain
 
 
 def test_no_import_cycle():
@@ -120,34 +131,3 @@ def test_the_checker_finds_what_it_looks_for(tmp_path):
     assert sorted(_imports(src), key=str) == [("nla.core.vectors", None), ("nla.train.ar", "_x"),
                                               ("nla.util.threads", None)]
     assert _layer("nla.core.vectors") == "core" and _layer("nla") == "root"
-
-
-def test_the_old_module_names_still_import_as_the_moved_modules():
-    # Code written against the flat layout (docs/suite.md's nla.suite.run_suite, a grader plugin's
-    # nla.graders) keeps working: the same module object, with a DeprecationWarning naming the new
-    # home. The two split modules (nla.reward, nla.train.common) have no single home: gone.
-    import subprocess
-    import sys
-
-    code = (
-        "import warnings, importlib\n"
-        "warnings.simplefilter('error')\n"
-        "try:\n"
-        "    import nla.suite\n"
-        "except DeprecationWarning as w:\n"
-        "    print('warned:', w)\n"
-        "warnings.simplefilter('ignore')\n"
-        "import nla.suite, nla.eval.suite, nla.graders, nla.core.graders\n"
-        "from nla import threads, evaluation\n"
-        "import nla.util.threads, nla.eval.evaluate\n"
-        "print(nla.suite is nla.eval.suite, nla.graders is nla.core.graders, threads is nla.util.threads,"
-        " evaluation is nla.eval.evaluate)\n"
-        "for gone in ('nla.reward', 'nla.train.common'):\n"
-        "    try:\n"
-        "        importlib.import_module(gone)\n"
-        "    except ModuleNotFoundError:\n"
-        "        print('gone:', gone)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
-    assert out == ["warned: nla.suite moved to nla.eval.suite; import it from there (the old name will go)",
-                   "True True True True", "gone: nla.reward", "gone: nla.train.common"]

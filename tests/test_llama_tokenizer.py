@@ -23,15 +23,10 @@ from pathlib import Path
 import pytest
 from conftest import wheel_data_dir
 
-from nla.core.sidecar import (
-    TEMPLATE_DATE,
-    MarkerNotSingleTokenError,
-    NLAConfig,
-    canonical_av_prompt_ids,
-    stable_ar_suffix,
-    verify_tokenizer,
-)
+from nla.core.sidecar import NLAConfig
+from nla.core.sidecar_errors import MarkerNotSingleTokenError
 from nla.core.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE
+from nla.core.token_ids import TEMPLATE_DATE, canonical_av_prompt_ids, stable_ar_suffix, verify_tokenizer
 
 TEMPLATE = Path(__file__).parent / "fixtures" / "llama3.2_chat_template.jinja"
 PUBLISHED_AR_TEMPLATE = "Summary of the following text: <text>{explanation}</text> <summary>"

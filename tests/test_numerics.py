@@ -12,16 +12,15 @@ from pathlib import Path
 import pytest
 from conftest import PINNED_BY_HAND, numpy_avx512_targets
 
-from nla.util.numerics import (
-    ENV_VAR,
-    _cpu_flags,
-    cpu_kernels,
-    mkl_branch,
-    pinned_capability,
-    pinned_environment,
-)
+from nla.util.numerics import ENV_VAR, _cpu_flags, cpu_kernels, mkl_branch, pinned_environment
 
 HAS_AVX2 = platform.machine().lower() in ("x86_64", "amd64") and "avx2" in _cpu_flags()
+
+
+def pinned_capability(env, machine, flags):
+    """What pin_cpu_kernels sets for ATen: "avx2" on an x86-64 CPU with AVX2 where the variable is
+    unset, else None (left as it is)."""
+    return pinned_environment(env, machine, flags).get(ENV_VAR)
 
 
 def test_pinned_capability_cases():

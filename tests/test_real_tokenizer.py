@@ -22,19 +22,10 @@ import torch
 import yaml
 from conftest import QWEN_MARKER_ID, QWEN_VOCAB_ROWS
 
-from nla.core.sidecar import (
-    ARSuffixMismatchError,
-    MarkerNotSingleTokenError,
-    NLAConfig,
-    SidecarError,
-    canonical_av_prompt_ids,
-    checked_ar_suffix,
-    stable_ar_suffix,
-    token_id_changes,
-    verify_tokenizer,
-    write_sidecar,
-)
+from nla.core.sidecar import NLAConfig, token_id_changes, write_sidecar
+from nla.core.sidecar_errors import ARSuffixMismatchError, MarkerNotSingleTokenError, SidecarError
 from nla.core.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
+from nla.core.token_ids import canonical_av_prompt_ids, checked_ar_suffix, stable_ar_suffix, verify_tokenizer
 
 PUBLISHED_AR_TEMPLATE = "Summary of the following text: <text>{explanation}</text> <summary>"
 ENGLISH = Path(__file__).parent / "fixtures" / "english.txt"
@@ -166,7 +157,7 @@ def _teach_a_fixed_answer(av_dir: Path, out: Path, steps: int = 100) -> None:
 
     from nla.core.injection import InjectionHook
     from nla.core.sidecar import load_sidecar
-    from nla.util.validation import write_checksums
+    from nla.util.checkpoint_files import write_checksums
 
     shutil.copytree(av_dir, out)
     tok = AutoTokenizer.from_pretrained(out)

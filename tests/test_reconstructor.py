@@ -2,9 +2,10 @@ import pytest
 import torch
 import yaml
 from conftest import ARCHS
+from transformers import AutoConfig
 
 from nla.core.arch import num_layers
-from nla.core.reconstructor import VALUE_HEAD_FILE, Reconstructor, last_token_index, read_config_layers
+from nla.core.reconstructor import VALUE_HEAD_FILE, Reconstructor, last_token_index
 from nla.core.sidecar import NLAConfig, load_sidecar
 from nla.core.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
 
@@ -82,7 +83,7 @@ def test_save_load_roundtrip(tiny_model_dir, tiny_tokenizer, tmp_path, name):
     out = tmp_path / "ar"
     ar.save_pretrained(out, cfg, step=7)
     assert (out / VALUE_HEAD_FILE).is_file() and (out / "tokenizer.json").is_file()
-    assert read_config_layers(out) == 2
+    assert num_layers(AutoConfig.from_pretrained(out)) == 2  # K + 1 blocks, under each family's key
     meta = load_sidecar(out)
     assert (meta.role, meta.layer_index, meta.training["step"]) == ("ar", 1, 7)
     assert yaml.safe_load((out / "nla_meta.yaml").read_text())["ar"] == {"num_hidden_layers": 1}  # K, as published

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 import nla.rl.kernels as W
 from nla.core.injection import InjectionHook
-from nla.core.sidecar import canonical_av_prompt_ids
+from nla.core.token_ids import canonical_av_prompt_ids
 from nla.rl import algorithms as A
 from nla.rl.distributed import DataParallel
 from nla.rl.kernels import by_group_length, response_logprobs, rollout_logprobs

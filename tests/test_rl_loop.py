@@ -163,8 +163,16 @@ def test_rollout_statuses_and_failed_reward(pair, tmp_path):
     assert m["mse_nrm"] == 2.0 and m["fve_nrm"] == pytest.approx(1.0 - 2.0 / 0.8)
 
 
-def test_shape_rewards_is_the_one_place_a_reward_is_made():
-    from nla.rl.loop import shape_rewards
+def config_rewards(status, mse, lengths, cfg, degenerate=None, *, failed_cost):
+    """The rewards [N] the config's reward section makes: what fill_rewards (score_samples) applies to
+    every rollout; a sample whose explanation was not extracted costs ``failed_cost``."""
+    from nla.rl.loop import reward_settings
+    from nla.rl.types import COMPLETED
+
+    return reward_settings(cfg).rewards(mse, status != COMPLETED, failed_cost, lengths, degenerate)
+
+
+def test_the_reward_section_makes_rewards_by_hand():
     from nla.rl.types import COMPLETED, FAILED_EXTRACTION, TRUNCATED
 
     status = torch.tensor([COMPLETED, TRUNCATED, FAILED_EXTRACTION, COMPLETED])
@@ -174,17 +182,17 @@ def test_shape_rewards_is_the_one_place_a_reward_is_made():
     lengths = torch.tensor([10, 3, 8, 6])
     cfg = RLConfig.from_dict(dict(av="a", ar="b", dataset="c", rollout=dict(max_response_len=10)))
     kw = dict(failed_cost=2.0)
-    torch.testing.assert_close(shape_rewards(status, mse, lengths, cfg, **kw), torch.tensor([-0.5, -2.0, -2.0, -1.0]))
+    torch.testing.assert_close(config_rewards(status, mse, lengths, cfg, **kw), torch.tensor([-0.5, -2.0, -2.0, -1.0]))
     # -log variant: [-log 0.5, -log 2, -log 2, -log 1] = [log 2, -log 2, -log 2, 0]
     log2 = float(np.log(2.0))
     log_cfg = cfg.replace(reward=dict(log_mse=True))
-    torch.testing.assert_close(shape_rewards(status, mse, lengths, log_cfg, **kw),
+    torch.testing.assert_close(config_rewards(status, mse, lengths, log_cfg, **kw),
                                torch.tensor([log2, -log2, -log2, 0.0]))
-    assert shape_rewards(status, mse, lengths, log_cfg, **kw)[1].item() == pytest.approx(
+    assert config_rewards(status, mse, lengths, log_cfg, **kw)[1].item() == pytest.approx(
         FAILED_EXTRACTION_REWARD_LOG, abs=1e-7)
     # overlong: cap 10, buffer 4 -> expected 6; lengths 10, 3, 8, 6 -> penalties -1, 0, -0.5, 0
     over = cfg.replace(reward=dict(overlong_buffer_len=4, overlong_penalty_factor=1.0))
-    torch.testing.assert_close(shape_rewards(status, mse, lengths, over, **kw), torch.tensor([-1.5, -2.0, -2.5, -1.0]))
+    torch.testing.assert_close(config_rewards(status, mse, lengths, over, **kw), torch.tensor([-1.5, -2.0, -2.5, -1.0]))
 
 
 def test_a_failure_costs_the_orthogonal_mse_at_the_ars_own_scale():
@@ -381,7 +389,6 @@ def test_chunked_generation_scores_every_chunk_with_the_live_ar(pair, tmp_path):
 
 
 def test_format_penalty_charges_degenerate_explanations_only():
-    from nla.rl.loop import shape_rewards
     from nla.rl.types import COMPLETED, FAILED_EXTRACTION
 
     status = torch.tensor([COMPLETED, COMPLETED, FAILED_EXTRACTION])
@@ -391,10 +398,10 @@ def test_format_penalty_charges_degenerate_explanations_only():
     cfg = RLConfig.from_dict(dict(av="a", ar="b", dataset="c", reward=dict(format_penalty=0.5)))
     # -0.5; -0.25 - 0.5 = -0.75; a failure is charged the orthogonal MSE only (no penalty on top)
     kw = dict(failed_cost=2.0)
-    torch.testing.assert_close(shape_rewards(status, mse, lengths, cfg, degenerate, **kw),
+    torch.testing.assert_close(config_rewards(status, mse, lengths, cfg, degenerate, **kw),
                                torch.tensor([-0.5, -0.75, -2.0]))
     off = cfg.replace(reward=dict(format_penalty=0.0))
-    torch.testing.assert_close(shape_rewards(status, mse, lengths, off, degenerate, **kw),
+    torch.testing.assert_close(config_rewards(status, mse, lengths, off, degenerate, **kw),
                                torch.tensor([-0.5, -0.25, -2.0]))
     with pytest.raises(ValueError, match="reward.format_penalty"):
         cfg.replace(reward=dict(format_penalty=-1.0))

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 import nla.rl.sampling as S
 from nla.core.injection import InjectionHook
 from nla.core.reward import extract_explanation
-from nla.core.sidecar import canonical_av_prompt_ids
+from nla.core.token_ids import canonical_av_prompt_ids
 from nla.rl.roles import RolloutWorker, parse_responses
 from nla.rl.types import COMPLETED, FAILED_EXTRACTION, TRUNCATED
 

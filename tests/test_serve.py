@@ -26,8 +26,9 @@ from nla.cli import build_parser, main
 from nla.client import NLAClient
 from nla.core.injection import save_av_checkpoint
 from nla.core.reconstructor import Reconstructor
-from nla.core.sidecar import NLAConfig, canonical_av_prompt_ids
+from nla.core.sidecar import NLAConfig
 from nla.core.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
+from nla.core.token_ids import canonical_av_prompt_ids
 from nla.serve import ServeLimits
 from nla.serve.app import NLAService, create_app
 from nla.util.http import LOOPBACK, BackgroundServer, host_name

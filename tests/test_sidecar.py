@@ -4,21 +4,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nla.core.sidecar import (
+from nla.core.sidecar import NLAConfig, load_sidecar, resolve_sidecar, sidecar_path_for, write_sidecar
+from nla.core.sidecar_errors import (
     ARSuffixMismatchError,
     MarkerCountError,
     MarkerIdMismatchError,
     MarkerIsUnknownError,
     MarkerNotSingleTokenError,
     NeighborMismatchError,
-    NLAConfig,
     SidecarError,
     SidecarMismatchError,
-    load_sidecar,
-    resolve_sidecar,
-    sidecar_path_for,
-    verify_tokenizer,
-    write_sidecar,
 )
 from nla.core.templates import (
     AV_PLACEHOLDER,
@@ -26,6 +21,7 @@ from nla.core.templates import (
     DEFAULT_AV_TEMPLATE,
     DEFAULT_INJECTION_CHAR,
 )
+from nla.core.token_ids import verify_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 AV_TPL = "Here is a hidden state <{injection_char}> from a language model. Explain what it encodes."

@@ -223,8 +223,6 @@ def test_attribution_equals_a_plain_reference(world):
             assert c.delta_mse == pytest.approx(want, abs=1e-5)
             assert c.truth == WORLD.claim_truth(c.text, truths[i])
             assert isinstance(c, Claim) and c.quotation == WORLD.is_quotation(c.text)
-    same = client.attribute_claims(texts, gold.numpy(), grader="world", truths=truths)
-    assert same == attr
     with pytest.raises(NLAClientError, match="2 texts"):
         attribute_claims(client, texts[:2], gold)
 
@@ -286,7 +284,7 @@ def slots(world):
 
 
 def test_recall_slots_are_what_they_say(slots):
-    from nla.datagen.extract import block_outputs, tokenize_text
+    from nla.core.activations import block_outputs, tokenize_text
 
     s, docs = slots["slots"], {d.doc_id: d for d in slots["docs"]}
     assert len(s["context"]) > 50 and s["vectors"].shape[0] == len(s["context"])

@@ -7,7 +7,6 @@ import torch
 
 from nla.train.checkpoint import (
     apply_training_state,
-    atomic_dir,
     latest_checkpoint,
     load_training_state,
     save_training_state,
@@ -21,6 +20,7 @@ from nla.train.optim import (
     warmup_cosine,
     warn_if_lr_far,
 )
+from nla.util.checkpoint_files import atomic_dir
 
 
 def test_warmup_cosine_values_by_hand():
@@ -180,7 +180,7 @@ def test_data_cursor_epochs_and_resume():
 
 
 def test_atomic_dir_names_a_failed_save_and_keeps_the_old_checkpoint(tmp_path):
-    from nla.train.checkpoint import CheckpointSaveError
+    from nla.util.checkpoint_files import CheckpointSaveError
 
     final = tmp_path / "step_00000002"
     with atomic_dir(final) as d:

@@ -1,6 +1,7 @@
 import pytest
 
-from nla.train.config import ARTrainConfig, AVTrainConfig, load_config, parse_overrides, save_config
+from nla.train.config import ARTrainConfig, AVTrainConfig, load_config, save_config
+from nla.util.overrides import parse_overrides
 
 
 @pytest.mark.parametrize(

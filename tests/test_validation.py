@@ -26,13 +26,8 @@ from nla.core.reconstructor import VALUE_HEAD_FILE, Reconstructor
 from nla.core.sidecar import NLAConfig, write_sidecar
 from nla.core.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, DEFAULT_INJECTION_CHAR
 from nla.datagen.io import vectors_to_arrow
-from nla.util.validation import (
-    InputError,
-    check_safetensors_file,
-    check_vectors,
-    describe_rows,
-    load_yaml,
-)
+from nla.util.checkpoint_files import check_safetensors_file
+from nla.util.validation import InputError, check_vectors, describe_rows, load_yaml
 
 D = 32
 
@@ -278,7 +273,7 @@ def test_nan_weights_without_a_checksum_record_are_refused(pair, capsys, tmp_pat
     finite at load where no record exists; nothing is written."""
     from safetensors.torch import load_file, save_file
 
-    from nla.util.validation import CHECKSUM_FILE
+    from nla.util.checkpoint_files import CHECKSUM_FILE
 
     ckpt = tmp_path / f"{role}_nan"
     shutil.copytree(pair[role], ckpt)
@@ -466,7 +461,7 @@ def test_a_dead_run_with_finite_losses_still_warns(caplog):
 
 
 def test_pickled_weights_are_refused(pair, capsys, tmp_path):
-    from nla.util.validation import check_checkpoint
+    from nla.util.checkpoint_files import check_checkpoint
 
     ckpt = tmp_path / "pickled"
     shutil.copytree(pair["av"], ckpt)
@@ -567,7 +562,7 @@ def test_datagen_and_world_config_errors(capsys, tmp_path, argv, command, culpri
 def test_flipped_bit_in_a_saved_checkpoint_is_caught(pair, capsys, tmp_path, tiny_tokenizer, single_thread):
     from train_helpers import dataset_sidecar, write_ar_dataset
 
-    from nla.util.validation import CHECKSUM_FILE, verify_checksums
+    from nla.util.checkpoint_files import CHECKSUM_FILE, verify_checksums
 
     vec = np.random.default_rng(0).standard_normal((8, D)).astype(np.float32)
     ds = write_ar_dataset(tmp_path / "ar.parquet", dataset_sidecar(tiny_tokenizer, pair["av"], D, 1), vec)
@@ -742,7 +737,7 @@ def test_score_output_is_valid_json_when_predictions_overflow(pair, capsys, capl
 
     from nla.client import NLAClient
     from nla.core.reconstructor import VALUE_HEAD_FILE
-    from nla.util.validation import CHECKSUM_FILE
+    from nla.util.checkpoint_files import CHECKSUM_FILE
 
     def no_constants(name):
         raise AssertionError(f"{name} is not JSON")
@@ -844,7 +839,8 @@ def test_checksums_are_verified_once_per_file_and_machine(tmp_path, monkeypatch)
     import torch
     from safetensors.torch import save_file
 
-    import nla.util.validation as V
+    import nla.util.checkpoint_files as V
+    from nla.util.validation import InputError
 
     monkeypatch.setenv("NLA_CACHE", str(tmp_path / "cache"))
     ckpt = tmp_path / "ckpt"
@@ -878,7 +874,7 @@ def test_checksums_are_verified_once_per_file_and_machine(tmp_path, monkeypatch)
     V._verified.clear()
     V.verify_checksums(ckpt)
     monkeypatch.setenv("NLA_VERIFY_CHECKSUMS", "always")
-    with pytest.raises(V.InputError, match="SHA-256 differs"):
+    with pytest.raises(InputError, match="SHA-256 differs"):
         V.verify_checksums(ckpt)
     monkeypatch.setenv("NLA_VERIFY_CHECKSUMS", "off")
     V.verify_checksums(ckpt)  # off: never hashed
@@ -886,10 +882,10 @@ def test_checksums_are_verified_once_per_file_and_machine(tmp_path, monkeypatch)
     f.write_bytes(bytes(data))
     monkeypatch.setenv("NLA_VERIFY_CHECKSUMS", "once")
     V._verified.clear()
-    with pytest.raises(V.InputError, match="SHA-256 differs"):
+    with pytest.raises(InputError, match="SHA-256 differs"):
         V.verify_checksums(ckpt)
     monkeypatch.setenv("NLA_VERIFY_CHECKSUMS", "sometimes")
-    with pytest.raises(V.InputError, match="NLA_VERIFY_CHECKSUMS: expected one of once, always, off"):
+    with pytest.raises(InputError, match="NLA_VERIFY_CHECKSUMS: expected one of once, always, off"):
         V.verify_checksums(ckpt)
 
 

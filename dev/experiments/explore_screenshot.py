@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 
 from nla.explore import Explorer, create_app, load_run
-from nla.explore.app import BackgroundServer
+from nla.util.http import BackgroundServer
 from tests.chromium import HeadlessChromium  # the test helper drives the browser
 
 # The selected token: one true and one false claim, else any false claim, nearest a mid-range cosine.

@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if len(args.paths) != 1:
         ap.error("a draw takes one RUN (or use --table)")
-    from nla.train.config import parse_overrides
+    from nla.util.overrides import parse_overrides
 
     run_draw(args.paths[0], args.variant, args.train_seed, args.threads, args.mean_shift_augment, args.out,
              args.max_rows, parse_overrides(args.av_set), parse_overrides(args.rl_set), args.recipe_from)

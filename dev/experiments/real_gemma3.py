@@ -13,7 +13,7 @@ set (the one in google/gemma-3-*-it's tokenizer_config.json): ``<bos><start_of_t
 Then each documented command runs as its own process, timed, with its peak resident memory
 (``os.wait4``): ``nla datagen run`` (configs/datagen/hf_text_example.yaml, the offline ``context``
 explainer, over ``--corpus``, by default tests/fixtures/english.txt) with the marker that
-``nla.core.sidecar.single_token_markers`` names first (the published '㈎' is three byte tokens
+``nla.core.token_ids.single_token_markers`` names first (the published '㈎' is three byte tokens
 here), ``nla train ar``, ``nla train av``, ``nla rl`` and ``nla eval``. ``--quick`` shortens every
 stage (a check that the path runs). Written to ``OUT/report.json``: each stage's seconds and peak
 RSS, what the model's vectors look like (norms at the layer, mean pairwise cosine, the embedding's
@@ -164,7 +164,8 @@ def injection_effect(model_dir: Path, dataset: Path, n: int = 8) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from nla.core.injection import InjectionHook
-    from nla.core.sidecar import canonical_av_prompt_ids, load_sidecar
+    from nla.core.sidecar import load_sidecar
+    from nla.core.token_ids import canonical_av_prompt_ids
 
     side = load_sidecar(dataset)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from nla.core.sidecar import single_token_markers
+    from nla.core.token_ids import single_token_markers
 
     marker, marker_id = single_token_markers(AutoTokenizer.from_pretrained(model), 1)[0]
     report: dict = {"model": str(model), "corpus": str(args.corpus), "layer": args.layer, "threads": args.threads,

@@ -28,7 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         sp.add_argument("--out", help="output directory (overrides out_dir)")
         sp.add_argument(
             "--set", action="append", default=[], metavar="KEY=VALUE",
-            help="override a config field, e.g. --set n_docs=200 --set provider.model=gpt-4o-mini",
+            help="override a config field, e.g. --set n_docs=200 --set provider.model=gpt-4o-mini (every field: "
+                 "nla config describe datagen)",
         )  # fmt: skip
         sp.add_argument("--threads", type=threads_flag,
                         help=f"torch CPU threads ({THREADS_HELP})")
@@ -48,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         overrides["threads"] = args.threads
     cfg = DatagenConfig.from_yaml(args.config, overrides)
-    from nla.util.validation import check_device, check_model_source, check_output_path
+    from nla.util.checkpoint_files import check_model_source
+    from nla.util.validation import check_device, check_output_path
 
     check_output_path(cfg.out_dir, "out_dir")
     check_device(cfg.device)

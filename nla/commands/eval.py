@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from nla.util.flags import non_negative_int, positive_int, seed_flag
 from nla.util.threads import THREADS_HELP, threads_flag
-from nla.util.validation import non_negative_int, positive_int, seed_flag
 
 log = logging.getLogger("nla.eval")
 
@@ -78,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     from nla.client import NLAClient
     from nla.datagen.io import read_vectors
     from nla.eval.evaluate import evaluate_pair
-    from nla.util.validation import check_checkpoint, check_device, check_output_path
+    from nla.util.checkpoint_files import check_checkpoint
+    from nla.util.validation import check_device, check_output_path
 
     check_device(args.device)
     parts = _suite_parts(args) if args.suite is not None else None

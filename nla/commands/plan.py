@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from nla.util.validation import non_negative_int, positive_int
+from nla.util.flags import non_negative_int, positive_int
 
 # Cards the plan is compared with when no --device-memory is given (GiB as their drivers report it).
 CARDS = {"RTX 4090 (24 GB)": 23.6, "A100 40 GB": 39.4, "A100/H100 80 GB": 79.1, "H200 (141 GB)": 139.8}
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model:
         from transformers import AutoConfig
 
-        from nla.util.validation import check_checkpoint
+        from nla.util.checkpoint_files import check_checkpoint
 
         check_checkpoint(args.model, "--model")
         shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(args.model), name=args.model)

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
+from nla.util.flags import non_negative_float, seed_flag
 from nla.util.threads import THREADS_HELP, threads_flag
-from nla.util.validation import non_negative_float, seed_flag
 
 
 def register(sub: argparse._SubParsersAction) -> None:

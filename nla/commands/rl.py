@@ -7,8 +7,8 @@ import json
 import logging
 from typing import TYPE_CHECKING
 
+from nla.util.flags import positive_int
 from nla.util.threads import THREADS_HELP, threads_flag
-from nla.util.validation import positive_int
 
 if TYPE_CHECKING:
     from nla.rl.config import RLConfig
@@ -20,7 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("rl", help="train the verbalizer with RL against the live reconstructor")
     p.add_argument("--config", help="YAML of RLConfig fields and sections (see configs/rl/)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, section keys dotted: --set steps=20 --set loss.advantage=gae")
+                   help="override a config field, section keys dotted: --set steps=20 --set loss.advantage=gae "
+                        "(every field: nla config describe rl)")
     p.add_argument("--av", help="warm-started AV checkpoint dir (overrides av)")
     p.add_argument("--ar", help="warm-started AR checkpoint dir (overrides ar)")
     p.add_argument("--dataset", help="RL prompts parquet (overrides dataset)")
@@ -51,9 +52,11 @@ def run(args: argparse.Namespace) -> int:
     from nla.rl.config import load_rl_config
     from nla.rl.loop import check_rollout_rows, check_run_provenance, run_rl
     from nla.rl.setup import load_pair_sidecars
-    from nla.train.config import normalise_paths, parse_overrides
+    from nla.train.config import normalise_paths
     from nla.train.rundir import prepare_run_dir
-    from nla.util.validation import check_checkpoint, check_device, check_output_path
+    from nla.util.checkpoint_files import check_checkpoint
+    from nla.util.overrides import parse_overrides
+    from nla.util.validation import check_device, check_output_path
 
     overrides = parse_overrides(args.set)
     for flag, key in (("av", "av"), ("ar", "ar"), ("dataset", "dataset"), ("out", "out_dir"), ("steps", "steps"), ("threads", "threads"),

@@ -13,7 +13,7 @@ import logging
 import numpy as np
 
 from nla.commands.eval import add_model_args, apply_threads_flag
-from nla.util.validation import positive_int
+from nla.util.flags import positive_int
 
 log = logging.getLogger("nla.score")
 

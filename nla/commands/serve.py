@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import logging
 
+from nla.util.flags import positive_int
 from nla.util.http import LOOPBACK, allowed_hosts, check_bind_host, port_flag
 from nla.util.threads import THREADS_HELP, threads_flag
-from nla.util.validation import positive_int
 
 log = logging.getLogger("nla.serve")
 

@@ -6,8 +6,8 @@ import argparse
 import json
 import logging
 
+from nla.util.flags import positive_int
 from nla.util.threads import THREADS_HELP, threads_flag
-from nla.util.validation import positive_int
 
 log = logging.getLogger("nla.train")
 
@@ -20,7 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         sp = stages.add_parser(stage, help=f"warm-start the {what}")
         sp.add_argument("--config", help=f"YAML of {stage.upper()}TrainConfig fields (see configs/train/)")
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field, e.g. --set lr=1e-4 --set max_steps=200")
+                        help=f"override a config field, e.g. --set lr=1e-4 --set max_steps=200 (every field: "
+                             f"nla config describe {stage})")
         sp.add_argument("--dataset", help="training parquet (overrides dataset)")
         sp.add_argument("--out", help="run directory (overrides out_dir)")
         sp.add_argument("--base-model", help="HF model directory to start from (overrides base_model)")
@@ -36,9 +37,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from nla.datagen.io import read_vectors
-    from nla.train.config import ARTrainConfig, AVTrainConfig, load_config, normalise_paths, parse_overrides
+    from nla.train.config import ARTrainConfig, AVTrainConfig, load_config, normalise_paths
     from nla.train.rundir import prepare_run_dir
-    from nla.util.validation import check_device, check_model_source, check_output_path
+    from nla.util.checkpoint_files import check_model_source
+    from nla.util.overrides import parse_overrides
+    from nla.util.validation import check_device, check_output_path
 
     overrides = parse_overrides(args.set)
     for flag, key in (("dataset", "dataset"), ("out", "out_dir"), ("base_model", "base_model"),

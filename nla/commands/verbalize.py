@@ -12,7 +12,7 @@ import argparse
 import logging
 
 from nla.commands.eval import add_model_args, apply_threads_flag
-from nla.util.validation import positive_int, sample_count_flag, seed_flag
+from nla.util.flags import positive_int, sample_count_flag, seed_flag
 
 log = logging.getLogger("nla.verbalize")
 

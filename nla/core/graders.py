@@ -9,8 +9,8 @@ no dataset code. A grader is named by the dataset (or chosen by the caller):
 - none: reconstruction is measured, faithfulness is not.
 
 Built in: ``generic`` (format checks that hold in any language: a repeated sentence, an
-unbalanced double quote; no facts, no oracle) and ``world`` (the synthetic world's grader,
-``nla.world.grader``, imported only when asked for). A user's corpus registers its own with
+unbalanced double quote; no facts, no oracle) and ``world`` (the grader of datasets made from the
+synthetic world, ``nla.datagen.world_grader``, imported only when asked for). A user's corpus registers its own with
 ``register_grader(name, factory)`` or, from an installed package, the entry-point group
 ``nla.graders`` (``name = "package.module:Factory"``).
 
@@ -228,7 +228,7 @@ def has_repeated_sentence(sentences: list[str]) -> bool:
 # ------------------------------------------------------------------ the registry
 GraderFactory = Callable[[], DatasetGrader]
 # name -> factory, or "module:attr" imported on first use (so this module imports no dataset code)
-_REGISTRY: dict[str, GraderFactory | str] = {"generic": GenericGrader, "world": "nla.world.grader:WorldGrader"}
+_REGISTRY: dict[str, GraderFactory | str] = {"generic": GenericGrader, "world": "nla.datagen.world_grader:WorldGrader"}
 _INSTANCES: dict[str, DatasetGrader] = {}
 _ENTRY_POINTS_READ = False
 

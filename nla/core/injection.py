@@ -216,7 +216,8 @@ def adapter_file_path(directory: str | Path, sidecar: Any) -> Path:
     it resolves inside ``directory`` (no ``..``, absolute path or symlink out of it), and, when the
     checkpoint has ``nla_checksums.sha256``, the record lists it and its SHA-256 matches
     (``NLA_VERIFY_CHECKSUMS``); else an :class:`~nla.util.validation.InputError` naming the field."""
-    from nla.util.validation import CHECKSUM_FILE, InputError, file_sha256, read_checksums, verify_mode
+    from nla.util.checkpoint_files import CHECKSUM_FILE, file_sha256, read_checksums, verify_mode
+    from nla.util.validation import InputError
 
     d = Path(directory)
     name = sidecar.injection_adapter["file"]
@@ -248,7 +249,8 @@ def check_adapter_named(directory: str | Path, sidecar: Any) -> None:
     """An AV checkpoint holding ``nla_injection_adapter.safetensors`` whose sidecar has no
     ``injection_adapter`` block is refused: loading it without the adapter feeds the AV vectors
     it was not trained to read (or of the wrong width), silently."""
-    from nla.util.validation import CHECKSUM_FILE, InputError, read_checksums
+    from nla.util.checkpoint_files import CHECKSUM_FILE, read_checksums
+    from nla.util.validation import InputError
 
     d = Path(directory)
     if (sidecar is not None and sidecar.injection_adapter is not None) or not (d / ADAPTER_FILE).exists():

@@ -299,7 +299,7 @@ def base_fingerprint(directory: str | Path) -> str | None:
     (nla's saves; cheap), else computed (once per file and machine). None without safetensors files."""
     import hashlib
 
-    from nla.util.validation import file_sha256, read_checksums
+    from nla.util.checkpoint_files import file_sha256, read_checksums
 
     d = Path(directory)
     digests = read_checksums(d)
@@ -313,7 +313,8 @@ def base_fingerprint(directory: str | Path) -> str | None:
 def check_base_weights(directory: str | Path, meta: dict[str, Any], base: Path) -> None:
     """The base dir holds the weights the adapter was saved on (``base_weights_sha256``; an adapter
     saved before that field existed is checked by its base path only, as before)."""
-    from nla.util.validation import InputError, verify_checksums
+    from nla.util.checkpoint_files import verify_checksums
+    from nla.util.validation import InputError
 
     want = meta.get("base_weights_sha256")
     if want is None:
@@ -341,7 +342,7 @@ def load_merged(directory: str | Path, dtype: torch.dtype = torch.float32) -> tu
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from nla.util.validation import check_safetensors_file
+    from nla.util.checkpoint_files import check_safetensors_file
 
     meta = read_lora_meta(directory)
     check_adapter_files(directory)

@@ -18,7 +18,6 @@ Departures from a plain ``AutoModel`` forward:
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 import re
@@ -35,7 +34,7 @@ from torch import Tensor, nn
 from nla.core import arch
 from nla.core.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar, write_sidecar
 from nla.core.vectors import mse_nrm, normalize_activation, ridge_solve
-from nla.util.validation import check_checkpoint
+from nla.util.checkpoint_files import check_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -450,13 +449,3 @@ def _replace_dir(tmp: Path, target: Path) -> None:
     os.replace(target, old)
     os.replace(tmp, target)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def read_config_layers(directory: str | os.PathLike) -> int:
-    """``num_hidden_layers`` (or ``n_layer``) recorded in a checkpoint's config.json."""
-    cfg = json.loads((Path(directory) / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    for key in ("num_hidden_layers", "n_layer", "num_layers"):
-        if key in cfg:
-            return int(cfg[key])
-    raise ValueError(f"{directory}/config.json records no layer count (num_hidden_layers / n_layer)")

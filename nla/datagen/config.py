@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nla.util.configcheck import check_config_types
+from nla.util.confighelp import option, with_help
+from nla.util.overrides import parse_overrides
 from nla.util.threads import check_threads
 from nla.util.validation import load_yaml
 
@@ -25,7 +27,9 @@ SCALE_WORDS = ("sqrt_d_model",)
 
 
 def _err(cls: str, name: str, expected: str, found: Any) -> ValueError:
-    return ValueError(f"{cls}.{name}: expected {expected}, found {found!r}")
+    """``cls``: ``DatagenConfig``, or a section's name (``provider``, ``world_explainer``)."""
+    dotted = name if cls == "DatagenConfig" else f"{cls}.{name}"
+    return ValueError(with_help(f"{cls}.{name}: expected {expected}, found {found!r}", DatagenConfig, dotted))
 
 
 def _check_scale(cls: str, name: str, value: Any) -> None:
@@ -42,16 +46,25 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 class ProviderConfig:
     """Settings for the HTTP explainers (`anthropic`, `openai`)."""
 
-    model: str = ""
-    base_url: str | None = None  # None: the provider's public endpoint
-    api_key_env: str | None = None  # None: ANTHROPIC_API_KEY / OPENAI_API_KEY
-    max_concurrency: int = 8
-    max_retries: int = 4  # retries after the first attempt, on 429/5xx/timeouts
-    backoff_base_s: float = 1.0  # sleep backoff_base_s * 2**attempt, capped at backoff_max_s
-    backoff_max_s: float = 30.0
-    timeout_s: float = 60.0
-    max_tokens: int = 300
-    temperature: float = 0.7
+    model: str = option("", help="the provider's model name, sent with every request; required by the "
+                                 "anthropic and openai explainers.")
+    base_url: str | None = option(None, help="the API endpoint (an OpenAI-compatible server, a proxy); null = "
+                                            "the provider's public endpoint.")
+    api_key_env: str | None = option(None, help="the NAME of the environment variable holding the API key (never "
+                                               "the key itself); null = ANTHROPIC_API_KEY / OPENAI_API_KEY.")
+    max_concurrency: int = option(8, help="requests in flight at once. Range: an integer >= 1.")
+    max_retries: int = option(4, help="retries after the first attempt, on 429, 5xx and timeouts. Range: an "
+                                      "integer >= 0.")
+    backoff_base_s: float = option(1.0, help="seconds before retry k (from 0): backoff_base_s * 2**k, or the "
+                                             "server's Retry-After when longer; at most backoff_max_s either "
+                                             "way. Range: a number >= 0.")
+    backoff_max_s: float = option(30.0, help="cap on the backoff between retries, in seconds. Range: a number "
+                                             ">= 0.")
+    timeout_s: float = option(60.0, help="seconds one request may take before it counts as a timeout (and is "
+                                         "retried). Range: a number > 0.")
+    max_tokens: int = option(300, help="the provider's cap on each explanation, in its tokens. Range: an "
+                                       "integer >= 1.")
+    temperature: float = option(0.7, help="the provider's sampling temperature. Range: a number >= 0.")
 
     def __post_init__(self) -> None:
         c = "provider"
@@ -87,13 +100,19 @@ class WorldExplainerConfig:
     """Arguments of the world's TextExplainer (imperfect on purpose, docs/design.md §5)."""
 
     # Most of the 4-5 facts true at a typical token (recall ~0.85), one wrong fact 10% of the time.
-    min_facts: int = 3
-    max_facts: int = 6
-    wrong_rate: float = 0.1
-    word_rate: float = 1.0  # how often the explanation also quotes the text's end (nla.world.facts.text_end)
-    # Each true fact named on its own with this probability (at least one), instead of a count drawn
-    # from min_facts..max_facts; None: the count rule.
-    fact_rate: float | None = None
+    min_facts: int = option(3, help="fewest true facts an explanation names (the count rule: drawn from "
+                                    "min_facts..max_facts per row, capped by what is true). Range: an integer "
+                                    ">= 1.")
+    max_facts: int = option(6, help="most true facts an explanation names (the count rule). Range: an integer "
+                                    ">= min_facts.")
+    wrong_rate: float = option(0.1, help="probability that an explanation also names one wrong fact. Range: "
+                                         "[0, 1].")
+    word_rate: float = option(1.0, help="probability that an explanation also quotes the text's end "
+                                        "(nla.world.facts.text_end: the token and the two words or marks before "
+                                        "it). Range: [0, 1].")
+    fact_rate: float | None = option(None, help="each true fact named on its own with this probability (at "
+                                                "least one), instead of the count rule; null = the count rule. "
+                                                "Range: (0, 1], or null.")
 
     def __post_init__(self) -> None:
         c = "world_explainer"
@@ -115,41 +134,79 @@ class WorldExplainerConfig:
 class DatagenConfig:
     """Everything the four datagen stages need. Defaults live here, nowhere else."""
 
-    out_dir: str = "runs/datagen"
+    out_dir: str = option("runs/datagen", help="where every stage writes (activations.parquet, splits/, "
+                                               "explained/, the training parquets with their sidecars, "
+                                               "datagen_config.yaml, datagen_summary.json).")
     # corpus
-    source: str = "world"  # world | file
-    world_preset: str = "tiny"  # source=world: nla.world.build_world(preset)
-    world_seed: int | None = None  # source=world: the world's seed (stories and subject); None: the preset's
-    world_out: str | None = None  # where world builds live (None: $NLA_CACHE/world)
-    n_docs: int | None = None  # world: documents to generate (None: the world config's n_docs)
-    doc_start_id: int = 0  # world: first doc id
-    corpus_path: str | None = None  # source=file: .txt, .jsonl or .parquet
-    text_column: str = "text"  # .jsonl/.parquet text field
+    source: str = option("world", help="the corpus: world (the synthetic world's stories, with ground truth) or "
+                                       "file (corpus_path, with model_dir and layer_index).")
+    world_preset: str = option("tiny", help="source=world: the world preset to build or reuse "
+                                            "(nla.world.WORLD_PRESETS: tiny, default, ...).")
+    world_seed: int | None = option(None, help="source=world: the world's seed (its stories and subject); null "
+                                               "= the preset's. Range: an integer >= 0, or null.")
+    world_out: str | None = option(None, help="where world builds live; null = $NLA_CACHE/world.")
+    n_docs: int | None = option(None, help="source=world: documents to generate; null = the world's own "
+                                           "n_docs. Range: an integer >= 1, or null.")
+    doc_start_id: int = option(0, help="source=world: the first document id. Range: an integer >= 0.")
+    corpus_path: str | None = option(None, help="source=file: the corpus: .txt (one document per "
+                                               "blank-line-separated paragraph; one per line without blank "
+                                               "lines), .jsonl or .parquet (text in text_column).")
+    text_column: str = option("text", help="the text field of a .jsonl or .parquet corpus.")
     # extraction
-    model_dir: str | None = None  # None with source=world: the world's subject model
-    layer_index: int | None = None  # K; None with source=world: the world's default_layer
-    positions_per_doc: int = 8
-    skip_first: int = 4
-    seed: int = 0
-    batch_size: int = 8
-    max_len: int = 256
-    batches_per_shard: int = 16  # one parquet shard per this many batches (resume unit)
-    device: str = "cpu"  # cpu | cuda | auto
-    threads: int | str | None = None  # torch CPU threads; None: $OMP_NUM_THREADS, else every core; "auto": follows the load (nla.util.threads)
-    bad_vectors: str = "error"  # error | drop (NaN/inf/zero-norm activations)
+    model_dir: str | None = option(None, help="the subject: a local Hugging Face model directory; null with "
+                                              "source=world = the world's subject model.")
+    layer_index: int | None = option(None, help="K: vectors are the output of decoder block K (HF "
+                                                "hidden_states[K+1]); null with source=world = the world's "
+                                                "default_layer. Range: an integer >= 0 below the model's block "
+                                                "count, or null.")
+    positions_per_doc: int = option(8, help="token positions sampled per document (fewer when it is short). "
+                                            "Range: an integer >= 1.")
+    skip_first: int = option(4, help="the first this many tokens of a document are never sampled. Range: an "
+                                     "integer >= 0, below max_len.")
+    seed: int = option(0, help="seeds the sampled positions (with each doc_id), the split and the explainers. "
+                              "Range: an integer in 0..2**32-1.")
+    batch_size: int = option(8, help="documents per extraction forward. Range: an integer >= 1.")
+    max_len: int = option(256, help="token cap per document at extraction (longer documents are truncated). "
+                                    "Range: an integer >= 1.")
+    batches_per_shard: int = option(16, help="one parquet shard per this many batches: the unit a stopped "
+                                             "extraction resumes from. Range: an integer >= 1.")
+    device: str = option("cpu", help="where the subject runs: cpu, cuda or auto.")
+    threads: int | str | None = option(None, help="torch CPU threads, fixed for the run (nla.util.threads); null "
+                                                  "= $OMP_NUM_THREADS, else every core; \"auto\" follows the "
+                                                  "machine's load and gives up reproducibility. Range: an "
+                                                  "integer >= 1, \"auto\" or null.")
+    bad_vectors: str = option("error", help="an activation with NaN/Inf or zero norm: error (stop, naming it) "
+                                            "or drop (drop the row and count it).")
     # split
-    split_fractions: tuple[float, float, float] = (0.4, 0.4, 0.2)  # av_sft, ar_sft, rl
+    split_fractions: tuple[float, float, float] = option((0.4, 0.4, 0.2), help="shares of the documents in "
+                                                                              "av_sft, ar_sft and rl (a document "
+                                                                              "is in one split only); a list or "
+                                                                              "{av_sft, ar_sft, rl}. Range: "
+                                                                              "three numbers >= 0 summing to 1.")
     # explain
-    explainer: str = "world"  # world | context | anthropic | openai
-    world_explainer: WorldExplainerConfig = field(default_factory=WorldExplainerConfig)
-    provider: ProviderConfig = field(default_factory=ProviderConfig)
+    explainer: str = option("world", help="what writes the SFT explanations (EXPLAINERS): world (the world's "
+                                          "imperfect TextExplainer over the true facts; source=world only), "
+                                          "context (offline, any text), anthropic or openai (provider).")
+    world_explainer: WorldExplainerConfig = option(default_factory=WorldExplainerConfig,
+                                                   help="the world explainer's settings (imperfect on purpose).")
+    provider: ProviderConfig = option(default_factory=ProviderConfig, help="the HTTP explainers' settings.")
     # build
-    av_template: str | None = None  # None: nla.core.templates.DEFAULT_AV_TEMPLATE
-    ar_template: str | None = None  # None: nla.core.templates.DEFAULT_AR_TEMPLATE
-    injection_char: str = "㈎"
-    injection_scale: float | str | None = "sqrt_d_model"
-    mse_scale: float | str | None = "sqrt_d_model"
-    shuffled_baseline: bool = True
+    av_template: str | None = option(None, help="the AV's user message, with {injection_char} once; null = "
+                                                "nla.core.templates.DEFAULT_AV_TEMPLATE.")
+    ar_template: str | None = option(None, help="the AR's input text, with {explanation} once and a constant "
+                                                "tail after it; null = nla.core.templates.DEFAULT_AR_TEMPLATE.")
+    injection_char: str = option("㈎", help="the marker character whose input embedding the vector overwrites; "
+                                          "one character the tokenizer encodes as one token.")
+    injection_scale: float | str | None = option("sqrt_d_model", help="the norm each vector is rescaled to "
+                                                                     "before injection, recorded in the "
+                                                                     "sidecars: a positive number, "
+                                                                     "\"sqrt_d_model\" or null (inject raw).")
+    mse_scale: float | str | None = option("sqrt_d_model", help="the norm prediction and gold are rescaled to "
+                                                               "before the MSE, recorded in the sidecars: a "
+                                                               "positive number, \"sqrt_d_model\" or null "
+                                                               "(raw vectors).")
+    shuffled_baseline: bool = option(True, help="also write a copy of each SFT set with the vectors permuted "
+                                                "(the \"is the vector used at all?\" baseline).")
 
     def __post_init__(self) -> None:
         c = "DatagenConfig"
@@ -275,7 +332,5 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
 
 def parse_override(text: str) -> tuple[str, Any]:
     """`key=value` with the value parsed as YAML (numbers, null, lists): ``parse_overrides``'s rule."""
-    from nla.train.config import parse_overrides
-
     ((key, value),) = parse_overrides([text]).items()
     return key, value

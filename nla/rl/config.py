@@ -23,13 +23,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from nla.core.graders import available_graders
 from nla.rl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
-from nla.train.config import LoRAConfig, parse_overrides, read_config_file, save_config
+from nla.train.config import LoRAConfig, RunConfig, read_config_file, save_config
 from nla.util.configcheck import check_config_types
+from nla.util.confighelp import option, with_help
+from nla.util.overrides import parse_overrides
 from nla.util.threads import check_threads
 
 # The one registry of backend names: config validation reads it, and the dispatcher
@@ -49,7 +51,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _bad(name: str, expected: str, found: Any) -> None:
-    raise ValueError(f"RLConfig.{name}: expected {expected}, found {found!r}")
+    raise ValueError(with_help(f"RLConfig.{name}: expected {expected}, found {found!r}", RLConfig, name))
 
 
 def _is_int(v: Any) -> bool:
@@ -86,28 +88,36 @@ DECODES = ("eager", "captured")
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """Sampling: ``rollout_batch_size`` prompts x ``n_samples_per_prompt`` samples per step.
+    """Sampling: ``rollout_batch_size`` prompts x ``n_samples_per_prompt`` samples per step, the
+    response cap, dynamic sampling and the decode loop. Each field's help: ``nla config describe rl
+    rollout``."""
 
-    max_response_len, temperature, top_p: generation (the cap is also Dr.GRPO's constant).
-    generation_chunk_prompts: generate this many prompts at a time and score each chunk while
-      the next generates (null = the whole rollout at once).
-    dynamic_sampling (DAPO): drop groups with zero reward spread and refill, up to
-      ``max_refill_rounds`` extra generations per step.
-    decode: ``eager`` (the reference: finished rows leave the batch) or ``captured`` (a static KV
-      cache, and on a GPU the decode step as one CUDA graph; greedy, the same tokens; sampled,
-      the same draws up to the last-bit rounding of the logits: ``nla.rl.sampling``, item 6). Models outside ``CACHE_REUSE_MODEL_TYPES`` sample with HF
-      ``generate`` either way.
-    """
-
-    rollout_batch_size: int = 8
-    n_samples_per_prompt: int = 8
-    max_response_len: int = 150
-    temperature: float = 1.0
-    top_p: float = 1.0
-    generation_chunk_prompts: int | None = None
-    dynamic_sampling: bool = False
-    max_refill_rounds: int = 2
-    decode: str = "eager"
+    rollout_batch_size: int = option(8, help="prompts (RL vectors) drawn per step. Range: an integer >= 1; the RL "
+                                             "data must hold at least this many rows.")
+    n_samples_per_prompt: int = option(8, help="explanations sampled per prompt: the group GRPO's baseline is "
+                                               "taken over. Range: an integer >= 1 (>= 2 for a group baseline and "
+                                               "for dynamic_sampling).")
+    max_response_len: int = option(150, help="cap on each response, in tokens: a sample that reaches it is "
+                                             "truncated (and charged as failed); also Dr.GRPO's constant and the "
+                                             "end of the overlong ramp. Range: an integer >= 1.")
+    temperature: float = option(1.0, help="sampling temperature of the rollouts (held-out evaluation decodes "
+                                          "greedily). Range: a positive finite number.")
+    top_p: float = option(1.0, help="nucleus sampling: keep the smallest set of tokens holding this much "
+                                    "probability; 1 = off. Range: (0, 1].")
+    generation_chunk_prompts: int | None = option(None, help="generate this many prompts at a time and score "
+                                                             "each chunk while the next generates; null = the "
+                                                             "whole rollout at once. Range: an integer >= 1, or "
+                                                             "null.")
+    dynamic_sampling: bool = option(False, help="DAPO's dynamic sampling: drop groups whose rewards have zero "
+                                                "spread and generate again to refill, up to max_refill_rounds; "
+                                                "the AR still trains on every scored sample.")
+    max_refill_rounds: int = option(2, help="extra generations per step that dynamic sampling may run. Range: "
+                                            "an integer >= 0.")
+    decode: str = option("eager", help="how decode steps run: eager (the reference: finished rows leave the "
+                                       "batch) or captured (a static KV cache, on a GPU one CUDA graph per step; "
+                                       "greedy gives the same tokens, sampling the same draws up to the logits' "
+                                       "last-bit rounding: nla.rl.sampling, item 6). Models outside "
+                                       "CACHE_REUSE_MODEL_TYPES sample with HF generate either way.")
 
     def __post_init__(self) -> None:
         if self.decode not in DECODES:
@@ -132,30 +142,35 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Advantages and the policy loss (``nla.rl.algorithms``).
+    """Advantages and the policy loss (``nla.rl.algorithms``): the estimator, the clip range, the KL
+    term, the aggregation, PPO's options. Each field's help: ``nla config describe rl loss``."""
 
-    advantage: grpo | drgrpo (no std scaling) | reinforce_baseline | gae (PPO, needs the value
-      model); gamma / lam: GAE. eps_low / eps_high: clip range (eps_high > eps_low = DAPO
-      clip-higher); dual_clip_c: dual clip (null = off). kl_coef / kl_estimator (k1|k2|k3): KL
-      to the reference as a loss term. loss_agg: token-mean | seq-mean-token-mean |
-      seq-mean-token-sum | seq-mean-token-sum-norm (Dr.GRPO, divides by max_response_len).
-      whiten_advantages: whiten the advantages over the rollout's response tokens (verl's GAE and
-      cleanrl do; off by default). value_clip: PPO2 value clipping range around the old values
-      (null = off; verl's cliprange_value is 0.5, cleanrl's 0.2): both ``nla.rl.algorithms``
-      departure 11.
-    """
-
-    advantage: str = "grpo"
-    gamma: float = 1.0
-    lam: float = 1.0
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    dual_clip_c: float | None = None
-    kl_coef: float = 0.01
-    kl_estimator: str = "k3"
-    loss_agg: str = "token-mean"
-    whiten_advantages: bool = False
-    value_clip: float | None = None
+    advantage: str = option("grpo", help="the advantage estimator (nla.rl.algorithms.ADVANTAGE_ESTIMATORS): grpo "
+                                         "(group mean / group std), drgrpo (no std scaling), reinforce_baseline "
+                                         "(batch mean), gae (PPO, over the value model).")
+    gamma: float = option(1.0, help="GAE's discount per response token (advantage gae only). Range: [0, 1].")
+    lam: float = option(1.0, help="GAE's lambda (advantage gae only). Range: [0, 1].")
+    eps_low: float = option(0.2, help="lower clip of the policy ratio: the surrogate clips it at 1 - eps_low. "
+                                      "Range: [0, 1).")
+    eps_high: float = option(0.2, help="upper clip of the policy ratio: the surrogate clips it at 1 + eps_high; "
+                                       "eps_high > eps_low is DAPO's clip-higher. Range: a number >= 0.")
+    dual_clip_c: float | None = option(None, help="dual clip: for a negative advantage A the per-token loss is "
+                                                  "bounded at c |A|; null = off. Range: a number > 1, or null.")
+    kl_coef: float = option(0.01, help="weight of the KL to the reference AV (the warm-started one), added to "
+                                       "the policy loss, never to the reward; 0 = no KL term. Range: a number "
+                                       ">= 0.")
+    kl_estimator: str = option("k3", help="the KL estimator per token, with d = ref_logp - logp: k1 = -d, "
+                                          "k2 = d^2 / 2, k3 = e^d - d - 1.")
+    loss_agg: str = option("token-mean", help="how per-token losses become one number: token-mean (DAPO's), "
+                                              "seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm "
+                                              "(Dr.GRPO: divides by rollout.max_response_len).")
+    whiten_advantages: bool = option(False, help="whiten the advantages over the rollout's response tokens "
+                                                 "(verl's GAE and cleanrl do); off: advantages as estimated "
+                                                 "(nla.rl.algorithms, departure 11).")
+    value_clip: float | None = option(None, help="PPO2 value clipping: the value loss also scores the "
+                                                 "prediction clipped to the old value +- this and takes the larger "
+                                                 "squared error (verl's cliprange_value is 0.5, cleanrl's 0.2); "
+                                                 "null = off. Range: a number > 0, or null.")
 
     def __post_init__(self) -> None:
         _one_of("loss.advantage", ADVANTAGE_ESTIMATORS, self.advantage)
@@ -175,27 +190,38 @@ class LossConfig:
 
 @dataclass(frozen=True)
 class OptimiserConfig:
-    """The AV's optimiser (AdamW, warmup then constant LR) and the update layout.
+    """The optimisers (AdamW, warmup then constant LR; the AV's learning rate here, the AR's in
+    ``reconstructor``) and the update layout (micro-batches, steps per rollout). Each field's help:
+    ``nla config describe rl optimiser``."""
 
-    lr: AV learning rate; value_lr: PPO value model (null = lr). global_batch_size: samples
-    per optimiser step (null = all of a rollout: one step per rollout); a smaller value needs
-    ``allow_multiple_updates: true`` (off-policy steps). micro_batch_size: rows per forward
-    (every role; gradients accumulate in between, any split gives the same step).
-    gradient_checkpointing: the AV's policy update recomputes each block's activations in backward
-    instead of keeping them (``nla.core.arch.enable_gradient_checkpointing``); its forward then runs
-    every row's whole prompt + response (the shared-prefix cache cannot be checkpointed). The
-    same gradients; activation memory of one block instead of all.
-    """
-
-    micro_batch_size: int = 16
-    global_batch_size: int | None = None
-    allow_multiple_updates: bool = False
-    lr: float = 1e-5
-    value_lr: float | None = None
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    warmup_steps: int = 0
-    gradient_checkpointing: bool = False
+    micro_batch_size: int = option(16, help="rows per forward, for every role's log-prob passes and updates; "
+                                            "gradients accumulate in between (any split gives the same step). "
+                                            "Range: an integer >= 1.")
+    global_batch_size: int | None = option(None, help="samples per optimiser step; null = all of a rollout (one "
+                                                      "step per rollout, on-policy); a smaller divisor needs "
+                                                      "allow_multiple_updates. Range: a divisor of "
+                                                      "rollout_batch_size x n_samples_per_prompt, or null.")
+    allow_multiple_updates: bool = option(False, help="allow several optimiser steps per rollout (off-policy "
+                                                      "after the first), when global_batch_size is smaller than "
+                                                      "a rollout.")
+    lr: float = option(1e-5, help="the AV's learning rate (AdamW), after warmup_steps of linear warmup, then "
+                                  "constant; also the AR's when reconstructor.lr is null. Range: a positive "
+                                  "finite number.")
+    value_lr: float | None = option(None, help="the PPO value model's learning rate; null = lr. Range: a "
+                                               "positive finite number, or null.")
+    weight_decay: float = option(0.0, help="AdamW's decoupled weight decay per step, for every trained role (AV, "
+                                           "AR, value model). Range: a number >= 0.")
+    max_grad_norm: float = option(1.0, help="clip each trained role's gradient (global L2 norm) to this; <= 0 "
+                                            "disables clipping; a step with a non-finite norm is skipped and "
+                                            "counted (skipped_steps). Range: a finite number.")
+    warmup_steps: int = option(0, help="optimiser steps of linear LR warmup from 0, for every trained role; the "
+                                       "LR is constant after. Range: an integer in [0, steps].")
+    gradient_checkpointing: bool = option(False, help="the AV's policy update recomputes each block's "
+                                                      "activations in backward instead of keeping them "
+                                                      "(activation memory of one block instead of all); its "
+                                                      "forward then runs every row's whole prompt + response "
+                                                      "(a shared-prefix cache cannot be checkpointed). The same "
+                                                      "gradients.")
 
     def __post_init__(self) -> None:
         _positive_floats("optimiser.", self, "lr")
@@ -222,31 +248,40 @@ STEP0_GUARD_TOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """How a sample's reward is made and served (``nla.rl.reward.RewardSettings``, ``RewardService``).
+    """How a sample's reward is made and served (``nla.rl.reward.RewardSettings``, ``RewardService``):
+    -MSE or -log MSE, DAPO's overlong punishment, the format penalty, the batcher and the step-0
+    guard. Each field's help: ``nla config describe rl reward``."""
 
-    log_mse: reward = -log(mse) instead of -mse. overlong_buffer_len / overlong_penalty_factor:
-    DAPO's soft overlong punishment (0 = off). reward_batch_size / reward_flush_seconds: the
-    batcher. reward_timeout_seconds: a reward forward running longer fails every waiting
-    sample with a clear error instead of hanging the run (null = wait forever).
-    step0_guard_tol: refuse to start when the padded reward path and the AR's training layout
-    disagree by more than this ratio of MSEs; null: ``STEP0_GUARD_TOL`` at the run's ``dtype``
-    (the layout bugs it catches differ by O(1); bf16 rounding alone differs by ~2e-3).
-    format_penalty / format_checks: subtract ``format_penalty`` from the reward of an
-    explanation that the format checks of grader ``format_checks`` (``nla.core.graders``) flag as
-    degenerate ("generic": a repeated sentence or an unbalanced quote; "world": also a sentence outside the
-    world's explanation language). Without it RL learns to repeat and to misuse templates,
-    which the live AR learns to read (a private code). 0 = off.
-    """
-
-    log_mse: bool = False
-    overlong_buffer_len: int = 0
-    overlong_penalty_factor: float = 1.0
-    reward_batch_size: int = 64
-    reward_flush_seconds: float = 0.05
-    reward_timeout_seconds: float | None = 600.0
-    step0_guard_tol: float | None = None
-    format_penalty: float = 0.0
-    format_checks: str = "generic"
+    log_mse: bool = option(False, help="reward = -log(max(mse_nrm, 1e-6)) instead of -mse_nrm (a failed sample: "
+                                       "-log 2).")
+    overlong_buffer_len: int = option(0, help="DAPO's soft overlong punishment: a response longer than "
+                                              "rollout.max_response_len - this many tokens loses up to "
+                                              "overlong_penalty_factor, linearly up to the cap; 0 = off. Range: "
+                                              "an integer in [0, rollout.max_response_len).")
+    overlong_penalty_factor: float = option(1.0, help="the reward lost by a response at the cap under the "
+                                                      "overlong punishment. Range: a number >= 0.")
+    reward_batch_size: int = option(64, help="samples per batched AR forward when scoring rewards. Range: an "
+                                             "integer >= 1.")
+    reward_flush_seconds: float = option(0.05, help="seconds the reward batcher waits after a batch's first "
+                                                    "sample for it to fill before scoring it partly full. Range: "
+                                                    "a positive finite number.")
+    reward_timeout_seconds: float | None = option(600.0, help="seconds one reward forward may run before every "
+                                                              "waiting sample fails with an error (no hang); null "
+                                                              "= wait forever. Range: a positive finite number, "
+                                                              "or null.")
+    step0_guard_tol: float | None = option(None, help="at step 0, refuse to start when the AR's padded reward "
+                                                      "path and its training layout disagree by more than this "
+                                                      "relative MSE difference; null = STEP0_GUARD_TOL at the "
+                                                      "run's dtype (1e-4 fp32, 1e-2 fp16, 5e-2 bf16). Range: a "
+                                                      "positive finite number, or null.")
+    format_penalty: float = option(0.0, help="subtracted from the reward of a completed explanation that the "
+                                             "format_checks grader flags as degenerate; without it RL learns to "
+                                             "repeat and to misuse templates, which the live AR learns to read "
+                                             "(a private code); 0 = off. Range: a finite number >= 0.")
+    format_checks: str = option("generic", help="the grader (nla.core.graders) whose format checks "
+                                                "format_penalty applies: generic (a repeated sentence, an "
+                                                "unbalanced quote) or world (also a sentence outside the world's "
+                                                "explanation language), or a registered grader.")
 
     def __post_init__(self) -> None:
         _one_of("reward.format_checks", available_graders(), self.format_checks)
@@ -268,31 +303,31 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class ReconstructorConfig:
-    """The online AR: its learning rate (null = optimiser.lr: parity) and token cap per text.
+    """The online AR: its learning rate (null = optimiser.lr: parity), token cap, replay of data
+    explanations (so it keeps reading honest text instead of drifting toward whatever the AV
+    writes), LoRA and checkpointing. Each field's help: ``nla config describe rl reconstructor``."""
 
-    replay_dataset / replay_fraction: each AR update also trains on data explanations (a
-    parquet with ``explanation`` and ``activation_vector``, e.g. the AR warm-start split), so
-    that they are ``replay_fraction`` of its rows. The AR keeps reading honest English instead
-    of drifting toward whatever the AV writes. 0 = off. With ``shuffle_sentences`` the replay
-    rows are read with their sentences in a random order (keyed on the seed, the step and the
-    row), as an AR warm-started with ``shuffle_sentences`` read them; the rollouts are trained on
-    as they were scored.
-
-    lora_r: LoRA rank for the AR's body (0 = off: the AR trains in full). On, only the
-    adapters and the linear head train; alpha, dropout and target modules are the ``lora``
-    block's (the AV's adapters are on only when ``lora.r > 0``).
-
-    gradient_checkpointing: the AR's update recomputes each block's activations in backward
-    (``nla.core.arch.enable_gradient_checkpointing``); the same gradients.
-    """
-
-    lr: float | None = None
-    max_length: int = 256
-    replay_dataset: str | None = None
-    replay_fraction: float = 0.0
-    shuffle_sentences: bool = False
-    lora_r: int = 0
-    gradient_checkpointing: bool = False
+    lr: float | None = option(None, help="the online AR's learning rate (its own AdamW, with the optimiser "
+                                         "section's decay, warmup and clipping); null = optimiser.lr (parity "
+                                         "with the AV). Range: a positive finite number, or null.")
+    max_length: int = option(256, help="token cap per AR text; longer texts are truncated on the left so the "
+                                       "template's tail (where the prediction is read) survives. Range: an "
+                                       "integer >= 1, longer than the tail.")
+    replay_dataset: str | None = option(None, help="a parquet of data explanations (explanation and "
+                                                   "activation_vector columns, e.g. ar_sft.parquet) the AR also "
+                                                   "trains on at each update, so it keeps reading honest text; "
+                                                   "needed when replay_fraction > 0.")
+    replay_fraction: float = option(0.0, help="share of each AR update's rows drawn from replay_dataset (keyed "
+                                              "on the seed and the step); 0 = off. Range: [0, 1).")
+    shuffle_sentences: bool = option(False, help="read each replay row with its sentences in a random order "
+                                                 "(keyed on the seed, the step and the row), as an AR "
+                                                 "warm-started with shuffle_sentences read them; the rollouts "
+                                                 "are trained on as they were scored.")
+    lora_r: int = option(0, help="LoRA rank for the AR's body; only the adapters and the linear head train; "
+                                 "alpha, dropout and target modules are the lora section's; 0 = off (the AR "
+                                 "trains in full). Range: an integer >= 0.")
+    gradient_checkpointing: bool = option(False, help="the AR's update recomputes each block's activations in "
+                                                      "backward instead of keeping them; the same gradients.")
 
     def __post_init__(self) -> None:
         if self.lr is not None:
@@ -313,8 +348,10 @@ class ReconstructorConfig:
 class CheckpointingConfig:
     """Checkpoint every ``save_every`` steps (and at the end); keep the last ``keep_last`` (0 = all)."""
 
-    save_every: int = 25
-    keep_last: int = 2
+    save_every: int = option(25, help="save a checkpoint (av/, ar/, rl_state.pt) every this many RL steps; the "
+                                      "last step always saves. Range: an integer >= 1.")
+    keep_last: int = option(2, help="checkpoints kept (older step_* dirs are pruned); 0 = keep all. Range: an "
+                                    "integer >= 0.")
 
     def __post_init__(self) -> None:
         _positive_ints("checkpointing.", self, "save_every")
@@ -324,20 +361,22 @@ class CheckpointingConfig:
 
 @dataclass(frozen=True)
 class BackendConfig:
-    """Where the roles run: ``name`` from ``BACKENDS``; Ray's cluster address and group sizes.
+    """Where the roles run: ``name`` from ``BACKENDS``; Ray's cluster address, group sizes and how a
+    group of several ranks holds its model (``SHARDINGS``; either computes the same step). Each
+    field's help: ``nla config describe rl backend``."""
 
-    sharding (Ray): how a group of several ranks holds its model. ``fsdp`` (FSDP2): each rank
-    holds a shard, blocks are all-gathered per forward and backward (the memory of one model
-    spread over the ranks). ``replicate``: each rank holds the whole model and the ranks
-    all-reduce the gradients once per optimiser step; much less traffic, for models that fit
-    on every device (``nla.rl.distributed.Replicas``). Either computes the same step.
-    """
-
-    name: str = "local"
-    ray_address: str | None = None
-    num_policy_workers: int = 1
-    num_reconstructor_workers: int = 1
-    sharding: str = "fsdp"
+    name: str = option("local", help="where the roles run (BACKENDS): local (every role in this process, on "
+                                     "one device) or ray (each role a group of Ray actors; pip install "
+                                     "'nla[ray]').")
+    ray_address: str | None = option(None, help="the Ray cluster to join (ray.init(address=...)); null = start "
+                                                "a local Ray instance.")
+    num_policy_workers: int = option(1, help="ranks of the policy group on Ray (each generates its share of "
+                                             "the prompts). Range: an integer >= 1.")
+    num_reconstructor_workers: int = option(1, help="ranks of the AR group on Ray (each scores its share of "
+                                                    "each reward call). Range: an integer >= 1.")
+    sharding: str = option("fsdp", help="how a Ray group of several ranks holds its model (SHARDINGS): fsdp "
+                                        "(FSDP2: each rank a shard) or replicate (each rank the whole model, one "
+                                        "gradient all-reduce per optimiser step); the same step either way.")
 
     def __post_init__(self) -> None:
         _one_of("backend.name", BACKENDS, self.name)
@@ -353,50 +392,48 @@ SECTIONS: dict[str, type] = {
 
 
 @dataclass(frozen=True)
-class RLConfig:
-    """RL stage settings: the run at the top level, one section per concern.
+class RLConfig(RunConfig):
+    """RL stage settings: the run at the top level (its data, output, logging, seed, device: the
+    fields of ``nla.train.config.RunConfig``, and the pair it starts from), one section per concern.
 
-    av / ar: warm-started AV and AR checkpoint dirs (HF dir + nla_meta.yaml); the AV is also
-      the frozen KL reference. dataset: RL prompts parquet (``rl.parquet``: ``activation_vector``
-      RAW, optional world ``facts``). eval_dataset: optional held-out parquet scored every
-      ``eval_every`` steps (up to ``eval_max_rows`` rows). out_dir: run directory (metrics,
-      checkpoints/step_*, curves PNG, resolved config).
-    steps: RL steps (the LR schedule spans them); stop_after_steps: end this invocation
-      earlier, keeping the schedule (resumable chunks). seed, device (auto | cpu | cuda),
-      dtype (float32 | bfloat16 | float16), log_every, tensorboard, progress.
-    allow_mixed_provenance: run even when the AV, the AR and the datasets record different
-      subjects, layers or tokenizers (``nla.core.provenance``; a warning instead of an error).
-    threads: torch CPU threads of this process and of each Ray actor (null: ``$OMP_NUM_THREADS``,
-      else every core (local), half the cores shared among the actors (Ray), fixed for the run;
-      ``"auto"``: the local count follows the machine's load and gives up reproducibility;
-      ``nla.util.threads``).
+    Every field's meaning, unit and range is its help (``nla config describe rl [SECTION]``).
     """
 
-    av: str = ""
-    ar: str = ""
-    dataset: str = ""
-    eval_dataset: str | None = None
-    out_dir: str = "runs/rl"
-    steps: int = 50
-    stop_after_steps: int | None = None
-    eval_every: int = 10
-    eval_max_rows: int = 64
-    log_every: int = 1
-    seed: int = 0
-    device: str = "auto"
-    dtype: str = "float32"
-    threads: int | str | None = None
-    tensorboard: bool = True
-    progress: bool = True
-    allow_mixed_provenance: bool = False
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
-    optimiser: OptimiserConfig = field(default_factory=OptimiserConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    reconstructor: ReconstructorConfig = field(default_factory=ReconstructorConfig)
-    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
-    backend: BackendConfig = field(default_factory=BackendConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    out_dir: str = option("runs/rl", help="the run directory: checkpoints/step_*/{av,ar}, rl.jsonl, "
+                                          "rl_summary.json, the curves PNG and the resolved rl_config.yaml. "
+                                          "Required: a path.")
+    log_every: int = option(1, help="log metrics every this many RL steps; the last step always logs. Range: "
+                                    "an integer >= 1.")
+    eval_every: int = option(10, help="decode eval_dataset greedily and score it with the live AR every this "
+                                      "many RL steps; the last step always evaluates. Range: an integer >= 1.")
+    eval_max_rows: int = option(64, help="at most this many eval_dataset rows decoded at each evaluation. "
+                                         "Range: an integer >= 1.")
+    av: str = option("", help="the warm-started AV checkpoint dir (HF dir + nla_meta.yaml); also the frozen "
+                              "reference of the KL term. Required: a path.")
+    ar: str = option("", help="the warm-started AR checkpoint dir (HF dir + value_head.safetensors + "
+                              "nla_meta.yaml); trained online. Required: a path.")
+    steps: int = option(50, help="RL steps in the whole run (each one rollout); the LR schedule spans them. "
+                                 "Range: an integer >= 1.")
+    allow_mixed_provenance: bool = option(False, help="run even when the AV, the AR and the datasets record "
+                                                      "different subjects, layers or tokenizers "
+                                                      "(nla.core.provenance): a warning instead of the error.")
+    rollout: RolloutConfig = option(default_factory=RolloutConfig, help="sampling: prompts and samples per "
+                                                                        "step, the response cap, decoding.")
+    loss: LossConfig = option(default_factory=LossConfig, help="advantages and the policy loss "
+                                                               "(nla.rl.algorithms).")
+    optimiser: OptimiserConfig = option(default_factory=OptimiserConfig, help="the optimisers (AdamW; decay, "
+                                                                              "warmup and clipping for every "
+                                                                              "trained role) and the update "
+                                                                              "layout.")
+    reward: RewardConfig = option(default_factory=RewardConfig, help="how a sample's reward is made and served.")
+    reconstructor: ReconstructorConfig = option(default_factory=ReconstructorConfig, help="the online AR's "
+                                                                                          "training.")
+    checkpointing: CheckpointingConfig = option(default_factory=CheckpointingConfig, help="how often to save, "
+                                                                                          "how many to keep.")
+    backend: BackendConfig = option(default_factory=BackendConfig, help="where the roles run.")
+    lora: LoRAConfig = option(default_factory=LoRAConfig, help="LoRA for the AV (and, with "
+                                                               "reconstructor.lora_r, the AR's alpha, dropout "
+                                                               "and targets).")
 
     def __post_init__(self) -> None:
         for name in ("av", "ar", "dataset", "out_dir"):

@@ -47,7 +47,6 @@ from nla.rl.reward import RewardService, RewardSettings, scorable_items, score_s
 from nla.rl.roles import ReconstructorWorker, WorkerGroups
 from nla.rl.types import COMPLETED, TRUNCATED, Rollout
 from nla.train.checkpoint import (
-    atomic_dir,
     capture_rng_state,
     checkpoint_dir_name,
     latest_checkpoint,
@@ -58,6 +57,7 @@ from nla.train.checkpoint import (
 )
 from nla.train.data import DataCursor
 from nla.train.health import StuckRunMonitor, check_finite_loss
+from nla.util.checkpoint_files import atomic_dir
 from nla.util.metrics import MetricsLogger
 from nla.util.threads import adapt_threads, apply_threads
 
@@ -158,13 +158,6 @@ def reward_settings(cfg: RLConfig) -> RewardSettings:
                           overlong_penalty_factor=r.overlong_penalty_factor,
                           max_response_len=cfg.rollout.max_response_len, format_checks=r.format_checks,
                           format_penalty=r.format_penalty)
-
-
-def shape_rewards(status: torch.Tensor, mse: torch.Tensor, lengths: torch.Tensor, cfg: RLConfig,
-                  degenerate: torch.Tensor | None = None, *, failed_cost: torch.Tensor | float) -> torch.Tensor:
-    """RL's rewards [N] (``nla.rl.reward.RewardSettings.rewards`` with the config's settings): a sample
-    whose explanation was not extracted (``status != COMPLETED``) costs ``failed_cost``."""
-    return reward_settings(cfg).rewards(mse, status != COMPLETED, failed_cost, lengths, degenerate)
 
 
 def fill_rewards(rollout: Rollout, scored_mse: list[float], cfg: RLConfig, scale: float | None) -> None:

@@ -15,7 +15,8 @@ import torch
 
 from nla.core import arch
 from nla.core.reconstructor import Reconstructor, check_ar_max_length
-from nla.core.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar, verify_tokenizer
+from nla.core.sidecar import SIDECAR_NAME, NLAConfig, load_sidecar
+from nla.core.token_ids import verify_tokenizer
 from nla.rl.algorithms import get_advantage_estimator
 from nla.rl.config import RLConfig
 from nla.rl.distributed import DataParallel
@@ -30,7 +31,7 @@ from nla.rl.roles import (
     ValueWorker,
 )
 from nla.train.device import resolve_dtype
-from nla.util.validation import check_checkpoint
+from nla.util.checkpoint_files import check_checkpoint
 
 logger = logging.getLogger(__name__)
 

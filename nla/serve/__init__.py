@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from nla.serve.engine import SAMPLING_KEYS, Batcher, GenerateJob, SamplingParams, ServeError, ServeLimits
+from nla.serve.engine import SAMPLING_KEYS, Batcher, GenerateJob, SamplingParams, ServeLimits
 
-__all__ = ["SAMPLING_KEYS", "Batcher", "GenerateJob", "NLAService", "SamplingParams", "ServeError", "ServeLimits",
+__all__ = ["SAMPLING_KEYS", "Batcher", "GenerateJob", "NLAService", "SamplingParams", "ServeLimits",
            "create_app"]
 
 

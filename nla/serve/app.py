@@ -29,7 +29,6 @@ from nla.serve.engine import (
     Batcher,
     GenerateJob,
     SamplingParams,
-    ServeError,
     ServeLimits,
     decode_batch,
     generation_output,
@@ -97,15 +96,15 @@ class NLAService:
         given = [k for k in ("input_embeds", "input_ids", "text") if body.get(k) is not None]
         if len(given) != 1:
             if "input_embeds" in given and "input_ids" in given:
-                raise ServeError("give either 'input_embeds' or 'input_ids', not both (SGLang's behaviour with both "
+                raise RequestError("give either 'input_embeds' or 'input_ids', not both (SGLang's behaviour with both "
                                  "is ambiguous)")
-            raise ServeError(f"give exactly one of 'input_embeds', 'input_ids' or 'text', found {given or 'none'}")
+            raise RequestError(f"give exactly one of 'input_embeds', 'input_ids' or 'text', found {given or 'none'}")
         key = given[0]
         value = body[key]
         if key == "text":
             texts = [value] if isinstance(value, str) else value
             if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-                raise ServeError("field 'text': expected a string or a non-empty list of strings")
+                raise RequestError("field 'text': expected a string or a non-empty list of strings")
             self._count_prompts(len(texts))
             out = []
             for i, t in enumerate(texts):
@@ -114,7 +113,7 @@ class NLAService:
                 out.append(self._embed_ids(ids, f"field 'text', item {i}"))
             return out, not isinstance(value, str)
         if not isinstance(value, list) or not value:
-            raise ServeError(f"field {key!r}: expected a non-empty list, found "
+            raise RequestError(f"field {key!r}: expected a non-empty list, found "
                              f"{type(value).__name__ if not isinstance(value, list) else 'an empty list'}")
         if key == "input_ids":
             batch = isinstance(value[0], list)
@@ -125,7 +124,7 @@ class NLAService:
                 what = f"field 'input_ids'{f', prompt {i}' if batch else ''}"
                 if not isinstance(row, list) or not row or not all(
                         isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(self.tokenizer) for t in row):
-                    raise ServeError(f"{what}: expected a non-empty list of token ids 0..{len(self.tokenizer) - 1}")
+                    raise RequestError(f"{what}: expected a non-empty list of token ids 0..{len(self.tokenizer) - 1}")
                 out.append(self._embed_ids(row, what))
             return out, batch
         # input_embeds: [T, H] or a batch [[T_i, H], ...]
@@ -136,7 +135,7 @@ class NLAService:
         for i, row in enumerate(rows):
             what = f"field 'input_embeds'{f', prompt {i}' if batch else ''}"
             if not isinstance(row, list) or not row:
-                raise ServeError(f"{what}: expected a [T, {self.hidden_size}] list of token embeddings, found "
+                raise RequestError(f"{what}: expected a [T, {self.hidden_size}] list of token embeddings, found "
                                  f"{'an empty list' if isinstance(row, list) else type(row).__name__}")
             self._check_length(len(row), what)
             arr = float_array(row, what, ndim=2, width=self.hidden_size, width_name="the AV's hidden size")
@@ -145,13 +144,13 @@ class NLAService:
 
     def _count_prompts(self, n: int) -> None:
         if n > self.limits.max_prompts:
-            raise ServeError(f"{n} prompts in one request; the cap is {self.limits.max_prompts} (--max-prompts)",
+            raise RequestError(f"{n} prompts in one request; the cap is {self.limits.max_prompts} (--max-prompts)",
                              status=413)
 
     def _check_length(self, n: int, what: str) -> None:
         cap = self.limits.max_prompt_tokens
         if n > cap:
-            raise ServeError(f"{what}: {n} tokens; the cap is {cap} tokens per prompt (--max-prompt-tokens)",
+            raise RequestError(f"{what}: {n} tokens; the cap is {cap} tokens per prompt (--max-prompt-tokens)",
                              status=413)
 
     def _embed_ids(self, ids: list[int], what: str) -> torch.Tensor:
@@ -204,9 +203,9 @@ class ServeApp:
         body = await read_json_body(request, self.s.limits.max_body_bytes)
         unknown = sorted(set(body) - set(GENERATE_KEYS))
         if unknown:
-            raise ServeError(f"unsupported field(s) {unknown}; /generate takes {list(GENERATE_KEYS)}")
+            raise RequestError(f"unsupported field(s) {unknown}; /generate takes {list(GENERATE_KEYS)}")
         if body.get("stream") not in (None, False) or body.get("return_logprob") not in (None, False):
-            raise ServeError("fields 'stream' and 'return_logprob': only false is supported (one JSON answer, "
+            raise RequestError("fields 'stream' and 'return_logprob': only false is supported (one JSON answer, "
                              "text only)")
         params = SamplingParams.parse(body.get("sampling_params"), self.s.limits)
         if body.get("text") is not None:
@@ -222,9 +221,9 @@ class ServeApp:
     def _vectors(self, body: dict[str, Any], name: str = "vectors") -> torch.Tensor:
         raw = get_field(body, name, list)
         if not raw:
-            raise ServeError(f"field {name!r}: is empty; give at least one vector")
+            raise RequestError(f"field {name!r}: is empty; give at least one vector")
         if len(raw) > self.s.limits.max_vectors:
-            raise ServeError(f"field {name!r}: {len(raw)} vectors; the cap is {self.s.limits.max_vectors} per request",
+            raise RequestError(f"field {name!r}: {len(raw)} vectors; the cap is {self.s.limits.max_vectors} per request",
                              status=413)
         d = self.s.sidecar.d_model
         return torch.from_numpy(float_array(raw, f"field {name!r}", ndim=2, width=d, width_name="d_model"))
@@ -234,7 +233,7 @@ class ServeApp:
         lim = self.s.limits
         unknown = sorted(set(body) - {"vectors", "greedy", "temperature", "n_samples", "max_new_tokens", "seed"})
         if unknown:
-            raise ServeError(f"unsupported field(s) {unknown}; /verbalize takes vectors, greedy, temperature, "
+            raise RequestError(f"unsupported field(s) {unknown}; /verbalize takes vectors, greedy, temperature, "
                              "n_samples, max_new_tokens, seed")
         vectors = self._vectors(body)
         greedy = get_field(body, "greedy", bool, True)
@@ -243,11 +242,11 @@ class ServeApp:
         max_new_tokens = get_field(body, "max_new_tokens", int, min(150, lim.max_new_tokens))
         seed = get_field(body, "seed", int, None)
         if not 1 <= n_samples <= lim.max_samples:
-            raise ServeError(f"field 'n_samples': expected 1..{lim.max_samples}, found {n_samples}")
+            raise RequestError(f"field 'n_samples': expected 1..{lim.max_samples}, found {n_samples}")
         if not 1 <= max_new_tokens <= lim.max_new_tokens:
-            raise ServeError(f"field 'max_new_tokens': expected 1..{lim.max_new_tokens}, found {max_new_tokens}")
+            raise RequestError(f"field 'max_new_tokens': expected 1..{lim.max_new_tokens}, found {max_new_tokens}")
         if not greedy and not 0.0 < temperature <= 100.0:
-            raise ServeError(f"field 'temperature': expected a number in (0, 100] when sampling, found {temperature}")
+            raise RequestError(f"field 'temperature': expected a number in (0, 100] when sampling, found {temperature}")
         kw = dict(greedy=greedy, temperature=temperature, n_samples=n_samples, max_new_tokens=max_new_tokens, seed=seed)
         results = await self._wait(self.s.batcher.submit_task(lambda: self.s.verbalize(vectors, **kw)))
         return JSONResponse({"results": results})
@@ -255,33 +254,33 @@ class ServeApp:
     async def score(self, request: Request) -> JSONResponse:
         body = await read_json_body(request, self.s.limits.max_body_bytes)
         if self.s.client.ar is None:
-            raise ServeError("/score needs a reconstructor: this server has none; start it with --ar DIR", status=409)
+            raise RequestError("/score needs a reconstructor: this server has none; start it with --ar DIR", status=409)
         unknown = sorted(set(body) - {"texts", "vectors"})
         if unknown:
-            raise ServeError(f"unsupported field(s) {unknown}; /score takes texts, vectors")
+            raise RequestError(f"unsupported field(s) {unknown}; /score takes texts, vectors")
         texts = get_field(body, "texts", list)
         if not texts:
-            raise ServeError("field 'texts': is empty; give one text (or null) per vector")
+            raise RequestError("field 'texts': is empty; give one text (or null) per vector")
         if len(texts) > self.s.limits.max_texts:
-            raise ServeError(f"field 'texts': {len(texts)} texts; the cap is {self.s.limits.max_texts}", status=413)
+            raise RequestError(f"field 'texts': {len(texts)} texts; the cap is {self.s.limits.max_texts}", status=413)
         for i, t in enumerate(texts):
             if t is not None and not isinstance(t, str):
-                raise ServeError(f"field 'texts', item {i}: expected a string or null, found {type(t).__name__}")
+                raise RequestError(f"field 'texts', item {i}: expected a string or null, found {type(t).__name__}")
             if isinstance(t, str):
                 check_text(t, f"field 'texts', item {i}")
                 if len(t) > self.s.limits.max_text_chars:
-                    raise ServeError(f"field 'texts', item {i}: {len(t)} characters; the cap is "
+                    raise RequestError(f"field 'texts', item {i}: {len(t)} characters; the cap is "
                                      f"{self.s.limits.max_text_chars}", status=413)
         vectors = self._vectors(body)
         if len(texts) != vectors.shape[0]:
-            raise ServeError(f"fields 'texts' and 'vectors': {len(texts)} texts for {vectors.shape[0]} vectors; give "
+            raise RequestError(f"fields 'texts' and 'vectors': {len(texts)} texts for {vectors.shape[0]} vectors; give "
                              "one text (or null) per vector")
         results = await self._wait(self.s.batcher.submit_task(lambda: self.s.score(texts, vectors)))
         return JSONResponse({"results": results})
 
 
 async def _request_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, (RequestError, ServeError))
+    assert isinstance(exc, RequestError)
     return error_response(str(exc), exc.status)
 
 
@@ -316,6 +315,6 @@ def create_app(service: NLAService, *, allowed_hosts: list[str] | None = None) -
     middleware = ([Middleware(HostAllowList, allowed_hosts=allowed_hosts, label="this server",
                               hint="nla serve --allow-host NAME adds one")] if allowed_hosts else [])
     return Starlette(routes=routes, middleware=middleware,
-                     exception_handlers={RequestError: _request_error, ServeError: _request_error,
+                     exception_handlers={RequestError: _request_error,
                                          NLAClientError: _client_error, InputError: _client_error,
                                          HTTPException: _http_error, Exception: _internal_error})

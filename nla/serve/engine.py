@@ -35,22 +35,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nla.util.http import RequestError
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["SAMPLING_KEYS", "Batcher", "GenerateJob", "SamplingParams", "ServeError", "ServeLimits",
+__all__ = ["SAMPLING_KEYS", "Batcher", "GenerateJob", "SamplingParams", "ServeLimits",
            "decode_batch", "generation_output"]
 
 # sampling_params keys this server honours (SGLang's names and defaults)
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "skip_special_tokens")
 MAX_TEMPERATURE = 100.0
-
-
-class ServeError(ValueError):
-    """A request the server cannot serve; ``status`` is the HTTP status (4xx)."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass(frozen=True)
@@ -109,10 +103,10 @@ class SamplingParams:
         if raw is None:
             raw = {}
         if not isinstance(raw, dict):
-            raise ServeError(f"field 'sampling_params': expected an object, found {type(raw).__name__}")
+            raise RequestError(f"field 'sampling_params': expected an object, found {type(raw).__name__}")
         unknown = sorted(set(raw) - set(SAMPLING_KEYS))
         if unknown:
-            raise ServeError(f"field 'sampling_params': unsupported key(s) {unknown}; this server supports "
+            raise RequestError(f"field 'sampling_params': unsupported key(s) {unknown}; this server supports "
                              f"{list(SAMPLING_KEYS)}")
         kw: dict[str, Any] = {}
         for key, value in raw.items():
@@ -121,27 +115,27 @@ class SamplingParams:
             what = f"field 'sampling_params.{key}'"
             if key == "skip_special_tokens":
                 if not isinstance(value, bool):
-                    raise ServeError(f"{what}: expected true or false, found {type(value).__name__}")
+                    raise RequestError(f"{what}: expected true or false, found {type(value).__name__}")
                 kw[key] = value
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ServeError(f"{what}: expected a number, found {type(value).__name__}")
+                raise RequestError(f"{what}: expected a number, found {type(value).__name__}")
             if key in ("top_k", "max_new_tokens") and not isinstance(value, int):
                 if not float(value).is_integer():
-                    raise ServeError(f"{what}: expected an integer, found {value}")
+                    raise RequestError(f"{what}: expected an integer, found {value}")
                 value = int(value)
             kw[key] = value
         kw.setdefault("max_new_tokens", min(cls.max_new_tokens, limits.max_new_tokens))  # SGLang's 128, or the cap
         p = cls(**{k: (float(v) if k in ("temperature", "top_p") else v) for k, v in kw.items()})
         if not 0.0 <= p.temperature <= MAX_TEMPERATURE:
-            raise ServeError(f"field 'sampling_params.temperature': expected 0 (greedy) to {MAX_TEMPERATURE:g}, "
+            raise RequestError(f"field 'sampling_params.temperature': expected 0 (greedy) to {MAX_TEMPERATURE:g}, "
                              f"found {p.temperature}")
         if not 0.0 < p.top_p <= 1.0:
-            raise ServeError(f"field 'sampling_params.top_p': expected a number in (0, 1], found {p.top_p}")
+            raise RequestError(f"field 'sampling_params.top_p': expected a number in (0, 1], found {p.top_p}")
         if not (p.top_k == -1 or 1 <= p.top_k < 2**31):
-            raise ServeError(f"field 'sampling_params.top_k': expected -1 (off) or a positive integer, found {p.top_k}")
+            raise RequestError(f"field 'sampling_params.top_k': expected -1 (off) or a positive integer, found {p.top_k}")
         if not 1 <= p.max_new_tokens <= limits.max_new_tokens:
-            raise ServeError(f"field 'sampling_params.max_new_tokens': expected 1..{limits.max_new_tokens} (the "
+            raise RequestError(f"field 'sampling_params.max_new_tokens': expected 1..{limits.max_new_tokens} (the "
                              f"server's cap, --max-new-tokens), found {p.max_new_tokens}")
         return p
 

@@ -30,15 +30,16 @@ from nla.core.reconstructor import (
     reconstruction_loss,
     tokenize_ar_texts,
 )
-from nla.core.sidecar import NLAConfig, checked_ar_suffix, derive_token_ids, resolve_sidecar
+from nla.core.sidecar import NLAConfig, resolve_sidecar
+from nla.core.token_ids import checked_ar_suffix, derive_token_ids
 from nla.core.vectors import check_spread, fve, mse_nrm
 from nla.datagen.io import read_parquet, read_vectors
 from nla.train.checkpoint import find_resume_checkpoint, seed_everything
 from nla.train.config import ARTrainConfig
 from nla.train.device import resolve_device, resolve_dtype
 from nla.train.loop import LoopSpec, TrainResult, run_training_loop
+from nla.util.checkpoint_files import check_model_source
 from nla.util.threads import apply_threads
-from nla.util.validation import check_model_source
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class ARTrainError(ValueError):
 def check_ar_suffix(input_ids: torch.Tensor, attention_mask: torch.Tensor, suffix: tuple[int, ...],
                     rows: np.ndarray | None = None) -> None:
     """Every row's last real tokens must equal ``suffix`` (the recorded ``critic_suffix_ids`` where they
-    hold on this tokenizer: ``nla.core.sidecar.checked_ar_suffix``; its last id is the token the AR
+    hold on this tokenizer: ``nla.core.token_ids.checked_ar_suffix``; its last id is the token the AR
     reads its prediction at); raise naming the row."""
     n = len(suffix)
     lengths = attention_mask.long().sum(1)

@@ -40,21 +40,17 @@ from nla.core.injection import (
 )
 from nla.core.logprobs import LOGPROB_CHUNK_ELEMENTS, token_logprobs
 from nla.core.lora import LORA_SUBDIR, apply_sft_lora, merged_state_dict, save_adapter
-from nla.core.sidecar import (
-    NLAConfig,
-    canonical_av_prompt_ids,
-    derive_token_ids,
-    verify_tokenizer,
-)
+from nla.core.sidecar import NLAConfig
 from nla.core.templates import AV_PLACEHOLDER
+from nla.core.token_ids import canonical_av_prompt_ids, derive_token_ids, verify_tokenizer
 from nla.core.vectors import resolve_scale
 from nla.train.ar import load_split, own_model, resolve_sidecar_and_base
 from nla.train.checkpoint import find_resume_checkpoint, seed_everything
 from nla.train.config import AVTrainConfig
 from nla.train.device import resolve_device, resolve_dtype
 from nla.train.loop import LoopSpec, TrainResult, run_training_loop
+from nla.util.checkpoint_files import check_checkpoint
 from nla.util.threads import apply_threads
-from nla.util.validation import check_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -216,9 +212,9 @@ def _fit_translation(adapter: InjectionAdapter, model: Any, tok: Any, contexts: 
     the vector's token): the AV then starts as a same-model NLA of its own base, whose fixed-scale
     injection of its own residual is what the published recipe trains. Both sides at the
     injection norm (the AV's at that norm times sqrt(d_av / d_subject), ``sqrt_d_model``'s ratio)."""
+    from nla.core.activations import block_outputs, pad_right, tokenize_text
     from nla.core.reconstructor import last_token_index
     from nla.core.vectors import normalize_activation
-    from nla.datagen.extract import block_outputs, pad_right, tokenize_text
 
     k = side.need_layer("fitting the cross-model injection adapter")
     own_layers = arch.num_layers(model.config)

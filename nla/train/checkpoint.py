@@ -1,18 +1,15 @@
-"""Checkpoints on disk: atomic checkpoint directories, RNG and training state, checkpoint discovery.
+"""Checkpoints on disk: RNG and training state, checkpoint discovery.
 
 Training state is saved as plain tensors / dicts and loaded with ``torch.load(weights_only=True)``:
-nothing is ever unpickled. A checkpoint directory appears whole or not at all (``atomic_dir``).
+nothing is ever unpickled. A checkpoint directory appears whole or not at all
+(``nla.util.checkpoint_files.atomic_dir``, which datagen's model conversions use too).
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
 import random
 import shutil
-import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,93 +18,8 @@ import numpy as np
 import torch
 
 from nla.train.data import DataCursor
-from nla.util.validation import write_checksums
 
 TRAINING_STATE_FILE = "training_state.pt"
-
-
-# ---------------------------------------------------------------- atomic checkpoint dirs
-def _fsync_tree(path: Path) -> None:
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    with contextlib.suppress(OSError):  # directory fsync is not supported everywhere
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-@contextlib.contextmanager
-def atomic_dir(final_path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary sibling directory; on clean exit it replaces ``final_path``.
-
-    The previous ``final_path`` (if any) is kept until the new one is complete and fsynced,
-    then swapped out by rename; an exception removes the temporary dir and leaves the old
-    checkpoint untouched.
-    """
-    final = Path(final_path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        yield tmp
-        # Each folder of weights records their SHA-256: a flipped bit is caught at load (nla.util.validation).
-        for folder in sorted({f.parent for f in tmp.rglob("*.safetensors")}):
-            write_checksums(folder)
-        _fsync_tree(tmp)
-        old = None
-        if final.exists():
-            old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(final, old)
-        os.replace(tmp, final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if _is_disk_full(exc):
-            # save_pretrained's safetensors writer raises SafetensorError("... No space left on device (os error
-            # 28)"), neither an OSError nor a RuntimeError: it was a traceback (issue 48).
-            free = shutil.disk_usage(final.parent).free
-            raise CheckpointSaveError(
-                f"saving the checkpoint {final} failed: the disk is full (no space left on device; "
-                f"{free / 2**20:.0f} MB are free under {final.parent} now). The previous checkpoint is intact; free "
-                "space (or pick another out_dir) and rerun with --resume"
-            ) from exc
-        if isinstance(exc, (OSError, RuntimeError)) and not isinstance(exc, CheckpointSaveError):
-            # torch.save on a full disk says only "[enforce fail at inline_container.cc] unexpected pos".
-            free = shutil.disk_usage(final.parent).free
-            raise CheckpointSaveError(
-                f"saving the checkpoint {final} failed ({' '.join(str(exc).split())}); {free / 2**20:.0f} MB are free "
-                f"on that disk now. The previous checkpoint is intact; free space (or pick another out_dir) and "
-                "rerun with --resume"
-            ) from exc
-        raise
-
-
-def _is_disk_full(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an exception it was raised from) is a full disk: an OSError with errno
-    ENOSPC / EDQUOT, or a writer's message carrying it (safetensors' ``os error 28``)."""
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen and not isinstance(e, CheckpointSaveError):
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(e)
-        if f"os error {errno.ENOSPC})" in text or "No space left on device" in text:
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-class CheckpointSaveError(RuntimeError):
-    """A checkpoint could not be written (full disk, permissions); nothing partial was left in its place."""
 
 
 # ---------------------------------------------------------------- RNG & training state

@@ -9,15 +9,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 
 from nla.util.configcheck import check_config_types
+from nla.util.confighelp import option, with_help
+from nla.util.overrides import parse_overrides
 from nla.util.threads import check_threads
-from nla.util.validation import DuplicateKeyError, load_yaml, safe_load_unique
+from nla.util.validation import load_yaml
 
 _DEVICES_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -25,16 +27,20 @@ _DEVICES_DTYPES = ("float32", "bfloat16", "float16")
 @dataclass(frozen=True)
 class LoRAConfig:
     """LoRA (``nla.core.lora``, needs peft), the ``lora`` block of the AV's and AR's warm-start and of
-    RL: ``r`` the rank (0: off, full fine-tuning), ``alpha`` (the adapters' scale is alpha / r),
-    ``dropout``, ``target_modules`` (null: the attention and MLP projections,
-    ``nla.core.lora.DEFAULT_TARGETS``). On, only the adapters train (and, in a warm-start, the parts
-    that start new: the AR's head, the AV's injection adapter); every checkpoint is the merged
-    model (a plain HF dir with its sidecar) with the adapter beside it in peft's format."""
+    RL. On (``r`` > 0), only the adapters train (and, in a warm-start, the parts that start new: the
+    AR's head, the AV's injection adapter); every checkpoint is the merged model (a plain HF dir with
+    its sidecar) with the adapter beside it in peft's format. Each field's help: ``nla config
+    describe av lora``."""
 
-    r: int = 0
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: list[str] | None = None
+    r: int = option(0, help="LoRA rank: the adapters' inner width; 0 = off (full fine-tuning). Range: an "
+                            "integer >= 0.")
+    alpha: float = option(16.0, help="LoRA scale numerator: the adapters' output is multiplied by alpha / r. "
+                                     "Range: a positive finite number.")
+    dropout: float = option(0.0, help="dropout probability on the adapters' input while training. Range: [0, 1).")
+    target_modules: list[str] | None = option(None, help="names of the linear modules that get adapters (e.g. "
+                                                         "[q_proj, v_proj]); null = the attention and MLP projections "
+                                                         "(nla.core.lora.DEFAULT_TARGETS). Range: a non-empty list "
+                                                         "of names, or null.")
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 0:
@@ -58,70 +64,96 @@ class LoRAConfig:
 
 
 def _lora_bad(name: str, expected: str, found: Any) -> None:
-    raise ValueError(f"lora.{name}: expected {expected}, found {found!r}; fix the config's lora block or "
-                     f"--set lora.{name}=...")
+    raise ValueError(with_help(f"lora.{name}: expected {expected}, found {found!r}; fix the config's lora block or "
+                               f"--set lora.{name}=...", ARTrainConfig, f"lora.{name}"))
 
 
 @dataclass(frozen=True)
-class _TrainBase:
-    """Fields shared by both stages.
+class RunConfig:
+    """The fields every training run has, the warm-starts' and RL's (``nla.rl.config.RLConfig``):
+    its data, where it writes, how often it logs and evaluates, its seed, device, precision and
+    threads. Each stage validates them in its own ``__post_init__`` (its errors name the stage);
+    a stage whose default differs (RL logs every step) declares the field again."""
 
-    dataset: training parquet (``ar_sft.parquet`` / ``av_sft.parquet``) with its sidecar.
-    out_dir: run directory; checkpoints go to ``{out_dir}/checkpoints/step_*``, metrics beside.
-    base_model: HF directory to start from; null = the dataset sidecar's ``base_model``.
-    sidecar: explicit sidecar path, overriding the dataset's (docs/design.md §3.1 precedence).
-    eval_dataset: a separate held-out parquet; null = hold out ``eval_fraction`` of the
-        training documents (by ``doc_id``; by row when there is no doc_id column).
-    max_steps: optimiser steps in the whole run (the LR schedule spans it).
-    stop_after_steps: end this invocation after this global step, keeping the schedule of
-        ``max_steps`` (to split a run into resumable chunks); null = run to max_steps.
-    batch_size / micro_batch_size: rows per optimiser step / per forward (gradient
-        accumulation in between; micro_batch_size null = batch_size).
-    lr, weight_decay, betas, warmup_steps, min_lr_ratio: AdamW with warmup + cosine.
-    max_grad_norm: gradient clipping (<= 0 disables); non-finite steps are skipped.
-    log_every / eval_every / save_every: in optimiser steps; the last step always logs,
-        evaluates and saves. keep_last: checkpoints kept (0 = all).
-    max_length: token cap per row (AR truncates on the left so the suffix survives).
-    eval_max_rows: cap on held-out rows scored at each evaluation.
-    threads: torch CPU threads (null: ``$OMP_NUM_THREADS``, else every core, fixed for the run;
-        ``"auto"``: follows the machine's load and gives up reproducibility; ``nla.util.threads``).
-    lora: :class:`LoRAConfig` (``lora: {r: 8}`` in YAML, ``--set lora.r=8``); r = 0, full
-        fine-tuning, is the default.
-    gradient_checkpointing: recompute each block's activations in backward instead of keeping
-        them (``nla.core.arch.enable_gradient_checkpointing``): activation memory of one block
-        instead of all, for one more forward per step; the same gradients.
+    dataset: str = option("", help="the training parquet, with its sidecar beside it (ar_sft.parquet or "
+                                   "av_sft.parquet for a warm-start, rl.parquet for RL). Required: a path.")
+    eval_dataset: str | None = option(None, help="a separate held-out parquet scored every eval_every steps; "
+                                                 "null = a warm-start holds out eval_fraction of the training "
+                                                 "documents, RL evaluates nothing. Range: a path or null.")
+    out_dir: str = option("runs/train", help="the run directory: checkpoints under checkpoints/step_*, metrics "
+                                             "({name}.jsonl, curves PNG, TensorBoard) and the resolved config "
+                                             "beside them. Required: a path.")
+    stop_after_steps: int | None = option(None, help="end this invocation after this global step, keeping the "
+                                                     "schedule of the whole run (to split a run into resumable "
+                                                     "chunks with --resume); null = run to the end. Range: an "
+                                                     "integer >= 1, or null.")
+    log_every: int = option(10, help="log metrics every this many optimiser steps; the last step always logs. "
+                                     "Range: an integer >= 1.")
+    eval_every: int = option(50, help="evaluate on the held-out rows every this many optimiser steps; the last "
+                                      "step always evaluates. Range: an integer >= 1.")
+    eval_max_rows: int = option(256, help="at most this many held-out rows scored at each evaluation. Range: an "
+                                          "integer >= 1.")
+    seed: int = option(0, help="seeds every random draw of the run (data order, sampling, dropout, held-out "
+                              "split): the same seed and config give the same run on the same machine. Range: "
+                              "an integer in 0..2**32-1.")
+    device: str = option("auto", help="where the models run: auto (cuda when available, else cpu), cpu, "
+                                      "cuda or cuda:i.")
+    dtype: str = option("float32", help="the models' parameter dtype: float32, bfloat16 or float16.")
+    threads: int | str | None = option(None, help="torch CPU threads of this process, fixed for the run "
+                                                  "(nla.util.threads); on Ray each actor gets a share of half "
+                                                  "the cores; null = $OMP_NUM_THREADS, else every core; "
+                                                  "\"auto\" follows the machine's load and gives up "
+                                                  "reproducibility. Range: an integer >= 1, \"auto\" or null.")
+    tensorboard: bool = option(True, help="also write the metrics as TensorBoard events under "
+                                          "{out_dir}/tensorboard (skipped when tensorboard is not installed: "
+                                          "the JSONL is the record).")
+    progress: bool = option(True, help="show a progress bar; changes nothing the run computes.")
+
+
+@dataclass(frozen=True)
+class _TrainBase(RunConfig):
+    """Fields shared by both warm-starts (their run fields: :class:`RunConfig`).
+
+    Every field's meaning, unit and range is its help (``nla config describe ar``).
     """
 
-    dataset: str = ""
-    out_dir: str = "runs/train"
-    base_model: str | None = None
-    sidecar: str | None = None
-    eval_dataset: str | None = None
-    eval_fraction: float = 0.1
-    eval_max_rows: int = 256
-    max_steps: int = 100
-    stop_after_steps: int | None = None
-    batch_size: int = 32
-    micro_batch_size: int | None = None
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = 10
-    min_lr_ratio: float = 0.1
-    max_grad_norm: float = 1.0
-    log_every: int = 10
-    eval_every: int = 50
-    save_every: int = 100
-    keep_last: int = 2
-    max_length: int = 256
-    seed: int = 0
-    device: str = "auto"
-    dtype: str = "float32"
-    threads: int | str | None = None
-    tensorboard: bool = True
-    progress: bool = True
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-    gradient_checkpointing: bool = False
+    base_model: str | None = option(None, help="the Hugging Face model directory (or hub id) the model starts "
+                                               "from; null = the dataset sidecar's base_model (the subject).")
+    sidecar: str | None = option(None, help="an explicit sidecar path, overriding the dataset's "
+                                            "(docs/design.md §3.1 precedence); null = the dataset's own.")
+    eval_fraction: float = option(0.1, help="share of the training documents held out for evaluation (by "
+                                            "doc_id; by row without a doc_id column) when eval_dataset is "
+                                            "null. Range: [0, 1).")
+    max_steps: int = option(100, help="optimiser steps in the whole run; the LR schedule spans them. Range: an "
+                                      "integer >= 1.")
+    batch_size: int = option(32, help="rows per optimiser step. Range: an integer >= 1.")
+    micro_batch_size: int | None = option(None, help="rows per forward; gradients accumulate over the "
+                                                     "micro-batches of a step (the same step for any split); "
+                                                     "null = batch_size. Range: 1..batch_size, or null.")
+    lr: float = option(1e-4, help="peak learning rate of AdamW, reached after warmup_steps. Range: a positive "
+                                  "finite number.")
+    weight_decay: float = option(0.0, help="AdamW's decoupled weight decay per step. Range: a number >= 0.")
+    betas: tuple[float, float] = option((0.9, 0.999), help="AdamW's two moment decay rates. Range: two numbers "
+                                                           "in [0, 1).")
+    warmup_steps: int = option(10, help="optimiser steps of linear LR warmup from 0, then cosine decay to "
+                                        "min_lr_ratio * lr at max_steps. Range: an integer in [0, max_steps].")
+    min_lr_ratio: float = option(0.1, help="the cosine schedule's final LR as a share of lr. Range: [0, 1].")
+    max_grad_norm: float = option(1.0, help="clip the gradient's global L2 norm to this; <= 0 disables "
+                                            "clipping; a step with a non-finite norm is skipped and counted. "
+                                            "Range: a finite number.")
+    save_every: int = option(100, help="save a checkpoint every this many optimiser steps; the last step always "
+                                       "saves. Range: an integer >= 1.")
+    keep_last: int = option(2, help="checkpoints kept (older step_* dirs are pruned); 0 = keep all. Range: an "
+                                    "integer >= 0.")
+    max_length: int = option(256, help="token cap per training row: the AR truncates its text on the left so "
+                                       "the template's tail survives; the AV cuts the response to fit after the "
+                                       "prompt. Range: an integer >= 1.")
+    lora: LoRAConfig = option(default_factory=LoRAConfig, help="LoRA (lora: {r: 8} in YAML, --set lora.r=8); "
+                                                               "r = 0, full fine-tuning, is the default.")
+    gradient_checkpointing: bool = option(False, help="recompute each block's activations in backward instead "
+                                                      "of keeping them: activation memory of one block instead "
+                                                      "of all, for one more forward per step; the same "
+                                                      "gradients.")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
@@ -186,18 +218,20 @@ class _TrainBase:
 class ARTrainConfig(_TrainBase):
     """Reconstructor warm-start (regression of the activation from the explanation text).
 
-    layer_index: K, the extraction layer; null = the dataset sidecar's. Set it only to
-        override a sidecar that lacks it.
-    shuffle_sentences: each training row's explanation is read with its sentences in a random
-        order of its own (``nla.core.graders.shuffle_sentences``, keyed on the seed and the row, so
-        a resumed run reads the same texts; the dataset's ``explanation`` column re-wrapped in the
-        AR template), so the AR learns what the claims say, not where they stand. Evaluation
-        reads the texts as written.
+    Every field's meaning, unit and range is its help (``nla config describe ar``).
     """
 
-    out_dir: str = "runs/train_ar"
-    layer_index: int | None = None
-    shuffle_sentences: bool = False
+    out_dir: str = option("runs/train_ar", help="the run directory: checkpoints under checkpoints/step_*, "
+                                                "metrics (ar.jsonl, curves PNG, TensorBoard) and the resolved "
+                                                "config beside them. Required: a path.")
+    layer_index: int | None = option(None, help="K, the extraction layer the AR is cut at (it keeps blocks "
+                                                "0..K); null = the dataset sidecar's. Set it only to override a "
+                                                "sidecar that lacks it. Range: an integer >= 0, or null.")
+    shuffle_sentences: bool = option(False, help="read each training row's explanation with its sentences in a "
+                                                 "random order of its own (nla.core.graders.shuffle_sentences, "
+                                                 "keyed on the seed and the row, so a resumed run reads the same "
+                                                 "texts), so the AR learns what the claims say, not where they "
+                                                 "stand; evaluation reads the texts as written.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -211,43 +245,47 @@ class ARTrainConfig(_TrainBase):
 class AVTrainConfig(_TrainBase):
     """Verbalizer warm-start (next-token loss on the explanation, vector injected).
 
-    injection_scale: overrides the sidecar's (a number or "sqrt_d_model"); when both are
-        null training refuses to start.
-    padding_side: how training batches are padded ("right" or "left"); positions are
-        computed from the attention mask, so both give the same loss.
-    smoke_num / smoke_max_new_tokens: the injection smoke check decodes this many held-out
-        vectors greedily at every save.
-    injection_adapter: "none" (inject the rescaled vector as it is, the published way) or
-        "affine": a learned ``W v + b`` from the subject's width to the AV's
-        (``nla.core.injection.InjectionAdapter``), trained with the AV. A ``base_model`` of another
-        width than the subject (a cross-model pair) needs "affine".
-    mean_shift_augment: m >= 0; each training row's vector gets ``a * mean`` added, ``a``
-        drawn uniformly from [-m, m] per row and step (``mean``: the training vectors' mean),
-        its response unchanged, so the AV learns to name the same facts when a vector's offset
-        differs from the training data's (steering vectors, differences of means: m = 1 spans
-        the centred vector, a = -1, and twice the offset, a = +1). 0: off, the published recipe.
-    injection_adapter_lr_scale: the adapter's learning rate is ``lr`` times this (a new layer
-        learning faster than the pretrained model it feeds); 1: the same as the model's.
-    injection_adapter_mean_invariant: the adapter reads each vector with its component along the
-        training vectors' mean replaced by the training data's typical one
-        (``InjectionAdapter.canonical``), so a vector shifted along that mean (a difference of
-        means, an offset) is read like the training data; needs ``injection_adapter: affine``.
-    injection_adapter_conformal: the adapter's ``W`` is a learned gain times a learned rotation
-        (``nla.core.injection.ScaledRotation``), so it scales every direction of the vector alike and
-        cannot amplify the directions the AV already reads over the others; needs
-        ``injection_adapter: affine`` and a base of the subject's width.
+    Every field's meaning, unit and range is its help (``nla config describe av``).
     """
 
-    out_dir: str = "runs/train_av"
-    injection_scale: float | str | None = None
-    padding_side: str = "right"
-    smoke_num: int = 3
-    smoke_max_new_tokens: int = 40
-    injection_adapter: str = "none"
-    mean_shift_augment: float = 0.0
-    injection_adapter_lr_scale: float = 1.0
-    injection_adapter_mean_invariant: bool = False
-    injection_adapter_conformal: bool = False
+    out_dir: str = option("runs/train_av", help="the run directory: checkpoints under checkpoints/step_*, "
+                                                "metrics (av.jsonl, curves PNG, TensorBoard) and the resolved "
+                                                "config beside them. Required: a path.")
+    injection_scale: float | str | None = option(None, help="the norm each vector is rescaled to before it is "
+                                                           "injected, overriding the sidecar's: a positive number "
+                                                           "or \"sqrt_d_model\"; null = the sidecar's (training "
+                                                           "refuses to start when both are null).")
+    padding_side: str = option("right", help="how training batches are padded: right or left; positions come "
+                                             "from the attention mask, so both give the same loss.")
+    smoke_num: int = option(3, help="held-out vectors decoded greedily at every save by the injection smoke "
+                                    "check (it flags empty output, the marker or CJK text); 0 = off. Range: an "
+                                    "integer >= 0.")
+    smoke_max_new_tokens: int = option(40, help="token cap of each smoke-check decode. Range: an integer >= 1.")
+    injection_adapter: str = option("none", help="none (inject the rescaled vector as it is, the published way) "
+                                                 "or affine: a learned W v + b from the subject's width to the "
+                                                 "AV's (nla.core.injection.InjectionAdapter), trained with the "
+                                                 "AV; a base_model of another width than the subject needs "
+                                                 "affine.")
+    mean_shift_augment: float = option(0.0, help="m: each training row's vector gets a * mean added, a drawn "
+                                                 "uniformly from [-m, m] per row and step (mean: the training "
+                                                 "vectors' mean), its response unchanged, so the AV names the "
+                                                 "same facts when a vector's offset differs (m = 1 spans the "
+                                                 "centred vector to twice the offset); 0 = off, the published "
+                                                 "recipe. Range: a number >= 0.")
+    injection_adapter_lr_scale: float = option(1.0, help="the injection adapter's learning rate is lr times "
+                                                         "this (a new layer learning faster than the model it "
+                                                         "feeds); 1 = the model's. Range: a positive number.")
+    injection_adapter_mean_invariant: bool = option(False, help="the adapter reads each vector with its "
+                                                               "component along the training vectors' mean "
+                                                               "replaced by the training data's typical one "
+                                                               "(InjectionAdapter.canonical), so a vector "
+                                                               "shifted along that mean reads like the training "
+                                                               "data; needs injection_adapter: affine.")
+    injection_adapter_conformal: bool = option(False, help="the adapter's W is a learned gain times a learned "
+                                                          "rotation (nla.core.injection.ScaledRotation): it "
+                                                          "scales every direction alike; needs "
+                                                          "injection_adapter: affine and a base of the "
+                                                          "subject's width.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -288,7 +326,9 @@ class AVTrainConfig(_TrainBase):
 
 
 def _bad(name: str, expected: str, found: Any) -> None:
-    raise ValueError(f"config field '{name}': expected {expected}, found {found!r}; fix it in the YAML or with --set {name}=...")
+    message = f"config field '{name}': expected {expected}, found {found!r}; fix it in the YAML or with --set {name}=..."
+    cls = AVTrainConfig if name in {f.name for f in fields(AVTrainConfig)} else ARTrainConfig
+    raise ValueError(with_help(message, cls, name))
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -302,26 +342,6 @@ def _positive_float(name: str, value: Any) -> None:
 
 
 C = TypeVar("C")
-
-
-def parse_overrides(items: list[str] | None) -> dict[str, Any]:
-    """``["lr=1e-4", "betas=[0.9, 0.95]"]`` -> dict, values parsed as YAML scalars/lists (every
-    command's ``--set``). A missing ``=``, an empty key or a value that is not YAML is a
-    ``ValueError`` naming the override."""
-    out: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set {item!r}: expected key=value, e.g. --set lr=1e-4 or --set provider.model=gpt-4o")
-        try:
-            out[key.strip()] = safe_load_unique(raw) if raw.strip() else None
-        except DuplicateKeyError as err:
-            raise ValueError(f"--set {item!r}: {err}; give each key once") from None
-        except yaml.YAMLError as err:
-            problem = getattr(err, "problem", None) or type(err).__name__
-            raise ValueError(f"--set {item!r}: the value {raw!r} is not valid YAML ({problem}); quote it to pass "
-                             f"a string, e.g. --set '{key.strip()}=\"{raw}\"'") from None
-    return out
 
 
 def config_from_dict(cls: type[C], data: dict[str, Any]) -> C:
@@ -394,5 +414,5 @@ def save_config(cfg: Any, path: str | os.PathLike) -> None:
     Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
 
 
-__all__ = ["ARTrainConfig", "AVTrainConfig", "LoRAConfig", "PATH_FIELDS", "config_from_dict", "load_config",
-           "normalise_paths", "parse_overrides", "read_config_file", "save_config"]
+__all__ = ["ARTrainConfig", "AVTrainConfig", "LoRAConfig", "PATH_FIELDS", "RunConfig", "config_from_dict", "load_config",
+           "normalise_paths", "read_config_file", "save_config"]

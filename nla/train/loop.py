@@ -20,7 +20,6 @@ from torch import nn
 
 from nla.train.checkpoint import (
     apply_training_state,
-    atomic_dir,
     capture_rng_state,
     checkpoint_dir_name,
     checkpoints_root,
@@ -38,6 +37,7 @@ from nla.train.optim import (
     warmup_cosine,
     warn_if_lr_far,
 )
+from nla.util.checkpoint_files import atomic_dir
 from nla.util.threads import adapt_threads
 
 logger = logging.getLogger(__name__)

@@ -33,6 +33,8 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, Union
 
+from nla.util.confighelp import with_help
+
 __all__ = ["SEED_MAX", "ConfigTypeError", "check_config_types", "find_non_finite"]
 
 SEED_MAX = 2**32 - 1  # the largest seed every RNG nla seeds accepts (numpy's np.random.seed: < 2**32)
@@ -68,10 +70,9 @@ def check_config_types(cls: type, data: Mapping[str, Any], *, prefix: str = "") 
         except _Mismatch as err:
             expected = str(err)
             value = out[f.name]
-            raise ConfigTypeError(
+            raise ConfigTypeError(with_help(
                 f"{cls.__name__}.{f.name}: expected {expected}, found {value!r} ({type(value).__name__}); "
-                f"fix it in the YAML or with --set {path}=..."
-            ) from None
+                f"fix it in the YAML or with --set {path}=...", cls, f.name, label=path)) from None
     return out
 
 

@@ -1,7 +1,9 @@
 """What nla's HTTP servers share (``nla explore``, ``nla serve``): JSON bodies with caps, checked
 fields, one-line JSON errors, the Host allow-list, and a real server in a thread for tests.
 
-Needs starlette and uvicorn (the ``explore`` extra); nothing else in ``nla.util`` imports this module.
+The servers need starlette and uvicorn (the ``explore`` extra), imported where a request is read or
+answered; :class:`RequestError` and the field checks import without them, so the engines behind the
+servers raise the one request error.
 
 Safety, in the order a request meets it:
 
@@ -21,12 +23,13 @@ import math
 import socket
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
-from starlette.responses import JSONResponse
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
 
 __all__ = [
     "FLOAT32_MAX",
@@ -68,6 +71,8 @@ class RequestError(ValueError):
 
 def error_response(message: str, status: int) -> JSONResponse:
     """``{"error": message}`` on one line, with ``status``."""
+    from starlette.responses import JSONResponse
+
     return JSONResponse({"error": " ".join(str(message).split())}, status_code=status)
 
 
@@ -84,6 +89,8 @@ def _parse_json(raw: bytes) -> Any:
 
 async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
     """The request's JSON object: 415 unless ``application/json``, 413 over ``limit`` bytes, 400 unless an object."""
+    from starlette.concurrency import run_in_threadpool
+
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json":
         raise RequestError(f"expected a JSON body (Content-Type: application/json), found {ctype or 'none'!r}",

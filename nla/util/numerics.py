@@ -155,13 +155,6 @@ def pin_applies(machine: str | None = None, flags: set[str] | None = None) -> bo
     return "avx2" in (_cpu_flags() if flags is None else flags)
 
 
-def pinned_capability(env: dict[str, str] | os._Environ | None = None, machine: str | None = None,
-                      flags: set[str] | None = None) -> str | None:
-    """The value ``pin_cpu_kernels`` sets for ATen: ``"avx2"`` on an x86-64 CPU with AVX2 where the
-    variable is unset, else None (left as it is)."""
-    return pinned_environment(env, machine, flags).get(ENV_VAR)
-
-
 def _opted_out(env: dict[str, str] | os._Environ) -> bool:
     return env.get(OPT_OUT, "").strip().lower() in ("off", "0", "false", "no")
 

@@ -1,31 +1,22 @@
-"""Input checks shared by every entry point: vectors, YAML files, checkpoint files, output paths, flags.
+"""Input checks shared by every entry point: vectors, YAML files, output paths, devices, sample counts.
 
 Each check raises :class:`InputError` (a ``ValueError``, so the CLI prints it as one line and
 exits 2) whose message names the culprit (file, row, field), what was expected, what was
 found and what to do. They run before any work starts, so a bad input never leaves a
-half-written artifact behind.
+half-written artifact behind. A checkpoint directory's files are checked in
+``nla.util.checkpoint_files``; the commands' flag types are ``nla.util.flags``.
 
 1. Vectors: real floats only (complex, bool, integer and string data are refused, not cast);
    rows with NaN/Inf, with an all-zero vector, or whose norm overflows float32 are refused
    with their row numbers (a zero or infinite norm has no direction, and ``mse_nrm`` divides by it).
 2. YAML: a syntax error names the file, line and column; a key repeated in one mapping (at any
    depth) is refused with both line numbers (plain YAML keeps the last one silently).
-3. Checkpoints: ``config.json`` parses, the weights are safetensors and every safetensors file
-   is complete (its header parses and its data section is as long as the header says). nla's
-   own saves also record each safetensors file's SHA-256 (``nla_checksums.sha256``), checked at
-   load, which catches a flipped bit, once per file and machine by default
-   (``NLA_VERIFY_CHECKSUMS``: once | always | off; ``VERIFY_MODES``); other checkpoints have no such record (safetensors has
-   no checksum of its own), so for them every floating weight is checked finite at load instead
-   (``check_finite_weights``, once per file).
-4. Output paths: the nearest existing folder must accept a file now, not after an hour of work.
+3. Output paths: the nearest existing folder must accept a file now, not after an hour of work.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import math
 import os
 import tempfile
 from collections.abc import Sequence
@@ -36,28 +27,16 @@ import numpy as np
 
 __all__ = [
     "InputError",
-    "check_checkpoint",
-    "check_device",
-    "check_model_source",
-    "check_output_path",
-    "check_finite_weights",
-    "check_safetensors_file",
+    "MAX_SAMPLES_PER_VECTOR",
     "bad_rows",
+    "check_device",
+    "check_output_path",
+    "check_sample_count",
     "check_vectors",
     "describe_rows",
-    "verify_checksums",
-    "write_checksums",
-    "file_sha256",
-    "read_checksums",
     "drop_bad_rows",
     "load_yaml",
     "safe_load_unique",
-    "seed_flag",
-    "sample_count_flag",
-    "check_sample_count",
-    "MAX_SAMPLES_PER_VECTOR",
-    "non_negative_int",
-    "positive_int",
 ]
 
 logger = logging.getLogger(__name__)
@@ -238,267 +217,7 @@ def load_yaml(path: str | os.PathLike, what: str = "config") -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoint files
-# ---------------------------------------------------------------------------------------------
-def check_safetensors_file(path: str | os.PathLike) -> None:
-    """A safetensors file is present, readable and complete: ``safetensors.safe_open`` parses its
-    header and checks that the data covers exactly the tensors it announces (no tensor is read)."""
-    from safetensors import SafetensorError, safe_open
-
-    p = Path(path)
-    fix = "re-download or re-save the checkpoint (the copy is incomplete or damaged)"
-    if not p.is_file():
-        raise InputError(f"{p}: missing; {fix}")
-    size = p.stat().st_size
-    if size < 8:  # not even the header's length: say so plainly
-        raise InputError(f"{p}: truncated safetensors file ({size} bytes, no header); {fix}")
-    try:
-        with safe_open(str(p), framework="pt") as fh:
-            fh.keys()
-    except PermissionError:
-        raise InputError(f"{p}: not readable (permission denied); fix the file's permissions") from None
-    except SafetensorError as err:
-        raise InputError(f"{p}: truncated or corrupt safetensors file ({size} bytes; safetensors: {err}); {fix}") from None
-
-
-WEIGHTS_NAME, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
-
-
-def check_checkpoint(path: str | os.PathLike, what: str, extra: Sequence[str] = ()) -> Path:
-    """An HF model directory with a readable ``config.json`` and complete safetensors weights.
-
-    ``extra`` lists further safetensors files the role needs (the AR's ``value_head.safetensors``).
-    Pickled weights (``pytorch_model.bin``) are refused: nla never unpickles (docs/design.md §3.3).
-    """
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"{what}: no directory at {p}; check the path")
-    if not p.is_dir():
-        raise InputError(f"{what}: {p} is a file, expected a checkpoint directory (config.json, model.safetensors)")
-    config = p / "config.json"
-    if not config.is_file():
-        raise InputError(f"{what}: {p} has no config.json; it is not a Hugging Face model directory")
-    try:
-        json.loads(config.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise InputError(f"{what}: {config} is not valid JSON ({err}); re-download or re-save the checkpoint") from None
-    if (p / WEIGHTS_INDEX).is_file():
-        try:
-            index = json.loads((p / WEIGHTS_INDEX).read_text(encoding="utf-8"))
-            shards = sorted(set(index["weight_map"].values()))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
-            raise InputError(f"{what}: {p / WEIGHTS_INDEX} is not a valid shard index ({err!r}); re-save the "
-                             "checkpoint") from None
-        files = [p / s for s in shards]
-    elif (p / WEIGHTS_NAME).is_file():
-        files = [p / WEIGHTS_NAME]
-    else:
-        pickled = [f.name for f in p.glob("*.bin")] + [f.name for f in p.glob("*.pt")]
-        found = f"only pickled weights {sorted(pickled)}" if pickled else "no weights"
-        raise InputError(
-            f"{what}: {p} has no {WEIGHTS_NAME} ({found}); nla loads safetensors only (never unpickles): re-save "
-            "the model with save_pretrained(..., safe_serialization=True)"
-        )
-    for f in [*files, *(p / e for e in extra)]:
-        check_safetensors_file(f)
-    verify_checksums(p)
-    return p
-
-
-CHECKSUM_FILE = "nla_checksums.sha256"
-_verified: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256, so a load hashes once
-
-# How often a recorded SHA-256 is checked (environment variable NLA_VERIFY_CHECKSUMS):
-#   once   (default) once per file and machine: the digest of a file, keyed by its resolved path, size,
-#          mtime and inode, is kept in $NLA_CACHE/verified-checksums.jsonl, so the policy, reference and
-#          rollout copies and every rank of every later run load it without hashing (a 7B model's
-#          ~15 GB took minutes per start, on every rank); a file that changes is hashed again;
-#   always every load of every process hashes (a flipped bit on disk that leaves mtime alone is caught);
-#   off    never hash (the files are still checked complete and well-formed).
-VERIFY_MODES = ("once", "always", "off")
-
-
-def verify_mode() -> str:
-    mode = os.environ.get("NLA_VERIFY_CHECKSUMS", "once").strip().lower() or "once"
-    if mode not in VERIFY_MODES:
-        raise InputError(f"NLA_VERIFY_CHECKSUMS: expected one of {', '.join(VERIFY_MODES)}, found {mode!r}; unset it "
-                         "for the default (once per file)")
-    return mode
-
-
-def _file_key(path: Path) -> tuple[str, int, int]:
-    """(resolved path, size, mtime_ns): a file's identity for the once-per-file checks below."""
-    st = path.stat()
-    return str(path.resolve()), st.st_size, st.st_mtime_ns
-
-
-def _record_path() -> Path:
-    return Path(os.environ.get("NLA_CACHE", "~/.cache/nla")).expanduser() / "verified-checksums.jsonl"
-
-
-def _disk_key(path: Path) -> str:
-    st = path.stat()
-    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
-
-
-def _recorded(path: Path) -> str | None:
-    """The digest this machine recorded for ``path`` as it is now (same size, mtime, inode), or None."""
-    try:
-        lines = _record_path().read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return None
-    key = _disk_key(path)
-    for line in reversed(lines):
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue  # a torn line of a writer that died: ignore it
-        if isinstance(entry, dict) and entry.get("file") == key and isinstance(entry.get("sha256"), str):
-            return entry["sha256"]
-    return None
-
-
-def _remember(path: Path, digest: str) -> None:
-    """Append ``path``'s digest to the machine's record (one line per write: concurrent ranks may append)."""
-    try:
-        rec = _record_path()
-        rec.parent.mkdir(parents=True, exist_ok=True)
-        with rec.open("a", encoding="utf-8") as fh:
-            fh.write(json.dumps({"file": _disk_key(path), "sha256": digest}) + "\n")
-    except OSError as err:  # a read-only cache costs a hash per process, nothing else
-        logger.debug("cannot record the checksum of %s in %s: %s", path, _record_path(), err)
-
-
-def file_sha256(path: Path, *, use_record: bool = False) -> str:
-    """SHA-256 of a file, once per process; ``use_record``: also taken from (and kept in) this
-    machine's record of verified files (``$NLA_CACHE/verified-checksums.jsonl``)."""
-    import hashlib
-
-    key = _file_key(path)
-    if key not in _verified:
-        digest = _recorded(path) if use_record else None
-        if digest is None:
-            h = hashlib.sha256()
-            with path.open("rb") as fh:
-                for block in iter(lambda: fh.read(1 << 24), b""):
-                    h.update(block)
-            digest = h.hexdigest()
-            if use_record:
-                _remember(path, digest)
-        _verified[key] = digest
-    return _verified[key]
-
-
-def read_checksums(directory: str | os.PathLike) -> dict[str, str] | None:
-    """``directory``'s checksum record as ``{file name: sha256}``; None when it has none."""
-    record = Path(directory) / CHECKSUM_FILE
-    if not record.is_file():
-        return None
-    listed = {}
-    for line in record.read_text(encoding="utf-8").splitlines():
-        digest, _, name = line.partition("  ")
-        if name:
-            listed[name] = digest
-    return listed
-
-
-def write_checksums(directory: str | os.PathLike) -> Path | None:
-    """Record the SHA-256 of every ``*.safetensors`` in ``directory`` (``sha256sum`` format); None if there are none."""
-    d = Path(directory)
-    files = sorted(f for f in d.glob("*.safetensors") if f.is_file())
-    if not files:
-        return None
-    out = d / CHECKSUM_FILE
-    out.write_text("".join(f"{file_sha256(f)}  {f.name}\n" for f in files), encoding="utf-8")
-    return out
-
-
-_finite: set[tuple[str, int, int]] = set()  # (path, size, mtime_ns) of files found finite, so a load checks once
-
-
-def check_finite_weights(path: str | os.PathLike) -> None:
-    """Every floating tensor of the safetensors file ``path`` is finite (no NaN or Inf).
-
-    For checkpoints without a checksum record (a user's own, or one from elsewhere): a model with
-    NaN weights otherwise loads and "verbalizes" padding or scores NaN (issue 21). Reads each
-    tensor once through ``safe_open`` (memory-mapped); a file already found finite is not re-read.
-    """
-    import torch
-    from safetensors import safe_open
-
-    f = Path(path)
-    key = _file_key(f)
-    if key in _finite:
-        return
-    with safe_open(str(f), framework="pt") as fh:
-        for name in fh.keys():
-            t = fh.get_tensor(name)
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                bad = int((~torch.isfinite(t)).sum())
-                raise InputError(
-                    f"{f}: tensor {name!r} holds {bad} non-finite value(s) (NaN or Inf) of {t.numel()}; these "
-                    "weights are broken (a diverged training run, or a damaged copy without a checksum record): "
-                    "retrain, or re-download the checkpoint"
-                )
-    _finite.add(key)
-
-
-def verify_checksums(directory: str | os.PathLike) -> None:
-    """Compare ``directory``'s safetensors files with the recorded SHA-256s, as often as
-    ``NLA_VERIFY_CHECKSUMS`` says (``VERIFY_MODES``). Without a record (a checkpoint nla did not
-    write), check instead that every weight is finite."""
-    d = Path(directory)
-    record = d / CHECKSUM_FILE
-    mode = verify_mode()
-    if mode == "off" and record.is_file():
-        return
-    if not record.is_file():
-        for f in sorted(d.glob("*.safetensors")):
-            if f.is_file():
-                check_finite_weights(f)
-        return
-    for i, line in enumerate(record.read_text(encoding="utf-8").splitlines()):
-        if not line.strip():
-            continue
-        digest, _, name = line.partition("  ")
-        f = d / name
-        if not f.is_file():
-            raise InputError(f"{f}: missing, but {record.name} (line {i + 1}) lists it; the checkpoint is incomplete: "
-                             "re-download or re-save it")
-        if mode == "always":
-            _verified.pop(_file_key(f), None)
-        if file_sha256(f, use_record=mode == "once") != digest:
-            raise InputError(
-                f"{f}: its SHA-256 differs from the one recorded when it was saved ({record.name}); the file is "
-                "corrupted (a flipped bit, a bad copy): re-download or re-save the checkpoint"
-            )
-
-
-def check_model_source(spec: str | os.PathLike, what: str = "base_model") -> str:
-    """A local directory (checked with :func:`check_checkpoint`) or something that can only be a hub id.
-
-    A value that looks like a path (absolute, ``./``, ``~``, or more than one ``/``) but is not a
-    directory is an error naming it, instead of the hub's "Repo id must be in the form" message.
-    """
-    s = os.fspath(spec)
-    p = Path(s).expanduser()
-    if p.is_dir():
-        check_checkpoint(p, what)
-        return s
-    looks_like_path = (
-        p.is_absolute() or s.startswith((".", "~")) or s.count("/") > 1 or s.endswith("/")
-        or (os.sep != "/" and os.sep in s) or p.exists()
-    )
-    if looks_like_path:
-        raise FileNotFoundError(
-            f"{what}: no model directory at {s!r}; give the directory of a saved Hugging Face model "
-            "(config.json + model.safetensors) or a hub id like 'org/name'"
-        )
-    return s
-
-
-# ---------------------------------------------------------------------------------------------
-# Outputs, devices, flags
+# Outputs, devices, sample counts
 # ---------------------------------------------------------------------------------------------
 def check_output_path(path: str | os.PathLike, what: str = "--out", *, is_file: bool = False) -> Path:
     """Fail now, naming the path, if ``path`` (a folder, or a file when ``is_file``) cannot be written.
@@ -558,56 +277,6 @@ def check_device(spec: str) -> str:
     return spec
 
 
-def _int_flag(minimum: int) -> Any:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, found {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, found {value}")
-        return value
-
-    parse.__name__ = f"int>={minimum}"
-    return parse
-
-
-positive_int = _int_flag(1)
-non_negative_int = _int_flag(0)
-
-
-def non_negative_float(text: str) -> float:
-    """argparse type: a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, found {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, found {text}")
-    return value
-
-
-def _bounded_int_flag(text: str, lo: int, hi: int, not_int: str, out_of_range: str) -> int:
-    """An argparse type's body: ``text`` as an integer in ``lo..hi``; the messages get ``{text}`` / ``{value}``."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(not_int.format(text=repr(text))) from None
-    if not lo <= value <= hi:
-        raise argparse.ArgumentTypeError(out_of_range.format(value=value))
-    return value
-
-
-def seed_flag(text: str) -> int:
-    """argparse type of ``--seed``: an integer in the range every RNG nla seeds accepts
-    (``nla.util.configcheck.SEED_MAX``: numpy's legacy seeds need < 2**32)."""
-    from nla.util.configcheck import SEED_MAX
-
-    return _bounded_int_flag(text, 0, SEED_MAX, f"expected an integer seed in 0..{SEED_MAX}, found {{text}}",
-                             f"expected an integer seed in 0..{SEED_MAX} (the range numpy's and torch's seeds share), "
-                             "found {value}; pick a seed in that range")
-
-
 # The most explanations drawn for one vector (verbalize --n-samples, eval --best-of, NLAClient.verbalize's
 # n_samples / best_of). Every sample of a vector is decoded in the same batch, so memory grows with the
 # count: --best-of 100000 ran for a minute and was killed at 23 GB (issue 48). A count under the cap is
@@ -621,11 +290,3 @@ def check_sample_count(value: int, what: str) -> int:
         raise InputError(f"{what}: expected a sample count in 1..{MAX_SAMPLES_PER_VECTOR} per vector (every sample "
                          f"of a vector is decoded in one batch), found {value!r}; ask for fewer samples")
     return value
-
-
-def sample_count_flag(text: str) -> int:
-    """argparse type of a per-vector sample count (``--n-samples``): 1..MAX_SAMPLES_PER_VECTOR."""
-    return _bounded_int_flag(text, 1, MAX_SAMPLES_PER_VECTOR,
-                             f"expected an integer in 1..{MAX_SAMPLES_PER_VECTOR}, found {{text}}",
-                             f"expected a sample count in 1..{MAX_SAMPLES_PER_VECTOR} per vector (every sample of a "
-                             "vector is decoded in one batch), found {value}")

@@ -37,6 +37,7 @@ import yaml
 from nla.core.arch import save_tokenizer
 from nla.core.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE
 from nla.util.configcheck import check_config_types
+from nla.util.confighelp import option, with_help
 from nla.util.numerics import cpu_kernels, cpu_paths, describe_cpu_paths
 from nla.util.validation import load_yaml
 from nla.world.explain import TextExplainer
@@ -52,59 +53,72 @@ WORLD_FORMAT_VERSION = 5  # bump when the build's output changes for the same co
 class WorldConfig:
     """Everything that determines a world build (one YAML key per field).
 
-    ``default_layer``: recommended extraction layer K (output of block K); ``None``
-    resolves to ``n_layers // 2``.
+    Every field's meaning, unit and range is its help (``nla config describe world``).
     """
 
-    name: str = "default"
-    seed: int = 0
-    n_docs: int = 20000
-    n_heldout_docs: int = 1000
-    chat_fraction: float = 0.3  # explanation samples per training story
-    explainer_wrong_rate: float = 0.1
-    vocab_size: int = 1024
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    d_ff: int = 344
-    seq_len: int = 128
-    train_steps: int = 1200
-    batch_size: int = 16
-    lr: float = 3e-3
-    warmup_steps: int = 50
-    weight_decay: float = 0.1
-    default_layer: int | None = None
-    # Weight of the state-tracking objective at block ``default_layer`` (nla.world.subject); 0 turns it off.
-    state_weight: float = 0.2
+    name: str = option("default", help="the build's name: its cache dir is <name>-<config hash>.")
+    seed: int = option(0, help="seeds the stories, the explanation samples, the pretraining order and the "
+                              "subject's initialisation. Range: an integer in 0..2**32-1.")
+    n_docs: int = option(20000, help="training stories (doc ids 0..n_docs-1). Range: an integer >= 1.")
+    n_heldout_docs: int = option(1000, help="held-out stories after them (for the subject's held-out loss and "
+                                            "the probe), never trained on. Range: an integer >= 1.")
+    chat_fraction: float = option(0.3, help="explanation samples mixed into the subject's training stream, per "
+                                            "training story (so the subject reads the explanation language). "
+                                            "Range: [0, 2].")
+    explainer_wrong_rate: float = option(0.1, help="probability that one of those explanation samples also "
+                                                   "names a wrong fact. Range: [0, 1].")
+    vocab_size: int = option(1024, help="the byte-level BPE tokenizer's vocabulary size. Range: an integer "
+                                        ">= 300 (256 bytes + specials).")
+    d_model: int = option(128, help="the subject's width (hidden size): the vectors' dimension. Range: an "
+                                    "integer >= 1, divisible by n_heads.")
+    n_layers: int = option(4, help="the subject's decoder blocks. Range: an integer >= 3 (datagen extracts from "
+                                   "a middle block).")
+    n_heads: int = option(4, help="attention heads per block. Range: an integer >= 1 dividing d_model.")
+    d_ff: int = option(344, help="the MLP's inner width. Range: an integer >= 1.")
+    seq_len: int = option(128, help="tokens per pretraining block, and the subject's context length "
+                                    "(max_position_embeddings). Range: an integer >= 1.")
+    train_steps: int = option(1200, help="the subject's pretraining steps. Range: an integer >= 1.")
+    batch_size: int = option(16, help="blocks per pretraining step. Range: an integer >= 1.")
+    lr: float = option(3e-3, help="peak learning rate of the subject's AdamW (linear warmup, then cosine decay "
+                                  "to a tenth). Range: a number > 0.")
+    warmup_steps: int = option(50, help="pretraining steps of linear LR warmup. Range: an integer >= 0.")
+    weight_decay: float = option(0.1, help="AdamW's decoupled weight decay in pretraining. Range: a number >= 0.")
+    default_layer: int | None = option(None, help="the recommended extraction layer K (output of block K), "
+                                                  "where the state-tracking objective trains; null = n_layers "
+                                                  "// 2. Range: 0..n_layers-2 (a block before the last), or "
+                                                  "null.")
+    state_weight: float = option(0.2, help="weight of the state-tracking objective at block default_layer "
+                                           "(nla.world.subject), beside the next-token loss; 0 turns it off. "
+                                           "Range: a number >= 0.")
 
     def __post_init__(self) -> None:
         positive = ("n_docs", "n_heldout_docs", "d_model", "n_heads", "d_ff", "seq_len", "train_steps", "batch_size")
         for f in positive:
             if getattr(self, f) < 1:
-                raise ValueError(f"WorldConfig.{f}: must be >= 1, found {getattr(self, f)}")
+                _bad(f, f"WorldConfig.{f}: must be >= 1, found {getattr(self, f)}")
         if self.n_layers < 3:
-            raise ValueError(
-                f"WorldConfig.n_layers: must be >= 3 so datagen can extract from a middle layer, found {self.n_layers}"
-            )
+            _bad("n_layers",
+                 f"WorldConfig.n_layers: must be >= 3 so datagen can extract from a middle layer, found {self.n_layers}")
         if self.d_model % self.n_heads:
-            raise ValueError(f"WorldConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+            _bad("d_model", f"WorldConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.vocab_size < 300:
-            raise ValueError(f"WorldConfig.vocab_size: must be >= 300 (256 bytes + specials), found {self.vocab_size}")
+            _bad("vocab_size", f"WorldConfig.vocab_size: must be >= 300 (256 bytes + specials), found {self.vocab_size}")
         if not 0.0 <= self.chat_fraction <= 2.0:
-            raise ValueError(f"WorldConfig.chat_fraction: expected 0..2, found {self.chat_fraction}")
+            _bad("chat_fraction", f"WorldConfig.chat_fraction: expected 0..2, found {self.chat_fraction}")
         if not 0.0 <= self.explainer_wrong_rate <= 1.0:
-            raise ValueError(f"WorldConfig.explainer_wrong_rate: expected 0..1, found {self.explainer_wrong_rate}")
+            _bad("explainer_wrong_rate",
+                 f"WorldConfig.explainer_wrong_rate: expected 0..1, found {self.explainer_wrong_rate}")
         if not self.lr > 0:
-            raise ValueError(f"WorldConfig.lr: must be > 0, found {self.lr}")
+            _bad("lr", f"WorldConfig.lr: must be > 0, found {self.lr}")
         if not self.state_weight >= 0:
-            raise ValueError(f"WorldConfig.state_weight: must be >= 0 (0 turns the state objective off), "
-                             f"found {self.state_weight}")
+            _bad("state_weight", f"WorldConfig.state_weight: must be >= 0 (0 turns the state objective off), "
+                                 f"found {self.state_weight}")
         if self.default_layer is None:
             object.__setattr__(self, "default_layer", self.n_layers // 2)
         if not 0 <= self.default_layer < self.n_layers - 1:
-            raise ValueError(
-                f"WorldConfig.default_layer: expected 0..{self.n_layers - 2} (a block before the last), "
-                f"found {self.default_layer}"
+            _bad("default_layer",
+                 f"WorldConfig.default_layer: expected 0..{self.n_layers - 2} (a block before the last), "
+                 f"found {self.default_layer}"
             )
 
     @property
@@ -129,6 +143,10 @@ class WorldConfig:
     @classmethod
     def from_yaml(cls, path: str | Path) -> WorldConfig:
         return cls.from_dict(load_yaml(path, "world config") or {})
+
+
+def _bad(name: str, message: str) -> None:
+    raise ValueError(with_help(message, WorldConfig, name))
 
 
 WORLD_PRESETS: dict[str, WorldConfig] = {

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from nla.eval.probing import fit_logistic, standardise
+from nla.core.probing import fit_logistic, standardise
 from nla.world.facts import KINDS, VOCAB, Document, Fact, token_facts
 
 logger = logging.getLogger(__name__)
@@ -119,10 +119,10 @@ def collect_layer_vectors(
 ) -> tuple[dict[int, np.ndarray], list[list[str]]]:
     """Block-``K`` outputs for every K in ``layers`` at sampled positions, and the facts there.
 
-    Positions are drawn as in datagen (``nla.datagen.extract.sample_positions``), so a probe
+    Positions are drawn as in datagen (``nla.core.activations.sample_positions``), so a probe
     sees the same kind of rows the NLA is trained on. Returns ``({K: [N, d]}, facts)``.
     """
-    from nla.datagen.extract import sample_positions
+    from nla.core.activations import sample_positions
 
     vecs: dict[int, list[np.ndarray]] = {k: [] for k in layers}
     facts: list[list[str]] = []

@@ -25,7 +25,7 @@ def recall_slots(model: Any, tokenizer: Any, docs: Sequence[Document], layer: in
     true at p), as columns: ``doc_id``, ``position``, ``context`` (the text up to and including
     token p, as datagen writes it), ``facts`` (true at p, ``"kind=value"``), ``next_fact`` and
     ``vectors`` [N, d] (block ``layer``'s output at p, as datagen extracts it)."""
-    from nla.datagen.extract import block_outputs, pad_right, tokenize_text
+    from nla.core.activations import block_outputs, pad_right, tokenize_text
 
     out: dict[str, Any] = {"doc_id": [], "position": [], "context": [], "facts": [], "next_fact": []}
     vecs = []

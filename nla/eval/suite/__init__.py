@@ -36,10 +36,9 @@ AR as the empty explanation (not a failed sample: the AR reads what is left); fa
 the AV (no explanation) have no claims and are charged the failure cost wherever FVE is taken.
 """
 
-from nla.client import Claim, attribute_claims
 from nla.eval.suite.best_of import best_of_n
 from nla.eval.suite.causal import causal_edits, patch_residual, patched_next_token_logits, steering_vector
-from nla.eval.suite.claims import claims_summary
+from nla.eval.suite.claims import Claim, attribute_claims, claims_summary
 from nla.eval.suite.common import PARTS, TARGETS, fact_kind
 from nla.eval.suite.confabulation import confabulation
 from nla.eval.suite.directions import direction_inputs, fact_directions, norm_warnings, verbalize_directions

@@ -8,9 +8,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nla.client import NLAClient, charged_mse
+from nla.client import NLAClient
 from nla.core.graders import DatasetGrader
 from nla.core.vectors import fve_of_mse
+from nla.eval.suite.common import charged_mse
 
 
 # ------------------------------------------------------------------ 6. best-of-N

@@ -76,7 +76,7 @@ def steering_vector(client: NLAClient, texts: Sequence[str], norm: float | Tenso
 
 
 def _encode_contexts(tokenizer: Any, contexts: Sequence[str], max_len: int) -> tuple[Tensor, Tensor, Tensor]:
-    from nla.datagen.extract import pad_right, tokenize_text
+    from nla.core.activations import pad_right, tokenize_text
 
     ids = [tokenize_text(tokenizer, c, max_len)[0] for c in contexts]
     input_ids, mask = pad_right(ids, tokenizer.pad_token_id or 0)
@@ -113,7 +113,7 @@ def causal_edits(client: NLAClient, subject: nn.Module, subject_tokenizer: Any, 
     gen = torch.Generator().manual_seed(seed)
     device = next(subject.parameters()).device
     subject.eval()
-    from nla.datagen.extract import block_outputs
+    from nla.core.activations import block_outputs
 
     counts = dict(rows=len(contexts), not_reproduced=0, recall_slots=0, not_claimed=0, edits=0)
     hits = dict(edited_moves=0, edited_keeps=0, unedited_keeps=0, unedited_moves=0, random_moves=0,

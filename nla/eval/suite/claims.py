@@ -1,16 +1,79 @@
-"""Part 1, claim attribution: the deletion cost of true, false and quotation claims.
-
-``attribute_claims`` and ``Claim`` live with the client (``nla.client``), which offers them as
-``NLAClient.attribute_claims``; this part summarises them over a dataset."""
+"""Part 1, claim attribution: what deleting each claim of an explanation costs the AR's
+reconstruction (``attribute_claims``), and the deletion cost of true, false and quotation claims
+over a dataset (``claims_summary``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
-from nla.client import Claim
-from nla.core.graders import DatasetGrader
+from nla.client import NLAClient, NLAClientError
+from nla.core.graders import DatasetGrader, get_grader
+from nla.eval.suite.common import mse_of_texts
+
+__all__ = ["Claim", "attribute_claims", "claims_summary"]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One claim of an explanation and what deleting it costs the AR's reconstruction.
+
+    delta_mse: mse_nrm without the claim minus with it (> 0: the claim carried information the
+        AR used); truth: the grader's verdict (None: names no fact, or no truth was given);
+        quotation: the claim quotes the text read (its end, in the world's language) rather than claiming a fact.
+    """
+
+    text: str
+    delta_mse: float
+    truth: bool | None
+    quotation: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def attribute_claims(client: NLAClient, texts: Sequence[str | None], vectors: Any, *,
+                     grader: DatasetGrader | str | None = None, truths: Sequence[Sequence[str]] | None = None,
+                     batch_size: int = 64) -> list[list[Claim]]:
+    """Per explanation, its claims with their deletion cost (``nla.eval.suite``, part 1).
+
+    ``texts[i]`` explains RAW ``vectors[i]``; None (a failed sample) has no claims. ``grader``: the
+    one that splits claims and judges them (``generic``: sentences, no truth); ``truths[i]``: row
+    i's facts, for each claim's ``truth``. All deletions are read in one batched pass of the AR.
+    """
+    grader = get_grader(grader) if isinstance(grader, str) else (grader or get_grader("generic"))
+    gold = torch.as_tensor(np.asarray(vectors), dtype=torch.float32)
+    if gold.ndim != 2 or gold.shape[0] != len(texts):
+        raise NLAClientError(f"attribute_claims: {len(texts)} texts for vectors of shape {tuple(gold.shape)}; pass "
+                             "one [N, d] row per text")
+    if truths is not None and len(truths) != len(texts):
+        raise NLAClientError(f"attribute_claims: {len(truths)} fact lists for {len(texts)} texts")
+    claims = [grader.claims(t) if t is not None else [] for t in texts]
+    variants: list[str] = []  # per row with claims: the full text, then each deletion
+    rows: list[int] = []
+    for i, cs in enumerate(claims):
+        if cs:
+            variants.append(str(texts[i]))
+            variants += [" ".join(cs[:j] + cs[j + 1:]) for j in range(len(cs))]
+            rows += [i] * (len(cs) + 1)
+    mse = mse_of_texts(client, variants, gold[rows], batch_size) if variants else torch.zeros(0)
+    out: list[list[Claim]] = []
+    k = 0
+    for i, cs in enumerate(claims):
+        if not cs:
+            out.append([])
+            continue
+        full = float(mse[k])
+        out.append([Claim(c, float(mse[k + 1 + j]) - full,
+                          grader.claim_truth(c, truths[i]) if truths is not None else None, grader.is_quotation(c))
+                    for j, c in enumerate(cs)])
+        k += len(cs) + 1
+    return out
+
 
 
 def claims_summary(attr: list[list[Claim]], raw_mean: float, grader: DatasetGrader | None = None,

@@ -1,9 +1,16 @@
-"""What the suite's parts share: the part names, the targets every report checks, fact kinds and
-rows grouped by document."""
+"""What the suite's parts share: the part names, the targets every report checks, fact kinds, rows
+grouped by document, and the AR's mse of texts against vectors (failed samples charged)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from nla.client import NLAClient
+from nla.core.reward import charge_failures, failed_mse
+from nla.core.vectors import mse_nrm
 
 PARTS = ("claims", "hidden_code", "causal", "directions", "confabulation", "best_of")
 
@@ -44,3 +51,23 @@ def earlier_truths(truths: Sequence[Sequence[str]], doc_ids: Sequence[int], posi
             out[i] = set(seen)
             seen |= set(truths[i])
     return out
+
+
+def mse_of_texts(client: NLAClient, texts: Sequence[str], gold: Tensor, batch_size: int) -> Tensor:
+    """[N] ``mse_nrm`` of the AR's reading of ``texts`` (every one a string, the empty one included)
+    against ``gold`` [N, d] RAW, at the AR's scale."""
+    side = client.require_ar("the suite")
+    if not texts:
+        return torch.zeros(0)
+    pred = client.reconstruct(list(texts), batch_size=batch_size)
+    return mse_nrm(pred, gold.float(), side.mse_scale_value())
+
+
+def charged_mse(client: NLAClient, texts: Sequence[str | None], gold: Tensor, batch_size: int) -> Tensor:
+    """[N] mse with None texts (failed samples) charged the failure cost."""
+    failed = torch.tensor([t is None for t in texts], dtype=torch.bool)
+    mse = torch.zeros(len(texts))
+    ok = [i for i, t in enumerate(texts) if t is not None]
+    if ok:
+        mse[ok] = mse_of_texts(client, [texts[i] for i in ok], gold[ok], batch_size)
+    return charge_failures(mse, failed, failed_mse(gold, client.ar_sidecar.mse_scale_value()))

@@ -36,9 +36,9 @@ def norm_warnings(vectors: Tensor, reference: Tensor, factor: float = 2.0) -> li
 def fact_directions(vectors: Tensor, truths: Sequence[Sequence[str]], facts: Sequence[str], *,
                     l2: float = 1e-3, steps: int = 100) -> tuple[Tensor, Tensor]:
     """A linear probe's direction for each of ``facts``: (unit directions [F, d], the mean of the
-    unit-normalised vectors [d]), in the space of unit-normalised vectors (``nla.eval.probing``: the
+    unit-normalised vectors [d]), in the space of unit-normalised vectors (``nla.core.probing``: the
     probe reads standardised features, so its weight for fact f maps back as ``w_f / sd``)."""
-    from nla.eval.probing import fit_logistic, standardise
+    from nla.core.probing import fit_logistic, standardise
 
     x = torch.as_tensor(np.asarray(vectors), dtype=torch.float32)
     z, _ = standardise(x, x[:1])

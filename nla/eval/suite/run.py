@@ -12,12 +12,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from nla.client import NLAClient, NLAClientError, attribute_claims
+from nla.client import NLAClient, NLAClientError
 from nla.core.graders import DatasetGrader, get_grader, grader_for_table
 from nla.core.vectors import check_spread
 from nla.eval.suite.best_of import best_of_n
 from nla.eval.suite.causal import causal_edits
-from nla.eval.suite.claims import claims_summary
+from nla.eval.suite.claims import attribute_claims, claims_summary
 from nla.eval.suite.common import PARTS, earlier_truths
 from nla.eval.suite.confabulation import confabulation
 from nla.eval.suite.directions import directions_summary

@@ -15,7 +15,8 @@ from torch import Tensor, nn
 
 from nla.core.injection import InjectionHook
 from nla.core.reward import Status
-from nla.core.sidecar import NLAConfig, canonical_av_prompt_ids
+from nla.core.sidecar import NLAConfig
+from nla.core.token_ids import canonical_av_prompt_ids
 from nla.rl.distributed import DataParallel
 from nla.rl.sampling import sample_responses
 from nla.rl.types import Rollout

@@ -1,7 +1,9 @@
-"""The world's dataset grader (``nla.core.graders`` name ``world``): facts, format checks, oracle.
+"""The grader of world datasets (``nla.core.graders`` name ``world``): facts, format checks, oracle.
 
 What ``nla eval``, the RL loop and the format penalty read from a world dataset, through the
-registry in ``nla.core.graders``: the core imports none of this module.
+registry in ``nla.core.graders``: the core imports none of this module. It speaks the world's
+explanation language (``nla.world``) and reads the datagen settings a dataset's sidecar records
+(``DatagenConfig``), so it sits in datagen, the layer above the world.
 """
 
 from __future__ import annotations
@@ -158,7 +160,7 @@ class WorldGrader(DatasetGrader):
         cols = table.column_names
         if "explanation" in cols or not {"facts", "doc_id", "position"} <= set(cols):
             return None
-        from nla.datagen.explain import row_key
+        from nla.datagen.explainer_base import row_key
 
         seed, kw = 0, {}
         dc = _datagen_config(dataset_path, "text explainer baseline")
