@@ -615,10 +615,15 @@ def test_gradient_checkpointing_gives_the_same_updates_and_recomputes(pair, tmp_
     for key in ("policy_loss", "pg_loss", "kl", "grad_norm"):
         assert m_b[key] == pytest.approx(m_a[key], rel=1e-5, abs=1e-7), key
     assert ar_b["ar_loss"] == pytest.approx(ar_a["ar_loss"], rel=1e-6)
+    # The weights after one Adam step: Adam scales each gradient by its own running norm, so where a
+    # gradient is near Adam's eps a last-bit difference between the two paths (whole rows vs the
+    # shared prefix) moves the weight by a visible fraction of lr (3e-4). Measured on an Intel Xeon
+    # under MKL's AVX2 branch: 1 element of 11,008 apart by 6.9e-6; a tenth of lr bounds that and
+    # is far below what a wrong recompute gives (the losses and gradient norms above hold to 1e-5).
     for k in w_a:
-        torch.testing.assert_close(w_b[k], w_a[k], rtol=1e-5, atol=5e-6)
+        torch.testing.assert_close(w_b[k], w_a[k], rtol=1e-5, atol=3e-5)
     for k in war_a:
-        torch.testing.assert_close(war_b[k], war_a[k], rtol=1e-5, atol=5e-6)
+        torch.testing.assert_close(war_b[k], war_a[k], rtol=1e-5, atol=3e-5)
 
 
 def test_a_run_whose_plan_exceeds_the_gpu_is_refused_before_loading(pair, tmp_path, monkeypatch, capsys):
