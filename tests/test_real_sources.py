@@ -131,7 +131,8 @@ def test_converted_config_and_chat_template(smollm2):
 def test_converted_model_matches_the_gguf_and_nla_extracts_from_it(smollm2):
     from transformers import AutoModelForCausalLM
 
-    from nla.datagen.extract import block_outputs, load_subject
+    from nla.core.activations import block_outputs
+    from nla.datagen.extract import load_subject
 
     model, tok = load_subject(smollm2)  # nla's own loader: checksums, safetensors, fp32
     gguf = R.smollm2_gguf()

@@ -72,7 +72,7 @@ def smollm2_dir(cache: str | os.PathLike | None = None) -> Path:
     ``cache``: the cache root (default `cache_root()`); the directory is
     ``<cache>/models/smollm2-135m-instruct-<sha256[:12] of the GGUF>``, so a different GGUF gets its own.
     """
-    from nla.util.validation import file_sha256
+    from nla.util.checkpoint_files import file_sha256
 
     gguf = smollm2_gguf()
     digest = file_sha256(gguf, use_record=True)
