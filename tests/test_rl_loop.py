@@ -264,15 +264,18 @@ def test_optimizer_state_of_another_backend_is_refused(pair, tmp_path):
 
 
 def test_grpo_raises_mean_reward(pair, tmp_path):
-    # Seeded run; measured on this fixture (2026-11-30): mean reward over the first 5 steps
-    # -1.49, over the last 5 of 30 steps -1.07 (+0.42). Assert a margin of 0.2.
+    # Seeded run. A step's mean reward (16 samples) scatters by about 0.2 around its trend, so the
+    # test compares means over 10 steps of a 60-step run. Measured on this fixture: 30 steps, first 5
+    # vs last 5, -1.49 -> -1.07 (+0.42; AMD EPYC, 2026-11-30) but -1.536 -> -1.504 (+0.03) on an
+    # Intel Xeon under MKL's AVX2 branch (another trajectory of the same chaotic process); 60 steps,
+    # first 10 vs last 10, -1.428 -> -1.210 (+0.22) on that Xeon. Assert a margin of 0.1.
     out = tmp_path / "grpo"
-    res = run_rl(_cfg(pair, out, steps=30, checkpointing=dict(save_every=15), eval_every=1000))
+    res = run_rl(_cfg(pair, out, steps=60, checkpointing=dict(save_every=30), eval_every=1000))
     recs = [r for r in read_metrics(out / "rl.jsonl") if "reward_mean" in r]
-    assert len(recs) == 30
-    first = np.mean([r["reward_mean"] for r in recs[:5]])
-    last = np.mean([r["reward_mean"] for r in recs[-5:]])
-    assert last > first + 0.2, (first, last)
+    assert len(recs) == 60
+    first = np.mean([r["reward_mean"] for r in recs[:10]])
+    last = np.mean([r["reward_mean"] for r in recs[-10:]])
+    assert last > first + 0.1, (first, last)
     assert recs[0]["step0_guard_diff"] < 1e-4
     for key in ("kl", "clipfrac", "approx_kl", "entropy", "fve_nrm", "response_len", "truncation_rate",
                 "extraction_fail_rate", "zero_spread_frac", "time_generate", "time_reward", "time_policy", "time_ar",
@@ -281,7 +284,7 @@ def test_grpo_raises_mean_reward(pair, tmp_path):
     assert (out / "rl_curves.png").is_file()
     ck = res.checkpoint_dir
     assert load_sidecar(ck / "av").role == "av" and load_sidecar(ck / "ar").role == "ar"
-    assert json.loads((out / "rl_summary.json").read_text())["step"] == 30
+    assert json.loads((out / "rl_summary.json").read_text())["step"] == 60
 
 
 def test_resume_matches_uninterrupted(pair, tmp_path):
@@ -617,13 +620,14 @@ def test_gradient_checkpointing_gives_the_same_updates_and_recomputes(pair, tmp_
     assert ar_b["ar_loss"] == pytest.approx(ar_a["ar_loss"], rel=1e-6)
     # The weights after one Adam step: Adam scales each gradient by its own running norm, so where a
     # gradient is near Adam's eps a last-bit difference between the two paths (whole rows vs the
-    # shared prefix) moves the weight by a visible fraction of lr (3e-4). Measured on an Intel Xeon
-    # under MKL's AVX2 branch: 1 element of 11,008 apart by 6.9e-6; a tenth of lr bounds that and
-    # is far below what a wrong recompute gives (the losses and gradient norms above hold to 1e-5).
+    # shared prefix) moves the weight by a visible fraction of lr (policy 3e-4, AR 1e-3). Measured on
+    # an Intel Xeon under MKL's AVX2 branch: 1 policy weight of 11,008 apart by 6.9e-6, 1 AR weight of
+    # 32,832 by 4.3e-5; a tenth of each lr bounds that and is far below what a wrong recompute gives
+    # (the losses and gradient norms above hold to 1e-5).
     for k in w_a:
         torch.testing.assert_close(w_b[k], w_a[k], rtol=1e-5, atol=3e-5)
     for k in war_a:
-        torch.testing.assert_close(war_b[k], war_a[k], rtol=1e-5, atol=3e-5)
+        torch.testing.assert_close(war_b[k], war_a[k], rtol=1e-5, atol=1e-4)
 
 
 def test_a_run_whose_plan_exceeds_the_gpu_is_refused_before_loading(pair, tmp_path, monkeypatch, capsys):

@@ -265,3 +265,21 @@ def test_cli_probe_prints_every_layer_and_writes_json(tiny_world, capsys, tmp_pa
     assert main(["world", "probe", "--preset", "tiny", "--out", str(base), "--layers", "5"]) == 2
     assert "blocks 0..1" in capsys.readouterr().err
     assert main(["world", "probe", "--preset", "tiny", "--out", str(base), "--test-docs", "0"]) == 2
+
+
+def test_a_cached_build_from_another_thread_count_is_built_again(tmp_path, caplog):
+    """A world built at another torch thread count has other bits (nla.util.threads): the cache is
+    not reused for it (a test building the world at 1 thread once left a build that a 2-thread
+    quickstart then reused, and its numbers differed from a fresh build's)."""
+    import torch
+
+    first = build_world(MICRO, out=tmp_path, progress=False)
+    summary = first.root / "summary.json"
+    data = json.loads(summary.read_text())
+    data["torch_threads"] = torch.get_num_threads() + 1
+    summary.write_text(json.dumps(data))
+    with caplog.at_level("WARNING", logger="nla.world.build"):
+        again = build_world(MICRO, out=tmp_path, progress=False)
+    assert not again.from_cache and again.summary["torch_threads"] == torch.get_num_threads()
+    assert f"ran {torch.get_num_threads() + 1} torch threads, this process runs {torch.get_num_threads()}" in caplog.text
+    assert build_world(MICRO, out=tmp_path, progress=False).from_cache  # the same count: reused

@@ -243,15 +243,23 @@ def build_world(
     root = world_dir(config, out)
     if (root / "summary.json").exists() and not force:
         cached = load_world(root)
+        import torch
+
         built_with, here = cached.summary.get("cpu_paths"), cpu_paths()
-        if built_with == here:
+        threads_then, threads = cached.summary.get("torch_threads"), torch.get_num_threads()
+        if built_with == here and threads_then == threads:
             logger.info("world %s: using cached build %s", config.name, root)
             return cached
-        # Other CPU code paths give other bits (nla.util.numerics); a build from before they were
-        # all recorded may have run any, so it is built again too.
-        logger.warning("world %s: the cached build %s ran %s CPU paths, this process runs %s; building it again",
-                       config.name, root, describe_cpu_paths(built_with) if built_with else "unrecorded",
-                       describe_cpu_paths(here))
+        # Other CPU code paths, or another thread count, give other bits (nla.util.numerics,
+        # nla.util.threads); a build from before the paths were all recorded may have run any, so it
+        # is built again too.
+        if built_with != here:
+            logger.warning("world %s: the cached build %s ran %s CPU paths, this process runs %s; building it again",
+                           config.name, root, describe_cpu_paths(built_with) if built_with else "unrecorded",
+                           describe_cpu_paths(here))
+        else:
+            logger.warning("world %s: the cached build %s ran %s torch threads, this process runs %d; building it "
+                           "again", config.name, root, threads_then, threads)
         force = True
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = root.parent / f".tmp-{root.name}-{uuid.uuid4().hex[:8]}"
