@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import assert_close_up_to_adam_eps
 from train_helpers import dataset_sidecar, write_av_dataset
 
 from nla.core.reward import FAILED_EXTRACTION_REWARD, FAILED_EXTRACTION_REWARD_LOG
@@ -618,16 +619,13 @@ def test_gradient_checkpointing_gives_the_same_updates_and_recomputes(pair, tmp_
     for key in ("policy_loss", "pg_loss", "kl", "grad_norm"):
         assert m_b[key] == pytest.approx(m_a[key], rel=1e-5, abs=1e-7), key
     assert ar_b["ar_loss"] == pytest.approx(ar_a["ar_loss"], rel=1e-6)
-    # The weights after one Adam step: Adam scales each gradient by its own running norm, so where a
-    # gradient is near Adam's eps a last-bit difference between the two paths (whole rows vs the
-    # shared prefix) moves the weight by a visible fraction of lr (policy 3e-4, AR 1e-3). Measured on
-    # an Intel Xeon under MKL's AVX2 branch: 1 policy weight of 11,008 apart by 6.9e-6, 1 AR weight of
-    # 32,832 by 4.3e-5; a tenth of each lr bounds that and is far below what a wrong recompute gives
-    # (the losses and gradient norms above hold to 1e-5).
+    # The weights after the step (conftest.assert_close_up_to_adam_eps: a weight whose gradient is near
+    # Adam's eps may move by a share of lr; measured on an Intel Xeon under MKL's AVX2 branch, 1 policy
+    # weight of 32,832 apart by 4.3e-5 and 1 of 11,008 by 6.9e-6, every other one within 5e-6)
     for k in w_a:
-        torch.testing.assert_close(w_b[k], w_a[k], rtol=1e-5, atol=3e-5)
+        assert_close_up_to_adam_eps(w_b[k], w_a[k], lr=3e-4, steps=1, atol=5e-6, rtol=1e-5)
     for k in war_a:
-        torch.testing.assert_close(war_b[k], war_a[k], rtol=1e-5, atol=1e-4)
+        assert_close_up_to_adam_eps(war_b[k], war_a[k], lr=1e-3, steps=1, atol=5e-6, rtol=1e-5)
 
 
 def test_a_run_whose_plan_exceeds_the_gpu_is_refused_before_loading(pair, tmp_path, monkeypatch, capsys):
@@ -647,3 +645,17 @@ def test_a_run_whose_plan_exceeds_the_gpu_is_refused_before_loading(pair, tmp_pa
     assert "--no-plan-check" in err and not (tmp_path / "run").exists()
     expected = plan.plan_of_config(cfg).peak
     assert f"needs about {expected / 2**30:.1f} GiB" in err
+
+
+def test_the_adam_eps_tolerance_passes_an_isolated_move_and_fails_a_wrong_update():
+    w = torch.zeros(1000)
+    one = w.clone()
+    one[7] = 2e-4  # one weight moved by 2/3 of lr (a gradient near Adam's eps): passes
+    assert_close_up_to_adam_eps(one, w, lr=3e-4, steps=1, atol=5e-6, rtol=1e-5)
+    far = w.clone()
+    far[7] = 1e-3  # beyond 3 * lr * steps: no Adam step moves a weight that far
+    with pytest.raises(AssertionError, match="largest difference"):
+        assert_close_up_to_adam_eps(far, w, lr=3e-4, steps=1, atol=5e-6, rtol=1e-5)
+    many = w + 1e-5  # every weight moved (a mis-scaled gradient): 1000 outside the tight tolerance
+    with pytest.raises(AssertionError, match="1000 of 1000 elements"):
+        assert_close_up_to_adam_eps(many, w, lr=3e-4, steps=1, atol=5e-6, rtol=1e-5)
