@@ -27,8 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-PIN_VARS = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_DYNAMIC", "ONEDNN_MAX_CPU_ISA", "NPY_DISABLE_CPU_FEATURES",
-            "OPENBLAS_CORETYPE", "NLA_CPU_PIN")
+from nla.util.numerics import OPT_OUT, pins  # noqa: E402
+
+PIN_VARS = (*(p.var for p in pins()), OPT_OUT)
 MODE_ENV = {"pinned": {}, "portable": {"NLA_CPU_PIN": "portable"}, "off": {"NLA_CPU_PIN": "off"}}
 
 

@@ -55,8 +55,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-PIN_VARS = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_DYNAMIC", "ONEDNN_MAX_CPU_ISA", "NPY_DISABLE_CPU_FEATURES",
-            "OPENBLAS_CORETYPE", "MKL_ENABLE_INSTRUCTIONS")
+from nla.util.numerics import pins  # noqa: E402
+
+# nla's pin variables, and MKL's instruction cap, which the settings below compare with its CNR branch
+PIN_VARS = (*(p.var for p in pins()), "MKL_ENABLE_INSTRUCTIONS")
 _ATEN = {"ATEN_CPU_CAPABILITY": "avx2"}
 SETTINGS: dict[str, dict[str, str] | None] = {
     "free": {"NLA_CPU_PIN": "off"},

@@ -100,16 +100,21 @@ class LibraryPin:
     value: str
 
 
-def _cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The CPU's vendor id (``GenuineIntel``, ``AuthenticAMD``, ...), empty where it cannot be read."""
+def _cpuinfo_field(name: str, cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The first ``name : value`` of /proc/cpuinfo (Linux), "" where it cannot be read."""
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as fh:
             for line in fh:
-                if line.startswith("vendor_id"):
+                if line.startswith(name):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def _cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's vendor id (``GenuineIntel``, ``AuthenticAMD``, ...), empty where it cannot be read."""
+    return _cpuinfo_field("vendor_id", cpuinfo)
 
 
 def mkl_branch(mode: str | None = None, vendor: str | None = None) -> str:
@@ -137,14 +142,7 @@ def pins(mode: str | None = None, vendor: str | None = None) -> tuple[LibraryPin
 
 def _cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
     """The CPU's feature flags (Linux), empty where they cannot be read."""
-    try:
-        with open(cpuinfo, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set(_cpuinfo_field("flags", cpuinfo).split())
 
 
 def pin_applies(machine: str | None = None, flags: set[str] | None = None) -> bool:
