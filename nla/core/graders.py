@@ -228,7 +228,8 @@ def has_repeated_sentence(sentences: list[str]) -> bool:
 # ------------------------------------------------------------------ the registry
 GraderFactory = Callable[[], DatasetGrader]
 # name -> factory, or "module:attr" imported on first use (so this module imports no dataset code)
-_REGISTRY: dict[str, GraderFactory | str] = {"generic": GenericGrader, "world": "nla.datagen.world_grader:WorldGrader"}
+_REGISTRY: dict[str, GraderFactory | str] = {"generic": GenericGrader, "world": "nla.datagen.world_grader:WorldGrader",
+                                                 "wiki": "nla.datagen.wiki:WikiGrader"}
 _INSTANCES: dict[str, DatasetGrader] = {}
 _ENTRY_POINTS_READ = False
 

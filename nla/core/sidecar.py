@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -83,6 +84,10 @@ class NLAConfig:
         embedding width (``nla.core.injection.InjectionAdapter``): ``{kind: affine, d_in, d_out, file}``
         and, when true, ``mean_invariant`` and ``conformal`` (absent: false); None: the vector is
         injected as it is (after ``injection_scale``).
+    vector_offset: the vector subtracted from the subject's raw block outputs to get the vectors the
+        pair reads and writes (``extraction.vector_offset``, nla's key: the training splits' mean for a
+        ``center: true`` dataset, whose ``activation_vector`` column already holds the differences);
+        None: the pair reads raw block outputs. ``to_pair_space`` applies it.
 
     The AV fields come all together or not at all, the AR fields likewise. Role "av" needs the AV
     fields, role "ar" the AR fields, a dataset both; a model sidecar without a role needs one set.
@@ -106,6 +111,7 @@ class NLAConfig:
     model_base: str | None = None
     model_width: int | None = None
     injection_adapter: dict | None = field(default=None, hash=False)
+    vector_offset: tuple[float, ...] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -151,6 +157,38 @@ class NLAConfig:
             raise ValueError(f"NLAConfig.training: expected a mapping, found {type(self.training).__name__}")
         object.__setattr__(self, "training", dict(self.training))
         self._check_own_model()
+        self._check_offset()
+
+    def _check_offset(self) -> None:
+        off = self.vector_offset
+        if off is None:
+            return
+        if isinstance(off, (str, bytes, Mapping)) or not isinstance(off, Sequence):
+            raise ValueError(f"NLAConfig.vector_offset (extraction.vector_offset): expected a list of {self.d_model} "
+                             f"numbers, found {type(off).__name__}")
+        off = tuple(off)
+        if len(off) != self.d_model:
+            raise ValueError(f"NLAConfig.vector_offset (extraction.vector_offset): expected {self.d_model} numbers "
+                             f"(d_model), found {len(off)}")
+        bad = [i for i, v in enumerate(off) if isinstance(v, bool) or not isinstance(v, (int, float))
+               or not math.isfinite(v)]
+        if bad:
+            raise ValueError(f"NLAConfig.vector_offset (extraction.vector_offset): entry {bad[0]} is "
+                             f"{off[bad[0]]!r}; expected finite numbers")
+        object.__setattr__(self, "vector_offset", tuple(float(v) for v in off))
+
+    def to_pair_space(self, raw: Any) -> Any:
+        """The subject's raw block outputs ([..., d_model], a tensor or an array) as the pair reads
+        them: minus ``vector_offset`` when the sidecar records one, unchanged otherwise."""
+        if self.vector_offset is None:
+            return raw
+        import numpy as np
+
+        if isinstance(raw, np.ndarray):
+            return raw - np.asarray(self.vector_offset, dtype=raw.dtype)
+        import torch
+
+        return raw - torch.tensor(self.vector_offset, dtype=raw.dtype, device=raw.device)
 
     def _check_own_model(self) -> None:
         w = self.model_width
@@ -471,6 +509,7 @@ def load_sidecar(path: str | os.PathLike) -> NLAConfig:
             model_base=opt(("model", "base_model")),
             model_width=opt(("model", "hidden_size")),
             injection_adapter=opt(("injection_adapter",)),
+            vector_offset=opt(("extraction", "vector_offset")),
         )
     except SidecarError:
         raise
@@ -544,6 +583,8 @@ def sidecar_document(cfg: NLAConfig, **provenance: Any) -> dict:
     # Numbers, never the symbol "sqrt_d_model" (which stays a valid input): the published readers
     # convert both scales with float(), and their released sidecars hold numbers (150, 59.87).
     extraction.update(injection_scale=cfg.injection_scale_value(), mse_scale=cfg.mse_scale_value())
+    if cfg.vector_offset is not None:  # nla's key (the published readers ignore it): docs/serve.md
+        extraction["vector_offset"] = list(cfg.vector_offset)
     doc["extraction"] = extraction
     tokens: dict[str, Any] = {}
     templates: dict[str, Any] = {}

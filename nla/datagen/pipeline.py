@@ -46,7 +46,8 @@ _STAGE_FIELDS = {
                 "batches_per_shard", "bad_vectors"),
     "split": ("split_fractions",),
     "explain": ("explainer", "world_explainer", "provider"),
-    "build": ("av_template", "ar_template", "injection_char", "injection_scale", "mse_scale", "shuffled_baseline"),
+    "build": ("av_template", "ar_template", "injection_char", "injection_scale", "mse_scale", "shuffled_baseline",
+              "center"),
 }  # fmt: skip
 
 
@@ -83,6 +84,10 @@ class Resolved:
 
 def resolve(cfg: DatagenConfig) -> Resolved:
     """Fill model_dir / layer_index / n_docs from the world build when source=world (builds it if needed)."""
+    if cfg.source == "wikipedia" and cfg.model_dir is None:
+        from nla.datagen.real_sources import smollm2_dir
+
+        return Resolved(cfg.replace(model_dir=str(smollm2_dir())))
     if cfg.source != "world":
         return Resolved(cfg)
     from nla.world import build_world
@@ -105,6 +110,10 @@ def load_corpus(res: Resolved) -> list:
     cfg = res.cfg
     if cfg.source == "world":
         return world_corpus(res.world_seed or 0, cfg.n_docs, start_id=cfg.doc_start_id)
+    if cfg.source == "wikipedia":
+        from nla.datagen.real_sources import wikipedia_corpus
+
+        return wikipedia_corpus(cfg.n_docs, cfg.seed)
     return read_text_corpus(cfg.corpus_path, cfg.text_column)
 
 
@@ -171,7 +180,8 @@ def _build(res: Resolved, out: Path) -> dict[str, Any]:
     r = build_datasets(
         splits, c.model_dir, c.layer_index, out, av_template=c.av_template, ar_template=c.ar_template,
         injection_char=c.injection_char, injection_scale=c.injection_scale, mse_scale=c.mse_scale,
-        shuffled_baseline=c.shuffled_baseline, seed=c.seed,
+        shuffled_baseline=c.shuffled_baseline, seed=c.seed, center=c.center,
+        grader="wiki" if c.source == "wikipedia" else None,
         provenance={"datagen_config": str(out / CONFIG_FILE), "explainer": c.explainer},
     )  # fmt: skip
     return {"files": r.files}

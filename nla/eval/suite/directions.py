@@ -74,10 +74,16 @@ def verbalize_directions(client: NLAClient, directions: Tensor, reference: Tenso
     return client.verbalize(inputs, **verbalize_kwargs), warnings
 
 
+MIN_DIRECTION_ROWS = 5
+
+
 def directions_summary(client: NLAClient, gold: Tensor, truths: list[list[str]], grader: DatasetGrader,
-                       strengths: Sequence[float], batch_size: int, max_new_tokens: int) -> dict[str, Any]:
+                       strengths: Sequence[float], batch_size: int, max_new_tokens: int) -> dict[str, Any] | None:
+    """None when no fact holds on ``MIN_DIRECTION_ROWS`` rows or more (no direction can be fitted)."""
     present = sorted({f for t in truths for f in t})
-    facts = [f for f in present if sum(f in t for t in truths) >= 5]  # a direction needs rows to fit it on
+    facts = [f for f in present if sum(f in t for t in truths) >= MIN_DIRECTION_ROWS]  # rows to fit it on
+    if not facts:
+        return None
     dirs, mean_unit = fact_directions(gold, truths, facts)
     per: dict[str, Any] = {}
     for strength in strengths:

@@ -20,7 +20,7 @@ from nla.eval.suite.causal import causal_edits
 from nla.eval.suite.claims import attribute_claims, claims_summary
 from nla.eval.suite.common import PARTS, earlier_truths
 from nla.eval.suite.confabulation import confabulation
-from nla.eval.suite.directions import directions_summary
+from nla.eval.suite.directions import MIN_DIRECTION_ROWS, directions_summary
 from nla.eval.suite.hidden_code import Paraphraser, hidden_code_summary
 from nla.eval.suite.report import SuiteReport
 
@@ -158,8 +158,12 @@ def run_suite(
             report.skipped["directions"] = "the dataset's grader knows no facts to take directions of"
         else:
             logger.info("suite: probe directions")
-            report.sections["directions"] = directions_summary(client, gold, truths, grader, strengths, batch_size,
-                                                                max_new_tokens)
+            res = directions_summary(client, gold, truths, grader, strengths, batch_size, max_new_tokens)
+            if res is None:
+                report.skipped["directions"] = (f"no fact holds on {MIN_DIRECTION_ROWS} or more of the {len(truths)} "
+                                                "rows: no direction to fit; evaluate more rows")
+            else:
+                report.sections["directions"] = res
     if "confabulation" in parts:
         if truths is None:
             report.skipped["confabulation"] = "the dataset's grader knows no facts"

@@ -1,0 +1,254 @@
+"""Claims a real model's vector can be explained by, each one checkable against the row: the
+language of ``source: wikipedia`` datasets, their data explainer (``wiki``) and their grader (``wiki``).
+
+A row is one token of a Wikipedia lead extract read by the subject (SmolLM2-135M-Instruct in the
+``smollm2`` quickstart). What is true of it, and only that, is said, one sentence a claim:
+
+============  ===========================================  =============================================
+kind          sentence                                     true when
+============  ===========================================  =============================================
+``quote``     ``The text ends with "of the city".``         the quoted span is the last ``QUOTE_UNITS``
+                                                            words or marks of the text read, as written
+                                                            (``text_end``); it ends with the token read
+``topic``     ``The article is about Geography.``           the article's topic label (the corpus's own)
+``next``      ``The model expects "," next.``               the subject's most likely next token there
+                                                            (its own forward pass, at extraction)
+``position``  ``This is early in the article.``             the token's index falls in that bucket
+                                                            (``POSITION_BUCKETS``)
+============  ===========================================  =============================================
+
+The truth of a row is the list of these claims as ``"kind=value"`` strings in its ``facts`` column
+(``row_claims``), so ``nla eval`` grades recall and precision per kind as it does the world's facts:
+recall of a kind = the row's true claim of that kind said; precision = the claims of that kind said
+that are true. A sentence in none of these forms is a claim nothing can check: it counts against
+precision (kind ``other``) and the format check ``outside_language`` flags it.
+
+Truth grades explanations; it never enters a reward (the reward is the reconstruction alone, and
+the format checks read only the explanation's text).
+
+Why our own code: the claims are specific to how nla reads a real model (the quotation's units,
+the subject's next token from the extraction's forward pass); no library grades them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from nla.core.graders import DatasetGrader, has_repeated_sentence, split_sentences
+from nla.datagen.explainer_base import Explainer, register_explainer
+
+__all__ = ["KINDS", "POSITION_BUCKETS", "QUOTE_UNITS", "WikiExplainer", "WikiGrader", "claim_sentence",
+           "explanation_of", "parse_claims", "position_bucket", "row_claims", "text_end"]
+
+KINDS = ("quote", "topic", "next", "position")
+QUOTE_UNITS = 3  # the token read and the two words or marks before it
+# (bucket, first token index of the bucket); a token at index p is in the last bucket whose start <= p
+POSITION_BUCKETS = (("start", 0), ("early", 8), ("later", 32))
+_POSITION_SENTENCES = {"start": "This is at the start of the article.", "early": "This is early in the article.",
+                       "later": "This is later in the article."}
+
+# A unit of the text: a run of letters or digits (any script), or one other non-space character.
+_UNIT_RE = re.compile(r"[^\W_]+|[^\s]", re.UNICODE)
+_QUOTE_RE = re.compile(r'^The text ends with "(.+)"\.$')
+_TOPIC_RE = re.compile(r"^The article is about (.+)\.$")
+_NEXT_RE = re.compile(r'^The model expects "(.+)" next\.$')
+_POSITION_RE = {v: k for k, v in _POSITION_SENTENCES.items()}
+
+
+def text_end(context: str, n_units: int = QUOTE_UNITS) -> str:
+    """The last ``n_units`` words or marks of ``context`` as written (runs of white space made one
+    space, double quotes dropped); it ends where ``context`` ends, so a token inside a word quotes
+    the word's part read so far, and a mark is quoted with the words before it ("" when empty).
+
+    >>> text_end("It lies on the Seine, in")
+    'Seine, in'
+    >>> text_end("The Oscars (")
+    'The Oscars ('
+    """
+    if n_units < 1:
+        raise ValueError(f"text_end: n_units must be >= 1, found {n_units}")
+    head = context.replace('"', "")
+    units = list(_UNIT_RE.finditer(head))
+    if not units:
+        return ""
+    return " ".join(head[units[-min(n_units, len(units))].start():].split())
+
+
+def position_bucket(position: int) -> str:
+    """The bucket of a token index (``POSITION_BUCKETS``)."""
+    if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+        raise ValueError(f"position: expected a token index >= 0, found {position!r}")
+    return [name for name, start in POSITION_BUCKETS if position >= start][-1]
+
+
+def _clean(value: str) -> str:
+    return " ".join(value.replace('"', "").split())
+
+
+def row_claims(context: str, position: int, topic: str | None, next_token: str | None) -> list[str]:
+    """Every claim true of a row, as ``"kind=value"`` (the ``facts`` column): the quotation of the
+    text's end (when the text has a word or mark), the topic (when the corpus labels one), the
+    subject's next token (when it is more than white space or a double quote) and the position."""
+    out = []
+    quote = text_end(context)
+    if quote:
+        out.append(f"quote={quote}")
+    if topic and _clean(topic):
+        out.append(f"topic={_clean(topic)}")
+    nxt = _clean(next_token or "")
+    if nxt:
+        out.append(f"next={nxt}")
+    out.append(f"position={position_bucket(position)}")
+    return out
+
+
+def claim_sentence(claim: str) -> str:
+    """The sentence that states a ``"kind=value"`` claim."""
+    kind, sep, value = claim.partition("=")
+    if not sep or kind not in KINDS or not value:
+        raise ValueError(f"claim: expected 'kind=value' with kind one of {KINDS}, found {claim!r}")
+    if kind == "quote":
+        return f'The text ends with "{value}".'
+    if kind == "topic":
+        return f"The article is about {value}."
+    if kind == "next":
+        return f'The model expects "{value}" next.'
+    if value not in _POSITION_SENTENCES:
+        raise ValueError(f"claim {claim!r}: position must be one of {sorted(_POSITION_SENTENCES)}")
+    return _POSITION_SENTENCES[value]
+
+
+def explanation_of(claims: Sequence[str]) -> str:
+    """The explanation saying ``claims`` in the order of ``KINDS`` (the data explainer's and the oracle's)."""
+    order = {k: i for i, k in enumerate(KINDS)}
+    return " ".join(claim_sentence(c) for c in sorted(claims, key=lambda c: order[c.partition("=")[0]]))
+
+
+def _sentences(text: str) -> list[str]:
+    # a full stop inside a quotation does not end a sentence (split_sentences knows), and the
+    # quotation may itself end in a mark: '"in 1990."' then '.'
+    return [s.strip() for s in split_sentences(text or "") if s.strip()]
+
+
+def parse_claim(sentence: str) -> str | None:
+    """The ``"kind=value"`` a sentence states, or None when it is in none of the claim forms."""
+    s = sentence.strip()
+    for kind, pattern in (("quote", _QUOTE_RE), ("topic", _TOPIC_RE), ("next", _NEXT_RE)):
+        m = pattern.match(s)
+        if m and _clean(m.group(1)):
+            return f"{kind}={_clean(m.group(1))}"
+    if s in _POSITION_RE:
+        return f"position={_POSITION_RE[s]}"
+    return None
+
+
+def parse_claims(text: str | None) -> tuple[list[str], int]:
+    """(the claims an explanation states, in order; the number of its sentences in no claim form)."""
+    claims, other = [], 0
+    for s in _sentences(text or ""):
+        c = parse_claim(s)
+        if c is None:
+            other += 1
+        else:
+            claims.append(c)
+    return claims, other
+
+
+@dataclass(frozen=True)
+class ClaimGrade:
+    """One explanation's grade: overall recall / precision and ``by_kind[kind] = (recall, precision)``
+    for every kind in the truth or the explanation (a kind said but not true: recall 1.0 by
+    convention, as nothing was missed; a kind true but not said: precision 1.0)."""
+
+    recall: float
+    precision: float
+    by_kind: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+def grade_claims(explanation: str | None, truth: Sequence[str]) -> ClaimGrade:
+    """Recall = share of the true claims said; precision = share of the claims said that are true
+    (a sentence in no claim form counts as one false claim, kind ``other``). No claim said:
+    precision 1.0 (nothing false was said), recall 0 unless nothing is true."""
+    said, other = parse_claims(explanation)
+    said_set, truth_set = list(dict.fromkeys(said)), set(truth)
+    hits = [c for c in said_set if c in truth_set]
+    n_said = len(said_set) + other
+    recall = len(hits) / len(truth_set) if truth_set else 1.0
+    precision = len(hits) / n_said if n_said else 1.0
+    by_kind: dict[str, tuple[float, float]] = {}
+    for kind in KINDS:
+        t = {c for c in truth_set if c.startswith(kind + "=")}
+        s = [c for c in said_set if c.startswith(kind + "=")]
+        if not t and not s:
+            continue
+        h = sum(c in t for c in s)
+        by_kind[kind] = (h / len(t) if t else 1.0, h / len(s) if s else 1.0)
+    if other:
+        by_kind["other"] = (1.0, 0.0)
+    return ClaimGrade(recall, precision, by_kind)
+
+
+class WikiGrader(DatasetGrader):
+    """The grader of ``source: wikipedia`` datasets (``nla.core.graders`` name ``wiki``): claim recall and
+    precision per kind, the format checks (a repeated sentence, an unbalanced quote, a sentence in
+    no claim form), and the oracle (every true claim, said as the data explainer says it)."""
+
+    name = "wiki"
+    kinds = KINDS
+    degeneracy_checks = ("repeated", "broken_quote", "outside_language")
+
+    def grade(self, explanation: str, truth: Sequence[str]) -> ClaimGrade:
+        for c in truth:
+            if not isinstance(c, str) or c.partition("=")[0] not in KINDS:
+                raise ValueError(f"claim {c!r}: expected 'kind=value' with kind one of {KINDS}")
+        return grade_claims(explanation, truth)
+
+    def degeneracy(self, text: str | None) -> dict[str, bool]:
+        if not text or not text.strip():
+            return dict.fromkeys(self.degeneracy_checks, False)
+        sentences = _sentences(text)
+        return {"repeated": has_repeated_sentence(sentences), "broken_quote": text.count('"') % 2 == 1,
+                "outside_language": any(parse_claim(s) is None for s in sentences)}
+
+    def oracle(self, truth: Sequence[str], quote: str | None, key: int) -> str:
+        return explanation_of(truth)
+
+    def claims(self, text: str | None) -> list[str]:
+        return _sentences(text or "")
+
+    def is_quotation(self, claim: str) -> bool:
+        return False  # the quotation is a claim here, graded like the others
+
+    def named_facts(self, text: str | None) -> frozenset[str]:
+        return frozenset(parse_claims(text)[0])
+
+
+class WikiExplainer(Explainer):
+    """The data explainer of ``source: wikipedia``: every claim true of the row (its ``facts``),
+    in the order of ``KINDS``; it says nothing it cannot check."""
+
+    name = "wiki"
+
+    def explain_batch(self, rows: list[dict[str, Any]]) -> list[str | None]:
+        from nla.datagen.io import DatagenError
+
+        out: list[str | None] = []
+        for r in rows:
+            facts = r.get("facts")
+            if facts is None:
+                raise DatagenError(f"wiki explainer: row doc_id={r.get('doc_id')} position={r.get('position')} has "
+                                   "no 'facts' column; it needs source: wikipedia activations")
+            if not facts:
+                self.drops["wiki_no_claims"] += 1
+                out.append(None)
+            else:
+                out.append(explanation_of(facts))
+        return out
+
+
+@register_explainer("wiki")
+def _wiki(cfg: Any) -> Explainer:
+    return WikiExplainer()
