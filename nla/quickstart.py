@@ -622,6 +622,8 @@ def _run_stages(out: Path, p: QuickstartPreset, preset: str, thr: dict[str, Any]
     return write_report(out, preset=preset, seed=seed, threads=threads, stages=stages, configs=configs, world=world_info, probe=probe_info,
                         warm_eval=warm["report"], rl_eval=after["report"], ar_info=ar_info, av_info=av_info,
                         rl_info=rl_info, suite=suite["report"],
+                        **({"truth": "the rows' claims (nla.datagen.wiki: the text's end, the article's topic, the "
+                                     "subject's next token, the position)"} if p.real else {}),
                         # the pair's models, for a cross-model or adapter run (the default's report is as it was)
                         pair=pair_summary(av_info["checkpoint"], ar_info["checkpoint"]) if pair else None)
 

@@ -208,8 +208,12 @@ def pair_lines(pair: dict[str, Any] | None) -> list[str]:
 def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | None = None, stages: list, configs: dict[str, Any], world: dict[str, Any],
                  warm_eval: dict[str, Any], rl_eval: dict[str, Any], ar_info: dict[str, Any],
                  av_info: dict[str, Any], rl_info: dict[str, Any], probe: dict[str, Any] | None = None,
-                 suite: dict[str, Any] | None = None, pair: dict[str, Any] | None = None) -> Path:
-    """Write ``report.md`` and ``report.json`` (+ copy curve PNGs beside them); returns report.md."""
+                 suite: dict[str, Any] | None = None, pair: dict[str, Any] | None = None,
+                 truth: str = "the world's ground truth") -> Path:
+    """Write ``report.md`` and ``report.json`` (+ copy curve PNGs beside them); returns report.md.
+
+    truth: what the recall and precision grade against, as the report names it (a real model's
+    run: the rows' claims, ``nla.datagen.wiki``); ``world`` then holds the subject's ``subject`` name."""
     plots = {}
     for name, src in (("world_loss", world.get("loss_curve_png")), ("ar_curves", out / "ar" / "ar_curves.png"),
                       ("av_curves", out / "av" / "av_curves.png"), ("rl_curves", out / "rl" / "rl_curves.png")):
@@ -275,7 +279,7 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
           f"Round-trip FVE on held-out vectors: **{_f(fve_warm)}** after warm-start → **{_f(fve_rl)}** after RL "
           f"({'improved' if fve_rl > fve_warm else 'did not improve'}). "
           f"This run took {headline['total_seconds']:.0f} s (cached stages not counted).", "",
-          f"Faithfulness (facts named, graded against the world's ground truth): recall "
+          f"Faithfulness (facts named, graded against {truth}): recall "
           f"**{_f(headline['recall_warmstart'])} → {_f(headline['recall_rl'])}**, precision "
           f"{_f(headline['precision_warmstart'])} → {_f(headline['precision_rl'])}; the same explanations read by "
           f"the frozen warm-start AR: FVE {_f(headline['frozen_ar_fve_warmstart'])} → "
@@ -286,11 +290,12 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
           "## Evaluation (held-out documents)", "",
           f"{warm_eval['n_rows']} rows, d_model {warm_eval['d_model']}; FVE = 1 − MSE / MSE of predicting the raw mean "
           f"of normalised golds ({warm_eval['baseline_raw_mean_mse']:.4f}). Fact recall/precision grade the "
-          "explanations against the world's ground truth. See docs/report.md for every number.", "",
+          f"explanations against {truth}. See docs/report.md for every number.", "",
           *comparison_table(warm_eval, rl_eval), "",
           *(["### Per fact kind (AV → AR round trip)", "",
-              "Recall and precision of the facts of each kind, against what a linear probe reads of that kind "
-              "from the same layer's vectors (the most a faithful verbalizer could name).", "",
+              ("Recall and precision of the facts of each kind, against what a linear probe reads of that kind "
+               "from the same layer's vectors (the most a faithful verbalizer could name)." if probe.get("layers") else
+               "Recall and precision of the claims of each kind (no probe was run: the truth is the rows' own)."), "",
               *kinds, ""] if kinds else []),
           *(["## What is in the vector", "",
               "Top-1 accuracy of a linear probe per fact kind on held-out stories (`nla world probe`): how much of "
@@ -298,8 +303,9 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
               *probe_table(probe), ""] if probe.get("layers") else []),
           *suite_section(suite),
           "## Training", "",
-          f"- subject model: held-out loss {_f(world.get('heldout_loss'))} nats/token vs unigram entropy "
-          f"{_f(world.get('unigram_entropy'))}",
+          (f"- subject model: {world['subject']} ({world.get('subject_dir')})" if world.get("subject") else
+           f"- subject model: held-out loss {_f(world.get('heldout_loss'))} nats/token vs unigram entropy "
+           f"{_f(world.get('unigram_entropy'))}"),
           f"- AR warm-start: held-out FVE {_f(arm.get('eval_fve'))} (train fve_nrm {_f(arm.get('fve_nrm'))})",
           f"- AV warm-start: held-out loss {_f(avm.get('eval_loss'))}, with shuffled vectors "
           f"{_f(avm.get('eval_loss_shuffled'))} (gap {_f(avm.get('eval_vector_gap'), 4)}: > 0 means the vector is used)",
