@@ -1,0 +1,86 @@
+"""What more compute buys on the real model (issue 56, item 5): the reader's ceiling against training rows.
+
+The AR's held-out FVE on the data explainer's texts (every claim true) is the oracle row of the
+round trip: the most any explanation in the claim language reaches with that reader. This script
+trains the smollm2 quickstart's AR again, from the same config, for longer, and evaluates it every
+``--eval-every`` steps; with ``--av`` it then scores the round trip of that AV (greedy, the held-out
+rows) with the longer-trained AR. It writes ``curve.json`` and ``curve.png`` (FVE against rows seen,
+the quickstart run's own AR points and its AV's real-vs-shuffled gap beside them).
+
+    python -m dev.experiments.smollm2_curve RUN --steps 1200 --eval-every 200 --out OUT [--av RUN/rl/.../av]
+
+RUN is a finished ``nla quickstart --preset smollm2`` run directory (its datagen and AR config are reused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import yaml
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run", type=Path)
+    ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--eval-every", type=int, default=200)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--av", help="an AV checkpoint whose round trip to score with the longer-trained AR")
+    ap.add_argument("--eval-rows", type=int, default=256)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+    from nla.train.ar import train_ar
+    from nla.train.config import ARTrainConfig
+
+    cfg_path = sorted((args.run / "ar" / "checkpoints").glob("step_*/train_config.yaml"))[-1]
+    cfg = yaml.safe_load(cfg_path.read_text())
+    batch = int(cfg["batch_size"])
+    cfg.update(max_steps=args.steps, eval_every=args.eval_every, save_every=args.steps, out_dir=str(args.out / "ar"),
+               progress=True)
+    res = train_ar(ARTrainConfig(**cfg))
+    longer = [{"step": r["step"], "rows": r["step"] * batch, "eval_fve": r["eval_fve"]}
+              for r in _jsonl(args.out / "ar" / "ar.jsonl") if "eval_fve" in r]
+    run_ar = [{"step": r["step"], "rows": r["step"] * batch, "eval_fve": r["eval_fve"]}
+              for r in _jsonl(args.run / "ar" / "ar.jsonl") if "eval_fve" in r]
+    av_gap = [{"step": r["step"], "eval_loss": r.get("eval_loss"), "gap": r.get("eval_vector_gap")}
+              for r in _jsonl(args.run / "av" / "av.jsonl") if "eval_vector_gap" in r]
+    out = {"batch_size": batch, "ar_longer": longer, "ar_quickstart": run_ar, "av_gap_quickstart": av_gap,
+           "ar_checkpoint": str(res.checkpoint_dir)}
+    if args.av:
+        from nla.client import NLAClient
+        from nla.eval.evaluate import evaluate_pair
+
+        report = evaluate_pair(NLAClient(args.av, str(res.checkpoint_dir)), args.run / "datagen" / "eval.parquet",
+                               max_rows=args.eval_rows, max_new_tokens=64).to_dict()
+        out["round_trip_with_longer_ar"] = {r["name"]: {"fve": r["fve"], "faithfulness": r["faithfulness"]}
+                                            for r in report["rows"]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "curve.json").write_text(json.dumps(out, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([p["rows"] for p in longer], [p["eval_fve"] for p in longer], "o-", label=f"AR, {args.steps} steps")
+    ax.plot([p["rows"] for p in run_ar], [p["eval_fve"] for p in run_ar], "s--", label="AR, the quickstart's")
+    ax.set_xlabel("training rows seen (steps x batch)")
+    ax.set_ylabel("held-out FVE on the data's explanations (the oracle)")
+    ax.set_title("SmolLM2-135M block 10: what the reader reaches")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / "curve.png", dpi=120)
+    print(json.dumps({k: v for k, v in out.items() if k != "ar_checkpoint"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
