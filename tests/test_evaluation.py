@@ -251,3 +251,10 @@ def test_text_explainer_baseline_follows_the_datagen_explainer(nla_pair, client,
     row = report.row("text explainer → AR")
     assert row.fve == pytest.approx(fve(client.reconstruct(texts), gold, 32**0.5), abs=1e-5)
     assert row.faithfulness == faithfulness(texts, FACTS)
+def test_text_diversity_by_hand():
+    from nla.eval.evaluate import text_diversity
+
+    # 4 rows: "a" twice, "b", one failure (None): 3 distinct texts of 4 rows; "a" on 2 of 4
+    assert text_diversity(["a", "a", "b", None]) == {"distinct": 0.75, "top_share": 0.5}
+    assert text_diversity(["same"] * 5) == {"distinct": 0.2, "top_share": 1.0}  # a memorised explanation
+    assert text_diversity([]) == {"distinct": 0.0, "top_share": 0.0}

@@ -35,6 +35,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -85,6 +87,18 @@ class EvalRow:
     failure_rate: float = 0.0
     faithfulness: Faithfulness | None = None
     degenerate: dict[str, float] | None = None
+    diversity: dict[str, float] | None = None
+
+
+def text_diversity(texts: Sequence[str | None]) -> dict[str, float]:
+    """How varied a verbalizer's explanations are: ``distinct`` = distinct texts / rows and
+    ``top_share`` = rows given the commonest text / rows (a failed sample, None, is a text of its own
+    kind, counted once). One explanation for every vector (a memorised text) gives ``top_share`` 1."""
+    n = len(texts)
+    if not n:
+        return {"distinct": 0.0, "top_share": 0.0}
+    counts = Counter(texts)
+    return {"distinct": len(counts) / n, "top_share": max(counts.values()) / n}
 
 
 @dataclass(frozen=True)
@@ -144,6 +158,10 @@ class EvalReport:
                 f"{_fmt(f.recall if f else None)} | {_fmt(f.precision if f else None)} | "
                 f"{_pct(r.degenerate['any']) if r.degenerate else '-'} |"
             )
+        varied = [r for r in self.rows if r.diversity]
+        if varied:
+            lines += [""] + [f"{r.name}: {r.diversity['distinct']:.1%} of the explanations are distinct; the commonest "
+                             f"is on {r.diversity['top_share']:.1%} of rows." for r in varied]
         notes = list(dict.fromkeys(r.faithfulness.note for r in self.rows if r.faithfulness and r.faithfulness.note))
         if notes:  # rows without ground truth are not graded (issue 48: all-null facts once graded 1.000)
             lines += [""] + [f"Fact recall / precision: {n}." for n in notes]
@@ -283,7 +301,8 @@ def _av_rows(ev: _Eval, frozen_ar: NLAClient | None, rng: np.random.Generator) -
     texts = [v.explanation for v in verbs]
     mse, cos = _filled(rt, gold, client.ar_sidecar.mse_scale_value())
     grades = ev.graded(texts)
-    ev.report.rows.append(row_stats(ROW_ROUND_TRIP, mse, cos, ev.base.raw_mean, rt.failure_rate, *grades))
+    ev.report.rows.append(replace(row_stats(ROW_ROUND_TRIP, mse, cos, ev.base.raw_mean, rt.failure_rate, *grades),
+                                  diversity=text_diversity(texts)))
     if frozen_ar is client:  # the pair's AR is the warm-start one (before RL): the same reading
         ev.report.rows.append(replace(ev.report.rows[-1], name=ROW_FROZEN))
     elif frozen_ar is not None:

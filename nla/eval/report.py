@@ -244,6 +244,9 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
         "total_seconds": sum(s.seconds for s in stages if not s.cached),  # this run's work
         **faithfulness_summary(warm_eval, rl_eval),
         "by_kind_rl": kind_summary(rl_eval),
+        # distinct explanations / rows and the commonest text's share (None: an eval made before they were counted)
+        "diversity_warmstart": wr[ROUND_TRIP].get("diversity"),
+        "diversity_rl": rr[ROUND_TRIP].get("diversity"),
         "unread_kinds_warmstart": unread_kinds(warm_eval),
         **suite_headline(suite),
     }
@@ -285,6 +288,10 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
           f"the frozen warm-start AR: FVE {_f(headline['frozen_ar_fve_warmstart'])} → "
           f"{_f(headline['frozen_ar_fve_rl'])}; degenerate explanations {_f(headline['degenerate_warmstart'], 2)} → "
           f"{_f(headline['degenerate_rl'], 2)}.", "",
+          *([f"Distinct explanations: {headline['diversity_warmstart']['distinct']:.1%} → "
+             f"{headline['diversity_rl']['distinct']:.1%} of rows; the commonest text on "
+             f"{headline['diversity_warmstart']['top_share']:.1%} → {headline['diversity_rl']['top_share']:.1%}.", ""]
+            if headline["diversity_warmstart"] and headline["diversity_rl"] else []),
           *ceiling_line(headline),
           *pair_lines(pair),
           "## Evaluation (held-out documents)", "",
