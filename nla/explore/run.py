@@ -133,9 +133,10 @@ def _examples(warm: dict[str, Any], after: dict[str, Any], n: int = 8) -> list[d
         out.append({
             "row": s["row"], "context": s.get("context"), "facts": facts, "reference": s.get("reference"),
             "warmstart": {"explanation": w.get("explanation"), "status": w.get("status"),
-                          "mse_nrm": _num(w.get("mse_nrm")), **grade_claims(w.get("explanation"), facts)},
+                          "mse_nrm": _num(w.get("mse_nrm")),
+                          **grade_claims(w.get("explanation"), facts, s.get("context"))},
             "rl": {"explanation": s.get("explanation"), "status": s.get("status"), "mse_nrm": _num(s.get("mse_nrm")),
-                   **grade_claims(s.get("explanation"), facts)},
+                   **grade_claims(s.get("explanation"), facts, s.get("context"))},
         })
     return out
 
