@@ -204,3 +204,12 @@ def test_the_report_shows_the_quotation_per_position(tmp_path):
     assert "exactly right on **0.250 → 0.500** of rows" in md
     saved = json.loads((tmp_path / "report.json").read_text())["headline"]
     assert saved["quote_by_position_warmstart"]["quote[2]"] == [0.25, 0.25]
+
+
+def test_the_report_s_suite_section_counts_false_quotations():
+    from nla.eval.report import suite_section
+
+    conf = {"baseline": {"false_rate": 0.2, "quotation": {"claims": 4, "false_rate": 0.5}},
+            "pair": {"false_rate": 0.1, "quotation": {"claims": 4, "false_rate": 0.25}}}
+    md = suite_section({"n_rows": 4, "targets": [], "sections": {"confabulation": conf}})
+    assert "- False quotations (one quoted word or mark not the text's): 0.500 → 0.250 of 4 quotations" in md[-2]

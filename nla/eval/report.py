@@ -221,6 +221,11 @@ def suite_section(suite: dict[str, Any] | None) -> list[str]:
     if "pair" in conf:
         before = _f(conf["baseline"]["false_rate"]) + " → " if "baseline" in conf else ""
         md.append(f"- False claims: {before}{_f(conf['pair']['false_rate'])} of claimed facts (warm-start → RL).")
+        qp, qb = conf["pair"].get("quotation"), (conf.get("baseline") or {}).get("quotation")
+        if qp:
+            qbefore = _f(qb["false_rate"]) + " → " if qb else ""
+            md.append(f"- False quotations (one quoted word or mark not the text's): {qbefore}"
+                      f"{_f(qp['false_rate'])} of {qp['claims']} quotations (warm-start → RL).")
     b = s.get("best_of")
     if b:
         top = max(int(k) for k in b if k.isdigit())
