@@ -149,6 +149,7 @@ def test_oracle_row_reads_every_true_fact(nla_pair, client, tmp_path):  # noqa: 
     path, gold = _dataset(tmp_path / "rl.parquet", nla_pair, with_explanation=False)
     t = pq.read_table(path)
     words = ["the garden", "morning,", "was", "kitchen", "", "night"]
+    t = t.set_column(t.column_names.index("context"), "context", pa.array([f"Once upon a time {w}" for w in words]))
     pq.write_table(t.append_column("text_end", pa.array(words)), path)
     report = evaluate_pair(client, path, max_new_tokens=14, n_show=0)
     row = report.row("oracle: every true fact → AR")
@@ -160,6 +161,45 @@ def test_oracle_row_reads_every_true_fact(nla_pair, client, tmp_path):  # noqa: 
     # it names every true fact and nothing else: recall 1 and precision 1 on every row
     assert row.faithfulness.recall == 1.0 and row.faithfulness.precision == 1.0
     assert row.degenerate["any"] == 0.0
+    # ... and quotes the text's end exactly: every unit true, at every position. Units per row: "the
+    # garden" 2, "morning ," 2, "was" 1, "kitchen" 1, "" 0 (nothing to quote), "night" 1
+    q = row.faithfulness.quote
+    assert (q.n, q.said, q.exact, q.all_true) == (6, 5 / 6, 1.0, 1.0)
+    assert q.by_position == {"quote[0]": (1.0, 1.0), "quote[1]": (1.0, 1.0)}
+    assert q.claims == {"quote[0]": 5, "quote[1]": 2}
+    # the AV's fixed explanation quotes nothing: not said (recall 0) on every row with an end, no precision
+    rt = report.row("AV → AR round trip").faithfulness.quote
+    assert (rt.said, rt.exact, rt.all_true) == (0.0, 0.0, None)
+    assert rt.by_position == {"quote[0]": (0.0, None), "quote[1]": (0.0, None)}
+    md = report.to_markdown()
+    assert "## Quotation of the text's end, unit by unit" in md
+    assert "| oracle: every true fact → AR | 0.83 | 1.00 | 1.00 | 1.00 / 1.00 | 1.00 / 1.00 |" in md
+    d = report.to_dict()["rows"]
+    assert d[0]["faithfulness"]["quote"]["by_position"]["quote[0]"] == [0.0, None]
+
+
+def test_oracle_and_text_explainer_quote_as_many_units_as_the_datagen_setting(nla_pair, client, tmp_path):  # noqa: F811
+    """world_explainer.quote_units = 1: the data explainer and the oracle quote the token read only, and the
+    quotation is graded against the whole end: quote[0] said and true, quote[1] not said."""
+    import yaml
+
+    from nla.world.explain import oracle_explanation
+
+    path, _ = _dataset(tmp_path / "rl.parquet", nla_pair, with_explanation=False)
+    words = ["the garden", "morning,", "was", "kitchen", "", "night"]
+    t = pq.read_table(path)
+    t = t.set_column(t.column_names.index("context"), "context", pa.array([f"Once upon a time {w}" for w in words]))
+    pq.write_table(t.append_column("text_end", pa.array(words)), path)
+    cfg = tmp_path / "datagen_config.yaml"
+    cfg.write_text(yaml.safe_dump({"out_dir": str(tmp_path), "world_explainer": {"quote_units": 1}}))
+    write_sidecar(path, nla_pair.side.replace(kind="nla_dataset", role=None), datagen_config=str(cfg))
+    report = evaluate_pair(client, path, max_new_tokens=14, n_show=0)
+    oracle = report.row("oracle: every true fact → AR").faithfulness.quote
+    assert (oracle.exact, oracle.all_true) == (3 / 5, 1.0)  # exact where the end is one unit: was, kitchen, night
+    assert oracle.by_position == {"quote[0]": (1.0, 1.0), "quote[1]": (0.0, None)}
+    te = report.row("text explainer → AR").faithfulness.quote
+    assert te.by_position == oracle.by_position
+    assert oracle_explanation([], "garden", 0).startswith('The text ends with "garden".')
 
 
 def test_text_explainer_baseline_on_rl_split(nla_pair, client, tmp_path):  # noqa: F811

@@ -451,13 +451,16 @@ def _png(path) -> None:
 
 def _quickstart_run(out):
     """A run dir written by the quickstart's own report writer, from hand-made eval reports."""
+    from nla.core.graders import Quotation
     from nla.eval.evaluate import EvalReport, EvalRow, Faithfulness, Sample
     from nla.eval.report import ROUND_TRIP, write_report
     from nla.quickstart import StageRecord
 
     def report(fve, expl, mse):
         row = EvalRow(ROUND_TRIP, fve=fve, cosine=0.5, mse_mean=1.0, mse_p10=0.5, mse_p50=1.0, mse_p90=1.5,
-                      faithfulness=Faithfulness(0.5, 0.25, {"person": (1.0, 0.5), "place": (0.0, 0.0)}, 2))
+                      faithfulness=Faithfulness(0.5, 0.25, {"person": (1.0, 0.5), "place": (0.0, 0.0)}, 2,
+                                                quote=Quotation(2, 0.5, 0.5, 1.0, {"quote[0]": (0.5, 1.0)},
+                                                                {"quote[0]": 1})))
         sample = Sample(row=3, explanation=expl, status="completed", mse_nrm=mse, facts=["person=alice", "place=park"],
                         context="Alice went to the park", reference='The text ends with "to the park".')
         return EvalReport("eval.parquet", 2, D, None, 0.9, 1.3, rows=[row], samples=[sample]).to_dict()
@@ -478,10 +481,13 @@ def test_run_view_reads_the_quickstart_report(api, run_dir):
     assert evals["columns"][:3] == ["predictor", "FVE warm", "FVE RL"]
     assert evals["rows"][0][:3] == ["AV → AR round trip", 0.1, 0.3]
     assert run["tables"][1]["rows"][0] == ["AV → AR round trip", "1.00 / 0.50", "0.00 / 0.00"]
-    assert run["tables"][2]["rows"] == [["world", 1.5, "yes"], ["rl", 10.2, "no"]]
+    assert run["tables"][2]["rows"][0] == ["quote[0] (the token read)", 0.5, 1.0, 0.5, 1.0]
+    assert run["tables"][2]["rows"][1] == ["exactly the text's end (share of rows)", 0.5, None, 0.5, None]
+    assert run["tables"][3]["rows"] == [["world", 1.5, "yes"], ["rl", 10.2, "no"]]
     ex = run["examples"][0]
     assert ex["rl"]["claims"] == [{"fact": "person=alice", "correct": True}, {"fact": "place=garden", "correct": False}]
     assert ex["rl"]["missed"] == ["place=park"] and ex["warmstart"]["explanation"] is None
+    assert ex["rl"]["quotation"] is None  # it quotes nothing (graded against the sample's context)
     assert [p["name"] for p in run["plots"]] == ["rl_curves"]
     png = api.get(run["plots"][0]["url"])
     assert png.status_code == 200 and png.headers["content-type"] == "image/png"

@@ -324,3 +324,32 @@ def test_injection_draw_keeps_the_run_and_changes_only_the_av(run_dir, tmp_path)
     assert draw_fig["centred_recall"] == draw["shifted"]["centred"]["recall"]
     assert set(data["summary"]) == {"none", "affine-conformal"}
     assert f"| affine-conformal, world 0, S = 5, T = 1 | {draw_fig['fve_warm']:.3f} → {draw_fig['fve_rl']:.3f} |" in text
+
+
+def test_the_quotation_is_graded_per_position_in_eval_report_and_suite(run_dir, capsys):
+    """Issue 57: the quotation of the text's end graded unit by unit, beside the unchanged fact figures."""
+    rep = json.loads((run_dir / "report.json").read_text())
+    for which in ("eval_warmstart", "eval_rl"):
+        rows = {r["name"]: r for r in rep[which]["rows"]}
+        q = rows["AV → AR round trip"]["faithfulness"]["quote"]
+        assert q["n"] == rep[which]["n_rows"] and {"quote[0]", "quote[1]", "quote[2]"} <= set(q["by_position"])
+        for recall, precision in q["by_position"].values():
+            assert recall is None or 0 <= recall <= 1
+            assert precision is None or 0 <= precision <= 1
+        # the oracle quotes the true end: every quoted unit true, exactly the end on every row
+        oracle = rows["oracle: every true fact → AR"]["faithfulness"]["quote"]
+        assert oracle["exact"] == 1.0 and oracle["all_true"] == 1.0
+        assert all(p == 1.0 for _, p in oracle["by_position"].values())
+        assert "## Quotation of the text's end, unit by unit" in (run_dir / which / "eval.md").read_text()
+    head = rep["headline"]
+    assert 0 <= head["quote_exact_rl"] <= 1 and head["oracle_quote_exact_rl"] == 1.0
+    assert set(head["quote_by_position_rl"]) >= {"quote[0]", "quote[1]", "quote[2]"}
+    md = (run_dir / "report.md").read_text()
+    assert "### The quotation of the text's end (AV → AR round trip)" in md and "| quote[0] (the token read) |" in md
+    conf = rep["suite"]["sections"]["confabulation"]["pair"]["quotation"]
+    assert conf["false_rate"] is None or 0 <= conf["false_rate"] <= 1
+    from dev.experiments.quote_positions import main as quote_positions
+
+    assert quote_positions([str(run_dir), "--from-report"]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(f"| {run_dir.name} |")]
+    assert line and line[0].split(" | ")[1] == str(rep["eval_rl"]["n_rows"])

@@ -14,6 +14,11 @@ synthetic world, ``nla.datagen.world_grader``, imported only when asked for). A 
 ``register_grader(name, factory)`` or, from an installed package, the entry-point group
 ``nla.graders`` (``name = "package.module:Factory"``).
 
+A grader whose language quotes the text read (the world's ``The text ends with "…".``) grades the
+quotation too (``quote_truths`` / ``grade_quote``): each quoted unit is a claim about the text at its
+position from the end, summed up per position by ``quotation_summary`` (``Quotation``), beside the
+fact recall / precision, which it leaves as they are.
+
 Ground truth grades explanations; it never enters a reward (the format checks read only the
 explanation's text).
 """
@@ -30,9 +35,9 @@ from typing import Any, Protocol
 import numpy as np
 
 __all__ = [
-    "GRADER_METADATA_KEY", "DatasetGrader", "FactGrade", "Faithfulness", "GenericGrader", "available_graders",
-    "faithfulness", "get_grader", "grader_for_table", "has_repeated_sentence", "register_grader", "split_sentences",
-    "tag_grader",
+    "GRADER_METADATA_KEY", "DatasetGrader", "FactGrade", "Faithfulness", "GenericGrader", "QuoteGrade", "Quotation",
+    "available_graders", "faithfulness", "get_grader", "grader_for_table", "has_repeated_sentence", "quotation_summary",
+    "register_grader", "split_sentences", "tag_grader",
 ]
 
 GRADER_METADATA_KEY = b"nla.grader"
@@ -47,6 +52,18 @@ class FactGrade(Protocol):
     by_kind: Mapping[str, tuple[float, float]]
 
 
+class QuoteGrade(Protocol):
+    """One explanation's quotation of the text read, graded unit by unit from the end (position 0 =
+    the token read): ``claims[p]`` whether its p-th quoted unit is the text's (one per quoted unit),
+    ``recalled[p]`` whether the p-th unit of the text's end is said (one per unit the language
+    quotes), ``exact`` whether it is exactly the text's end, ``said`` whether there is a quotation."""
+
+    claims: Sequence[bool]
+    recalled: Sequence[bool]
+    exact: bool
+    said: bool
+
+
 class DatasetGrader:
     """The base grader: format checks that hold in any language, and nothing that needs truth.
 
@@ -58,7 +75,10 @@ class DatasetGrader:
       language can say (the ceiling row of ``nla eval``), ``quote`` being the row's entry of
       ``quotes(table)`` (what it quotes of the text read);
     - ``text_explainer(table, dataset_path) -> list[str] | None``: the data's own explainer
-      output per row, when the table does not carry it.
+      output per row, when the table does not carry it;
+    - ``quote_truths(table) -> list | None`` and ``grade_quote(explanation, truth) -> QuoteGrade``:
+      what the text read ends with, per row, and an explanation's quotation graded against it
+      (None: the language quotes nothing).
     """
 
     name = "generic"
@@ -80,9 +100,20 @@ class DatasetGrader:
     def oracle(self, truth: Sequence[str], quote: str | None, key: int) -> str | None:
         return None
 
-    def quotes(self, table: Any) -> list[str | None]:
-        """What the oracle quotes of the text read, per row of ``table`` (the base: nothing, None)."""
+    def quotes(self, table: Any, dataset_path: Path | None = None) -> list[str | None]:
+        """What the oracle quotes of the text read, per row of ``table`` (the base: nothing, None);
+        ``dataset_path``: where the table was read from (its settings may say how much to quote)."""
         return [None] * table.num_rows
+
+    def quote_truths(self, table: Any) -> list[Any] | None:
+        """Per row of ``table``, what the text read ends with, for ``grade_quote`` (None in a row: not
+        known there); None when the grader grades no quotation (the base)."""
+        return None
+
+    def grade_quote(self, explanation: str | None, truth: Any) -> QuoteGrade | None:
+        """The quotation of ``explanation`` graded against ``truth`` (a row's entry of ``quote_truths``);
+        None when the grader grades no quotation (the base)."""
+        return None
 
     def text_explainer(self, table: Any, dataset_path: Path) -> list[str] | None:
         return None
@@ -102,9 +133,15 @@ class DatasetGrader:
         """The facts (``"kind=value"``) ``text`` claims (empty when the grader has no facts)."""
         return frozenset()
 
-    def claim_truth(self, claim: str, truth: Sequence[str]) -> bool | None:
-        """True / False when ``claim`` names facts and all of them are / one is not in ``truth``;
-        None when it names no fact (a quotation, a generic remark) or the grader has no facts."""
+    def claim_truth(self, claim: str, truth: Sequence[str], quote: Any = None) -> bool | None:
+        """True / False when ``claim`` names facts and all of them are / one is not in ``truth``, or
+        when it is a quotation and ``quote`` (the row's entry of ``quote_truths``) is given: every
+        quoted unit true / one false; None when it names no fact and is not graded as a quotation (a
+        generic remark) or the grader has no facts."""
+        if quote is not None and self.is_quotation(claim):
+            g = self.grade_quote(claim, quote)
+            if g is not None:
+                return bool(g.said and all(g.claims))
         named = self.named_facts(claim)
         return None if not named else named <= set(truth)
 
@@ -144,29 +181,92 @@ class GenericGrader(DatasetGrader):
 
 
 @dataclass(frozen=True)
+class Quotation:
+    """The quotation of the text read, graded per position from the end over ``n`` rows (those with a
+    truth); ``by_position["quote[p]"] = (recall, precision)``:
+
+    - recall: of the rows whose text's end has a unit at p, the share whose quotation says it there
+      (a row without a quotation, or with a shorter one, counts against it: not said);
+    - precision: of the quoted units at p, the share that are the text's (a row that quotes nothing
+      at p does not count: None when no row does).
+
+    ``claims["quote[p]"]``: units quoted at p. ``said``: share of rows that quote; ``exact``: share of
+    the rows whose text's end is not empty whose quotation is exactly it; ``all_true``: share of the
+    rows that quote whose every quoted unit is true (None when none quotes)."""
+
+    n: int
+    said: float | None
+    exact: float | None
+    all_true: float | None
+    by_position: dict[str, tuple[float | None, float | None]]
+    claims: dict[str, int]
+
+
+def quotation_summary(texts: Sequence[str | None], truths: Sequence[Any], grader: DatasetGrader
+                      ) -> Quotation | None:
+    """``Quotation`` of ``texts`` (None: said nothing) against each row's quote truth (``truths``,
+    the grader's ``quote_truths``; a None entry: ungraded row); None when the grader grades no
+    quotation."""
+    if len(texts) != len(truths):
+        raise ValueError(f"quotation: {len(texts)} texts for {len(truths)} quote truths")
+    grades = []
+    for i, (t, q) in enumerate(zip(texts, truths, strict=True)):
+        if q is None:
+            continue
+        try:
+            g = grader.grade_quote(t, q)
+        except ValueError as err:
+            raise ValueError(f"text_end: row {i}: {err}") from None
+        if g is None:
+            return None
+        grades.append(g)
+    if not grades:
+        return Quotation(0, None, None, None, {}, {})
+    depth = max(max(len(g.claims), len(g.recalled)) for g in grades)
+    by_position, claims = {}, {}
+    for p in range(depth):
+        hits = [g.recalled[p] for g in grades if p < len(g.recalled)]
+        said = [g.claims[p] for g in grades if p < len(g.claims)]
+        by_position[f"quote[{p}]"] = (float(np.mean(hits)) if hits else None, float(np.mean(said)) if said else None)
+        claims[f"quote[{p}]"] = len(said)
+    with_end = [g for g in grades if len(g.recalled)]
+    quoting = [g for g in grades if g.said]
+    return Quotation(
+        n=len(grades), said=len(quoting) / len(grades),
+        exact=float(np.mean([g.exact for g in with_end])) if with_end else None,
+        all_true=float(np.mean([all(g.claims) for g in quoting])) if quoting else None,
+        by_position=by_position, claims=claims)
+
+
+@dataclass(frozen=True)
 class Faithfulness:
     """Mean fact recall / precision over the rows with ground truth; ``by_kind[kind] = (recall,
     precision)``; ``n`` rows graded. A row whose ``facts`` is null has no ground truth and is not
     graded (it is not a perfect row); when no row has any, ``recall`` / ``precision`` are None and
-    ``note`` says so (``note`` also counts the ungraded rows when some are)."""
+    ``note`` says so (``note`` also counts the ungraded rows when some are).
+    ``quote``: the quotation of the text read graded per position (``Quotation``), when the grader
+    grades one and the quote truths were given; the fact figures do not count it."""
 
     recall: float | None
     precision: float | None
     by_kind: dict[str, tuple[float, float]]
     n: int
     note: str | None = None
+    quote: Quotation | None = None
 
 
-def faithfulness(texts: list[str | None], facts: list[list[str]], grader: DatasetGrader | None = None
-                 ) -> Faithfulness | None:
+def faithfulness(texts: list[str | None], facts: list[list[str]], grader: DatasetGrader | None = None,
+                 quotes: Sequence[Any] | None = None) -> Faithfulness | None:
     """Mean recall / precision of ``texts`` (None = claimed nothing) against each row's ``facts``,
     graded by ``grader`` (the world grader when None: a ``facts`` column of "kind=value"
     strings); None when the grader grades no facts. A row whose facts are None (a null in the
     column) has no ground truth: it is left out, not graded as perfect; with none left, recall and
-    precision are None and ``note`` says "no ground truth" (an empty list is a truth: nothing holds)."""
+    precision are None and ``note`` says "no ground truth" (an empty list is a truth: nothing holds).
+    ``quotes``: each row's quote truth (the grader's ``quote_truths``), for ``Faithfulness.quote``."""
     grader = grader or get_grader("world")
     if len(texts) != len(facts):
         raise ValueError(f"faithfulness: {len(texts)} texts for {len(facts)} fact lists")
+    quote = quotation_summary(texts, quotes, grader) if quotes is not None else None
     recalls, precisions = [], []
     per_kind: dict[str, list[tuple[float, float]]] = {}
     missing = [i for i, fs in enumerate(facts) if fs is None]
@@ -174,7 +274,7 @@ def faithfulness(texts: list[str | None], facts: list[list[str]], grader: Datase
         if grader.grade("", []) is None:
             return None
         return Faithfulness(None, None, {}, 0, note=f"no ground truth: facts is null on every row ({len(facts)}); "
-                                                   "recall and precision are not graded")
+                                                   "recall and precision are not graded", quote=quote)
     for i, (t, fs) in enumerate(zip(texts, facts, strict=True)):
         if fs is None:
             continue
@@ -193,7 +293,8 @@ def faithfulness(texts: list[str | None], facts: list[list[str]], grader: Datase
                for k in order}
     note = (f"{len(missing)} of {len(facts)} rows have no ground truth (facts null) and are not graded"
             if missing else None)
-    return Faithfulness(float(np.mean(recalls)), float(np.mean(precisions)), by_kind, len(recalls), note=note)
+    return Faithfulness(float(np.mean(recalls)), float(np.mean(precisions)), by_kind, len(recalls), note=note,
+                        quote=quote)
 
 
 # ------------------------------------------------------------------ text helpers (any language)

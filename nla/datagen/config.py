@@ -113,6 +113,10 @@ class WorldExplainerConfig:
     fact_rate: float | None = option(None, help="each true fact named on its own with this probability (at "
                                                 "least one), instead of the count rule; null = the count rule. "
                                                 "Range: (0, 1], or null.")
+    quote_units: int | None = option(None, help="how many units (words or marks) of the text's end the quotation "
+                                                "says, from the token read back (1 = the token only); the oracle "
+                                                "row quotes as many; null = all of text_end (the token and the two "
+                                                "units before it). Range: an integer >= 1, or null.")
 
     def __post_init__(self) -> None:
         c = "world_explainer"
@@ -122,6 +126,9 @@ class WorldExplainerConfig:
                        self.fact_rate)
         if not isinstance(self.word_rate, (int, float)) or not 0 <= self.word_rate <= 1:
             raise _err(c, "word_rate", "a number in [0, 1]", self.word_rate)
+        if self.quote_units is not None and (isinstance(self.quote_units, bool) or not isinstance(self.quote_units, int)
+                                             or self.quote_units < 1):
+            raise _err(c, "quote_units", "an integer >= 1 or null (quote all of text_end)", self.quote_units)
         if not isinstance(self.min_facts, int) or self.min_facts < 1:
             raise _err(c, "min_facts", "an integer >= 1", self.min_facts)
         if not isinstance(self.max_facts, int) or self.max_facts < self.min_facts:

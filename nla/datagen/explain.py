@@ -47,12 +47,12 @@ class WorldExplainer(Explainer):
     name = "world"
 
     def __init__(self, seed: int, min_facts: int, max_facts: int, wrong_rate: float, word_rate: float = 1.0,
-                 fact_rate: float | None = None) -> None:
+                 fact_rate: float | None = None, quote_units: int | None = None) -> None:
         super().__init__()
         from nla.world import TextExplainer
 
         self._text = TextExplainer(seed=seed, min_facts=min_facts, max_facts=max_facts, wrong_rate=wrong_rate,
-                                   word_rate=word_rate, fact_rate=fact_rate)
+                                   word_rate=word_rate, fact_rate=fact_rate, quote_units=quote_units)
 
     def explain_batch(self, rows: list[dict[str, Any]]) -> list[str | None]:
         from nla.world import Fact
@@ -78,7 +78,7 @@ class WorldExplainer(Explainer):
 @register_explainer("world")
 def _world(cfg: DatagenConfig) -> Explainer:
     w = cfg.world_explainer
-    return WorldExplainer(cfg.seed, w.min_facts, w.max_facts, w.wrong_rate, w.word_rate, w.fact_rate)
+    return WorldExplainer(cfg.seed, w.min_facts, w.max_facts, w.wrong_rate, w.word_rate, w.fact_rate, w.quote_units)
 
 
 _WORD_RE = re.compile(r"[A-Za-z][A-Za-z'-]*")

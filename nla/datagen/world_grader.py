@@ -19,9 +19,12 @@ from nla.world.explain import (
     PHRASINGS,
     QUOTE_RE,
     Grade,
+    QuoteGrade,
     TextExplainer,
+    cut_quote,
     degeneracy,
     grade,
+    grade_quote,
     oracle_explanation,
     parse_facts,
     table_quotes,
@@ -54,6 +57,12 @@ def _datagen_config(dataset_path: Path, what: str = "recall slots") -> Any:
     return None
 
 
+def _quote_units(dataset_path: Path) -> int | None:
+    """``world_explainer.quote_units`` of the dataset's datagen settings (None: quote all of ``text_end``)."""
+    dc = _datagen_config(dataset_path, "the oracle's quotation")
+    return None if dc is None else dc.world_explainer.quote_units
+
+
 def _truth(facts: Sequence[str] | None) -> list[Fact]:
     try:
         return [Fact.parse(s) for s in (facts or [])]
@@ -63,8 +72,10 @@ def _truth(facts: Sequence[str] | None) -> list[Fact]:
 
 class WorldGrader(DatasetGrader):
     """Fact recall / precision against the row's facts (``nla.world.grade``: quotations are not
-    claims), the world's degeneracy checks (``nla.world.explain.degeneracy``), its oracle and its
-    ``TextExplainer``."""
+    fact claims), the quotation of the text's end graded unit by unit against the row's ``text_end``
+    and ``context`` (``nla.world.explain.grade_quote``), the world's degeneracy checks
+    (``nla.world.explain.degeneracy``), its oracle and its ``TextExplainer``, both quoting as many
+    units as the dataset's datagen settings say (``world_explainer.quote_units``)."""
 
     name = "world"
     kinds = KINDS
@@ -81,8 +92,27 @@ class WorldGrader(DatasetGrader):
     def oracle(self, truth: Sequence[str], quote: str | None, key: int) -> str:
         return oracle_explanation(_truth(truth), quote, key)
 
-    def quotes(self, table: Any) -> list[str | None]:
-        return table_quotes(table) or [None] * table.num_rows
+    def quotes(self, table: Any, dataset_path: Path | None = None) -> list[str | None]:
+        """The row's ``text_end`` (``current_word`` in older datasets), cut to the dataset's
+        ``world_explainer.quote_units`` when its datagen settings set it: the data explainer's rule."""
+        quotes = table_quotes(table) or [None] * table.num_rows
+        n_units = _quote_units(dataset_path) if dataset_path is not None else None
+        return quotes if n_units is None else [cut_quote(q, n_units) for q in quotes]
+
+    def quote_truths(self, table: Any) -> list[tuple[str, str | None] | None] | None:
+        """Per row ``(text_end, context)`` (context None when the table has none; the row None when its
+        ``text_end`` is null); None for a table without ``text_end`` (older datasets quote
+        ``current_word``, the last whole word, which is not graded)."""
+        cols = table.column_names
+        if "text_end" not in cols:
+            return None
+        ends = table.column("text_end").to_pylist()
+        contexts = table.column("context").to_pylist() if "context" in cols else [None] * len(ends)
+        return [None if e is None else (e, c) for e, c in zip(ends, contexts, strict=True)]
+
+    def grade_quote(self, explanation: str | None, truth: Any) -> QuoteGrade:
+        end, context = truth
+        return grade_quote(explanation, end, context)
 
     # --- the explanation suite (nla.eval.suite): one claim per sentence, the language's phrasings
     def is_quotation(self, claim: str) -> bool:
@@ -167,7 +197,7 @@ class WorldGrader(DatasetGrader):
         if dc is not None:
             w = dc.world_explainer
             seed, kw = dc.seed, dict(min_facts=w.min_facts, max_facts=w.max_facts, wrong_rate=w.wrong_rate,
-                                     word_rate=w.word_rate, fact_rate=w.fact_rate)
+                                     word_rate=w.word_rate, fact_rate=w.fact_rate, quote_units=w.quote_units)
         explainer = TextExplainer(seed=seed, **kw)
         words = self.quotes(table)
         return [explainer.explain(frozenset(_truth(fs)), row_key(doc, pos), word)

@@ -13,7 +13,13 @@ Conventions (where this departs from a bare metric):
 3. Fact recall / precision are means over rows of the dataset's grader (``nla.core.graders``; the
    world's is ``nla.world.grade``); a failed
    sample is graded as the empty text (it claimed nothing). ``by_kind`` averages over the
-   rows where that kind occurs in the truth or the prediction.
+   rows where that kind occurs in the truth or the prediction. The quotation of the text read
+   (the world's ``The text ends with "…".``) is not a fact and does not enter them: it is graded
+   on its own, unit by unit from the end (``faithfulness.quote``, ``nla.core.graders.Quotation``):
+   per position ``quote[p]`` (0 = the token read) recall over the rows whose text's end has a unit
+   there (no quotation: not said) and precision over the units quoted there, the share of rows
+   whose quotation is exactly the text's end, and of the rows that quote, the share whose every
+   unit is true. The truth is the row's ``text_end`` and ``context``.
 4. Degeneracy: the share of explanations the grader's format checks flag (the world's: a
    repeated sentence, a broken quote, or a sentence outside its explanation language);
    failed samples are counted under ``failed``, not here.
@@ -175,6 +181,7 @@ class EvalReport:
                 bk = r.faithfulness.by_kind
                 cells = [f"{bk[k][0]:.2f} / {bk[k][1]:.2f}" if k in bk else "-" for k in order]
                 lines.append(f"| {r.name} | " + " | ".join(cells) + " |")
+        lines += quote_table(self.rows)
         if self.samples:
             lines += ["", "## Samples", ""]
             for s in self.samples:
@@ -186,6 +193,32 @@ class EvalReport:
                 if s.context is not None:
                     lines.append(f"  - context: {s.context[-200:]!r}")
         return "\n".join(lines) + "\n"
+
+
+def quote_table(rows: list[EvalRow]) -> list[str]:
+    """Markdown: the quotation of the text's end graded per position (convention 3), one line per row
+    with a graded quotation; nothing when none has one."""
+    graded = [r for r in rows if r.faithfulness is not None and r.faithfulness.quote is not None
+              and r.faithfulness.quote.n]
+    if not graded:
+        return []
+    positions = sorted({p for r in graded for p in r.faithfulness.quote.by_position}, key=lambda k: int(k[6:-1]))
+    lines = ["", "## Quotation of the text's end, unit by unit", "",
+             "Each quoted word or mark is a claim about the text at its position from the end (quote[0] = the "
+             "token read), graded against the row's text: recall / precision per position (a row without a "
+             "quotation counts against recall only).", "",
+             "| predictor | quotes | exactly the end | every unit true | " + " | ".join(positions) + " |",
+             "|---|---|---|---|" + "---|" * len(positions)]
+    for r in graded:
+        q = r.faithfulness.quote
+        cells = [" / ".join(_fmt2(v) for v in q.by_position[p]) if p in q.by_position else "-" for p in positions]
+        lines.append(f"| {r.name} | {_fmt2(q.said)} | {_fmt2(q.exact)} | {_fmt2(q.all_true)} | " + " | ".join(cells)
+                     + " |")
+    return lines
+
+
+def _fmt2(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _fmt(x: float | None) -> str:
@@ -237,6 +270,7 @@ class _Eval:
     base: Any  # predict_mean_baselines at the AR's scale
     grader: DatasetGrader | None
     facts: list[list[str]] | None
+    quote_truths: list[Any] | None  # per row what the text read ends with (the grader's quote_truths)
     batch_size: int
     max_new_tokens: int
     report: EvalReport
@@ -245,7 +279,8 @@ class _Eval:
         """Faithfulness (rows with facts) and degeneracy (any grader) of ``texts``."""
         if self.grader is None:
             return None, None
-        faith = faithfulness(texts, self.facts, self.grader) if self.facts is not None else None
+        faith = (faithfulness(texts, self.facts, self.grader, quotes=self.quote_truths)
+                 if self.facts is not None else None)
         return faith, degeneracy_rates(texts, self.grader)
 
     def read(self, name: str, texts: list[str | None], reader: NLAClient | None = None,
@@ -331,7 +366,7 @@ def _text_rows(ev: _Eval, text_explainer_baseline: bool) -> tuple[list[str] | No
         te = ev.grader.text_explainer(ev.table, ev.path)
     if te is not None:
         ev.read("text explainer → AR", te, failure_rate=0.0)
-    words = ev.grader.quotes(ev.table) if ev.grader is not None and ev.facts is not None else None
+    words = ev.grader.quotes(ev.table, ev.path) if ev.grader is not None and ev.facts is not None else None
     if words is not None:
         oracle = [ev.grader.oracle(list(fs or []), w, int(r))
                   for fs, w, r in zip(ev.facts, words, ev.dataset_rows, strict=True)]
@@ -410,7 +445,9 @@ def evaluate_pair(
     facts = table.column("facts").to_pylist() if "facts" in table.column_names else None
     report = EvalReport(dataset=str(path), n_rows=n, d_model=client.d_model, mse_scale=scale,
                         baseline_raw_mean_mse=base.raw_mean, baseline_normalized_mean_mse=base.normalized_mean)
-    ev = _Eval(client, table, path, gold, dataset_rows, base, grader, facts, batch_size, max_new_tokens, report)
+    quote_truths = grader.quote_truths(table) if grader is not None else None
+    ev = _Eval(client, table, path, gold, dataset_rows, base, grader, facts, quote_truths, batch_size, max_new_tokens,
+               report)
     verbs, rt = _av_rows(ev, frozen_ar, rng) if client.av_model is not None else (None, None)
     reference, te = _text_rows(ev, text_explainer_baseline)
     _mean_rows(ev)

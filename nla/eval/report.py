@@ -127,6 +127,43 @@ def kind_summary(after: dict[str, Any]) -> dict[str, list[float]]:
     return {k: list(v) for k, v in (rt.get("by_kind") or {}).items()}
 
 
+def _quote(report: dict[str, Any], row: str = ROUND_TRIP) -> dict[str, Any]:
+    """The graded quotation (``faithfulness.quote``) of one eval row ({} when not graded)."""
+    return ((_rows(report).get(row) or {}).get("faithfulness") or {}).get("quote") or {}
+
+
+def quote_summary(warm: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Headline keys of the quotation of the text's end, graded unit by unit (``nla.core.graders.Quotation``):
+    exactly the text's end, every quoted unit true, quoted at all, and recall / precision per position."""
+    out: dict[str, Any] = {}
+    for tag, rep in (("warmstart", warm), ("rl", after)):
+        q = _quote(rep)
+        for key in ("exact", "all_true", "said"):
+            out[f"quote_{key}_{tag}"] = q.get(key)
+        out[f"quote_by_position_{tag}"] = {k: list(v) for k, v in (q.get("by_position") or {}).items()}
+    out["oracle_quote_exact_rl"] = _quote(after, ORACLE).get("exact")
+    return out
+
+
+def quote_table(warm: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """The round trip's quotation graded per position, warm-start and after RL (empty when not graded)."""
+    qw, qa = _quote(warm), _quote(after)
+    if not qw and not qa:
+        return []
+    bw, ba = qw.get("by_position") or {}, qa.get("by_position") or {}
+    positions = sorted(set(bw) | set(ba), key=lambda k: int(k[6:-1]))
+    lines = ["| unit | recall warm | precision warm | recall RL | precision RL |", "|---|---|---|---|---|"]
+    for p in positions:
+        w, a = bw.get(p) or (None, None), ba.get(p) or (None, None)
+        lines.append(f"| {p}{' (the token read)' if p == 'quote[0]' else ''} | {_f(w[0], 2)} | {_f(w[1], 2)} | "
+                     f"{_f(a[0], 2)} | {_f(a[1], 2)} |")
+    for key, what in (("exact", "exactly the text's end (share of rows)"),
+                      ("all_true", "every quoted unit true (share of rows that quote)"),
+                      ("said", "quotes the text's end at all (share of rows)")):
+        lines.append(f"| {what} | {_f(qw.get(key), 2)} | | {_f(qa.get(key), 2)} | |")
+    return lines
+
+
 def faithfulness_summary(warm: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """The numbers that say whether RL made the explanations more true, not just the pair closer."""
     w, a = _rows(warm), _rows(after)
@@ -184,6 +221,11 @@ def suite_section(suite: dict[str, Any] | None) -> list[str]:
     if "pair" in conf:
         before = _f(conf["baseline"]["false_rate"]) + " → " if "baseline" in conf else ""
         md.append(f"- False claims: {before}{_f(conf['pair']['false_rate'])} of claimed facts (warm-start → RL).")
+        qp, qb = conf["pair"].get("quotation"), (conf.get("baseline") or {}).get("quotation")
+        if qp:
+            qbefore = _f(qb["false_rate"]) + " → " if qb else ""
+            md.append(f"- False quotations (one quoted word or mark not the text's): {qbefore}"
+                      f"{_f(qp['false_rate'])} of {qp['claims']} quotations (warm-start → RL).")
     b = s.get("best_of")
     if b:
         top = max(int(k) for k in b if k.isdigit())
@@ -243,6 +285,7 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
         "subject_unigram_entropy": world.get("unigram_entropy"),
         "total_seconds": sum(s.seconds for s in stages if not s.cached),  # this run's work
         **faithfulness_summary(warm_eval, rl_eval),
+        **quote_summary(warm_eval, rl_eval),
         "by_kind_rl": kind_summary(rl_eval),
         # distinct explanations / rows and the commonest text's share (None: an eval made before they were counted)
         "diversity_warmstart": wr[ROUND_TRIP].get("diversity"),
@@ -263,6 +306,7 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
                                                     ("RL", rl_info))
              for w in (info.get("metrics", {}).get("stuck_warnings") or [])]
     kinds = kind_table(warm_eval, rl_eval, probe)
+    quotes = quote_table(warm_eval, rl_eval)
     unread = [f"- **{k}**: recall {_f(r, 2)}, on shuffled vectors {_f(sh, 2)}"
               for k, (r, sh) in headline["unread_kinds_warmstart"].items()]
     if unread:
@@ -292,6 +336,12 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
              f"{headline['diversity_rl']['distinct']:.1%} of rows; the commonest text on "
              f"{headline['diversity_warmstart']['top_share']:.1%} → {headline['diversity_rl']['top_share']:.1%}.", ""]
             if headline["diversity_warmstart"] and headline["diversity_rl"] else []),
+          *([f"The quotation of the text's end, graded word by word against the text: exactly right on "
+             f"**{_f(headline['quote_exact_warmstart'])} → {_f(headline['quote_exact_rl'])}** of rows, every quoted "
+             f"unit true on {_f(headline['quote_all_true_warmstart'])} → {_f(headline['quote_all_true_rl'])} of the "
+             f"rows that quote, the token read right (quote[0] precision) "
+             f"{_f((headline['quote_by_position_warmstart'].get('quote[0]') or [None, None])[1])} → "
+             f"{_f((headline['quote_by_position_rl'].get('quote[0]') or [None, None])[1])}.", ""] if quotes else []),
           *ceiling_line(headline),
           *pair_lines(pair),
           "## Evaluation (held-out documents)", "",
@@ -304,6 +354,11 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
                "from the same layer's vectors (the most a faithful verbalizer could name)." if probe.get("layers") else
                "Recall and precision of the claims of each kind (no probe was run: the truth is the rows' own)."), "",
               *kinds, ""] if kinds else []),
+          *(["### The quotation of the text's end (AV → AR round trip)", "",
+             "Each quoted word or mark is a claim about the text at its position from the end (quote[0] = the "
+             "token read), graded against the row's text: recall over the rows whose text has a unit there (no "
+             "quotation: not said), precision over the units quoted there. The fact recall / precision above do "
+             "not count the quotation.", "", *quotes, ""] if quotes else []),
           *(["## What is in the vector", "",
               "Top-1 accuracy of a linear probe per fact kind on held-out stories (`nla world probe`): how much of "
               "the ground truth any verbalizer could read from the vectors at each layer, against chance.", "",

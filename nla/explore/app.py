@@ -107,7 +107,7 @@ class ExploreApp:
         for i, t in enumerate(texts):
             if t is not None:
                 check_text(t, f"field 'texts', item {i}")
-        facts = None
+        facts, read = None, None
         if "vectors" in body:
             if any(k in body for k in ("text", "doc_id", "position")):
                 raise RequestError("give either 'vectors' or a token ('text' or 'doc_id' with 'position'), not both")
@@ -126,8 +126,9 @@ class ExploreApp:
             vectors = acts[[position] * len(texts)] if texts else acts[:0]
             truth = ex.facts(inp)
             facts = truth[position] if truth is not None else None
+            read = ex.read_to(inp, position)
         try:
-            results = await run_in_threadpool(ex.score, texts, vectors, facts)
+            results = await run_in_threadpool(ex.score, texts, vectors, facts, read)
         except (InputError, NLAClientError) as err:  # the client's checks of the vectors: the request's fault
             raise RequestError(" ".join(str(err).split())) from None
         return JSONResponse({"results": results})

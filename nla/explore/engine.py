@@ -12,10 +12,13 @@ what training and evaluation measure:
    ``mse_scale``.
 3. On the subject's world, ground truth is ``nla.world.token_facts`` on the held-out
    documents (never seen by the subject or the pair) and claims are graded by
-   ``nla.world.grade`` (quotations are not claims).
+   ``nla.world.grade`` (quotations are not fact claims). On any text, world or typed, the
+   quotation of the text's end is graded unit by unit against the text read up to the token
+   (``nla.world.explain.grade_quote``): a false quotation is marked as a false fact is.
 4. Each claim's deletion cost is ``attribute_claims`` (``nla.eval.suite``) with the world
    grader: ``delta_mse`` = the AR's ``mse_nrm`` with the claim deleted minus with it, and the
-   claim's truth against the position's facts on a world document (null elsewhere).
+   claim's truth against the position's facts on a world document (null elsewhere; the quotation's
+   truth against the text read, on any text).
 
 All P positions of a request go through one ``verbalize`` call and one ``score`` call (one
 more of each for samples) and one ``attribute_claims`` call for every explanation.
@@ -45,6 +48,8 @@ from nla.datagen.extract import load_subject
 from nla.eval.suite.claims import attribute_claims
 from nla.util.http import RequestError
 from nla.world import Fact, generate_documents, grade, load_world, parse_facts, token_facts
+from nla.world.explain import grade_quote
+from nla.world.facts import end_of_text
 
 logger = logging.getLogger(__name__)
 
@@ -311,15 +316,18 @@ class Explorer:
             # every explanation of the request (greedy ones, then samples) in one attribution call
             every = greedy + sampled
             row_facts = None if truth is None else [truth[positions[v.row]] for v in every]
-            attributed = self._attribute([v.explanation for v in every], torch.cat([vectors, gold]), row_facts)
+            reads = [self.read_to(inp, positions[v.row]) for v in every]
+            attributed = self._attribute([v.explanation for v in every], torch.cat([vectors, gold]), row_facts,
+                                         reads)
         tokens = self.tokens(inp)
         out = []
         for k, p in enumerate(positions):
             facts = truth[p] if truth is not None else None
+            read = self.read_to(inp, p)
             entry: dict[str, Any] = {
                 "position": p, "token": tokens[p]["text"],
-                "greedy": _explanation(greedy[k], greedy_scores, k, facts, attributed[k]),
-                "samples": [_explanation(sampled[j], sampled_scores, j, facts, attributed[P + j])
+                "greedy": _explanation(greedy[k], greedy_scores, k, facts, attributed[k], read),
+                "samples": [_explanation(sampled[j], sampled_scores, j, facts, attributed[P + j], read)
                             for j in range(k * n_samples, (k + 1) * n_samples)],
             }
             if facts is not None:
@@ -330,26 +338,32 @@ class Explorer:
         return out
 
     def claim_attribution(self, texts: Sequence[str | None], vectors: torch.Tensor,
-                          facts: Sequence[Sequence[str]] | None = None) -> list[list[dict[str, Any]]]:
+                          facts: Sequence[Sequence[str]] | None = None,
+                          reads: Sequence[str] | None = None) -> list[list[dict[str, Any]]]:
         """Per explanation, each claim's ``{"text", "delta_mse", "truth", "quotation"}``: what deleting
         it costs the AR's reconstruction of RAW ``vectors[i]`` [N, d] (``nla.eval.suite.attribute_claims``
-        with the world grader); ``facts[i]``: row i's ground truth (None: every truth is null). A
-        failed sample (None) has no claims. What ``explain`` returns as ``claim_attribution``."""
+        with the world grader); ``facts[i]``: row i's ground truth (None: every fact claim's truth is
+        null); ``reads[i]``: the text read up to and including row i's token (the quotation's truth;
+        None: not graded). A failed sample (None) has no claims. What ``explain`` returns as
+        ``claim_attribution``."""
         with self._lock:
-            return self._attribute(texts, vectors, facts)
+            return self._attribute(texts, vectors, facts, reads)
 
     def _attribute(self, texts: Sequence[str | None], vectors: torch.Tensor,
-                   facts: Sequence[Sequence[str]] | None) -> list[list[dict[str, Any]]]:
+                   facts: Sequence[Sequence[str]] | None,
+                   reads: Sequence[str] | None = None) -> list[list[dict[str, Any]]]:
         """``claim_attribution`` under the caller's lock."""
         if not texts:
             return []
         attr = attribute_claims(self.client, list(texts), vectors, grader=self.grader,
-                                truths=None if facts is None else [list(f) for f in facts])
+                                truths=None if facts is None else [list(f) for f in facts],
+                                quotes=None if reads is None else [(end_of_text(r), r) for r in reads])
         return [[c.to_dict() | {"delta_mse": _finite(c.delta_mse)} for c in cs] for cs in attr]
 
     def score(self, texts: Sequence[str | None], vectors: torch.Tensor,
-              facts: list[str] | None = None) -> list[dict[str, Any]]:
-        """Reconstruct ``texts`` with the AR and compare with RAW ``vectors`` [N, d]."""
+              facts: list[str] | None = None, read: str | None = None) -> list[dict[str, Any]]:
+        """Reconstruct ``texts`` with the AR and compare with RAW ``vectors`` [N, d]; ``facts`` / ``read``:
+        the token's ground truth and the text read up to it, to grade the claims and the quotation."""
         if not texts:
             raise RequestError("texts is empty; give one explanation per vector")
         if len(texts) > self.limits.max_score_texts:
@@ -368,7 +382,12 @@ class Explorer:
             raise RequestError("vectors: every vector must be finite and non-zero")
         with self._lock:
             res = self.client.score(list(texts), vectors, batch_size=len(texts))
-        return [_scores(res, i) | grade_claims(t, facts) for i, t in enumerate(texts)]
+        return [_scores(res, i) | grade_claims(t, facts, read) for i, t in enumerate(texts)]
+
+    @staticmethod
+    def read_to(inp: TextInput, position: int) -> str:
+        """The text read up to and including token ``position`` (what its quotation should end with)."""
+        return inp.text[: inp.offsets[position][1]]
 
     def facts(self, inp: TextInput) -> list[list[str]] | None:
         """Ground truth per token (``"kind=value"`` strings) for a world document; None for typed text."""
@@ -390,21 +409,42 @@ def _scores(res: ScoreResult, i: int) -> dict[str, Any]:
     return {"cosine": _num(res.cosine[i]), "mse_nrm": _num(res.mse_nrm[i]), "failed": bool(res.failed[i])}
 
 
-def grade_claims(explanation: str | None, facts: list[str] | None) -> dict[str, Any]:
-    """Each fact the explanation claims, marked true/false against the token's ground truth (world only)."""
+def grade_claims(explanation: str | None, facts: list[str] | None, read: str | None = None) -> dict[str, Any]:
+    """Each fact the explanation claims, marked true/false against the token's ground truth (world
+    only), and with ``read`` (the text read up to and including the token, any text) its quotation
+    of the text's end, graded unit by unit (``quote_grade``)."""
+    out: dict[str, Any] = {}
+    if read is not None:
+        out["quotation"] = quote_grade(explanation, read)
     if facts is None:
-        return {}
+        return out
     truth = {Fact.parse(f) for f in facts}
     text = explanation or ""
     claims = sorted(parse_facts(text))
     g = grade(text, truth)
     return {"claims": [{"fact": str(f), "correct": f in truth} for f in claims],
             "missed": sorted(str(f) for f in truth - set(claims)),
-            "recall": g.recall, "precision": g.precision}
+            "recall": g.recall, "precision": g.precision, **out}
+
+
+def quote_grade(explanation: str | None, read: str) -> dict[str, Any] | None:
+    """The explanation's quotation against the end of ``read`` (``nla.world.explain.grade_quote``):
+    ``{"quoted", "truth", "exact", "correct", "units": [{"unit", "position", "correct"}]}`` in reading
+    order (position 0 = the token read; ``correct``: every unit true); None when it quotes nothing."""
+    from nla.world.facts import text_units
+
+    end = end_of_text(read)
+    g = grade_quote(explanation, end, read)
+    if g.quoted is None:
+        return None
+    units = text_units(g.quoted)
+    return {"quoted": g.quoted, "truth": end, "exact": g.exact, "correct": g.all_true,
+            "units": [{"unit": u, "position": len(units) - 1 - j, "correct": g.claims[len(units) - 1 - j]}
+                      for j, u in enumerate(units)]}
 
 
 def _explanation(v: Verbalization, res: ScoreResult | None, i: int, facts: list[str] | None,
-                 attribution: list[dict[str, Any]]) -> dict[str, Any]:
+                 attribution: list[dict[str, Any]], read: str | None = None) -> dict[str, Any]:
     assert res is not None
     return {"explanation": v.explanation, "status": v.status, "text": v.text, **_scores(res, i),
-            **grade_claims(v.explanation, facts), "claim_attribution": attribution}
+            **grade_claims(v.explanation, facts, read), "claim_attribution": attribution}

@@ -81,6 +81,9 @@ def _quickstart(path: Path) -> RunSummary:
     kinds = _by_kind_table(after)
     if kinds:
         run.tables.append(kinds)
+    quotes = _quote_table(warm, after)
+    if quotes:
+        run.tables.append(quotes)
     stages = report.get("stages") or []
     if stages:
         run.tables.append({"title": "Time per stage", "columns": ["stage", "seconds", "cached"],
@@ -122,6 +125,19 @@ def _by_kind_table(after: dict[str, Any]) -> dict[str, Any] | None:
     return {"title": "After RL: fact recall / precision by kind", "columns": ["predictor", *kinds], "rows": out}
 
 
+def _quote_table(warm: dict[str, Any], after: dict[str, Any]) -> dict[str, Any] | None:
+    """The round trip's quotation of the text's end graded per position (``nla.eval.report.quote_table``)."""
+    from nla.eval.report import quote_table
+
+    lines = quote_table(warm, after)
+    if not lines:
+        return None
+    rows = [[c.strip() or None for c in ln.strip("|").split("|")] for ln in lines[2:]]
+    return {"title": "The quotation of the text's end, unit by unit (AV → AR round trip)",
+            "columns": ["unit", "recall warm", "precision warm", "recall RL", "precision RL"],
+            "rows": [[r[0], *[None if c in (None, "–") else float(c) for c in r[1:]]] for r in rows]}
+
+
 def _examples(warm: dict[str, Any], after: dict[str, Any], n: int = 8) -> list[dict[str, Any]]:
     from nla.explore.engine import grade_claims
 
@@ -133,9 +149,10 @@ def _examples(warm: dict[str, Any], after: dict[str, Any], n: int = 8) -> list[d
         out.append({
             "row": s["row"], "context": s.get("context"), "facts": facts, "reference": s.get("reference"),
             "warmstart": {"explanation": w.get("explanation"), "status": w.get("status"),
-                          "mse_nrm": _num(w.get("mse_nrm")), **grade_claims(w.get("explanation"), facts)},
+                          "mse_nrm": _num(w.get("mse_nrm")),
+                          **grade_claims(w.get("explanation"), facts, s.get("context"))},
             "rl": {"explanation": s.get("explanation"), "status": s.get("status"), "mse_nrm": _num(s.get("mse_nrm")),
-                   **grade_claims(s.get("explanation"), facts)},
+                   **grade_claims(s.get("explanation"), facts, s.get("context"))},
         })
     return out
 

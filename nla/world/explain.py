@@ -10,9 +10,11 @@ Scoring conventions (``grade``):
 2. ``precision = n_correct / n_pred``; an empty prediction gets precision 1.0 when the
    truth is empty too (it claimed nothing, and nothing was there) and 0.0 otherwise, so
    saying nothing is never a free win.
-3. Text inside double quotes is a quotation, not a claim: ``The text ends with "to the shore".``
+3. Text inside double quotes is a quotation, not a fact claim: ``The text ends with "to the shore".``
    quotes the token being read and the words before it, and is not graded as the fact
-   place=beach.
+   place=beach. It is graded on its own (``grade_quote``), unit by unit: each quoted word or mark
+   is a claim about the text at its position from the end (0 = the token read), true when the text
+   has that unit there.
 """
 
 from __future__ import annotations
@@ -23,7 +25,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from nla.core.graders import has_repeated_sentence, split_sentences  # the generic text checks (any language)
-from nla.world.facts import KINDS, SURFACE_INDEX, VOCAB, Fact, all_facts, words_with_spans
+from nla.world.facts import (
+    KINDS,
+    SURFACE_INDEX,
+    VOCAB,
+    Fact,
+    all_facts,
+    end_of_text,
+    text_units,
+    words_with_spans,
+)
 
 # Several phrasings per kind; "{w}" is the fact's canonical word.
 FACT_TEMPLATES: dict[str, tuple[str, ...]] = {
@@ -139,6 +150,81 @@ def table_quotes(table) -> list[str | None] | None:
         if c in table.column_names:
             return table.column(c).to_pylist()
     return None
+
+
+def cut_quote(quote: str | None, n_units: int | None) -> str | None:
+    """The last ``n_units`` units of ``quote`` (a ``text_end``), or ``quote`` itself when ``n_units`` is
+    None: what a language that quotes ``n_units`` units of the text's end says
+    (``world_explainer.quote_units``; 1 = the token read only)."""
+    if quote is None or n_units is None:
+        return quote
+    if isinstance(n_units, bool) or not isinstance(n_units, int) or n_units < 1:
+        raise ValueError(f"quote_units: expected an integer >= 1 or None, found {n_units!r}")
+    return end_of_text(quote, n_units)
+
+
+# The quotation inside one sentence, as render_text_end writes it (its closing full stop may be missing).
+_QUOTATION = re.compile(r'^The text ends with "([^"]*)"')
+
+
+def quotation(text: str | None) -> str | None:
+    """The span the explanation quotes as the text's end (its first ``The text ends with "…"``
+    sentence), or None when it has none (a broken quote, with no closing mark, is none)."""
+    for sentence in split_sentences(text or ""):
+        m = _QUOTATION.match(sentence)
+        if m:
+            return m.group(1)
+    return None
+
+
+@dataclass(frozen=True)
+class QuoteGrade:
+    """The quotation of one explanation graded unit by unit against the text read.
+
+    Units are words or marks (``nla.world.facts.text_units``), counted from the end: position 0 is the
+    token read (its last unit), 1 the unit before it, and so on.
+
+    quoted: the quoted span as written (None: the explanation quotes nothing).
+    claims[p]: the quotation's p-th unit from the end is the text's p-th unit from the end (one entry
+        per quoted unit; a unit past the start of the text is false).
+    recalled[p]: for each unit of the text's end (the row's ``text_end``, what the language quotes),
+        whether the quotation says it at its position (False when not quoted).
+    exact: the quotation is exactly the text's end (unit for unit; spacing aside).
+    """
+
+    quoted: str | None
+    claims: tuple[bool, ...]
+    recalled: tuple[bool, ...]
+    exact: bool
+
+    @property
+    def said(self) -> bool:
+        return self.quoted is not None
+
+    @property
+    def all_true(self) -> bool:
+        """A quotation was said and every unit of it is true."""
+        return self.said and all(self.claims)
+
+
+def grade_quote(text: str | None, end: str, context: str | None = None) -> QuoteGrade:
+    """Grade the quotation of ``text`` against the text read: ``end`` is the row's ``text_end`` (the
+    units the language quotes: the recall targets), ``context`` the whole text read up to and
+    including the token, when known; it must end with ``end``. A quoted unit is checked against
+    ``context`` (else ``end``) at its position from the end; one before the start of what is known
+    is false (a quotation longer than the text, or than the row records without a context)."""
+    if end is None:
+        raise ValueError("grade_quote: end is None; the row has no text_end to grade the quotation against")
+    target = text_units(end)
+    full = text_units(context) if context is not None else target
+    if target and full[-len(target):] != target:
+        raise ValueError(f"grade_quote: the context ends with {' '.join(full[-len(target) - 1:])!r}, not with its "
+                         f"text_end {end!r}")
+    quoted = quotation(text)
+    q = text_units(quoted) if quoted is not None else []
+    claims = tuple(p < len(full) and q[-1 - p] == full[-1 - p] for p in range(len(q)))
+    recalled = tuple(p < len(q) and q[-1 - p] == target[-1 - p] for p in range(len(target)))
+    return QuoteGrade(quoted, claims, recalled, quoted is not None and q == target)
 
 
 def _template_regex(template: str, kind: str) -> re.Pattern[str]:
@@ -257,12 +343,13 @@ class TextExplainer:
     ``nla.world.facts.text_end``: the token and the two words or marks before it; with probability
     ``word_rate``, when one is given): in a small subject model the residual stream at a middle
     layer is dominated by the current token and its neighbours, so an explanation without them
-    cannot be reconstructed. The RNG is keyed on ``(seed, key)``: the same row always gets
-    the same explanation.
+    cannot be reconstructed. With ``quote_units`` it quotes only that many units of the end (1: the
+    token read), the rule the oracle follows too (``cut_quote``). The RNG is keyed on ``(seed, key)``:
+    the same row always gets the same explanation.
     """
 
     def __init__(self, seed: int = 0, min_facts: int = 3, max_facts: int = 6, wrong_rate: float = 0.1,
-                 word_rate: float = 1.0, fact_rate: float | None = None):
+                 word_rate: float = 1.0, fact_rate: float | None = None, quote_units: int | None = None):
         if not 1 <= min_facts <= max_facts:
             raise ValueError(
                 f"TextExplainer: need 1 <= min_facts <= max_facts, found min_facts={min_facts}, max_facts={max_facts}"
@@ -279,6 +366,8 @@ class TextExplainer:
         if fact_rate is not None and not 0.0 < fact_rate <= 1.0:
             raise ValueError(f"TextExplainer.fact_rate: expected a probability in (0, 1] or None, found {fact_rate}")
         self.fact_rate = fact_rate
+        cut_quote("", quote_units)  # checks it
+        self.quote_units = quote_units
         self._all = all_facts()
 
     def choose(self, facts: frozenset[Fact], key: int) -> tuple[list[Fact], random.Random]:
@@ -311,6 +400,7 @@ class TextExplainer:
             text = render_facts(chosen, rng)
         # A separate stream, so adding the quotation never changes which facts a row names.
         word_rng = random.Random(f"nla-explainer-word:{self.seed}:{key}")
+        quote = cut_quote(quote, self.quote_units)
         if quote and quote.strip() and word_rng.random() < self.word_rate:
             text = render_text_end(quote) + " " + text
         return text

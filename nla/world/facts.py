@@ -242,11 +242,27 @@ def text_end(doc: Document, char_end: int, n_units: int = TEXT_END_UNITS) -> str
         raise ValueError(f"text_end: char_end must be in [0, {len(doc.text)}], found {char_end}")
     if n_units < 1:
         raise ValueError(f"text_end: n_units must be >= 1, found {n_units}")
-    head = doc.text[:char_end].replace('"', "")
+    return end_of_text(doc.text[:char_end], n_units)
+
+
+def end_of_text(text: str, n_units: int = TEXT_END_UNITS) -> str:
+    """``text_end`` of a plain string: its last ``n_units`` words or marks as written (runs of white
+    space made one space, double quotes dropped); "" when it has none. What a quotation of the end of
+    ``text`` (the text read up to and including the token) should say, on any text."""
+    if n_units < 1:
+        raise ValueError(f"end_of_text: n_units must be >= 1, found {n_units}")
+    head = text.replace('"', "")
     units = list(_UNIT_RE.finditer(head))
     if not units:
         return ""
     return " ".join(head[units[-min(n_units, len(units))].start():].split())
+
+
+def text_units(text: str) -> list[str]:
+    """The words and marks of ``text`` in order, as ``text_end`` counts them (double quotes dropped):
+    ``text_units("night. He") == ["night", ".", "He"]``. Position p from the end (0 = the token read)
+    is ``text_units(t)[-1 - p]``."""
+    return _UNIT_RE.findall(text.replace('"', ""))
 
 
 def unit_ends(text: str) -> list[int]:

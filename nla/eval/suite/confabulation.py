@@ -5,18 +5,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from nla.core.graders import DatasetGrader
+from nla.core.graders import DatasetGrader, quotation_summary
 from nla.eval.suite.common import by_document, earlier_truths, fact_kind
 
 
 # ------------------------------------------------------------------ 5. confabulation
 def confabulation(texts: Sequence[str | None], truths: Sequence[Sequence[str]], grader: DatasetGrader,
-                  doc_ids: Sequence[int] | None = None, positions: Sequence[int] | None = None) -> dict[str, Any]:
+                  doc_ids: Sequence[int] | None = None, positions: Sequence[int] | None = None,
+                  quotes: Sequence[Any] | None = None) -> dict[str, Any]:
     """False-claim rate overall and per kind (claimed facts not true / claimed facts), and, with
     ``doc_ids`` and ``positions``, the truth rate of claims that recur at a neighbouring position
     (the previous or next evaluated position of the same document) vs claims that do not, and the
     share of false claims that were true at an earlier evaluated position (``false_stale``: an
-    outdated fact, not an invented one)."""
+    outdated fact, not an invented one). With ``quotes`` (each row's quote truth, the grader's
+    ``quote_truths``), ``quotation``: the quotations of the text's end as claims (a false quotation is
+    a false claim, one with a quoted unit that is not the text's), their false rate and per position
+    (``nla.core.graders.Quotation``); the fact figures above do not count them."""
     named = [grader.named_facts(t) if t is not None else frozenset() for t in texts]
     per_kind: dict[str, list[int]] = {}  # kind -> [claims, false]
     for fs, truth in zip(named, truths, strict=True):
@@ -46,4 +50,11 @@ def confabulation(texts: Sequence[str | None], truths: Sequence[Sequence[str]], 
         false = [(i, f) for i, fs in enumerate(named) for f in fs if f not in set(truths[i])]
         stale = sum(f in earlier[i] for i, f in false)
         out["false_stale"] = stale / len(false) if false else None
+    if quotes is not None:
+        q = quotation_summary(texts, quotes, grader)
+        if q is not None:
+            quoting = round((q.said or 0.0) * q.n)
+            out["quotation"] = {"claims": quoting,
+                                "false_rate": None if q.all_true is None else 1.0 - q.all_true,
+                                "exact": q.exact, "by_position": {k: list(v) for k, v in q.by_position.items()}}
     return out

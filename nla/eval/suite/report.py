@@ -57,7 +57,8 @@ class SuiteReport:
             lines += ["", "## Claim attribution (FVE lost when one claim is deleted)", "",
                       "| claim | n | mean FVE cost |", "|---|---|---|"]
             lines += [f"| {g.replace('_', ': ')} | {c[f'n_{g}']} | {_f(c[f'fve_cost_{g}'])} |"
-                      for g in ("true", "false", "false_stale", "false_invented", "quotation", "other")
+                      for g in ("true", "false", "false_stale", "false_invented", "quotation", "quotation_true",
+                                "quotation_false", "other")
                       if c.get(f"n_{g}")]
         if "hidden_code" in s:
             h = s["hidden_code"]
@@ -99,14 +100,14 @@ class SuiteReport:
             models = list(s["confabulation"])
             kinds = sorted({k for m in models for k in s["confabulation"][m]["by_kind"]})
             lines += ["| AV | all |" + "".join(f" {k} |" for k in kinds)
-                      + " recurring claims true | lone claims true | false claims once true |",
-                      "|---|---|" + "---|" * (len(kinds) + 3)]
+                      + " recurring claims true | lone claims true | false claims once true | quotation |",
+                      "|---|---|" + "---|" * (len(kinds) + 4)]
             for m in models:
                 c = s["confabulation"][m]
                 lines.append(f"| {m} | {_f(c['false_rate'])} |" + "".join(
                     f" {_f(c['by_kind'].get(k, {}).get('false_rate'))} |" for k in kinds)
                     + f" {_f(c.get('recurring', {}).get('true_rate'))} | {_f(c.get('lone', {}).get('true_rate'))} |"
-                    + f" {_f(c.get('false_stale'))} |")
+                    + f" {_f(c.get('false_stale'))} | {_f((c.get('quotation') or {}).get('false_rate'))} |")
         if "best_of" in s:
             b = s["best_of"]
             lines += ["", f"## Best-of-N at inference (samples at temperature {b.get('temperature', 1.0):g})", "",

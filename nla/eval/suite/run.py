@@ -99,6 +99,7 @@ def run_suite(
     has_truth = truths is not None and grader.grade("", truths[0] or []) is not None
     if not has_truth:
         truths = None
+    quotes = grader.quote_truths(table) if truths is not None else None  # what each row's text ends with
     report = SuiteReport(dataset=str(path), n_rows=int(gold.shape[0]), seed=seed)
     logger.info("suite: verbalizing %d rows", gold.shape[0])
     verbs = client.verbalize(gold, max_new_tokens=max_new_tokens, batch_size=batch_size)
@@ -106,7 +107,8 @@ def run_suite(
 
     if "claims" in parts:
         logger.info("suite: claim attribution")
-        attr = attribute_claims(client, texts, gold, grader=grader, truths=truths, batch_size=batch_size)
+        attr = attribute_claims(client, texts, gold, grader=grader, truths=truths, quotes=quotes,
+                                batch_size=batch_size)
         earlier = (earlier_truths(truths, table.column("doc_id").to_pylist(), table.column("position").to_pylist())
                    if truths is not None and {"doc_id", "position"} <= set(cols) else None)
         report.sections["claims"] = claims_summary(attr, base.raw_mean, grader, truths, earlier)
@@ -117,7 +119,7 @@ def run_suite(
         logger.info("suite: hidden-code tests")
         oracle = None
         if truths is not None:
-            words = grader.quotes(table)
+            words = grader.quotes(table, path)
             oracle = [grader.oracle(t, w, int(r)) for t, w, r in zip(truths, words, dataset_rows, strict=True)]
             oracle = None if any(o is None for o in oracle) else oracle
         report.sections["hidden_code"] = hidden_code_summary(client, texts, gold, grader, base.raw_mean, seed,
@@ -170,12 +172,12 @@ def run_suite(
         else:
             docs = table.column("doc_id").to_pylist() if "doc_id" in cols else None
             pos = table.column("position").to_pylist() if "position" in cols else None
-            conf = {"pair": confabulation(texts, truths, grader, docs, pos)}
+            conf = {"pair": confabulation(texts, truths, grader, docs, pos, quotes)}
             if baseline_av is not None:
                 logger.info("suite: the baseline AV's explanations")
                 btexts = [v.explanation for v in baseline_av.verbalize(gold, max_new_tokens=max_new_tokens,
                                                                          batch_size=batch_size)]
-                conf = {"baseline": confabulation(btexts, truths, grader, docs, pos), **conf}
+                conf = {"baseline": confabulation(btexts, truths, grader, docs, pos, quotes), **conf}
             report.sections["confabulation"] = conf
     if "best_of" in parts:
         logger.info("suite: best-of-%d", max(best_of))

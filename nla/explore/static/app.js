@@ -94,7 +94,8 @@ function renderTokens() {
   for (const t of state.tokens) {
     const r = state.results.get(t.position);
     const cos = r ? r.greedy.cosine : null;
-    const wrong = r && (r.greedy.claims || []).some((c) => !c.correct);
+    const wrong = r && ((r.greedy.claims || []).some((c) => !c.correct) ||
+      (r.greedy.quotation && !r.greedy.quotation.correct));
     const span = el("span", {
       class: "tok" + (r && cos === null ? " failed" : "") + (wrong ? " wrong" : "") +
         (state.selected === t.position ? " selected" : ""),
@@ -132,10 +133,21 @@ function scoreLine(e) {
     el("span", { class: "muted" }, e.status));
 }
 
+// The quotation of the text's end, unit by unit: each quoted word or mark marked as a fact is.
+function quoteUnits(q) {
+  if (!q) return [];
+  return [el("span", { class: "muted small", title: `the text read ends with “${q.truth}”` }, "quotes:"),
+    ...q.units.map((u) => el("span", { class: "fact quote " + (u.correct ? "true" : "false"),
+      title: (u.correct ? "the text's unit here" : "not the text's unit here") +
+        ` (position ${u.position} from the end; 0 = the token read)` },
+    (u.correct ? "✓ " : "✗ ") + u.unit))];
+}
+
 function claimsLine(e) {
-  if (!e.claims) return null;
-  if (!e.claims.length && !(e.missed || []).length) return null;
-  return el("div", { class: "claims" },
+  const quote = quoteUnits(e.quotation);
+  if (!e.claims) return quote.length ? el("div", { class: "claims" }, quote) : null;
+  if (!e.claims.length && !(e.missed || []).length && !quote.length) return null;
+  return el("div", { class: "claims" }, quote,
     e.claims.map((c) => el("span", { class: "fact " + (c.correct ? "true" : "false"),
       title: c.correct ? "true at this token" : "not true at this token" },
     (c.correct ? "✓ " : "✗ ") + c.fact)),
@@ -155,7 +167,10 @@ function claimBars(e, scale, graded) {
   const claims = e.claim_attribution || [];
   if (!claims.length) return null;
   const mark = (c) => {
-    if (c.quotation) return el("span", { class: "claim-mark quote", title: "quotes the end of the text read (no fact)" }, "“”");
+    if (c.quotation && c.truth === false) return el("span", { class: "claim-mark false",
+      title: "quotes the end of the text read: a word or mark of it is not the text's" }, "✗");
+    if (c.quotation) return el("span", { class: "claim-mark quote", title: c.truth === true
+      ? "quotes the end of the text read, every word true" : "quotes the end of the text read" }, "“”");
     if (c.truth === true) return el("span", { class: "claim-mark true", title: "true at this token" }, "✓");
     if (c.truth === false) return el("span", { class: "claim-mark false", title: "not true at this token" }, "✗");
     return el("span", { class: "claim-mark none", title: graded ? "names no fact" : "no ground truth for this text" },
