@@ -111,6 +111,23 @@ def test_the_wiki_grader_checks_format_and_refuses_foreign_truth():
         g.grade("x", ["person=Ada"])  # a world fact in a wiki dataset
 
 
+def test_the_quotation_graded_unit_by_unit():
+    g = get_grader("wiki")
+    truth = ("Ada King,", "Augusta Ada King,")
+    # "Ada Queen,": the mark and "Ada" right, "Queen" wrong; units from the end: ",", "Queen", "Ada"
+    q = g.grade_quote('The text ends with "Ada Queen,". The article is about People.', truth)
+    assert (q.quoted, q.claims, q.recalled, q.exact) == ("Ada Queen,", (True, False, True), (True, False, True), False)
+    # longer than the text: the unit before its start is false
+    q = g.grade_quote('The text ends with "Lady Augusta Ada King,".', truth)
+    assert q.claims == (True, True, True, True, False) and q.exact is False
+    # no quotation: nothing claimed, nothing recalled
+    q = g.grade_quote("The article is about People.", truth)
+    assert (q.quoted, q.claims, q.recalled) == (None, (), (False, False, False))
+    assert g.grade_quote(explanation_of(TRUTH), truth).exact is True
+    with pytest.raises(ValueError, match="not with its quote claim"):
+        g.grade_quote("x", ("Ada King,", "something else"))
+
+
 def test_wiki_explainer_and_source_need_each_other():
     from nla.datagen.config import DatagenConfig
 

@@ -77,6 +77,11 @@ def text_end(context: str, n_units: int = QUOTE_UNITS) -> str:
     return " ".join(head[units[-min(n_units, len(units))].start():].split())
 
 
+def text_units(text: str) -> list[str]:
+    """The words and marks of ``text`` in order, as ``text_end`` counts them (double quotes dropped)."""
+    return _UNIT_RE.findall(text.replace('"', ""))
+
+
 def position_bucket(position: int) -> str:
     """The bucket of a token index (``POSITION_BUCKETS``)."""
     if isinstance(position, bool) or not isinstance(position, int) or position < 0:
@@ -215,6 +220,38 @@ class WikiGrader(DatasetGrader):
 
     def oracle(self, truth: Sequence[str], quote: str | None, key: int) -> str:
         return explanation_of(truth)
+
+    # --- the quotation graded unit by unit (as the world's: nla.world.explain.QuoteGrade), over this
+    # language's units (letters or digits of any script, or one mark)
+    def quote_truths(self, table: Any) -> list[tuple[str, str | None] | None] | None:
+        """Per row ``(the quote claim's value, context)`` (None where the row has no quote claim); None
+        for a table without ``facts``."""
+        cols = table.column_names
+        if "facts" not in cols:
+            return None
+        facts = table.column("facts").to_pylist()
+        contexts = table.column("context").to_pylist() if "context" in cols else [None] * len(facts)
+        out: list[tuple[str, str | None] | None] = []
+        for fs, ctx in zip(facts, contexts, strict=True):
+            q = next((f.partition("=")[2] for f in fs or [] if f.startswith("quote=")), None)
+            out.append(None if q is None else (q, ctx))
+        return out
+
+    def grade_quote(self, explanation: str | None, truth: Any) -> Any:
+        from nla.world.explain import QuoteGrade
+
+        end, context = truth
+        target = text_units(end)
+        full = text_units(context) if context is not None else target
+        if target and full[-len(target):] != target:
+            raise ValueError(f"grade_quote: the context ends with {' '.join(full[-len(target) - 1:])!r}, not with its "
+                             f"quote claim {end!r}")
+        said = [c.partition("=")[2] for c in parse_claims(explanation)[0] if c.startswith("quote=")]
+        quoted = said[0] if said else None
+        q = text_units(quoted) if quoted is not None else []
+        claims = tuple(p < len(full) and q[-1 - p] == full[-1 - p] for p in range(len(q)))
+        recalled = tuple(p < len(q) and q[-1 - p] == target[-1 - p] for p in range(len(target)))
+        return QuoteGrade(quoted, claims, recalled, quoted is not None and q == target)
 
     def claims(self, text: str | None) -> list[str]:
         return _sentences(text or "")
