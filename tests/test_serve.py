@@ -296,7 +296,10 @@ BAD = [
     ({"input_embeds": GOOD, "sampling_params": {"temperature": 0, "min_p": 0.1}}, 400,
      "unsupported key(s) ['min_p']; this server supports ['temperature', 'top_p', 'top_k', 'max_new_tokens'"),
     ({"input_embeds": GOOD, "sampling_params": {"temperature": -1}}, 400,
-     "'sampling_params.temperature': expected 0 (greedy) to 100, found -1.0"),
+     "'sampling_params.temperature': expected 0 (greedy) or a finite number in [0.0001, 100], found -1.0"),
+    # issue 58: a temperature that underflows the logits' division was a 500 here and garbage in /verbalize
+    ({"input_embeds": GOOD, "sampling_params": {"temperature": 1e-40}}, 400,
+     "'sampling_params.temperature': expected 0 (greedy) or a finite number in [0.0001, 100], found 1e-40"),
     ({"input_embeds": GOOD, "sampling_params": {"temperature": True}}, 400,
      "'sampling_params.temperature': expected a number, found bool"),
     ({"input_embeds": GOOD, "sampling_params": {"temperature": float("nan")}}, 400, "'sampling_params.temperature'"),
@@ -322,6 +325,8 @@ BAD_NLA = [
     ("/verbalize", {"vectors": [[0.1] * D], "n_samples": 99}, 400, "field 'n_samples': expected 1..16"),
     ("/verbalize", {"vectors": [[0.1] * D], "max_new_tokens": 1000}, 400, "field 'max_new_tokens': expected 1..64"),
     ("/verbalize", {"vectors": [[0.1] * D], "greedy": False, "temperature": 0}, 400, "field 'temperature'"),
+    ("/verbalize", {"vectors": [[0.1] * D], "greedy": False, "temperature": 1e-40}, 400,
+     "field 'temperature': expected a finite number in [0.0001, 100], found 1e-40"),
     ("/verbalize", {"vectors": [[0.1] * D], "temperature": float("inf")}, 400, "field 'temperature': expected a "
                                                                                "finite number"),
     ("/verbalize", {"vectors": [[0.1] * D] * 300}, 413, "300 vectors; the cap is 256"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from nla.util.flags import non_negative_int, positive_int, seed_flag
+from nla.util.flags import non_negative_int, positive_int, seed_flag, temperature_flag
 from nla.util.threads import THREADS_HELP, threads_flag
 
 log = logging.getLogger("nla.eval")
@@ -62,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                          "pair's")
     p.add_argument("--best-of", default=None, help="--suite: the N of best-of-N decoding (comma-separated, each "
                                                     "at most 1024; default 1,4,8)")
-    p.add_argument("--temperature", type=float, default=0.7, help="--suite: best-of-N's sampling temperature")
+    p.add_argument("--temperature", type=temperature_flag, default=0.7, help="--suite: best-of-N's sampling temperature")
     p.add_argument("--paraphrase-provider", choices=["anthropic", "openai"],
                    help="--suite: re-phrase the claims the grader cannot through this API (off by default; needs "
                         "the provider's key in its environment variable)")

@@ -43,7 +43,7 @@ from nla.util.http import (
     read_json_body,
 )
 from nla.util.threads import adapt_threads
-from nla.util.validation import InputError
+from nla.util.validation import InputError, check_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -245,8 +245,11 @@ class ServeApp:
             raise RequestError(f"field 'n_samples': expected 1..{lim.max_samples}, found {n_samples}")
         if not 1 <= max_new_tokens <= lim.max_new_tokens:
             raise RequestError(f"field 'max_new_tokens': expected 1..{lim.max_new_tokens}, found {max_new_tokens}")
-        if not greedy and not 0.0 < temperature <= 100.0:
-            raise RequestError(f"field 'temperature': expected a number in (0, 100] when sampling, found {temperature}")
+        if not greedy:
+            try:  # the one check of sampling settings (nla.util.validation.check_sampling)
+                check_sampling(temperature, what="field 'temperature'")
+            except InputError as err:
+                raise RequestError(str(err)) from None
         kw = dict(greedy=greedy, temperature=temperature, n_samples=n_samples, max_new_tokens=max_new_tokens, seed=seed)
         results = await self._wait(self.s.batcher.submit_task(lambda: self.s.verbalize(vectors, **kw)))
         return JSONResponse({"results": results})

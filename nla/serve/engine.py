@@ -36,15 +36,15 @@ import torch
 from torch import Tensor, nn
 
 from nla.util.http import RequestError
+from nla.util.validation import MAX_TEMPERATURE, InputError, check_sampling
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SAMPLING_KEYS", "Batcher", "GenerateJob", "SamplingParams", "ServeLimits",
+__all__ = ["MAX_TEMPERATURE", "SAMPLING_KEYS", "Batcher", "GenerateJob", "SamplingParams", "ServeLimits",
            "decode_batch", "generation_output"]
 
 # sampling_params keys this server honours (SGLang's names and defaults)
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "skip_special_tokens")
-MAX_TEMPERATURE = 100.0
 
 
 @dataclass(frozen=True)
@@ -127,11 +127,11 @@ class SamplingParams:
             kw[key] = value
         kw.setdefault("max_new_tokens", min(cls.max_new_tokens, limits.max_new_tokens))  # SGLang's 128, or the cap
         p = cls(**{k: (float(v) if k in ("temperature", "top_p") else v) for k, v in kw.items()})
-        if not 0.0 <= p.temperature <= MAX_TEMPERATURE:
-            raise RequestError(f"field 'sampling_params.temperature': expected 0 (greedy) to {MAX_TEMPERATURE:g}, "
-                             f"found {p.temperature}")
-        if not 0.0 < p.top_p <= 1.0:
-            raise RequestError(f"field 'sampling_params.top_p': expected a number in (0, 1], found {p.top_p}")
+        try:  # the one check of sampling settings (a 1e-40 temperature was a 500 here, garbage in /verbalize)
+            check_sampling(p.temperature, p.top_p, what="field 'sampling_params.temperature'",
+                           top_p_what="field 'sampling_params.top_p'", zero_is_greedy=True)
+        except InputError as err:
+            raise RequestError(str(err)) from None
         if not (p.top_k == -1 or 1 <= p.top_k < 2**31):
             raise RequestError(f"field 'sampling_params.top_k': expected -1 (off) or a positive integer, found {p.top_k}")
         if not 1 <= p.max_new_tokens <= limits.max_new_tokens:

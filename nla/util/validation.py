@@ -12,11 +12,14 @@ half-written artifact behind. A checkpoint directory's files are checked in
 2. YAML: a syntax error names the file, line and column; a key repeated in one mapping (at any
    depth) is refused with both line numbers (plain YAML keeps the last one silently).
 3. Output paths: the nearest existing folder must accept a file now, not after an hour of work.
+4. Sampling settings (:func:`check_sampling`): the one check of a temperature and a top_p, used by
+   ``nla verbalize``, ``nla serve``, ``nla explore``, ``nla eval --suite`` and RL's config.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 from collections.abc import Sequence
@@ -28,9 +31,12 @@ import numpy as np
 __all__ = [
     "InputError",
     "MAX_SAMPLES_PER_VECTOR",
+    "MAX_TEMPERATURE",
+    "MIN_TEMPERATURE",
     "bad_rows",
     "check_device",
     "check_output_path",
+    "check_sampling",
     "check_sample_count",
     "check_vectors",
     "describe_rows",
@@ -290,3 +296,34 @@ def check_sample_count(value: int, what: str) -> int:
         raise InputError(f"{what}: expected a sample count in 1..{MAX_SAMPLES_PER_VECTOR} per vector (every sample "
                          f"of a vector is decoded in one batch), found {value!r}; ask for fewer samples")
     return value
+
+
+# A sampling temperature divides the logits: below ~1e-37 every logit overflows float32 to +-inf, the
+# softmax is NaN and every token drawn is the suppressed marker, silently (issue 58: `--temperature
+# 1e-40` failed every rollout with exit 0). 1e-4 leaves logits of |x| < 1e30 finite and is already
+# greedy in effect (a logit gap of 0.01 is a factor e^100); above 100 the distribution is uniform
+# noise. 0 means greedy where a caller allows it (SGLang's sampling_params).
+MIN_TEMPERATURE = 1e-4
+MAX_TEMPERATURE = 100.0
+
+
+def check_sampling(temperature: Any, top_p: Any = 1.0, *, what: str = "temperature", top_p_what: str = "top_p",
+                   zero_is_greedy: bool = False) -> tuple[float, float]:
+    """``(temperature, top_p)`` as floats, or an :class:`InputError` naming ``what`` / ``top_p_what``:
+    a temperature is a finite number in [MIN_TEMPERATURE, MAX_TEMPERATURE] (or 0 when
+    ``zero_is_greedy``), a top_p a number in (0, 1]. The one place sampling settings are checked."""
+    def number(value: Any, name: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InputError(f"{name}: expected a number, found {type(value).__name__} {value!r}")
+        return float(value)
+
+    t, p = number(temperature, what), number(top_p, top_p_what)
+    if not (zero_is_greedy and t == 0.0) and not (math.isfinite(t) and MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+        zero = "0 (greedy) or " if zero_is_greedy else ""
+        raise InputError(
+            f"{what}: expected {zero}a finite number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], found {t!r}; below "
+            f"{MIN_TEMPERATURE:g} the logits divided by it overflow and every token drawn is garbage: for the most "
+            "likely text decode greedily instead")
+    if not (math.isfinite(p) and 0.0 < p <= 1.0):
+        raise InputError(f"{top_p_what}: expected a number in (0, 1] (1 = off), found {p!r}")
+    return t, p

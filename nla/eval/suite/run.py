@@ -23,6 +23,7 @@ from nla.eval.suite.confabulation import confabulation
 from nla.eval.suite.directions import directions_summary
 from nla.eval.suite.hidden_code import Paraphraser, hidden_code_summary
 from nla.eval.suite.report import SuiteReport
+from nla.util.validation import check_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,11 @@ def run_suite(
     bad = [p for p in parts if p not in PARTS]
     if bad:
         raise NLAClientError(f"suite parts: expected some of {list(PARTS)}, found {bad}")
+    if "best_of" in parts:  # before any work (nla.util.validation.check_sampling, the one check)
+        try:
+            check_sampling(temperature, what="suite: best_of temperature")
+        except ValueError as err:
+            raise NLAClientError(str(err)) from None
     client.require_av("run_suite")
     side = client.require_ar("run_suite")
     path = Path(dataset_path)
