@@ -169,3 +169,23 @@ def test_world_grader_quotes_the_text_end_column_else_the_current_word():
     assert G.get_grader("generic").quotes(both) == [None, None]
     # the oracle quotes what it is given, before every true fact
     assert w.oracle(["mood=calm"], "the park.", 0).startswith('The text ends with "the park.". ')
+
+
+def test_empty_truth_lists_are_not_perfect_recall():
+    """facts: [] on every row graded recall 1.0, the shuffled baseline's included (issue 58). An empty
+    list says nothing holds: no recall for that row; precision only where a fact is named (then 0)."""
+    from nla.core.graders import faithfulness
+
+    texts = ["Alice is in the garden.", "Nothing specific has been said yet.", "Bruno is happy."]
+    every_empty = faithfulness(texts, [[], [], []])
+    # row 0 names 2 facts, none hold -> precision 0; row 1 names none -> not graded; row 2: 2 named, 0 hold -> 0
+    assert (every_empty.recall, every_empty.precision, every_empty.n) == (None, 0.0, 0)
+    assert every_empty.note == ("3 of 3 rows have no fact that holds (facts []): left out of recall, in precision "
+                                "only where the explanation names a fact")
+    nothing_claimed = faithfulness(["Nothing specific has been said yet."] * 2, [[], []])
+    assert (nothing_claimed.recall, nothing_claimed.precision) == (None, None)
+    # beside a row with truth: that row alone gives recall (1 of 2 -> 0.5); precision (1/2 + 0) / 2
+    mixed = faithfulness(["Alice is in the garden.", "Bruno is happy."], [["person=alice", "time=night"], []])
+    assert mixed.recall == pytest.approx(0.5) and mixed.precision == pytest.approx(0.25) and mixed.n == 1
+    # by kind, row 0 only (the grader's convention: a kind named but not true has recall 1, precision 0)
+    assert mixed.by_kind == {"person": (1.0, 1.0), "place": (1.0, 0.0), "time": (0.0, 0.0)}

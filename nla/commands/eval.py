@@ -99,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
         if parts is None:
             raise ValueError("--subject: only the suite's causal edits read a subject; add --suite causal (or --suite)")
         check_checkpoint(args.subject, "--subject")
+        from nla.eval.suite.run import check_subject_dir
+
+        check_subject_dir(args.subject)  # a verbalizer given as the subject: causal edits 0.000 (issue 58)
     apply_threads_flag(args)
     read_vectors(args.dataset)  # NaN / Inf / zero rows are named with the file before any model loads
     mixed = args.allow_mixed_provenance

@@ -148,7 +148,14 @@ class Faithfulness:
     """Mean fact recall / precision over the rows with ground truth; ``by_kind[kind] = (recall,
     precision)``; ``n`` rows graded. A row whose ``facts`` is null has no ground truth and is not
     graded (it is not a perfect row); when no row has any, ``recall`` / ``precision`` are None and
-    ``note`` says so (``note`` also counts the ungraded rows when some are)."""
+    ``note`` says so (``note`` also counts the ungraded rows when some are).
+
+    A row whose ``facts`` is an empty list says "nothing holds": its recall is undefined (there is
+    nothing to recall; graders call it 1.0, and a dataset of empty lists graded every explanation,
+    the shuffled baseline's too, at recall 1.0: issue 58), so it is left out of ``recall``; it counts
+    in ``precision`` only when the explanation names a fact (every such claim is false: 0), since
+    naming nothing where nothing holds is neither right nor wrong. ``recall`` is None when no row
+    has a fact to recall, ``precision`` None when no row has a claim or a truth to grade it by."""
 
     recall: float | None
     precision: float | None
@@ -175,6 +182,7 @@ def faithfulness(texts: list[str | None], facts: list[list[str]], grader: Datase
             return None
         return Faithfulness(None, None, {}, 0, note=f"no ground truth: facts is null on every row ({len(facts)}); "
                                                    "recall and precision are not graded")
+    empty = 0
     for i, (t, fs) in enumerate(zip(texts, facts, strict=True)):
         if fs is None:
             continue
@@ -184,6 +192,11 @@ def faithfulness(texts: list[str | None], facts: list[list[str]], grader: Datase
             raise ValueError(f"facts: row {i}: {err}") from None
         if g is None:
             return None
+        if not len(fs):  # nothing holds: no recall; precision only of what it claims (see Faithfulness)
+            empty += 1
+            if grader.named_facts(t):
+                precisions.append(g.precision)
+            continue
         recalls.append(g.recall)
         precisions.append(g.precision)
         for k, rp in g.by_kind.items():
@@ -191,9 +204,14 @@ def faithfulness(texts: list[str | None], facts: list[list[str]], grader: Datase
     order = [k for k in grader.kinds if k in per_kind] + sorted(set(per_kind) - set(grader.kinds))
     by_kind = {k: (float(np.mean([r for r, _ in per_kind[k]])), float(np.mean([p for _, p in per_kind[k]])))
                for k in order}
-    note = (f"{len(missing)} of {len(facts)} rows have no ground truth (facts null) and are not graded"
-            if missing else None)
-    return Faithfulness(float(np.mean(recalls)), float(np.mean(precisions)), by_kind, len(recalls), note=note)
+    notes = ([f"{len(missing)} of {len(facts)} rows have no ground truth (facts null) and are not graded"]
+             if missing else [])
+    if empty:
+        notes.append(f"{empty} of {len(facts)} rows have no fact that holds (facts []): left out of recall, in "
+                     "precision only where the explanation names a fact")
+    return Faithfulness(float(np.mean(recalls)) if recalls else None,
+                        float(np.mean(precisions)) if precisions else None, by_kind, len(recalls),
+                        note="; ".join(notes) or None)
 
 
 # ------------------------------------------------------------------ text helpers (any language)
