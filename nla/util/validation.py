@@ -10,7 +10,10 @@ half-written artifact behind. A checkpoint directory's files are checked in
    rows with NaN/Inf, with an all-zero vector, or whose norm overflows float32 are refused
    with their row numbers (a zero or infinite norm has no direction, and ``mse_nrm`` divides by it).
 2. YAML: a syntax error names the file, line and column; a key repeated in one mapping (at any
-   depth) is refused with both line numbers (plain YAML keeps the last one silently).
+   depth) is refused with both line numbers (plain YAML keeps the last one silently); a file over
+   ``MAX_YAML_BYTES`` or a document that expands (aliases counted each time they are used) to
+   more than ``MAX_YAML_VALUES`` values is refused before anything reads it (an alias bomb in
+   ``lora.target_modules`` gave a 58 MB error line, one level deeper ran past a minute: issue 58).
 3. Output paths: the nearest existing folder must accept a file now, not after an hour of work.
 4. Sampling settings (:func:`check_sampling`): the one check of a temperature and a top_p, used by
    ``nla verbalize``, ``nla serve``, ``nla explore``, ``nla eval --suite`` and RL's config.
@@ -179,6 +182,34 @@ def _unique_key_loader() -> type:
 
 _LOADER: type | None = None
 
+# Bounds of any YAML nla reads (configs, sidecars, --set values): far above any real config
+# (a Qwen sidecar is ~4 kB, the largest config ~200 values).
+MAX_YAML_BYTES = 4 * 2**20
+MAX_YAML_VALUES = 100_000
+
+
+class YAMLTooLargeError(ValueError):
+    """A YAML document over MAX_YAML_BYTES, or expanding to more than MAX_YAML_VALUES values."""
+
+
+def _check_expansion(doc: Any) -> None:
+    """Count the values of ``doc`` as a reader walking it would (an object reached through several
+    aliases counts each time), stopping at the cap: the walk itself stays bounded."""
+    count = 0
+    stack = [doc]
+    while stack:
+        obj = stack.pop()
+        count += 1
+        if count > MAX_YAML_VALUES:
+            raise YAMLTooLargeError(
+                f"the document expands to more than {MAX_YAML_VALUES:,} values (YAML aliases *name count once for "
+                "every place they are used): an alias bomb, or data that does not belong in a config")
+        if isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+
 
 def safe_load_unique(text: str) -> Any:
     """``yaml.safe_load`` that raises :class:`DuplicateKeyError` for a key repeated in one mapping.
@@ -191,7 +222,12 @@ def safe_load_unique(text: str) -> Any:
     global _LOADER
     if _LOADER is None:
         _LOADER = _unique_key_loader()
-    return yaml.load(text, Loader=_LOADER)  # noqa: S506 (a SafeLoader subclass)
+    if len(text) > MAX_YAML_BYTES:
+        raise YAMLTooLargeError(f"the document is {len(text):,} characters; the cap is {MAX_YAML_BYTES:,} (no "
+                                "config or sidecar comes near it)")
+    doc = yaml.load(text, Loader=_LOADER)  # noqa: S506 (a SafeLoader subclass)
+    _check_expansion(doc)
+    return doc
 
 
 def load_yaml(path: str | os.PathLike, what: str = "config") -> Any:
@@ -202,12 +238,17 @@ def load_yaml(path: str | os.PathLike, what: str = "config") -> Any:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{what} file not found: {p}")
+    if p.stat().st_size > MAX_YAML_BYTES:
+        raise InputError(f"{p}: the {what} is {p.stat().st_size:,} bytes; the cap is {MAX_YAML_BYTES:,} (no config or "
+                         "sidecar comes near it): is it the right file?")
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise InputError(f"{p}: the {what} is not UTF-8 text ({err.reason} at byte {err.start})") from None
     try:
         return safe_load_unique(text)
+    except YAMLTooLargeError as err:
+        raise InputError(f"{p}: the {what} is refused: {err}; write the values out plainly") from None
     except DuplicateKeyError as err:
         raise InputError(
             f"{p}:{err.again}: the {what} repeats the key {err.key!r} (first at line {err.first}, again at line "
