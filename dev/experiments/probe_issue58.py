@@ -90,7 +90,7 @@ def main() -> int:
         return None if secret.read_text() == SECRET else "the file outside the run was changed"
 
     ar_train = ["train", "ar", "--dataset", data / "ar_sft.parquet", "--max-steps", "1", "--threads", "1",
-                "--set", "progress=false", "--set", "tensorboard=false", "--set", "eval_every=1000"]
+                "--set", "progress=false", "--set", "tensorboard=false", "--set", "eval_every=1000", "--set", "warmup_steps=0"]
 
     # ---- 1. security: a file outside the run is served / written
     def explore_plot_link() -> str | None:
@@ -195,7 +195,8 @@ def main() -> int:
     def av_cut_responses() -> str | None:
         code, out = run("train", "av", "--dataset", data / "av_sft.parquet", "--out", scratch / "av_cut",
                         "--max-steps", "1", "--threads", "1", "--set", "max_length=40", "--set", "progress=false",
-                        "--set", "tensorboard=false", "--set", "eval_every=1000", "--set", "smoke_num=0")
+                        "--set", "tensorboard=false", "--set", "eval_every=1000", "--set", "smoke_num=0",
+                        "--set", "warmup_steps=0")
         if "Traceback" in out:
             return "a traceback"
         return None if "are longer than max_length 40" in out and "raise max_length to" in out else \
@@ -265,10 +266,14 @@ def main() -> int:
                     problems.append(f"a slow body: {got[:80]!r} after {time.perf_counter() - t0:.0f} s")
             with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
                 s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-                s.recv(4096)
                 t0 = time.perf_counter()
-                if s.recv(4096) != b"" or time.perf_counter() - t0 > 15:
-                    problems.append("an idle connection stayed open")
+                try:
+                    while s.recv(4096):  # the answer, then the server's close
+                        pass
+                except TimeoutError:
+                    pass
+                if time.perf_counter() - t0 > 15:
+                    problems.append(f"an idle connection stayed open {time.perf_counter() - t0:.0f} s")
             with socket.create_connection(("127.0.0.1", port), timeout=10) as s:  # gone mid-body
                 s.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                           b"Content-Length: 100\r\n\r\n{\"input")
@@ -285,10 +290,9 @@ def main() -> int:
     # ---- 5. tracebacks
     def quickstart_sets() -> str | None:
         for setting in ("datagen.seed=5", "datagen.threads=1", "datagen.shuffled_baseline=false"):
-            t0 = time.perf_counter()
             code, out = run("quickstart", "--preset", "tiny", "--out", scratch / "qs_set", "--set", setting)
             why = clear_error(code, out, "quickstart", "is set by the quickstart itself")
-            if why or time.perf_counter() - t0 > 60 or (scratch / "qs_set").exists():
+            if why or (scratch / "qs_set").exists():  # no out dir: refused before the world stage
                 return f"{setting}: {why or 'ran stages first'}"
         return None
 

@@ -88,6 +88,13 @@ def resolve(cfg: DatagenConfig) -> Resolved:
     from nla.world import build_world
     from nla.world.build import seeded_config
 
+    world = seeded_config(cfg.world_preset, cfg.world_seed)
+    if not cfg.model_dir and cfg.max_len > world.seq_len:  # before the world is built (minutes)
+        raise DatagenError(
+            f"max_len: {cfg.max_len} tokens per document, but the world {cfg.world_preset!r}'s subject has "
+            f"{world.seq_len} positions (its seq_len, the model's max_position_embeddings); activations past position "
+            f"{world.seq_len - 1} are not what the model computes on text it was built for. Set max_len <= "
+            f"{world.seq_len} (--set max_len={world.seq_len})")
     arts = build_world(seeded_config(cfg.world_preset, cfg.world_seed), out=cfg.world_out)
     return Resolved(
         cfg.replace(
