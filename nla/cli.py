@@ -67,8 +67,26 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # One line: multi-line messages (HF, OS) are joined so the culprit stays on the error line.
         message = " ".join(str(exc).split("\n")) if str(exc) else type(exc).__name__
+        if isinstance(exc, OSError):
+            message = os_error_message(exc, getattr(args, "out", None))
         print(f"nla {args.command}: error: {message}", file=sys.stderr)
         return 2
+
+
+def os_error_message(exc: OSError, out: str | None) -> str:
+    """One line for an OS error: what failed, on which file, and what to do. A full disk said only
+    "[Errno 28] No space left on device", with no path (issue 58)."""
+    import errno
+
+    files = [str(f) for f in (exc.filename, exc.filename2) if f is not None]
+    what = exc.strerror or " ".join(str(exc).split())
+    where = f" ({' -> '.join(files)})" if files else (f" (writing under --out {out})" if out else "")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"the disk is full{where}: {what}; free space on that filesystem (or a quota), or write to another "
+                "--out, then rerun (finished stages and checkpoints are kept)")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied{where}: {what}; fix the permissions or choose another path"
+    return " ".join(str(exc).split()) or type(exc).__name__  # names its file where the OS gave one
 
 
 if __name__ == "__main__":

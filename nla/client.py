@@ -43,7 +43,7 @@ from nla.core.token_ids import verify_tokenizer
 from nla.core.vectors import cosine, mse_nrm
 from nla.util.checkpoint_files import check_checkpoint
 from nla.util.threads import adapt_threads
-from nla.util.validation import check_sample_count, check_vectors
+from nla.util.validation import check_sample_count, check_sampling, check_vectors
 
 logger = logging.getLogger(__name__)
 
@@ -420,6 +420,8 @@ class NLAClient:
         try:
             check_sample_count(n_samples, "n_samples")
             check_sample_count(best_of, "best_of")
+            if not greedy or best_of > 1:  # the one check of sampling settings (nla.util.validation)
+                check_sampling(temperature, what="temperature")
         except ValueError as err:
             raise NLAClientError(str(err)) from None
         self._check_decode_memory(min(batch_size, vec.shape[0]), max(n_samples, best_of), max_new_tokens,
@@ -427,8 +429,6 @@ class NLAClient:
         if best_of > 1:
             return self._best_of(vec, best_of, n_samples=n_samples, greedy=greedy, max_new_tokens=max_new_tokens,
                                  temperature=temperature, seed=seed, batch_size=batch_size)
-        if not greedy and not temperature > 0:
-            raise NLAClientError(f"verbalize: temperature must be > 0 when sampling, found {temperature}")
         if self._rollout is None:
             self._rollout = RolloutWorker(self.av_model, self.av_tokenizer, side, device_of(self.av_model))
         out: list[Verbalization] = []

@@ -84,6 +84,14 @@ class QuickstartPreset:
             raise ValueError(f"preset {name!r}: source: expected 'world' or 'wikipedia', found {self.source!r}")
         if not self.real and self.world not in WORLD_PRESETS:
             raise ValueError(f"preset {name!r}: world: expected one of {sorted(WORLD_PRESETS)}, found {self.world!r}")
+        for stage, owned in QUICKSTART_OWNS.items():
+            settings = getattr(self, stage) if stage != "cross_model" else {
+                k: v for part in self.cross_model.values() for k, v in part.items()}
+            for key in sorted(set(settings) & set(owned)):
+                # `--set datagen.seed=5` was a TypeError after the world and probe stages had run (issue 58)
+                raise ValueError(f"preset {name!r}, stage {stage}: {key} is set by the quickstart itself ({owned[key]}), "
+                                 f"not by a stage setting; remove --set {stage}.{key}"
+                                 + (f" and use {owned[key].split(' ')[0]}" if owned[key].startswith("--") else ""))
         here = Path("preset-check")
         rl = rl_settings(self, here)
         for key in self.cross_model:
@@ -237,6 +245,19 @@ PRESETS["smollm2"] = QuickstartPreset(
 STAGE_DIRS = ("ar", "av", "rl", "eval_warmstart", "eval_rl", "suite")
 
 
+# Stage settings the quickstart sets itself, and where they come from: a preset or --set naming one
+# is refused before any stage runs.
+_RUN = "the run's own path"
+QUICKSTART_OWNS: dict[str, dict[str, str]] = {
+    "datagen": {"out_dir": _RUN, "source": "always the world", "world_preset": "the preset's world (--set world=...)",
+                "explainer": "always the world's", "shuffled_baseline": "always on", "seed": "--seed",
+                "world_seed": "--seed", "threads": "--threads"},
+    **{stage: {"dataset": _RUN, "out_dir": _RUN, "progress": "--no-progress", "seed": "--seed", "threads": "--threads"}
+       for stage in ("ar", "av", "cross_model")},
+    "rl": {"av": _RUN, "ar": _RUN, "dataset": _RUN, "eval_dataset": _RUN, "out_dir": _RUN, "progress": "--no-progress",
+           "backend": "--backend", "seed": "--seed", "threads": "--threads"},
+}
+
 # What ``--set`` may change: a stage's settings (``STAGE.KEY=VALUE``, nested keys with more dots, e.g.
 # ``rl.rollout.n_samples_per_prompt=4``), or one of the preset's own fields (``eval_max_rows=800``).
 SETTABLE_STAGES = ("datagen", "ar", "av", "rl", "suite", "probe", "cross_model")
@@ -333,13 +354,43 @@ def _hash(obj: Any) -> str:
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def _cached_stage(out: Path, name: str, config: dict[str, Any]) -> dict[str, Any] | None:
+# The files each stage leaves in ``out`` (beside the paths its record names): a stage whose outputs
+# were deleted is run again, not reported as cached (issue 58).
+STAGE_FILES = {"probe": ("probe.json",), "datagen": ("datagen/av_sft.parquet", "datagen/ar_sft.parquet",
+                                                     "datagen/rl.parquet"),
+               "eval_warmstart": ("eval_warmstart/eval.json",), "eval_rl": ("eval_rl/eval.json",),
+               "suite": ("suite/suite.json",)}
+_RECORDED_PATHS = ("subject_dir", "checkpoint", "av", "ar")
+
+
+def _missing_outputs(out: Path, name: str, rec: dict[str, Any]) -> list[str]:
+    """What a finished stage's record promises that is not on disk (empty: all there)."""
+    paths = [out / f for f in STAGE_FILES.get(name, ())]
+    paths += [Path(rec[k]) for k in _RECORDED_PATHS if isinstance(rec.get(k), str)]
+    return [str(p) for p in paths if not p.exists()]
+
+
+def _stage_record(out: Path, name: str) -> dict[str, Any] | None:
     marker = out / f"{name}.stage_done.json"
-    if marker.is_file():
+    if not marker.is_file():
+        return None
+    try:
         rec = json.loads(marker.read_text())
-        if rec.get("config_hash") == _hash(config):
-            return rec
-    return None
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def _cached_stage(out: Path, name: str, config: dict[str, Any]) -> dict[str, Any] | None:
+    rec = _stage_record(out, name)
+    if rec is None or rec.get("config_hash") != _hash(config):
+        return None
+    missing = _missing_outputs(out, name, rec)
+    if missing:
+        logger.warning("[%s] finished before, but its outputs are gone (%s%s): running it again", name,
+                       ", ".join(missing[:3]), f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        return None
+    return rec
 
 
 def _mark_stage(out: Path, name: str, config: dict[str, Any], info: dict[str, Any]) -> None:
@@ -484,6 +535,9 @@ def finished_stage_conflict(out: Path, name: str, config: dict[str, Any]) -> str
     marker = out / f"{name}.stage_done.json"
     if not marker.is_file() or _cached_stage(out, name, config) is not None:
         return None
+    same = _stage_record(out, name)
+    if same is not None and same.get("config_hash") == _hash(config):
+        return None  # the same config, its outputs deleted: it runs again, nothing of another run is lost
     try:
         rec = json.loads(marker.read_text())
     except (OSError, ValueError):

@@ -111,3 +111,19 @@ def test_explore_on_all_interfaces_answers_the_machines_own_addresses(monkeypatc
     assert client.get("/", headers={"Host": "192.0.2.2:8765"}).text == "ok"
     assert client.get("/", headers={"Host": "[fd00::2]:8765"}).text == "ok"
     assert client.get("/", headers={"Host": "evil.example:8765"}).status_code == 400
+
+
+def test_a_full_disk_names_the_path_and_what_to_do():
+    """A full disk said only "[Errno 28] No space left on device", no path (issue 58)."""
+    import errno
+
+    from nla.cli import os_error_message
+
+    assert os_error_message(OSError(errno.ENOSPC, "No space left on device", "/runs/x/rl.jsonl"), "/runs/x") == (
+        "the disk is full (/runs/x/rl.jsonl): No space left on device; free space on that filesystem (or a quota), "
+        "or write to another --out, then rerun (finished stages and checkpoints are kept)")
+    assert os_error_message(OSError(errno.ENOSPC, "No space left on device"), "/runs/x").startswith(
+        "the disk is full (writing under --out /runs/x): No space left on device;")
+    assert os_error_message(OSError(errno.EACCES, "Permission denied", "/etc/x"), None) == (
+        "permission denied (/etc/x): Permission denied; fix the permissions or choose another path")
+    assert os_error_message(FileNotFoundError("--run: no directory at /x"), None) == "--run: no directory at /x"

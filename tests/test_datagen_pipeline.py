@@ -148,3 +148,16 @@ def test_read_back_columns(cfg_file, tmp_path):
               "response", "explanation"):  # fmt: skip
         assert c in t.column_names, c
     assert t.schema.field("activation_vector").type == pa.list_(pa.float32())
+
+
+def test_max_len_past_the_subjects_positions_is_refused_before_extract(cfg_file, tmp_path, capsys):
+    """max_len 1000 on a 128-position subject extracted rows at positions 128-923 (issue 58)."""
+    code = main(["datagen", "run", "--config", str(cfg_file), "--set", "max_len=1000"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert ("max_len: 1000 tokens per document, but the subject model" in err
+            and "has 128 positions (max_position_embeddings in its config.json)" in err
+            and "Set max_len <= 128 (--set max_len=128)" in err), err
+    assert not (tmp_path / "out" / "activations.parquet").exists()
+    assert main(["datagen", "extract", "--config", str(cfg_file), "--set", "max_len=128"]) == 0
+    assert (tmp_path / "out" / "activations.parquet").is_file()

@@ -238,3 +238,45 @@ def test_provider_paraphraser_asks_for_each_claim_and_returns_its_rewrite(api):
     assert "<sentence>\nIt rained.\n</sentence>" in api.requests[0]["body"]["messages"][1]["content"]
     with pytest.raises(ValueError, match="expected one of"):
         provider_paraphraser("mistral", provider(api))
+
+
+def test_timeout_s_bounds_the_whole_reply_not_each_read(monkeypatch):
+    """An endpoint that sends one byte at a time held nla datagen forever: httpx's timeout applies per
+    read (issue 58). A real server trickles a reply a byte every 0.2 s; timeout_s 1 ends the attempt."""
+    monkeypatch.setenv("NLA_TEST_KEY", KEY)
+    stop = threading.Event()
+
+    class Trickle(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            try:
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", "100000")
+                self.end_headers()
+                while not stop.is_set():
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                    time.sleep(0.2)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        cfg = ProviderConfig(model="m-1", base_url=f"http://127.0.0.1:{srv.server_address[1]}", api_key_env="NLA_TEST_KEY",
+                             max_retries=1, backoff_base_s=0.01, backoff_max_s=0.02, timeout_s=1.0, max_concurrency=1)
+        ex = OpenAIExplainer(cfg)
+        t0 = time.monotonic()
+        assert ex.explain_batch([ROW]) == [None]
+        took = time.monotonic() - t0
+        assert 2.0 <= took < 5.0, took  # two attempts of ~1 s each (per-read, it never ended)
+        assert ex.retries == Counter({"timeout": 1}) and ex.drops == Counter({"timeout": 1})
+    finally:
+        stop.set()
+        srv.shutdown()
+        srv.server_close()

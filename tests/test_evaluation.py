@@ -72,10 +72,12 @@ def test_report_matches_direct_computation(nla_pair, client, tmp_path):  # noqa:
     assert rt.cosine == pytest.approx(float(cosine(pred, gold).mean()), abs=1e-5)
     assert rt.failure_rate == 0.0
     # Fact recall by hand: "Alice ... garden ... morning" names {alice, garden, morning}.
-    # rows: 2 truths of 2 found -> 1; 1 of 2 (morning) -> .5; 3/3 -> 1; 0/1 -> 0; empty truth -> 1; 0/2 -> 0.
-    assert rt.faithfulness.recall == pytest.approx((1 + 0.5 + 1 + 0 + 1 + 0) / 6)
+    # rows: 2 truths of 2 found -> 1; 1 of 2 (morning) -> .5; 3/3 -> 1; 0/1 -> 0; empty truth -> no recall
+    # (nothing holds: issue 58, it was graded 1); 0/2 -> 0.
+    assert rt.faithfulness.recall == pytest.approx((1 + 0.5 + 1 + 0 + 0) / 5)
     # precision = correct / 3 named: 2/3, 1/3, 3/3, 0, 0 (claims facts where none hold), 0.
     assert rt.faithfulness.precision == pytest.approx((2 / 3 + 1 / 3 + 1 + 0 + 0 + 0) / 6)
+    assert rt.faithfulness.n == 5 and "1 of 6 rows have no fact that holds (facts [])" in rt.faithfulness.note
     # The AV ignores its vector here, so the shuffled row has exactly the same numbers.
     sh = report.row("AV on shuffled vectors → AR")
     assert sh.fve == pytest.approx(rt.fve, abs=1e-6)
@@ -87,7 +89,8 @@ def test_report_matches_direct_computation(nla_pair, client, tmp_path):  # noqa:
     mse = ((ref_pred / ref_pred.norm(dim=-1, keepdim=True) - gold / gold.norm(dim=-1, keepdim=True)) ** 2).sum(-1)
     assert ref.mse_p50 == pytest.approx(float(np.quantile(mse.numpy(), 0.5)), rel=1e-4)
     truths = [[Fact.parse(s) for s in f] for f in FACTS]
-    assert ref.faithfulness.recall == pytest.approx(np.mean([grade(t, f).recall for t, f in zip(REFERENCE, truths, strict=True)]))
+    assert ref.faithfulness.recall == pytest.approx(np.mean([grade(t, f).recall for t, f in zip(REFERENCE, truths, strict=True)
+                                                             if f]))
     assert ref.faithfulness.by_kind["person"][0] == pytest.approx((1 + 1 + 0) / 3)  # rows 0, 2, 5
 
     mean_raw = report.row("predict the mean (raw)")

@@ -104,9 +104,10 @@ def test_faithfulness_is_one_definition_over_any_grader(colours):
     texts = ["red and green", None, "blue"]
     truth = [["red"], ["green"], []]
     f = G.faithfulness(texts, truth, colours)
-    # recall: 1/1, 0/1 (claimed nothing), 1 (no truth); precision: 1/2, 0 (nothing said, truth), 0/1
-    assert (f.recall, f.precision, f.n) == (pytest.approx(2 / 3), pytest.approx(1 / 6), 3)
-    assert f.by_kind == {"colour": (pytest.approx(2 / 3), pytest.approx(1 / 6))}
+    # recall: 1/1, 0/1 (claimed nothing); the third row has no truth ([]: nothing holds) and no recall
+    # (issue 58); precision: 1/2, 0 (nothing said, truth), 0/1 ("blue" where nothing holds)
+    assert (f.recall, f.precision, f.n) == (pytest.approx(1 / 2), pytest.approx(1 / 6), 2)
+    assert f.by_kind == {"colour": (pytest.approx(1 / 2), pytest.approx(0.25))}
     assert G.faithfulness(texts, truth, G.get_grader("generic")) is None
 
 
@@ -124,9 +125,10 @@ def test_evaluate_pair_grades_with_the_datasets_own_grader(nla_pair, tmp_path, c
     report = evaluate_pair(client, path, max_new_tokens=14, n_show=0)
     rt = report.row("AV → AR round trip")
     said = {w.lower() for w in FIXED_EXPLANATION.split()} & ColourGrader.COLOURS
-    assert not said  # the fixed explanation names no colour: recall 0 where truth exists, 1 where none
-    assert rt.faithfulness.recall == pytest.approx((0 + 1 + 0 + 0) / 4)
-    assert rt.faithfulness.precision == pytest.approx((0 + 1 + 0 + 0) / 4)
+    assert not said  # the fixed explanation names no colour: recall 0 where truth exists; row 1 ([]: nothing
+    # holds) has no recall, and no precision either as it claims nothing (issue 58)
+    assert rt.faithfulness.recall == pytest.approx((0 + 0 + 0) / 3)
+    assert rt.faithfulness.precision == pytest.approx((0 + 0 + 0) / 3)
     assert rt.degenerate == {"any": 0.0, "shouting": 0.0}
     oracle = report.row("oracle: every true fact → AR")
     want = client.score(["red", "nothing", "blue green", "red"], torch.from_numpy(vecs))
@@ -169,3 +171,23 @@ def test_world_grader_quotes_the_text_end_column_else_the_current_word():
     assert G.get_grader("generic").quotes(both) == [None, None]
     # the oracle quotes what it is given, before every true fact
     assert w.oracle(["mood=calm"], "the park.", 0).startswith('The text ends with "the park.". ')
+
+
+def test_empty_truth_lists_are_not_perfect_recall():
+    """facts: [] on every row graded recall 1.0, the shuffled baseline's included (issue 58). An empty
+    list says nothing holds: no recall for that row; precision only where a fact is named (then 0)."""
+    from nla.core.graders import faithfulness
+
+    texts = ["Alice is in the garden.", "Nothing specific has been said yet.", "Bruno is happy."]
+    every_empty = faithfulness(texts, [[], [], []])
+    # row 0 names 2 facts, none hold -> precision 0; row 1 names none -> not graded; row 2: 2 named, 0 hold -> 0
+    assert (every_empty.recall, every_empty.precision, every_empty.n) == (None, 0.0, 0)
+    assert every_empty.note == ("3 of 3 rows have no fact that holds (facts []): left out of recall, in precision "
+                                "only where the explanation names a fact")
+    nothing_claimed = faithfulness(["Nothing specific has been said yet."] * 2, [[], []])
+    assert (nothing_claimed.recall, nothing_claimed.precision) == (None, None)
+    # beside a row with truth: that row alone gives recall (1 of 2 -> 0.5); precision (1/2 + 0) / 2
+    mixed = faithfulness(["Alice is in the garden.", "Bruno is happy."], [["person=alice", "time=night"], []])
+    assert mixed.recall == pytest.approx(0.5) and mixed.precision == pytest.approx(0.25) and mixed.n == 1
+    # by kind, row 0 only (the grader's convention: a kind named but not true has recall 1, precision 0)
+    assert mixed.by_kind == {"person": (1.0, 1.0), "place": (1.0, 0.0), "time": (0.0, 0.0)}

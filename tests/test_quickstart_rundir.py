@@ -87,3 +87,48 @@ def test_injection_scale_setting_reaches_the_av_and_only_when_given(tmp_path, ca
     code, lines = _cli(capsys, "quickstart", "--preset", "tiny", "--out", tmp_path / "q", "--injection-scale", "0")
     assert code == 2
     assert any("injection_scale: expected a positive finite number" in ln for ln in lines)
+
+
+# ---------------------------------------------------------------------------------------------- issue 58
+def test_a_stage_whose_outputs_were_deleted_is_run_again_not_cached(tmp_path, caplog):
+    """A finished stage whose outputs were deleted was still reported cached."""
+    from nla.quickstart import _cached_stage, _mark_stage, finished_stage_conflict
+
+    out = tmp_path / "qs"
+    (out / "eval_rl").mkdir(parents=True)
+    (out / "eval_rl" / "eval.json").write_text("{}")
+    ckpt = out / "rl" / "checkpoints" / "step_00000030"
+    (ckpt / "av").mkdir(parents=True)
+    config = {"dataset": "d.parquet", "threads": 1}
+    _mark_stage(out, "eval_rl", config, {"report": {}})
+    _mark_stage(out, "rl", config, {"checkpoint": str(ckpt), "av": str(ckpt / "av"), "ar": str(ckpt / "ar")})
+    assert _cached_stage(out, "eval_rl", config) is not None
+    assert _cached_stage(out, "rl", config) is None  # its AR was never there
+    (out / "eval_rl" / "eval.json").unlink()
+    with caplog.at_level("WARNING", logger="nla.quickstart"):
+        assert _cached_stage(out, "eval_rl", config) is None
+    assert f"[eval_rl] finished before, but its outputs are gone ({out / 'eval_rl' / 'eval.json'}): running it again" \
+        in caplog.text
+    # the same config: no conflict, it simply runs again; another config is still a conflict
+    assert finished_stage_conflict(out, "eval_rl", config) is None
+    assert "threads: 1 then, 2 now" in finished_stage_conflict(out, "eval_rl", {**config, "threads": 2})
+
+
+def test_settings_the_quickstart_makes_itself_are_refused_before_any_stage(tmp_path, capsys):
+    """--set datagen.seed=5 was a TypeError after the world and probe stages had run."""
+    for setting, said in (("datagen.seed=5", "stage datagen: seed is set by the quickstart itself (--seed), not by "
+                                             "a stage setting; remove --set datagen.seed and use --seed"),
+                          ("datagen.threads=2", "stage datagen: threads is set by the quickstart itself (--threads)"),
+                          ("datagen.shuffled_baseline=false", "shuffled_baseline is set by the quickstart itself "
+                                                              "(always on)"),
+                          ("rl.out_dir=/tmp/x", "stage rl: out_dir is set by the quickstart itself (the run's own "
+                                                "path)"),
+                          ("av.seed=1", "stage av: seed is set by the quickstart itself (--seed)")):
+        out = tmp_path / setting.split("=")[0]
+        code, lines = _cli(capsys, "quickstart", "--preset", "tiny", "--out", out, "--set", setting, "--no-progress")
+        assert code == 2
+        errors = [ln for ln in lines if ln.startswith("nla quickstart: error: ")]
+        assert len(errors) == 1 and said in errors[0], (setting, lines)
+        assert not out.exists()  # refused before the world stage
+    for preset in PRESETS.values():  # the presets themselves set none of them
+        preset.check("preset")

@@ -286,7 +286,7 @@ BAD = [
     ({"input_embeds": [[1e39] * D]}, 400, "expected finite float32 numbers"),
     ({"input_embeds": [[10**400] * D]}, 400, "field 'input_embeds': an entry is too large"),
     ({"input_embeds": [[True] * D]}, 400, "field 'input_embeds': expected numbers, found a boolean"),
-    ({"input_embeds": [["x"] * D]}, 400, "field 'input_embeds': expected a [T, d] list"),
+    ({"input_embeds": [["x"] * D]}, 400, "field 'input_embeds': expected numbers, found a str ('x')"),
     ({"input_embeds": [[0.1] * D] * 300}, 413, "300 tokens; the cap is 256 tokens per prompt"),
     ({"input_embeds": GOOD, "input_ids": [1, 2]}, 400, "either 'input_embeds' or 'input_ids', not both"),
     ({}, 400, "give exactly one of 'input_embeds', 'input_ids' or 'text'"),
@@ -296,7 +296,10 @@ BAD = [
     ({"input_embeds": GOOD, "sampling_params": {"temperature": 0, "min_p": 0.1}}, 400,
      "unsupported key(s) ['min_p']; this server supports ['temperature', 'top_p', 'top_k', 'max_new_tokens'"),
     ({"input_embeds": GOOD, "sampling_params": {"temperature": -1}}, 400,
-     "'sampling_params.temperature': expected 0 (greedy) to 100, found -1.0"),
+     "'sampling_params.temperature': expected 0 (greedy) or a finite number in [0.0001, 100], found -1.0"),
+    # issue 58: a temperature that underflows the logits' division was a 500 here and garbage in /verbalize
+    ({"input_embeds": GOOD, "sampling_params": {"temperature": 1e-40}}, 400,
+     "'sampling_params.temperature': expected 0 (greedy) or a finite number in [0.0001, 100], found 1e-40"),
     ({"input_embeds": GOOD, "sampling_params": {"temperature": True}}, 400,
      "'sampling_params.temperature': expected a number, found bool"),
     ({"input_embeds": GOOD, "sampling_params": {"temperature": float("nan")}}, 400, "'sampling_params.temperature'"),
@@ -322,6 +325,8 @@ BAD_NLA = [
     ("/verbalize", {"vectors": [[0.1] * D], "n_samples": 99}, 400, "field 'n_samples': expected 1..16"),
     ("/verbalize", {"vectors": [[0.1] * D], "max_new_tokens": 1000}, 400, "field 'max_new_tokens': expected 1..64"),
     ("/verbalize", {"vectors": [[0.1] * D], "greedy": False, "temperature": 0}, 400, "field 'temperature'"),
+    ("/verbalize", {"vectors": [[0.1] * D], "greedy": False, "temperature": 1e-40}, 400,
+     "field 'temperature': expected a finite number in [0.0001, 100], found 1e-40"),
     ("/verbalize", {"vectors": [[0.1] * D], "temperature": float("inf")}, 400, "field 'temperature': expected a "
                                                                                "finite number"),
     ("/verbalize", {"vectors": [[0.1] * D] * 300}, 413, "300 vectors; the cap is 256"),
@@ -432,3 +437,112 @@ def test_prompts_of_different_lengths_decode_together_as_alone(service):
                             service.suppress_ids)
     assert together == alone
     assert alone[0] != alone[1]
+
+
+# --------------------------------------------------------------------- issue 58: bounds before work
+def _raw_request(srv, data: bytes, *, read: bool = True, timeout: float = 10.0) -> bytes:
+    import socket
+
+    with socket.create_connection((srv.host, srv.port), timeout=timeout) as s:
+        s.sendall(data)
+        if not read:
+            return b""
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+ISSUE58_BAD = [
+    # an empty text was a 500 with a traceback in the log
+    ("/generate", {"text": ""}, 400, "field 'text': is empty; send a prompt of at least one character"),
+    ("/generate", {"text": ["hi", ""]}, 400, "field 'text', item 1: is empty"),
+    # a text longer than the token cap can hold is refused before the tokenizer runs (256 tokens x 32 bytes)
+    ("/generate", {"text": "ab" * 50_000}, 413, "field 'text': 100000 bytes, more than 256 tokens "
+                                                 "(--max-prompt-tokens) can hold at 32 bytes a token"),
+    # the prompt must fit the AV's 128 positions (max_position_embeddings)
+    ("/generate", {"input_ids": [5] * 200}, 400, "field 'input_ids': 200 tokens; the AV has 128 positions"),
+    # the decode work of one request, bounded before any is done: 200 x 16 x 64 tokens
+    ("/verbalize", {"vectors": [[0.1] * D] * 200, "n_samples": 16, "max_new_tokens": 64, "greedy": False}, 413,
+     "200 vectors x n_samples 16 x max_new_tokens 64 = 204800 tokens to decode; the cap is 65536"),
+    ("/generate", {"input_ids": [[5, 6]] * 64, "sampling_params": {"max_new_tokens": 64, "temperature": 0}}, 200, None),
+    # numbers as strings are not numbers
+    ("/verbalize", {"vectors": [[0.1] * D], "max_new_tokens": "5"}, 400, "field 'max_new_tokens': expected int, found str"),
+    ("/verbalize", {"vectors": [[0.1] * D], "greedy": False, "temperature": "0.5"}, 400,
+     "field 'temperature': expected float or int, found str"),
+    ("/verbalize", {"vectors": [["0.1"] * D]}, 400, "field 'vectors': expected numbers, found a str ('0.1')"),
+    ("/generate", {"input_embeds": [[0.1] * (D - 1) + ["1e3"]]}, 400,
+     "field 'input_embeds': expected numbers, found a str ('1e3')"),
+    ("/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": "8"}}, 400,
+     "'sampling_params.max_new_tokens': expected a number, found str"),
+    ("/generate", {"input_ids": ["5", "6"]}, 400, "field 'input_ids': expected a non-empty list of token ids"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,reason", ISSUE58_BAD, ids=[f"{i}" for i in range(len(ISSUE58_BAD))])
+def test_each_request_is_bounded_before_its_work(server, path, body, status, reason):
+    r = _post(server.url, path, body)
+    assert r.status_code == status, r.text
+    if reason is not None:
+        assert reason in r.json()["error"] and "\n" not in r.json()["error"]
+
+
+def test_a_prompt_near_the_end_of_the_positions_is_decoded_only_up_to_them(server):
+    """prompt + max_new_tokens past the AV's 128 positions: the decode stops at them ("length", cut count)."""
+    r = _post(server.url, "/generate", {"input_ids": [5] * 120, "sampling_params": {"max_new_tokens": 64,
+                                                                                     "temperature": 0}})
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert meta["prompt_tokens"] == 120 and meta["completion_tokens"] <= 8
+    if meta["finish_reason"]["type"] == "length":
+        assert meta["finish_reason"]["length"] == 8
+
+
+def test_duplicate_json_keys_are_refused(server):
+    raw = b'{"input_ids": [5, 6], "input_ids": [7]}'
+    r = httpx.post(f"{server.url}/generate", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert "the key 'input_ids' is given twice in one object" in r.json()["error"]
+    raw = b'{"vectors": [[1]], "greedy": true, "greedy": false}'
+    r = httpx.post(f"{server.url}/verbalize", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "the key 'greedy' is given twice" in r.json()["error"]
+
+
+def test_slow_bodies_idle_connections_and_disconnects(pair, caplog):
+    """A client that sent a byte a second held its connection and the server's buffer; an idle
+    keep-alive connection was never closed; a client that disconnected mid-body was logged as a traceback."""
+    import time
+
+    from nla.serve.app import uvicorn_settings
+
+    limits = ServeLimits(max_new_tokens=8, body_timeout_s=1.0, keep_alive_s=1.0)
+    s = NLAService.load(str(pair[0]), None, device="cpu", limits=limits)
+    assert uvicorn_settings(limits) == {"timeout_keep_alive": 1, "limit_concurrency": 256}
+    try:
+        with BackgroundServer(create_app(s, allowed_hosts=list(LOOPBACK)), **uvicorn_settings(limits)) as srv:
+            head = (b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 100\r\n\r\n")
+            t0 = time.monotonic()
+            out = _raw_request(srv, head + b'{"input_ids": [5')  # and nothing more
+            assert out.startswith(b"HTTP/1.1 408"), out[:200]
+            assert b"request body did not arrive within 1 s (16 bytes came)" in out
+            assert time.monotonic() - t0 < 8
+            # an idle keep-alive connection is closed by the server after keep_alive_s
+            import socket
+
+            with socket.create_connection((srv.host, srv.port), timeout=10) as sock:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                first = sock.recv(65536)
+                assert first.startswith(b"HTTP/1.1 200")
+                t0 = time.monotonic()
+                assert sock.recv(65536) == b""  # closed by the server, not by the 10 s socket timeout
+                assert time.monotonic() - t0 < 5
+            # a client gone mid-body: no traceback, no error logged; the server answers the next one
+            with caplog.at_level("WARNING"):
+                _raw_request(srv, head + b'{"input_ids"', read=False)
+                time.sleep(0.5)
+                assert httpx.get(f"{srv.url}/health").status_code == 200
+            assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL") or r.exc_info], \
+                [r.getMessage() for r in caplog.records]
+    finally:
+        s.close()

@@ -59,6 +59,26 @@ def test_examples_prompt_from_chat_template(tiny_tokenizer, tiny_model_dir):
         build_examples(tiny_tokenizer, [msgs], ["x"], side.injection_char, 4)
 
 
+def test_cut_responses_are_named_with_the_length_that_keeps_them(tiny_tokenizer, tiny_model_dir, caplog):
+    """train av cut long responses, losing their EOS and closing tag, without a word (issue 58)."""
+    side = dataset_sidecar(tiny_tokenizer, tiny_model_dir("llama"), 32, 1, injection_scale=5.0)
+    msgs = [{"role": "user", "content": "Explain the hidden state << <INJECT> >> in a few short sentences ."}]
+    texts = ["<explanation>\ncat\n</explanation>", "<explanation>\ncat dog bird cat dog bird\n</explanation>"]
+    whole = build_examples(tiny_tokenizer, [msgs] * 2, texts, side.injection_char, 512)
+    need = [len(e.prompt_ids) + len(e.response_ids) for e in whole]
+    assert need[1] > need[0]
+    with caplog.at_level("WARNING", logger="nla.train.av"):
+        build_examples(tiny_tokenizer, [msgs] * 2, texts, side.injection_char, need[0], "training split")
+    assert (f"max_length: 1 of 2 rows of the training split are longer than max_length {need[0]} (prompt + response "
+            f"+ EOS; row 1 needs {need[1]} tokens): their responses are cut, losing the closing tag and the EOS") \
+        in caplog.text
+    assert f"raise max_length to {need[1]} to keep every row whole" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="nla.train.av"):
+        build_examples(tiny_tokenizer, [msgs] * 2, texts, side.injection_char, need[1])
+    assert "max_length" not in caplog.text
+
+
 def test_left_and_right_padding_give_same_loss(tiny_tokenizer, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 

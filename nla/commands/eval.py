@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from nla.util.flags import non_negative_int, positive_int, seed_flag
+from nla.util.flags import non_negative_int, positive_int, seed_flag, temperature_flag
 from nla.util.threads import THREADS_HELP, threads_flag
 
 log = logging.getLogger("nla.eval")
@@ -62,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                          "pair's")
     p.add_argument("--best-of", default=None, help="--suite: the N of best-of-N decoding (comma-separated, each "
                                                     "at most 1024; default 1,4,8)")
-    p.add_argument("--temperature", type=float, default=0.7, help="--suite: best-of-N's sampling temperature")
+    p.add_argument("--temperature", type=temperature_flag, default=0.7, help="--suite: best-of-N's sampling temperature")
     p.add_argument("--paraphrase-provider", choices=["anthropic", "openai"],
                    help="--suite: re-phrase the claims the grader cannot through this API (off by default; needs "
                         "the provider's key in its environment variable)")
@@ -99,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
         if parts is None:
             raise ValueError("--subject: only the suite's causal edits read a subject; add --suite causal (or --suite)")
         check_checkpoint(args.subject, "--subject")
+        from nla.eval.suite.run import check_subject_dir
+
+        check_subject_dir(args.subject)  # a verbalizer given as the subject: causal edits 0.000 (issue 58)
     apply_threads_flag(args)
     read_vectors(args.dataset)  # NaN / Inf / zero rows are named with the file before any model loads
     mixed = args.allow_mixed_provenance

@@ -1,7 +1,11 @@
 """`nla score --ar DIR (--texts FILE | --dataset PARQUET) [--vectors ...] [--out jsonl]`: reconstruct and score.
 
 ``--texts`` is a text file with one explanation per ``\n``-terminated line, or a JSONL file (e.g. the output of
-``nla verbalize``) whose objects carry an ``explanation`` (null = failed sample). ``--dataset``
+``nla verbalize``) whose objects carry an ``explanation`` (null = failed sample). When every object
+also carries the ``row`` that ``nla verbalize`` writes (the vector's row; several samples of one
+vector share it), each explanation is scored against that row's vector, not the one at its line
+number (issue 58: a file sorted or filtered after verbalize was scored against the wrong vectors).
+A UTF-8 byte-order mark at the start of the file is dropped (it stayed in the first explanation). ``--dataset``
 takes the ``explanation`` column and, unless ``--vectors`` is given, the vectors of the same parquet.
 """
 
@@ -35,7 +39,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def read_texts(path: str) -> list[str | None]:
-    """Explanations from a .jsonl (``explanation`` field) or a plain text file (one per line).
+    """Explanations from a .jsonl (``explanation`` field) or a plain text file (one per line)."""
+    return read_texts_and_rows(path)[0]
+
+
+def read_texts_and_rows(path: str) -> tuple[list[str | None], list[int] | None]:
+    """Explanations from a .jsonl (``explanation`` field) or a plain text file (one per line), and
+    the vector row of each when every JSONL object names one (``row``, as nla verbalize writes), else None.
 
     Lines end at ``\n`` only (a trailing ``\r`` is dropped): ``str.splitlines`` also breaks at
     U+2028, NEL, form feeds and lone CRs, which would shift every later explanation onto the
@@ -53,13 +63,15 @@ def read_texts(path: str) -> list[str | None]:
         line = data[: err.start].count(b"\n") + 1
         raise ValueError(f"{p}: line {line} is not UTF-8 text (byte {data[err.start]:#04x} at offset {err.start}); "
                          "save the explanations as UTF-8") from None
+    text = text.removeprefix("\ufeff")  # a byte-order mark is no part of the first explanation
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()  # the file's final newline ends the last row, it does not start a new one
     lines = [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
     if p.suffix != ".jsonl":
-        return lines
+        return lines, None
     out: list[str | None] = []
+    rows: list[int | None] = []
     for i, ln in enumerate(lines):
         if not ln.strip():
             continue
@@ -72,8 +84,19 @@ def read_texts(path: str) -> list[str | None]:
         if obj["explanation"] is not None and not isinstance(obj["explanation"], str):
             raise ValueError(f"{p}: line {i + 1}: 'explanation' must be a string or null, found "
                              f"{type(obj['explanation']).__name__}")
+        row = obj.get("row")
+        if row is not None and (isinstance(row, bool) or not isinstance(row, int) or row < 0):
+            raise ValueError(f"{p}: line {i + 1}: 'row' must be a vector's row number (an integer >= 0), found "
+                             f"{row!r}")
         out.append(obj["explanation"])
-    return out
+        rows.append(row)
+    named = [r is not None for r in rows]
+    if any(named) and not all(named):
+        first = named.index(False) if named[0] else named.index(True)
+        raise ValueError(f"{p}: line {first + 1} {'has no' if named[0] else 'has a'} 'row' field and line 1 "
+                         f"{'has one' if named[0] else 'has none'}; expected every line to name its vector's row "
+                         "(nla verbalize's output) or none (then line i is scored against vector i)")
+    return out, (rows if rows and all(named) else None)  # type: ignore[return-value]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,8 +116,9 @@ def run(args: argparse.Namespace) -> int:
     if args.texts:
         if not args.vectors:
             raise ValueError("--texts needs --vectors (parquet or .npy) to score against")
-        texts = read_texts(args.texts)
+        texts, text_rows = read_texts_and_rows(args.texts)
     else:
+        text_rows = None
         table = read_parquet(args.dataset)
         if "explanation" not in table.column_names:
             raise ValueError(f"{args.dataset} has no explanation column; found {table.column_names}")
@@ -105,7 +129,18 @@ def run(args: argparse.Namespace) -> int:
                              f"({table.schema.field('explanation').type}), expected text (or null for a failed sample)")
     source = args.vectors or args.dataset
     raw = load_vectors(source, rows=args.rows, check=False)
-    texts = texts[: args.rows] if args.rows is not None else texts
+    if text_rows is not None:  # each explanation against the vector of its 'row' (nla verbalize's field)
+        beyond = [r for r in text_rows if r >= raw.shape[0]]
+        if beyond and args.rows is None:
+            raise ValueError(f"{args.texts}: 'row' {beyond[0]} names no vector: {source} holds {raw.shape[0]} "
+                             "vectors; score the explanations against the vectors they were verbalized from")
+        keep = [i for i, r in enumerate(text_rows) if r < raw.shape[0]]
+        texts, text_rows = [texts[i] for i in keep], [text_rows[i] for i in keep]
+        raw = raw[np.asarray(text_rows, dtype=np.int64)]
+        row_of = np.asarray(text_rows, dtype=np.int64)
+    else:
+        texts = texts[: args.rows] if args.rows is not None else texts
+        row_of = None
     if len(texts) != raw.shape[0]:
         raise ValueError(f"{len(texts)} texts for {raw.shape[0]} vectors in {source}; pass exactly one explanation "
                          "per vector (--rows N takes the first N of both)")
@@ -116,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
         texts = [texts[i] for i in kept]
     else:
         vectors, kept = check_vectors(raw, f"vectors {source}"), np.arange(raw.shape[0])
+    if row_of is not None:
+        kept = row_of[kept]  # the rows written out are the vectors' rows
     client = NLAClient(None, args.ar, device=args.device, dtype=args.dtype, sidecar=args.sidecar,
                        allow_mixed_provenance=args.allow_mixed_provenance)
     if str(source).endswith(".parquet"):

@@ -81,5 +81,7 @@ def run(args: argparse.Namespace) -> int:
     host = args.host if ":" not in args.host else f"[{args.host}]"
     log.info("nla serve: http://%s:%d/generate (published client: sglang_url='http://%s:%d')", host, args.port, host,
              args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    from nla.serve.app import uvicorn_settings
+
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", **uvicorn_settings(app.state.limits))
     return 0

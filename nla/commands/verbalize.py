@@ -12,7 +12,7 @@ import argparse
 import logging
 
 from nla.commands.eval import add_model_args, apply_threads_flag
-from nla.util.flags import positive_int, sample_count_flag, seed_flag
+from nla.util.flags import positive_int, sample_count_flag, seed_flag, temperature_flag
 
 log = logging.getLogger("nla.verbalize")
 
@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n-samples", type=sample_count_flag, default=1,
                    help="explanations per vector (at most nla.util.validation.MAX_SAMPLES_PER_VECTOR = 1024)")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=temperature_flag, default=1.0)
     p.add_argument("--seed", type=seed_flag, help="the sampling seed (0..2**32-1)")
     p.add_argument("--batch-size", type=positive_int, default=64)
     p.add_argument("--reference", help="parquet of the AV's training-like vectors: warn for vectors whose norm is far "

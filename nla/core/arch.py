@@ -50,6 +50,17 @@ def text_config(config: Any) -> Any:
     return getattr(config, "text_config", config)
 
 
+def max_positions(config: Any) -> int | None:
+    """The positions the model was built for (``max_position_embeddings``, GPT-2's ``n_positions``), or
+    None when its config names none: a longer input is extrapolated, not read (issue 58)."""
+    tc = text_config(config)
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(tc, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def hidden_size(config: Any) -> int:
     """Model width d."""
     tc = text_config(config)

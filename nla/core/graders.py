@@ -245,7 +245,14 @@ class Faithfulness:
     graded (it is not a perfect row); when no row has any, ``recall`` / ``precision`` are None and
     ``note`` says so (``note`` also counts the ungraded rows when some are).
     ``quote``: the quotation of the text read graded per position (``Quotation``), when the grader
-    grades one and the quote truths were given; the fact figures do not count it."""
+    grades one and the quote truths were given; the fact figures do not count it.
+
+    A row whose ``facts`` is an empty list says "nothing holds": its recall is undefined (there is
+    nothing to recall; graders call it 1.0, and a dataset of empty lists graded every explanation,
+    the shuffled baseline's too, at recall 1.0: issue 58), so it is left out of ``recall``; it counts
+    in ``precision`` only when the explanation names a fact (every such claim is false: 0), since
+    naming nothing where nothing holds is neither right nor wrong. ``recall`` is None when no row
+    has a fact to recall, ``precision`` None when no row has a claim or a truth to grade it by."""
 
     recall: float | None
     precision: float | None
@@ -275,6 +282,7 @@ def faithfulness(texts: list[str | None], facts: list[list[str]], grader: Datase
             return None
         return Faithfulness(None, None, {}, 0, note=f"no ground truth: facts is null on every row ({len(facts)}); "
                                                    "recall and precision are not graded", quote=quote)
+    empty = 0
     for i, (t, fs) in enumerate(zip(texts, facts, strict=True)):
         if fs is None:
             continue
@@ -284,6 +292,12 @@ def faithfulness(texts: list[str | None], facts: list[list[str]], grader: Datase
             raise ValueError(f"facts: row {i}: {err}") from None
         if g is None:
             return None
+        if not len(fs):  # nothing holds: no recall; precision only of what it claims (see Faithfulness)
+            empty += 1
+            # a claim where nothing holds is false (precision below 1), whichever way the grader names facts
+            if g.precision < 1.0 or grader.named_facts(t):
+                precisions.append(g.precision)
+            continue
         recalls.append(g.recall)
         precisions.append(g.precision)
         for k, rp in g.by_kind.items():
@@ -291,10 +305,14 @@ def faithfulness(texts: list[str | None], facts: list[list[str]], grader: Datase
     order = [k for k in grader.kinds if k in per_kind] + sorted(set(per_kind) - set(grader.kinds))
     by_kind = {k: (float(np.mean([r for r, _ in per_kind[k]])), float(np.mean([p for _, p in per_kind[k]])))
                for k in order}
-    note = (f"{len(missing)} of {len(facts)} rows have no ground truth (facts null) and are not graded"
-            if missing else None)
-    return Faithfulness(float(np.mean(recalls)), float(np.mean(precisions)), by_kind, len(recalls), note=note,
-                        quote=quote)
+    notes = ([f"{len(missing)} of {len(facts)} rows have no ground truth (facts null) and are not graded"]
+             if missing else [])
+    if empty:
+        notes.append(f"{empty} of {len(facts)} rows have no fact that holds (facts []): left out of recall, in "
+                     "precision only where the explanation names a fact")
+    return Faithfulness(float(np.mean(recalls)) if recalls else None,
+                        float(np.mean(precisions)) if precisions else None, by_kind, len(recalls),
+                        note="; ".join(notes) or None, quote=quote)
 
 
 # ------------------------------------------------------------------ text helpers (any language)

@@ -60,8 +60,10 @@ class ProviderConfig:
                                              "way. Range: a number >= 0.")
     backoff_max_s: float = option(30.0, help="cap on the backoff between retries, in seconds. Range: a number "
                                              ">= 0.")
-    timeout_s: float = option(60.0, help="seconds one request may take before it counts as a timeout (and is "
-                                         "retried). Range: a number > 0.")
+    timeout_s: float = option(60.0, help="seconds one request may take, in all (connect, send, the whole "
+                                         "reply), before it counts as a timeout (and is retried); the deadline is "
+                                         "checked after every read, each read bounded by it too, so an attempt "
+                                         "ends within 2 x timeout_s. Range: a number > 0.")
     max_tokens: int = option(300, help="the provider's cap on each explanation, in its tokens. Range: an "
                                        "integer >= 1.")
     temperature: float = option(0.7, help="the provider's sampling temperature. Range: a number >= 0.")

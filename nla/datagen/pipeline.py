@@ -95,6 +95,13 @@ def resolve(cfg: DatagenConfig) -> Resolved:
     from nla.world import build_world
     from nla.world.build import seeded_config
 
+    world = seeded_config(cfg.world_preset, cfg.world_seed)
+    if not cfg.model_dir and cfg.max_len > world.seq_len:  # before the world is built (minutes)
+        raise DatagenError(
+            f"max_len: {cfg.max_len} tokens per document, but the world {cfg.world_preset!r}'s subject has "
+            f"{world.seq_len} positions (its seq_len, the model's max_position_embeddings); activations past position "
+            f"{world.seq_len - 1} are not what the model computes on text it was built for. Set max_len <= "
+            f"{world.seq_len} (--set max_len={world.seq_len})")
     arts = build_world(seeded_config(cfg.world_preset, cfg.world_seed), out=cfg.world_out)
     return Resolved(
         cfg.replace(
@@ -200,6 +207,25 @@ def _check_tokenizer(res: Resolved) -> None:
                    injection_char=c.injection_char, injection_scale=c.injection_scale, mse_scale=c.mse_scale)
 
 
+def _check_positions(res: Resolved) -> None:
+    """``max_len`` against the subject's positions, before any document is read: with max_len 1000
+    on a 128-position model, extract wrote rows at positions 128-923 the model never saw (issue 58)."""
+    from transformers import AutoConfig
+
+    from nla.core.arch import max_positions
+
+    c = res.cfg
+    try:
+        n = max_positions(AutoConfig.from_pretrained(c.model_dir, local_files_only=True))
+    except (OSError, ValueError):
+        return  # extract's own checks name a missing or broken model dir
+    if n is not None and c.max_len > n:
+        raise DatagenError(
+            f"max_len: {c.max_len} tokens per document, but the subject model {c.model_dir} has {n} positions "
+            f"(max_position_embeddings in its config.json); activations past position {n - 1} are not what the "
+            f"model computes on text it was built for. Set max_len <= {n} (--set max_len={n})")
+
+
 _RUNNERS = {"extract": _extract, "split": _split, "explain": _explain, "build": _build}
 
 
@@ -211,6 +237,8 @@ def run(cfg: DatagenConfig, stages: Sequence[str] | None = None, force: bool = F
         raise DatagenError(f"unknown stage(s) {bad}; valid stages: {list(STAGES)}")
     apply_threads(cfg.threads)
     res = resolve(cfg)
+    if "extract" in stages:
+        _check_positions(res)
     if "build" in stages:
         _check_tokenizer(res)
     out = Path(res.cfg.out_dir)

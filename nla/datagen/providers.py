@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -34,6 +35,7 @@ from nla.datagen.io import DatagenError
 log = logging.getLogger(__name__)
 
 MAX_CONTEXT_CHARS = 4000  # bound the prompt: the text right before the token matters most
+MAX_REPLY_BYTES = 4 * 2**20  # an explanation reply is a few kB; a larger one is dropped as reply_too_large
 CONNECTION_FAILURE_ROWS = 3  # rows in a row that never connected: the network or base_url is wrong
 
 SYSTEM_PROMPT = (
@@ -125,8 +127,24 @@ class HTTPExplainer(Explainer):
     def _attempt(self, prompt: str) -> str:
         import httpx
 
+        # timeout_s bounds the whole request, not each read: a server that sends one byte a second
+        # held nla datagen forever under httpx's per-read timeout (issue 58). The deadline is checked
+        # after every read, and httpx bounds each read by timeout_s too, so an attempt ends within
+        # 2 x timeout_s whatever the server does (within timeout_s plus the last read's wait).
+        deadline = time.monotonic() + self.cfg.timeout_s
         try:
-            resp = self._client.post(self.url(), headers=self.headers(), json=self.body(prompt))
+            with self._client.stream("POST", self.url(), headers=self.headers(), json=self.body(prompt)) as resp:
+                chunks, size = [], 0
+                for chunk in resp.iter_bytes():
+                    size += len(chunk)
+                    if size > MAX_REPLY_BYTES:
+                        raise _Drop("reply_too_large")
+                    chunks.append(chunk)
+                    if time.monotonic() > deadline:
+                        raise _Retryable("timeout")
+                if time.monotonic() > deadline:
+                    raise _Retryable("timeout")
+                body = b"".join(chunks)
         except httpx.TimeoutException as exc:
             raise _Retryable("timeout") from exc
         except httpx.TransportError as exc:
@@ -142,7 +160,7 @@ class HTTPExplainer(Explainer):
         if code >= 400:
             raise _Drop(f"http_{code}")
         try:
-            text = self.reply_text(resp.json())
+            text = self.reply_text(json.loads(body))
             if not isinstance(text, str):
                 raise TypeError("reply text is not a string")
         except (ValueError, KeyError, TypeError, IndexError) as exc:

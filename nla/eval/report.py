@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from nla.eval.evaluate import ROW_ORACLE as ORACLE
 from nla.eval.evaluate import ROW_ROUND_TRIP as ROUND_TRIP
 from nla.eval.evaluate import ROW_SHUFFLED as SHUFFLED
 from nla.eval.suite import targets_table
+from nla.util.fsutil import copy_file_atomic
 from nla.util.numerics import cpu_kernels, cpu_paths, describe_cpu_paths, pin_shortfalls
 
 logger = logging.getLogger(__name__)
@@ -262,7 +262,7 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
         if src and Path(src).is_file():
             dst = out / f"{name}.png"
             if Path(src).resolve() != dst.resolve():
-                shutil.copyfile(src, dst)
+                copy_file_atomic(src, dst)  # a link at dst is replaced, not written through
             plots[name] = dst.name
     wr, rr = _rows(warm_eval), _rows(rl_eval)
     fve_warm, fve_rl = wr[ROUND_TRIP]["fve"], rr[ROUND_TRIP]["fve"]

@@ -47,6 +47,7 @@ from nla.core.provenance import Provenance, ProvenanceError, check_provenance
 from nla.datagen.extract import load_subject
 from nla.eval.suite.claims import attribute_claims
 from nla.util.http import RequestError
+from nla.util.validation import InputError, check_sampling
 from nla.world import Fact, generate_documents, grade, load_world, parse_facts, token_facts
 from nla.world.explain import grade_quote
 from nla.world.facts import end_of_text
@@ -295,8 +296,10 @@ class Explorer:
         max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         if not 1 <= max_new <= self.max_new_tokens:
             raise RequestError(f"max_new_tokens must be 1..{self.max_new_tokens}, found {max_new}")
-        if not temperature > 0:
-            raise RequestError(f"temperature must be > 0, found {temperature}")
+        try:  # the one check of sampling settings (nla.util.validation.check_sampling)
+            check_sampling(temperature, what="temperature")
+        except InputError as err:
+            raise RequestError(str(err)) from None
         acts = self.activations(inp)
         vectors = acts[positions]  # [P, d]
         P = len(positions)

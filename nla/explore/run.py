@@ -8,7 +8,11 @@ Two layouts are read, both as written by this library (nothing else is opened):
 2. An RL output directory (``rl_summary.json``, ``rl.jsonl``, ``rl_curves.png``,
    ``nla.rl.loop.run_rl``): the final metrics and the curves.
 
-Only the PNGs listed here are served (by name, never by a path from the request).
+Only the PNGs listed here are served (by name, never by a path from the request), and every
+file read goes through ``nla.util.fsutil.run_file``: a symbolic link that leads out of the run
+directory is refused (a plot linked to ``/etc/passwd`` was served as an image, issue 58). A file
+that is not the JSON nla writes is a :class:`RunFileError` naming the file and what was wrong,
+never a traceback.
 """
 
 from __future__ import annotations
@@ -19,7 +23,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunSummary", "load_run"]
+from nla.util.fsutil import run_file
+from nla.util.validation import InputError
+
+__all__ = ["RunFileError", "RunSummary", "load_run"]
+
+
+class RunFileError(InputError):
+    """A file of the run directory is not what nla writes there (malformed JSON, a wrong shape)."""
+
+
+def _read_json(root: Path, name: str) -> Any:
+    path = run_file(root, name, "run file")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise RunFileError(f"--run: {path} is not UTF-8 text ({err.reason} at byte {err.start}); expected the JSON "
+                           "nla writes there: rerun the command that wrote it, or pass another --run") from None
+    except (json.JSONDecodeError, RecursionError, ValueError) as err:
+        where = f"line {err.lineno}, column {err.colno}: {err.msg}" if isinstance(err, json.JSONDecodeError) else \
+            type(err).__name__
+        raise RunFileError(f"--run: {path} is not valid JSON ({where}); expected the JSON nla writes there: rerun "
+                           "the command that wrote it, or pass another --run") from None
+
+
+def _object(value: Any, path: Path, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise RunFileError(f"--run: {path}: {what}: expected a JSON object, found {type(value).__name__}; the file "
+                           "is not the one nla writes: rerun the command that wrote it, or pass another --run")
+    return value
 
 _PLOT_TITLES = {"world_loss": "Subject model pretraining", "ar_curves": "AR warm-start",
                 "av_curves": "AV warm-start", "rl_curves": "RL"}
@@ -59,18 +91,23 @@ def load_run(path: str | Path) -> RunSummary:
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"--run: no directory at {path}")
-    if (path / "report.json").is_file():
-        return _quickstart(path)
-    if (path / "rl_summary.json").is_file():
-        return _rl(path)
+    try:
+        if (path / "report.json").is_file():
+            return _quickstart(path)
+        if (path / "rl_summary.json").is_file():
+            return _rl(path)
+    except (KeyError, TypeError, AttributeError, IndexError) as err:  # valid JSON of another shape
+        raise RunFileError(f"--run: {path}: report.json / rl_summary.json / rl.jsonl are not in the layout nla "
+                           f"writes ({type(err).__name__}: {err}); rerun the command that wrote them, or pass "
+                           "another --run") from None
     raise FileNotFoundError(
         f"--run: {path} has neither report.json (a quickstart run) nor rl_summary.json (an nla rl output dir); "
         "pass the directory `nla quickstart --out` or `nla rl` wrote")
 
 
 def _quickstart(path: Path) -> RunSummary:
-    report = json.loads((path / "report.json").read_text(encoding="utf-8"))
-    h = report.get("headline", {})
+    report = _object(_read_json(path, "report.json"), path / "report.json", "the whole file")
+    h = _object(report.get("headline", {}), path / "report.json", "headline")
     labels = (("preset", "preset"), ("round_trip_fve_warmstart", "round-trip FVE, warm-start"),
               ("round_trip_fve_rl", "round-trip FVE, after RL"), ("ar_heldout_fve_warmstart", "AR held-out FVE"),
               ("av_vector_gap", "AV vector gap"), ("rl_final_reward_mean", "final RL reward"),
@@ -89,10 +126,10 @@ def _quickstart(path: Path) -> RunSummary:
         run.tables.append({"title": "Time per stage", "columns": ["stage", "seconds", "cached"],
                            "rows": [[s["name"], _num(s["seconds"], 1), "yes" if s["cached"] else "no"]
                                     for s in stages]})
-    for name, file in (report.get("plots") or {}).items():
-        png = path / Path(file).name
+    for name, file in _object(report.get("plots") or {}, path / "report.json", "plots").items():
+        png = run_file(path, Path(str(file)).name, f"plot {name!r} of report.json")
         if png.is_file() and png.suffix == ".png":
-            run.plots[name] = png
+            run.plots[str(name)] = png
     run.examples = _examples(warm, after)
     return run
 
@@ -158,18 +195,25 @@ def _examples(warm: dict[str, Any], after: dict[str, Any], n: int = 8) -> list[d
 
 
 def _rl(path: Path) -> RunSummary:
-    summary = json.loads((path / "rl_summary.json").read_text(encoding="utf-8"))
+    summary = _object(_read_json(path, "rl_summary.json"), path / "rl_summary.json", "the whole file")
     run = RunSummary(path, "rl", headline=[{"label": k, "value": _num(summary[k])} for k in _RL_KEYS
                                            if k in summary])
-    log = path / "rl.jsonl"
+    log = run_file(path, "rl.jsonl", "RL log")
     if log.is_file():
-        lines = [json.loads(ln) for ln in log.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        from nla.util.metrics import read_metrics
+
+        try:
+            lines = read_metrics(log)
+        except ValueError as err:
+            raise RunFileError(f"--run: {' '.join(str(err).split())}; rerun the command that wrote it, or pass "
+                               "another --run") from None
         cols = [k for k in ("step", "reward_mean", "mse_nrm", "fve_nrm", "fact_recall", "fact_precision",
                             "extraction_fail_rate", "kl") if any(k in r for r in lines)]
         every = max(1, len(lines) // 12)
         picked = lines[::every] + ([lines[-1]] if lines and (len(lines) - 1) % every else [])
         run.tables.append({"title": f"RL log (every {every} steps)", "columns": cols,
                            "rows": [[_num(r.get(c)) for c in cols] for r in picked]})
-    if (path / "rl_curves.png").is_file():
-        run.plots["rl_curves"] = path / "rl_curves.png"
+    curves = run_file(path, "rl_curves.png", "RL curves")
+    if curves.is_file():
+        run.plots["rl_curves"] = curves
     return run

@@ -33,6 +33,7 @@ from nla.util.configcheck import check_config_types
 from nla.util.confighelp import option, with_help
 from nla.util.overrides import parse_overrides
 from nla.util.threads import check_threads
+from nla.util.validation import check_sampling
 
 # The one registry of backend names: config validation reads it, and the dispatcher
 # (``nla.rl.backend.BACKEND_BUILDERS``) has one builder per name.
@@ -101,7 +102,8 @@ class RolloutConfig:
                                              "truncated (and charged as failed); also Dr.GRPO's constant and the "
                                              "end of the overlong ramp. Range: an integer >= 1.")
     temperature: float = option(1.0, help="sampling temperature of the rollouts (held-out evaluation decodes "
-                                          "greedily). Range: a positive finite number.")
+                                          "greedily). Range: a finite number in [1e-4, 100] "
+                                          "(nla.util.validation.check_sampling).")
     top_p: float = option(1.0, help="nucleus sampling: keep the smallest set of tokens holding this much "
                                     "probability; 1 = off. Range: (0, 1].")
     generation_chunk_prompts: int | None = option(None, help="generate this many prompts at a time and score "
@@ -124,9 +126,7 @@ class RolloutConfig:
             _bad("rollout.decode", f"one of {list(DECODES)}", self.decode)
         _positive_ints("rollout.", self, "rollout_batch_size", "n_samples_per_prompt", "max_response_len")
         _optional_positive_int("rollout.", "generation_chunk_prompts", self.generation_chunk_prompts)
-        _positive_floats("rollout.", self, "temperature")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            _bad("rollout.top_p", "a number in (0, 1]", self.top_p)
+        check_sampling(self.temperature, self.top_p, what="rollout.temperature", top_p_what="rollout.top_p")
         if not _is_int(self.max_refill_rounds) or self.max_refill_rounds < 0:
             _bad("rollout.max_refill_rounds", "an integer >= 0", self.max_refill_rounds)
         if self.dynamic_sampling and self.n_samples_per_prompt < 2:

@@ -10,6 +10,7 @@ the server keeps running.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -26,6 +27,7 @@ from starlette.routing import Route
 from nla.client import NLAClient, NLAClientError
 from nla.core import arch
 from nla.serve.engine import (
+    MAX_BYTES_PER_TOKEN,
     Batcher,
     GenerateJob,
     SamplingParams,
@@ -43,7 +45,7 @@ from nla.util.http import (
     read_json_body,
 )
 from nla.util.threads import adapt_threads
-from nla.util.validation import InputError
+from nla.util.validation import InputError, check_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ class NLAService:
         self.eos_id = int(self.tokenizer.eos_token_id)
         self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id)
         self.suppress_ids = [int(side.injection_token_id)]  # as NLAClient.verbalize: the AV never writes the marker
-        self.context = int(getattr(arch.text_config(self.model.config), "max_position_embeddings", 0) or 0)
+        self.context = arch.max_positions(self.model.config) or 0  # 0: the config names no limit
         self.batcher = Batcher(self._decode, self.limits)
 
     @classmethod
@@ -108,8 +110,18 @@ class NLAService:
             self._count_prompts(len(texts))
             out = []
             for i, t in enumerate(texts):
-                check_text(t, f"field 'text'{'' if isinstance(value, str) else f', item {i}'}")
+                what = f"field 'text'{'' if isinstance(value, str) else f', item {i}'}"
+                check_text(t, what)
+                if not t:  # no token to start from: the decode failed with a 500 and a traceback (issue 58)
+                    raise RequestError(f"{what}: is empty; send a prompt of at least one character")
+                most = self.limits.max_prompt_tokens * MAX_BYTES_PER_TOKEN
+                if len(t) > most or len(t.encode("utf-8")) > most:  # bounded before the tokenizer runs
+                    raise RequestError(f"{what}: {len(t.encode('utf-8'))} bytes, more than "
+                                       f"{self.limits.max_prompt_tokens} tokens (--max-prompt-tokens) can hold at "
+                                       f"{MAX_BYTES_PER_TOKEN} bytes a token; send a shorter prompt", status=413)
                 ids = list(self.tokenizer(t)["input_ids"])
+                if not ids:
+                    raise RequestError(f"{what}: the tokenizer gives no token for it; send a prompt with text")
                 out.append(self._embed_ids(ids, f"field 'text', item {i}"))
             return out, not isinstance(value, str)
         if not isinstance(value, list) or not value:
@@ -152,6 +164,18 @@ class NLAService:
         if n > cap:
             raise RequestError(f"{what}: {n} tokens; the cap is {cap} tokens per prompt (--max-prompt-tokens)",
                              status=413)
+        if self.context and n >= self.context:
+            raise RequestError(f"{what}: {n} tokens; the AV has {self.context} positions (max_position_embeddings), "
+                               "and the prompt and at least one new token must fit in them: send a shorter prompt")
+
+    def fit_context(self, prompt: torch.Tensor, params: SamplingParams) -> SamplingParams:
+        """``params`` with max_new_tokens cut to the AV's positions left after ``prompt`` (a prompt of
+        2,000 tokens on a 128-position AV was decoded past them, answered with 200 and degenerate
+        text, issue 58; a prompt that leaves no position is refused in ``_check_length``). The
+        answer's finish_reason says "length" with the cut count, as SGLang's does at its cap."""
+        if not self.context or prompt.shape[0] + params.max_new_tokens <= self.context:
+            return params
+        return dataclasses.replace(params, max_new_tokens=self.context - prompt.shape[0])
 
     def _embed_ids(self, ids: list[int], what: str) -> torch.Tensor:
         self._check_length(len(ids), what)
@@ -202,7 +226,7 @@ class ServeApp:
         return JSONResponse(self.s.info())
 
     async def generate(self, request: Request) -> JSONResponse:
-        body = await read_json_body(request, self.s.limits.max_body_bytes)
+        body = await read_json_body(request, self.s.limits.max_body_bytes, self.s.limits.body_timeout_s)
         unknown = sorted(set(body) - set(GENERATE_KEYS))
         if unknown:
             raise RequestError(f"unsupported field(s) {unknown}; /generate takes {list(GENERATE_KEYS)}")
@@ -216,7 +240,12 @@ class ServeApp:
             prompts, batch = await self._wait(self.s.batcher.submit_task(lambda: self.s.prompts(body), count=False))
         else:
             prompts, batch = self.s.prompts(body)
-        jobs = [GenerateJob(p, params) for p in prompts]
+        work = len(prompts) * params.max_new_tokens
+        if work > self.s.limits.max_request_tokens:
+            raise RequestError(f"{len(prompts)} prompts x sampling_params.max_new_tokens {params.max_new_tokens} = "
+                               f"{work} tokens to decode; the cap is {self.s.limits.max_request_tokens} per request: "
+                               "send fewer prompts or ask for fewer tokens", status=413)
+        jobs = [GenerateJob(p, self.s.fit_context(p, params)) for p in prompts]
         out = await asyncio.gather(*(self._wait(f) for f in self.s.batcher.submit_generate(jobs)))
         return JSONResponse(out if batch else out[0])
 
@@ -231,7 +260,7 @@ class ServeApp:
         return torch.from_numpy(float_array(raw, f"field {name!r}", ndim=2, width=d, width_name="d_model"))
 
     async def verbalize(self, request: Request) -> JSONResponse:
-        body = await read_json_body(request, self.s.limits.max_body_bytes)
+        body = await read_json_body(request, self.s.limits.max_body_bytes, self.s.limits.body_timeout_s)
         lim = self.s.limits
         unknown = sorted(set(body) - {"vectors", "greedy", "temperature", "n_samples", "max_new_tokens", "seed"})
         if unknown:
@@ -247,14 +276,22 @@ class ServeApp:
             raise RequestError(f"field 'n_samples': expected 1..{lim.max_samples}, found {n_samples}")
         if not 1 <= max_new_tokens <= lim.max_new_tokens:
             raise RequestError(f"field 'max_new_tokens': expected 1..{lim.max_new_tokens}, found {max_new_tokens}")
-        if not greedy and not 0.0 < temperature <= 100.0:
-            raise RequestError(f"field 'temperature': expected a number in (0, 100] when sampling, found {temperature}")
+        if not greedy:
+            try:  # the one check of sampling settings (nla.util.validation.check_sampling)
+                check_sampling(temperature, what="field 'temperature'")
+            except InputError as err:
+                raise RequestError(str(err)) from None
+        work = vectors.shape[0] * n_samples * max_new_tokens
+        if work > lim.max_request_tokens:  # the decode work, bounded before any is done
+            raise RequestError(f"{vectors.shape[0]} vectors x n_samples {n_samples} x max_new_tokens {max_new_tokens} "
+                               f"= {work} tokens to decode; the cap is {lim.max_request_tokens} per request: split "
+                               "the vectors over several requests", status=413)
         kw = dict(greedy=greedy, temperature=temperature, n_samples=n_samples, max_new_tokens=max_new_tokens, seed=seed)
         results = await self._wait(self.s.batcher.submit_task(lambda: self.s.verbalize(vectors, **kw)))
         return JSONResponse({"results": results})
 
     async def score(self, request: Request) -> JSONResponse:
-        body = await read_json_body(request, self.s.limits.max_body_bytes)
+        body = await read_json_body(request, self.s.limits.max_body_bytes, self.s.limits.body_timeout_s)
         if self.s.client.ar is None:
             raise RequestError("/score needs a reconstructor: this server has none; start it with --ar DIR", status=409)
         unknown = sorted(set(body) - {"texts", "vectors"})
@@ -316,7 +353,15 @@ def create_app(service: NLAService, *, allowed_hosts: list[str] | None = None) -
     ]
     middleware = ([Middleware(HostAllowList, allowed_hosts=allowed_hosts, label="this server",
                               hint="nla serve --allow-host NAME adds one")] if allowed_hosts else [])
-    return Starlette(routes=routes, middleware=middleware,
-                     exception_handlers={RequestError: _request_error,
-                                         NLAClientError: _client_error, InputError: _client_error,
-                                         HTTPException: _http_error, Exception: _internal_error})
+    app = Starlette(routes=routes, middleware=middleware,
+                    exception_handlers={RequestError: _request_error,
+                                        NLAClientError: _client_error, InputError: _client_error,
+                                        HTTPException: _http_error, Exception: _internal_error})
+    app.state.limits = service.limits  # the server's connection settings (nla serve, uvicorn_settings)
+    return app
+
+
+def uvicorn_settings(limits: ServeLimits) -> dict[str, Any]:
+    """uvicorn's connection bounds for ``limits``: an idle keep-alive connection closed after
+    ``keep_alive_s``, at most ``max_connections`` at once (the body's own deadline is read_json_body's)."""
+    return {"timeout_keep_alive": max(1, math.ceil(limits.keep_alive_s)), "limit_concurrency": limits.max_connections}

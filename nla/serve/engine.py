@@ -36,15 +36,18 @@ import torch
 from torch import Tensor, nn
 
 from nla.util.http import RequestError
+from nla.util.validation import MAX_TEMPERATURE, InputError, check_sampling
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SAMPLING_KEYS", "Batcher", "GenerateJob", "SamplingParams", "ServeLimits",
+__all__ = ["MAX_BYTES_PER_TOKEN", "MAX_TEMPERATURE", "SAMPLING_KEYS", "Batcher", "GenerateJob", "SamplingParams", "ServeLimits",
            "decode_batch", "generation_output"]
 
 # sampling_params keys this server honours (SGLang's names and defaults)
+# A token of any tokenizer nla serves is far shorter than this many UTF-8 bytes: a text longer than
+# max_prompt_tokens * MAX_BYTES_PER_TOKEN bytes cannot fit the token cap and is refused untokenised.
+MAX_BYTES_PER_TOKEN = 32
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "skip_special_tokens")
-MAX_TEMPERATURE = 100.0
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,16 @@ class ServeLimits:
         a Qwen2.5-7B AV prompt, with room); max_prompt_tokens: tokens per prompt; max_prompts:
         prompts per ``/generate`` request (a list); max_new_tokens: decode steps; max_batch: prompts
         per decode; batch_wait_ms: how long the batcher waits for more prompts after the first;
-        max_vectors / max_samples / max_texts / max_text_chars: ``/verbalize`` and ``/score``.
+        max_vectors / max_samples / max_texts / max_text_chars: ``/verbalize`` and ``/score``;
+        max_request_tokens: the decode work one request may ask for, vectors x n_samples x
+        max_new_tokens (``/verbalize``) or prompts x max_new_tokens (``/generate``), checked before
+        any work (the other caps together admitted a ~20-minute ``/verbalize`` that held every
+        other client, issue 58); body_timeout_s: seconds the whole request body may take to arrive;
+        keep_alive_s: how long an idle connection stays open; max_connections: connections served at
+        once (uvicorn's ``limit_concurrency``; more get a 503).
+    A ``/generate`` text is refused on its length in bytes (more than ``MAX_BYTES_PER_TOKEN`` per
+    allowed token) before it is tokenised: a 28 MB text was tokenised whole (37 s) before its
+    token count was checked.
     """
 
     max_body_bytes: int = 32 * 2**20
@@ -68,6 +80,10 @@ class ServeLimits:
     max_samples: int = 16
     max_texts: int = 256
     max_text_chars: int = 8000
+    max_request_tokens: int = 65536
+    body_timeout_s: float = 30.0
+    keep_alive_s: float = 5.0
+    max_connections: int = 256
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -127,11 +143,11 @@ class SamplingParams:
             kw[key] = value
         kw.setdefault("max_new_tokens", min(cls.max_new_tokens, limits.max_new_tokens))  # SGLang's 128, or the cap
         p = cls(**{k: (float(v) if k in ("temperature", "top_p") else v) for k, v in kw.items()})
-        if not 0.0 <= p.temperature <= MAX_TEMPERATURE:
-            raise RequestError(f"field 'sampling_params.temperature': expected 0 (greedy) to {MAX_TEMPERATURE:g}, "
-                             f"found {p.temperature}")
-        if not 0.0 < p.top_p <= 1.0:
-            raise RequestError(f"field 'sampling_params.top_p': expected a number in (0, 1], found {p.top_p}")
+        try:  # the one check of sampling settings (a 1e-40 temperature was a 500 here, garbage in /verbalize)
+            check_sampling(p.temperature, p.top_p, what="field 'sampling_params.temperature'",
+                           top_p_what="field 'sampling_params.top_p'", zero_is_greedy=True)
+        except InputError as err:
+            raise RequestError(str(err)) from None
         if not (p.top_k == -1 or 1 <= p.top_k < 2**31):
             raise RequestError(f"field 'sampling_params.top_k': expected -1 (off) or a positive integer, found {p.top_k}")
         if not 1 <= p.max_new_tokens <= limits.max_new_tokens:

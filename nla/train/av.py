@@ -87,13 +87,16 @@ def prompt_messages(raw: Any, injection_char: str) -> list[dict[str, str]]:
 
 
 def build_examples(tokenizer: Any, prompts: list[Any], responses: list[str], injection_char: str,
-                   max_length: int) -> list[AVExample]:
-    """Tokenise rows once. Long rows lose response tokens from the right (the marker must survive)."""
+                   max_length: int, what: str = "AV data") -> list[AVExample]:
+    """Tokenise rows once. Long rows lose response tokens from the right (the marker must survive);
+    how many did, and the max_length that keeps them whole, is logged as a warning: a cut response
+    loses its closing tag and EOS, and the AV learns not to stop (it was silent, issue 58)."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise AVTrainError("tokenizer: no eos_token_id; the AV must learn to stop, set tokenizer.eos_token")
     cache: dict[str, list[int]] = {}
     out = []
+    cut: list[tuple[int, int]] = []  # (row, the tokens it needs)
     for i, (raw, resp) in enumerate(zip(prompts, responses, strict=True)):
         msgs = prompt_messages(raw, injection_char)
         key = repr(msgs)
@@ -107,7 +110,16 @@ def build_examples(tokenizer: Any, prompts: list[Any], responses: list[str], inj
                 f"max_length: row {i}'s prompt alone is {len(p)} tokens, leaving no room for a response; "
                 f"raise max_length above {len(p) + 2}"
             )
+        if len(r) > room:
+            cut.append((i, len(p) + len(r)))
         out.append(AVExample(p, r[:room]))
+    if cut:
+        longest = max(n for _, n in cut)
+        logger.warning(
+            "max_length: %d of %d rows of the %s are longer than max_length %d (prompt + response + EOS; row %d "
+            "needs %d tokens): their responses are cut, losing the closing tag and the EOS, so the AV learns not to "
+            "stop on them; raise max_length to %d to keep every row whole", len(cut), len(out), what, max_length,
+            cut[0][0], cut[0][1], longest)
     return out
 
 
@@ -333,11 +345,11 @@ def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
     hook = InjectionHook.from_config(model, side)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
-    def examples(tab) -> list[AVExample]:
+    def examples(tab, what: str) -> list[AVExample]:
         return build_examples(tok, tab.column("prompt").to_pylist(), tab.column("response").to_pylist(),
-                              side.injection_char, cfg.max_length)
+                              side.injection_char, cfg.max_length, what)
 
-    train_ex, eval_ex = examples(train_tab), examples(eval_tab)
+    train_ex, eval_ex = examples(train_tab, "training split"), examples(eval_tab, "eval split")
     train_v = torch.from_numpy(np.ascontiguousarray(train_vec))
     eval_v = torch.from_numpy(np.ascontiguousarray(eval_vec))
     logger.info("AV: %d train / %d eval rows, injection_scale=%s", len(train_ex), len(eval_ex), side.injection_scale)

@@ -20,7 +20,12 @@ Used by ``nla train`` and ``nla rl`` before any work starts:
 5. ``--overwrite`` cannot lose inputs: it deletes only what a run writes in out_dir
    (:data:`RUN_OUTPUTS`), naming each entry (a user's notes or a datagen folder beside them stay),
    and refuses when a path of the config (an AV checkpoint, a dataset, a base model) lies inside
-   one of those (it used to delete the dir, then fail on its own input).
+   one of those (it used to delete the dir, then fail on its own input). What it deletes must carry
+   nla's mark (:func:`not_written_by_nla`): every entry of ``checkpoints/`` a ``step_*`` dir with
+   nla's training state (or a temp dir of an interrupted save), ``tensorboard/`` only nla's
+   logs, and a ``*_curves.png`` only beside the ``*.jsonl`` it was drawn from (a quickstart dir's
+   report plots have no log beside them). Anything else is refused, named, never deleted: a
+   user's model in ``checkpoints/`` was deleted as "the previous run" (issue 58).
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ from nla.util.validation import InputError, load_yaml
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ADDED_FIELDS", "LOCK_FILE", "RESUME_MAY_CHANGE", "RUN_OUTPUTS", "RunDirError", "RunLock", "inputs_inside",
-           "lock_run_dir", "prepare_run_dir", "remove_stale_temp_dirs"]
+__all__ = ["ADDED_FIELDS", "LOCK_FILE", "RESUME_MAY_CHANGE", "RUN_OUTPUTS", "STATE_FILES", "RunDirError", "RunLock",
+           "inputs_inside", "lock_run_dir", "not_written_by_nla", "prepare_run_dir", "remove_stale_temp_dirs"]
 
 LOCK_FILE = ".nla.lock"
 # What a run of nla train / nla rl writes at the top of its out_dir (nla.train.loop, nla.rl.loop,
@@ -117,7 +122,11 @@ def lock_run_dir(out_dir: str | os.PathLike, command: str | None = None) -> RunL
         logger.warning("%s: this platform has no flock; two runs on one out_dir are not prevented here", out)
         return RunLock(None)
     path = out / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    if path.is_symlink():  # never written through: its target was truncated to the lock record (issue 58)
+        raise RunDirError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); nla's run lock is a plain file it writes itself. "
+            "Remove the link and run again")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -158,17 +167,53 @@ def inputs_inside(config: dict[str, Any], roots: list[str | os.PathLike], prefix
     return found
 
 
+# What a training or RL step dir holds that nothing else does (nla.train.checkpoint, nla.rl.loop).
+STATE_FILES = ("training_state.pt", "rl_state.pt")
+
+
+def not_written_by_nla(out: Path) -> list[str]:
+    """What in ``out``'s run outputs (:data:`RUN_OUTPUTS`) does not carry nla's mark: the paths
+    ``--overwrite`` must not delete (see the module docstring)."""
+    strangers = []
+    ckpts = out / "checkpoints"
+    if ckpts.is_dir() and not ckpts.is_symlink():
+        for p in sorted(ckpts.iterdir()):
+            ours = (p.is_dir() and not p.is_symlink() and p.name.startswith("step_")
+                    and any((p / f).is_file() for f in STATE_FILES)) or \
+                (p.name.startswith((".step_", "..step_")) and (".tmp-" in p.name or ".old-" in p.name))
+            if not ours:
+                strangers.append(f"{p} (no {' or '.join(STATE_FILES)}: not a checkpoint nla wrote)")
+    board = out / "tensorboard"
+    if board.is_dir() and not board.is_symlink():
+        strangers.extend(f"{p} (not one of nla's ar/av/rl logs)" for p in sorted(board.iterdir())
+                         if p.name not in ("ar", "av", "rl"))
+    return strangers
+
+
 def _overwrite(out: Path, config: dict[str, Any]) -> bool:
     """Delete the previous run's outputs in ``out`` (see the module docstring); False when there are none."""
-    doomed = [out / name for name in RUN_OUTPUTS if (out / name).exists() or (out / name).is_symlink()]
+    def present(name: str) -> bool:
+        if not ((out / name).exists() or (out / name).is_symlink()):
+            return False
+        if name.endswith("_curves.png"):  # a plot nla drew beside its log; a report's copy stays
+            log = out / name.replace("_curves.png", ".jsonl")
+            return log.exists() or log.is_symlink()
+        return True
+
+    doomed = [out / name for name in RUN_OUTPUTS if present(name)]
     if not doomed:
         return False
+    strangers = not_written_by_nla(out)
+    if strangers:
+        raise RunDirError(
+            f"--overwrite would delete what nla did not write in {out}: {'; '.join(strangers)}. Move it out of "
+            "the run's folders first, or write this run to another --out")
     inside = inputs_inside(config, doomed)
     if inside:
         raise RunDirError(
             f"--overwrite would delete inputs of this run, which live in the previous run's outputs in {out}: "
             f"{'; '.join(inside)}. Copy them out of it first, or write this run to another --out")
-    kept = sorted(p.name for p in out.iterdir() if p.name not in RUN_OUTPUTS and p.name != LOCK_FILE)
+    kept = sorted(p.name for p in out.iterdir() if out / p.name not in doomed and p.name != LOCK_FILE)
     logger.warning("--overwrite: deleting the previous run in %s: %s%s", out, ", ".join(p.name for p in doomed),
                    f"; keeping what a run does not write: {', '.join(kept)}" if kept else "")
     for p in doomed:

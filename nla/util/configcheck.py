@@ -51,6 +51,18 @@ class _Mismatch(Exception):
     pass
 
 
+def _short(value: Any, limit: int = 200) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error line quotes what was found, never megabytes."""
+    import reprlib
+
+    short = reprlib.Repr()  # attributes, not keywords: Repr(**kw) is Python 3.12+
+    short.maxstring = short.maxother = limit
+    short.maxlist = short.maxdict = 8
+    short.maxlevel = 3
+    r = short.repr(value)
+    return r if len(r) <= limit else r[:limit] + "..."
+
+
 def check_config_types(cls: type, data: Mapping[str, Any], *, prefix: str = "") -> dict[str, Any]:
     """``data`` with every known field checked against ``cls``'s annotation (numeric strings made floats).
 
@@ -71,7 +83,7 @@ def check_config_types(cls: type, data: Mapping[str, Any], *, prefix: str = "") 
             expected = str(err)
             value = out[f.name]
             raise ConfigTypeError(with_help(
-                f"{cls.__name__}.{f.name}: expected {expected}, found {value!r} ({type(value).__name__}); "
+                f"{cls.__name__}.{f.name}: expected {expected}, found {_short(value)} ({type(value).__name__}); "
                 f"fix it in the YAML or with --set {path}=...", cls, f.name, label=path)) from None
     return out
 
@@ -164,7 +176,7 @@ def _check(tp: Any, value: Any, path: str, owner: type) -> Any:
             try:
                 items.append(_check(a, v, path, owner))
             except _Mismatch as err:
-                raise _Mismatch(f"{_describe(tp)} (item {i}: {err}, found {v!r})") from None
+                raise _Mismatch(f"{_describe(tp)} (item {i}: {err}, found {_short(v)})") from None
         return type(value)(items)
     if origin in (dict, Mapping) or tp in (dict, Mapping):
         if not isinstance(value, Mapping):

@@ -7,9 +7,22 @@ import argparse
 import math
 from typing import Any
 
-from nla.util.validation import MAX_SAMPLES_PER_VECTOR
+from nla.util.validation import MAX_SAMPLES_PER_VECTOR, InputError, check_sampling
 
-__all__ = ["non_negative_float", "non_negative_int", "positive_int", "sample_count_flag", "seed_flag"]
+__all__ = ["non_negative_float", "non_negative_int", "positive_int", "sample_count_flag", "seed_flag",
+           "temperature_flag"]
+
+
+def temperature_flag(text: str) -> float:
+    """argparse type of ``--temperature``: ``nla.util.validation.check_sampling``'s range, before any work."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, found {text!r}") from None
+    try:
+        return check_sampling(value, what="temperature")[0]
+    except InputError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("temperature: ")) from None
 
 
 def _int_flag(minimum: int) -> Any:

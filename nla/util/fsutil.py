@@ -1,5 +1,13 @@
-"""Atomic file writes (a crash leaves the old file or the new one, never half of either), and
-JSON that is always valid JSON."""
+"""Atomic file writes (a crash leaves the old file or the new one, never half of either), JSON
+that is always valid JSON, and the one rule for the files nla reads or writes in a run directory.
+
+The run-dir rule (:func:`run_file`, issue 58): a file nla reads or writes inside a run directory
+(a lock, a metrics log, a plot, a report) must lie inside that directory once symbolic links are
+followed. A link that leads out of it is refused, on read (the explorer served ``/etc/passwd`` as a
+plot that ``report.json`` named) and on write (a ``.nla.lock`` or ``av.jsonl`` link had its target
+truncated). Whole-file writes go through a temp file renamed into place, which replaces a link
+rather than writing through it.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +33,50 @@ def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def copy_file_atomic(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Copy ``src`` to a temp file beside ``dst``, then rename it into place (a link at ``dst`` is
+    replaced, never written through)."""
+    import shutil
+
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    os.close(fd)
+    try:
+        shutil.copyfile(src, tmp)
+        os.chmod(tmp, default_file_mode())
+        os.replace(tmp, dst)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return dst
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def run_file(root: str | os.PathLike, path: str | os.PathLike, what: str = "file") -> Path:
+    """``path`` (relative paths are taken under ``root``) if it stays inside the run directory
+    ``root`` once symbolic links are followed; else an ``InputError`` naming the link, where it
+    leads and what to do. ``what`` names the file's role in the message (``"metrics log"``)."""
+    from nla.util.validation import InputError
+
+    root_path = Path(root)
+    p = Path(path)
+    if not p.is_absolute():
+        p = root_path / p
+    real_root = os.path.realpath(root_path)
+    real = os.path.realpath(p)
+    if not _inside(real, real_root):
+        link = next((q for q in (p, *p.parents) if q.is_symlink()), p)
+        raise InputError(
+            f"{p}: the {what} leads out of the run directory {root_path} (through the symbolic link {link} -> "
+            f"{real}); nla reads and writes only files inside a run directory. Remove the link (copy the file in "
+            "if you meant it) and run again")
+    return p
 
 
 def json_ready(obj: Any) -> Any:

@@ -11,7 +11,10 @@ Safety, in the order a request meets it:
    defence against DNS rebinding). ``host_name`` reads the ``Host`` header strictly: a bracketed
    IPv6 literal may be followed by ``:port`` and nothing else, a name by ``:port`` only.
 2. :func:`read_json_body`: ``application/json`` only (a cross-site form cannot send it without a CORS
-   preflight, which is never granted), at most ``limit`` bytes, a JSON object.
+   preflight, which is never granted), at most ``limit`` bytes, read whole within ``timeout_s``
+   seconds (a client that sends a byte a second is cut off, not waited for), a JSON object with no
+   key given twice (which of two values counts differs between parsers). A client that disconnects
+   mid-body ends its request quietly, with one log line and no traceback.
 3. :func:`get_field`, :func:`int_list`, :func:`float_array`: every field checked; a bad one raises
    :class:`RequestError`, which the apps answer as ``{"error": "<one line>"}`` with its 4xx status.
 """
@@ -76,9 +79,21 @@ def error_response(message: str, status: int) -> JSONResponse:
     return JSONResponse({"error": " ".join(str(message).split())}, status_code=status)
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise RequestError(f"request body: the key {key[:80]!r} is given twice in one object; send each field "
+                               "once (which of the two values counts differs between JSON parsers)")
+        out[key] = value
+    return out
+
+
 def _parse_json(raw: bytes) -> Any:
     try:
-        return json.loads(raw or b"null")
+        return json.loads(raw or b"null", object_pairs_hook=_unique_keys)
+    except RequestError:
+        raise
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise RequestError(f"request body is not valid JSON ({err.msg if hasattr(err, 'msg') else err})") from None
     except RecursionError:
@@ -87,9 +102,17 @@ def _parse_json(raw: bytes) -> Any:
         raise RequestError(f"request body is not usable JSON ({' '.join(str(err).split())})") from None
 
 
-async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
-    """The request's JSON object: 415 unless ``application/json``, 413 over ``limit`` bytes, 400 unless an object."""
+# The whole body must arrive within this many seconds (a slow client holds a connection and its buffer).
+BODY_TIMEOUT_S = 30.0
+
+
+async def read_json_body(request: Request, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> dict[str, Any]:
+    """The request's JSON object: 415 unless ``application/json``, 413 over ``limit`` bytes, 408 when the
+    body takes over ``timeout_s`` seconds to arrive, 400 unless an object (keys unique)."""
+    import asyncio
+
     from starlette.concurrency import run_in_threadpool
+    from starlette.requests import ClientDisconnect
 
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json":
@@ -98,12 +121,23 @@ async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise RequestError(f"request body is {int(declared)} bytes; the cap is {limit}", status=413)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestError(f"request body is over the cap of {limit} bytes", status=413)
-        chunks.append(chunk)
+    chunks: list[bytes] = []
+
+    async def read() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestError(f"request body is over the cap of {limit} bytes", status=413)
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise RequestError(f"request body did not arrive within {timeout_s:g} s ({sum(map(len, chunks))} bytes "
+                           "came); send the whole body at once", status=408) from None
+    except ClientDisconnect:
+        raise RequestError("the client closed the connection before its request body ended", status=400) from None
     raw = b"".join(chunks)
     body = await run_in_threadpool(_parse_json, raw) if len(raw) > _THREAD_PARSE_BYTES else _parse_json(raw)
     if not isinstance(body, dict):
@@ -161,10 +195,20 @@ def int_list(body: dict[str, Any], name: str) -> list[int] | None:
     return value
 
 
-def _has_bool(value: Any) -> bool:
+def _not_a_number(value: Any) -> str | None:
+    """What the first leaf of a nested list that is no JSON number is ("a boolean", "a string", ...), or None."""
+    if isinstance(value, list):
+        for v in value:
+            found = _not_a_number(v)
+            if found:
+                return found
+        return None
     if isinstance(value, bool):
-        return True
-    return isinstance(value, list) and any(_has_bool(v) for v in value)
+        return "a boolean (true/false are not entries)"
+    if isinstance(value, (int, float)):
+        return None
+    return f"a {type(value).__name__} ({str(value)[:20]!r})" if isinstance(value, str) else \
+        f"{'null' if value is None else type(value).__name__}"
 
 
 def float_array(value: Any, what: str, *, ndim: int, width: int | None = None, width_name: str = "d") -> np.ndarray:
@@ -174,8 +218,9 @@ def float_array(value: Any, what: str, *, ndim: int, width: int | None = None, w
     shape_word = "[" + ", ".join(["N", "T", "d"][3 - ndim:] if ndim <= 3 else ["..."]) + "]"
     if not isinstance(value, list):
         raise RequestError(f"{what}: expected a {shape_word} list of numbers, found {type(value).__name__}")
-    if _has_bool(value):
-        raise RequestError(f"{what}: expected numbers, found a boolean (true/false are not entries)")
+    leaf = _not_a_number(value)
+    if leaf:  # numpy would read "0.1" as 0.1 and true as 1: a string number is not a number (issue 58)
+        raise RequestError(f"{what}: expected numbers, found {leaf}")
     try:
         arr = np.array(value, dtype=np.float64)
     except OverflowError:
@@ -333,7 +378,7 @@ class BackgroundServer:
     a context manager. ``port=0`` binds a free port; ``url`` is ``http://host:port``."""
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, start_timeout: float = 30.0,
-                 name: str = "nla-http-server") -> None:
+                 name: str = "nla-http-server", **uvicorn_config: Any) -> None:
         import uvicorn
 
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -341,7 +386,8 @@ class BackgroundServer:
         self._sock.bind((host, port))
         self.host, self.port = host, self._sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                                    **uvicorn_config))
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True,
                                         name=name)
         self._thread.start()

@@ -23,7 +23,11 @@ class MetricsLogger:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.name = name
-        self.path = self.out_dir / f"{name}.jsonl"
+        from nla.util.fsutil import run_file
+
+        # a link out of the run dir is refused, not followed (its target lost its last line, then
+        # got metrics appended: issue 58)
+        self.path = run_file(self.out_dir, f"{name}.jsonl", "metrics log")
         _drop_torn_tail(self.path)
         self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._tb = None
@@ -156,10 +160,24 @@ def plot_metrics(
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    import tempfile
+
     out = Path(png_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    # a temp file renamed into place: a link at ``out`` is replaced, never written through
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".png", dir=out.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=100, format="png")
+        from nla.util.fsutil import default_file_mode
+
+        os.chmod(tmp, default_file_mode())
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
     return out
 
 

@@ -10,13 +10,19 @@ half-written artifact behind. A checkpoint directory's files are checked in
    rows with NaN/Inf, with an all-zero vector, or whose norm overflows float32 are refused
    with their row numbers (a zero or infinite norm has no direction, and ``mse_nrm`` divides by it).
 2. YAML: a syntax error names the file, line and column; a key repeated in one mapping (at any
-   depth) is refused with both line numbers (plain YAML keeps the last one silently).
+   depth) is refused with both line numbers (plain YAML keeps the last one silently); a file over
+   ``MAX_YAML_BYTES`` or a document that expands (aliases counted each time they are used) to
+   more than ``MAX_YAML_VALUES`` values is refused before anything reads it (an alias bomb in
+   ``lora.target_modules`` gave a 58 MB error line, one level deeper ran past a minute: issue 58).
 3. Output paths: the nearest existing folder must accept a file now, not after an hour of work.
+4. Sampling settings (:func:`check_sampling`): the one check of a temperature and a top_p, used by
+   ``nla verbalize``, ``nla serve``, ``nla explore``, ``nla eval --suite`` and RL's config.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 from collections.abc import Sequence
@@ -28,9 +34,12 @@ import numpy as np
 __all__ = [
     "InputError",
     "MAX_SAMPLES_PER_VECTOR",
+    "MAX_TEMPERATURE",
+    "MIN_TEMPERATURE",
     "bad_rows",
     "check_device",
     "check_output_path",
+    "check_sampling",
     "check_sample_count",
     "check_vectors",
     "describe_rows",
@@ -173,6 +182,34 @@ def _unique_key_loader() -> type:
 
 _LOADER: type | None = None
 
+# Bounds of any YAML nla reads (configs, sidecars, --set values): far above any real config
+# (a Qwen sidecar is ~4 kB, the largest config ~200 values).
+MAX_YAML_BYTES = 4 * 2**20
+MAX_YAML_VALUES = 100_000
+
+
+class YAMLTooLargeError(ValueError):
+    """A YAML document over MAX_YAML_BYTES, or expanding to more than MAX_YAML_VALUES values."""
+
+
+def _check_expansion(doc: Any) -> None:
+    """Count the values of ``doc`` as a reader walking it would (an object reached through several
+    aliases counts each time), stopping at the cap: the walk itself stays bounded."""
+    count = 0
+    stack = [doc]
+    while stack:
+        obj = stack.pop()
+        count += 1
+        if count > MAX_YAML_VALUES:
+            raise YAMLTooLargeError(
+                f"the document expands to more than {MAX_YAML_VALUES:,} values (YAML aliases *name count once for "
+                "every place they are used): an alias bomb, or data that does not belong in a config")
+        if isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+
 
 def safe_load_unique(text: str) -> Any:
     """``yaml.safe_load`` that raises :class:`DuplicateKeyError` for a key repeated in one mapping.
@@ -185,7 +222,12 @@ def safe_load_unique(text: str) -> Any:
     global _LOADER
     if _LOADER is None:
         _LOADER = _unique_key_loader()
-    return yaml.load(text, Loader=_LOADER)  # noqa: S506 (a SafeLoader subclass)
+    if len(text) > MAX_YAML_BYTES:
+        raise YAMLTooLargeError(f"the document is {len(text):,} characters; the cap is {MAX_YAML_BYTES:,} (no "
+                                "config or sidecar comes near it)")
+    doc = yaml.load(text, Loader=_LOADER)  # noqa: S506 (a SafeLoader subclass)
+    _check_expansion(doc)
+    return doc
 
 
 def load_yaml(path: str | os.PathLike, what: str = "config") -> Any:
@@ -196,12 +238,17 @@ def load_yaml(path: str | os.PathLike, what: str = "config") -> Any:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{what} file not found: {p}")
+    if p.stat().st_size > MAX_YAML_BYTES:
+        raise InputError(f"{p}: the {what} is {p.stat().st_size:,} bytes; the cap is {MAX_YAML_BYTES:,} (no config or "
+                         "sidecar comes near it): is it the right file?")
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise InputError(f"{p}: the {what} is not UTF-8 text ({err.reason} at byte {err.start})") from None
     try:
         return safe_load_unique(text)
+    except YAMLTooLargeError as err:
+        raise InputError(f"{p}: the {what} is refused: {err}; write the values out plainly") from None
     except DuplicateKeyError as err:
         raise InputError(
             f"{p}:{err.again}: the {what} repeats the key {err.key!r} (first at line {err.first}, again at line "
@@ -290,3 +337,34 @@ def check_sample_count(value: int, what: str) -> int:
         raise InputError(f"{what}: expected a sample count in 1..{MAX_SAMPLES_PER_VECTOR} per vector (every sample "
                          f"of a vector is decoded in one batch), found {value!r}; ask for fewer samples")
     return value
+
+
+# A sampling temperature divides the logits: below ~1e-37 every logit overflows float32 to +-inf, the
+# softmax is NaN and every token drawn is the suppressed marker, silently (issue 58: `--temperature
+# 1e-40` failed every rollout with exit 0). 1e-4 leaves logits of |x| < 1e30 finite and is already
+# greedy in effect (a logit gap of 0.01 is a factor e^100); above 100 the distribution is uniform
+# noise. 0 means greedy where a caller allows it (SGLang's sampling_params).
+MIN_TEMPERATURE = 1e-4
+MAX_TEMPERATURE = 100.0
+
+
+def check_sampling(temperature: Any, top_p: Any = 1.0, *, what: str = "temperature", top_p_what: str = "top_p",
+                   zero_is_greedy: bool = False) -> tuple[float, float]:
+    """``(temperature, top_p)`` as floats, or an :class:`InputError` naming ``what`` / ``top_p_what``:
+    a temperature is a finite number in [MIN_TEMPERATURE, MAX_TEMPERATURE] (or 0 when
+    ``zero_is_greedy``), a top_p a number in (0, 1]. The one place sampling settings are checked."""
+    def number(value: Any, name: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InputError(f"{name}: expected a number, found {type(value).__name__} {value!r}")
+        return float(value)
+
+    t, p = number(temperature, what), number(top_p, top_p_what)
+    if not (zero_is_greedy and t == 0.0) and not (math.isfinite(t) and MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+        zero = "0 (greedy) or " if zero_is_greedy else ""
+        raise InputError(
+            f"{what}: expected {zero}a finite number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], found {t!r}; below "
+            f"{MIN_TEMPERATURE:g} the logits divided by it overflow and every token drawn is garbage: for the most "
+            "likely text decode greedily instead")
+    if not (math.isfinite(p) and 0.0 < p <= 1.0):
+        raise InputError(f"{top_p_what}: expected a number in (0, 1] (1 = off), found {p!r}")
+    return t, p

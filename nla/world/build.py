@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import time
 import uuid
@@ -46,6 +47,12 @@ from nla.world.generator import generate_documents
 
 logger = logging.getLogger(__name__)
 
+# WorldConfig's bounds: a name is a directory under the cache; the smallest pretraining block; the
+# largest vocabulary (issue 58).
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+MIN_SEQ_LEN = 16
+MAX_VOCAB = 65536
+
 WORLD_FORMAT_VERSION = 5  # bump when the build's output changes for the same config (5: explanations quote the text's end)
 
 
@@ -56,7 +63,9 @@ class WorldConfig:
     Every field's meaning, unit and range is its help (``nla config describe world``).
     """
 
-    name: str = option("default", help="the build's name: its cache dir is <name>-<config hash>.")
+    name: str = option("default", help="the build's name: its cache dir is <name>-<config hash>. Range: letters, "
+                                       "digits, '.', '_' and '-', starting with a letter or digit, at most 64 "
+                                       "characters (no path: the name is a directory under the cache).")
     seed: int = option(0, help="seeds the stories, the explanation samples, the pretraining order and the "
                               "subject's initialisation. Range: an integer in 0..2**32-1.")
     n_docs: int = option(20000, help="training stories (doc ids 0..n_docs-1). Range: an integer >= 1.")
@@ -68,7 +77,8 @@ class WorldConfig:
     explainer_wrong_rate: float = option(0.1, help="probability that one of those explanation samples also "
                                                    "names a wrong fact. Range: [0, 1].")
     vocab_size: int = option(1024, help="the byte-level BPE tokenizer's vocabulary size. Range: an integer "
-                                        ">= 300 (256 bytes + specials).")
+                                        f"in 300..{MAX_VOCAB} (256 bytes + specials; the stories hold far fewer "
+                                        "merges than the cap).")
     d_model: int = option(128, help="the subject's width (hidden size): the vectors' dimension. Range: an "
                                     "integer >= 1, divisible by n_heads.")
     n_layers: int = option(4, help="the subject's decoder blocks. Range: an integer >= 3 (datagen extracts from "
@@ -76,7 +86,7 @@ class WorldConfig:
     n_heads: int = option(4, help="attention heads per block. Range: an integer >= 1 dividing d_model.")
     d_ff: int = option(344, help="the MLP's inner width. Range: an integer >= 1.")
     seq_len: int = option(128, help="tokens per pretraining block, and the subject's context length "
-                                    "(max_position_embeddings). Range: an integer >= 1.")
+                                    f"(max_position_embeddings). Range: an integer >= {MIN_SEQ_LEN}.")
     train_steps: int = option(1200, help="the subject's pretraining steps. Range: an integer >= 1.")
     batch_size: int = option(16, help="blocks per pretraining step. Range: an integer >= 1.")
     lr: float = option(3e-3, help="peak learning rate of the subject's AdamW (linear warmup, then cosine decay "
@@ -92,6 +102,17 @@ class WorldConfig:
                                            "Range: a number >= 0.")
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            # the name is a directory under the cache: `../../evil` wrote outside it (issue 58)
+            _bad("name", f"WorldConfig.name: expected letters, digits, '.', '_' or '-' (starting with a letter or "
+                         f"digit, at most 64 characters), found {self.name!r}; the name becomes a cache directory, so "
+                         "it cannot hold a path")
+        if self.seq_len < MIN_SEQ_LEN:  # seq_len 1 was a ZeroDivisionError in pretraining (issue 58)
+            _bad("seq_len", f"WorldConfig.seq_len: must be >= {MIN_SEQ_LEN} (a pretraining block holds at least a "
+                            f"sentence of the stories and its next tokens), found {self.seq_len}")
+        if self.vocab_size > MAX_VOCAB:  # 1e9 was a Rust backtrace of the BPE trainer (issue 58)
+            _bad("vocab_size", f"WorldConfig.vocab_size: must be <= {MAX_VOCAB} (the stories hold far fewer merges; "
+                               f"the subject's embedding is vocab_size x d_model), found {self.vocab_size}")
         positive = ("n_docs", "n_heldout_docs", "d_model", "n_heads", "d_ff", "seq_len", "train_steps", "batch_size")
         for f in positive:
             if getattr(self, f) < 1:

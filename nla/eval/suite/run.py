@@ -23,6 +23,7 @@ from nla.eval.suite.confabulation import confabulation
 from nla.eval.suite.directions import MIN_DIRECTION_ROWS, directions_summary
 from nla.eval.suite.hidden_code import Paraphraser, hidden_code_summary
 from nla.eval.suite.report import SuiteReport
+from nla.util.validation import check_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,30 @@ def load_subject(path: str | os.PathLike, device: torch.device, d_model: int | N
     tok = AutoTokenizer.from_pretrained(str(p))
     model = AutoModelForCausalLM.from_pretrained(str(p), use_safetensors=True).to(device).eval()
     return model, tok
+
+
+def check_subject_dir(subject: str | os.PathLike) -> None:
+    """``--subject`` must be the subject model, not one of nla's checkpoints: the verbalizer given as the
+    subject ran the causal edits on the wrong model and reported 0.000 (issue 58)."""
+    from nla.core.sidecar import SIDECAR_NAME
+    from nla.util.validation import load_yaml
+
+    side = Path(subject) / SIDECAR_NAME
+    if not side.is_file():
+        return
+    try:
+        doc = load_yaml(side, "sidecar")
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict) and doc.get("kind") == "nla_model":
+        role = {"critic": "ar"}.get(doc.get("role"), doc.get("role"))
+        what = {"av": "a verbalizer (AV)", "ar": "a reconstructor (AR)"}.get(role, "an nla model")
+        base = (doc.get("extraction") or {}).get("base_model") if isinstance(doc.get("extraction"), dict) else None
+        raise NLAClientError(
+            f"--subject: {subject} is {what} checkpoint ({side}, kind nla_model), not the subject model whose "
+            "activations the dataset holds; the causal edits patch the subject's residual stream. Pass the "
+            f"subject's model dir{f' (the sidecar records {base})' if base else ''}, or leave --subject out to use the "
+            "one the dataset's sidecar records")
 
 
 def run_suite(
@@ -81,6 +106,13 @@ def run_suite(
     bad = [p for p in parts if p not in PARTS]
     if bad:
         raise NLAClientError(f"suite parts: expected some of {list(PARTS)}, found {bad}")
+    if subject is not None:
+        check_subject_dir(subject)
+    if "best_of" in parts:  # before any work (nla.util.validation.check_sampling, the one check)
+        try:
+            check_sampling(temperature, what="suite: best_of temperature")
+        except ValueError as err:
+            raise NLAClientError(str(err)) from None
     client.require_av("run_suite")
     side = client.require_ar("run_suite")
     path = Path(dataset_path)
@@ -96,7 +128,15 @@ def run_suite(
         grader = grader_for_table(table) or get_grader("generic")
     cols = table.column_names
     truths = table.column("facts").to_pylist() if "facts" in cols else None
-    has_truth = truths is not None and grader.grade("", truths[0] or []) is not None
+    no_truth = "the dataset's grader knows no facts"
+    if truths is not None and all(t is None for t in truths):
+        # facts null on every row: no ground truth (it was a traceback, issue 58); the parts that need
+        # truth are skipped with that reason
+        logger.warning("suite: facts is null on every row of %s: no ground truth, the parts that need it are "
+                       "skipped", path)
+        truths = None
+        no_truth = f"facts is null on every row of {path.name}: no ground truth to grade by"
+    has_truth = truths is not None and grader.grade("", next(t for t in truths if t is not None)) is not None
     if not has_truth:
         truths = None
     quotes = grader.quote_truths(table) if truths is not None else None  # what each row's text ends with
@@ -127,7 +167,7 @@ def run_suite(
     if "causal" in parts:
         subject_dir = subject or side.base_model
         if truths is None:
-            report.skipped["causal"] = "the dataset's grader knows no facts"
+            report.skipped["causal"] = no_truth
         elif "context" not in cols:
             report.skipped["causal"] = "the dataset has no context column (the text each vector was read at)"
         elif subject is not None and not (Path(subject) / "config.json").is_file():
@@ -157,7 +197,7 @@ def run_suite(
             report.sections["causal"] = res
     if "directions" in parts:
         if truths is None:
-            report.skipped["directions"] = "the dataset's grader knows no facts to take directions of"
+            report.skipped["directions"] = f"{no_truth} (no facts to take directions of)"
         else:
             logger.info("suite: probe directions")
             res = directions_summary(client, gold, truths, grader, strengths, batch_size, max_new_tokens)
@@ -168,7 +208,7 @@ def run_suite(
                 report.sections["directions"] = res
     if "confabulation" in parts:
         if truths is None:
-            report.skipped["confabulation"] = "the dataset's grader knows no facts"
+            report.skipped["confabulation"] = no_truth
         else:
             docs = table.column("doc_id").to_pylist() if "doc_id" in cols else None
             pos = table.column("position").to_pylist() if "position" in cols else None
