@@ -175,7 +175,7 @@ def test_registry_lists_valid_names(tmp_path):
     cfg = DatagenConfig(source="file", corpus_path="x.txt", model_dir="m", layer_index=0, explainer="context")
     with pytest.raises(
         DatagenError,
-        match=r"'nope' is not registered; valid names: \['anthropic', 'context', 'openai', 'world'\]",
+        match=r"'nope' is not registered; valid names: \['anthropic', 'context', 'openai', 'wiki', 'world'\]",
     ):
         make_explainer("nope", cfg)
 

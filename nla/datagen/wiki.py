@@ -39,6 +39,8 @@ from typing import Any
 
 from nla.core.graders import DatasetGrader, has_repeated_sentence, split_sentences
 from nla.datagen.explainer_base import Explainer, register_explainer
+from nla.world.facts import end_of_text
+from nla.world.facts import text_units as world_text_units
 
 __all__ = ["KINDS", "POSITION_BUCKETS", "QUOTE_UNITS", "WikiExplainer", "WikiGrader", "claim_sentence",
            "explanation_of", "parse_claims", "position_bucket", "row_claims", "text_end"]
@@ -60,8 +62,9 @@ _POSITION_RE = {v: k for k, v in _POSITION_SENTENCES.items()}
 
 def text_end(context: str, n_units: int = QUOTE_UNITS) -> str:
     """The last ``n_units`` words or marks of ``context`` as written (runs of white space made one
-    space, double quotes dropped); it ends where ``context`` ends, so a token inside a word quotes
-    the word's part read so far, and a mark is quoted with the words before it ("" when empty).
+    space, double quotes dropped; ``nla.world.facts.end_of_text`` over this language's units); it ends
+    where ``context`` ends, so a token inside a word quotes the word's part read so far, and a mark is
+    quoted with the words before it ("" when empty).
 
     >>> text_end("It lies on the Seine, in")
     'Seine, in'
@@ -70,16 +73,12 @@ def text_end(context: str, n_units: int = QUOTE_UNITS) -> str:
     """
     if n_units < 1:
         raise ValueError(f"text_end: n_units must be >= 1, found {n_units}")
-    head = context.replace('"', "")
-    units = list(_UNIT_RE.finditer(head))
-    if not units:
-        return ""
-    return " ".join(head[units[-min(n_units, len(units))].start():].split())
+    return end_of_text(context, n_units, _UNIT_RE)
 
 
 def text_units(text: str) -> list[str]:
     """The words and marks of ``text`` in order, as ``text_end`` counts them (double quotes dropped)."""
-    return _UNIT_RE.findall(text.replace('"', ""))
+    return world_text_units(text, _UNIT_RE)
 
 
 def position_bucket(position: int) -> str:

@@ -245,24 +245,25 @@ def text_end(doc: Document, char_end: int, n_units: int = TEXT_END_UNITS) -> str
     return end_of_text(doc.text[:char_end], n_units)
 
 
-def end_of_text(text: str, n_units: int = TEXT_END_UNITS) -> str:
+def end_of_text(text: str, n_units: int = TEXT_END_UNITS, unit_re: re.Pattern[str] | None = None) -> str:
     """``text_end`` of a plain string: its last ``n_units`` words or marks as written (runs of white
     space made one space, double quotes dropped); "" when it has none. What a quotation of the end of
-    ``text`` (the text read up to and including the token) should say, on any text."""
+    ``text`` (the text read up to and including the token) should say, on any text. ``unit_re``: what
+    a unit is (default the world's: a run of ASCII letters, or one mark)."""
     if n_units < 1:
         raise ValueError(f"end_of_text: n_units must be >= 1, found {n_units}")
     head = text.replace('"', "")
-    units = list(_UNIT_RE.finditer(head))
+    units = list((unit_re or _UNIT_RE).finditer(head))
     if not units:
         return ""
     return " ".join(head[units[-min(n_units, len(units))].start():].split())
 
 
-def text_units(text: str) -> list[str]:
+def text_units(text: str, unit_re: re.Pattern[str] | None = None) -> list[str]:
     """The words and marks of ``text`` in order, as ``text_end`` counts them (double quotes dropped):
     ``text_units("night. He") == ["night", ".", "He"]``. Position p from the end (0 = the token read)
     is ``text_units(t)[-1 - p]``."""
-    return _UNIT_RE.findall(text.replace('"', ""))
+    return (unit_re or _UNIT_RE).findall(text.replace('"', ""))
 
 
 def unit_ends(text: str) -> list[int]:
