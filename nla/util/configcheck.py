@@ -55,7 +55,9 @@ def _short(value: Any, limit: int = 200) -> str:
     """``repr(value)`` cut to ``limit`` characters: an error line quotes what was found, never megabytes."""
     import reprlib
 
-    r = reprlib.Repr(maxstring=limit, maxother=limit, maxlist=8, maxdict=8, maxlevel=3).repr(value)
+    short = reprlib.Repr()
+    short.maxstring, short.maxother, short.maxlist, short.maxdict, short.maxlevel = limit, limit, 8, 8, 3
+    r = short.repr(value)
     return r if len(r) <= limit else r[:limit] + "..."
 
 
