@@ -127,7 +127,8 @@ def main() -> int:
         code, out = run(*ar_train, "--out", x, "--overwrite")
         if code != 0:
             return f"exit {code}: {out[-300:]!r}"
-        return None if (x / "av_curves.png").read_bytes() == b"\x89PNG report plot" else "the report's plot was lost"
+        kept = (x / "av_curves.png").is_file() and (x / "av_curves.png").read_bytes() == b"\x89PNG report plot"
+        return None if kept else "the report's plot was deleted"
 
     def lock_link() -> str | None:
         x = scratch / "lock_link"
@@ -378,10 +379,11 @@ def main() -> int:
         return None if "RESULT [None]" in proc.stdout else f"{proc.stdout[-200:]!r} {proc.stderr[-300:]!r}"
 
     def alias_bomb() -> str | None:
-        lines = ['a0: &a0 ["q_proj"]'] + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+        # the anchors inside the list field itself: 10**8 strings once expanded
+        items = ['&a0 ["q_proj"]'] + [f"&a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
         cfg = scratch / "bomb.yaml"
-        cfg.write_text("\n".join(lines) + f"\nav: {av}\nar: {ar}\ndataset: {data / 'rl.parquet'}\n"
-                       "lora:\n  target_modules: *a8\n")
+        cfg.write_text(f"av: {av}\nar: {ar}\ndataset: {data / 'rl.parquet'}\n"
+                       f"lora:\n  target_modules: [{', '.join(items)}]\n")
         t0 = time.perf_counter()
         code, out = run("rl", "--config", cfg, "--out", scratch / "bomb", timeout=120)
         why = clear_error(code, out, "rl", "expands to more than 100,000 values")

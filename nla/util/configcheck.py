@@ -55,10 +55,8 @@ def _short(value: Any, limit: int = 200) -> str:
     """``repr(value)`` cut to ``limit`` characters: an error line quotes what was found, never megabytes."""
     import reprlib
 
-    short = reprlib.Repr()  # attributes, not keywords: Repr(**kw) is Python 3.12+
-    short.maxstring = short.maxother = limit
-    short.maxlist = short.maxdict = 8
-    short.maxlevel = 3
+    short = reprlib.Repr()
+    short.maxstring, short.maxother, short.maxlist, short.maxdict, short.maxlevel = limit, limit, 8, 8, 3
     r = short.repr(value)
     return r if len(r) <= limit else r[:limit] + "..."
 
