@@ -543,7 +543,8 @@ def test_rl_grades_a_failed_sample_as_nla_eval_does():
                 response_mask=torch.ones(2, 3, dtype=torch.long))
     g = grade_facts(r, facts)
     f = faithfulness([None, None], facts)
-    assert g == {"fact_recall": 0.5, "fact_precision": 0.5}  # row 0: (1, 1); row 1: (0, 0)
+    # row 0 ([]: nothing holds) claims nothing: no recall, no precision (issue 58); row 1: (0, 0)
+    assert g == {"fact_recall": 0.0, "fact_precision": 0.0}
     assert (g["fact_recall"], g["fact_precision"]) == (f.recall, f.precision)
     assert COMPLETED != FAILED_EXTRACTION
 

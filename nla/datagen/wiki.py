@@ -39,8 +39,6 @@ from typing import Any
 
 from nla.core.graders import DatasetGrader, has_repeated_sentence, split_sentences
 from nla.datagen.explainer_base import Explainer, register_explainer
-from nla.world.facts import end_of_text
-from nla.world.facts import text_units as world_text_units
 
 __all__ = ["KINDS", "POSITION_BUCKETS", "QUOTE_UNITS", "WikiExplainer", "WikiGrader", "claim_sentence",
            "explanation_of", "parse_claims", "position_bucket", "row_claims", "text_end"]
@@ -73,12 +71,16 @@ def text_end(context: str, n_units: int = QUOTE_UNITS) -> str:
     """
     if n_units < 1:
         raise ValueError(f"text_end: n_units must be >= 1, found {n_units}")
+    from nla.world.facts import end_of_text  # here: importing nla.datagen must not load the world (RL, eval)
+
     return end_of_text(context, n_units, _UNIT_RE)
 
 
 def text_units(text: str) -> list[str]:
     """The words and marks of ``text`` in order, as ``text_end`` counts them (double quotes dropped)."""
-    return world_text_units(text, _UNIT_RE)
+    from nla.world.facts import text_units as world_units
+
+    return world_units(text, _UNIT_RE)
 
 
 def position_bucket(position: int) -> str:

@@ -129,6 +129,8 @@ def kind_summary(after: dict[str, Any]) -> dict[str, list[float]]:
 
 def _quote(report: dict[str, Any], row: str = ROUND_TRIP) -> dict[str, Any]:
     """The graded quotation (``faithfulness.quote``) of one eval row ({} when not graded)."""
+    if not report.get("rows"):  # no eval in this report (an explorer reading a partial run)
+        return {}
     return ((_rows(report).get(row) or {}).get("faithfulness") or {}).get("quote") or {}
 
 

@@ -191,7 +191,7 @@ class NLAService:
             "model_type": getattr(self.model.config, "model_type", None),
             "injection_scale": side.injection_scale_value(), "injection_token_id": side.injection_token_id,
             "injection_adapter": side.injection_adapter is not None, "layer_index": side.layer_index,
-            # a pair trained on centred vectors: raw vectors must have this subtracted first (docs/serve.md)
+            # a pair trained on centred vectors: a client subtracts extraction.vector_offset from raw vectors first
             "centred": side.vector_offset is not None,
             "eos_token_id": self.eos_id, "has_ar": self.client.ar is not None,
             "limits": self.limits.to_dict(), "batching": self.batcher.stats(),
