@@ -13,7 +13,6 @@ read as before.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nla.util.fsutil import default_file_mode, dumps_json, write_text_atomic
+from nla.util.fsutil import dumps_json, write_text_atomic, write_via_temp
 
 VECTOR_COLUMN = "activation_vector"
 
@@ -118,17 +117,7 @@ def write_parquet_atomic(table: pa.Table, path: str | os.PathLike) -> Path:
         others = [c for c in table.column_names if c != VECTOR_COLUMN]
         kwargs["use_dictionary"] = others
         kwargs["compression"] = {**{c: "snappy" for c in others}, VECTOR_COLUMN: "none"}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        pq.write_table(table, tmp, **kwargs)
-        os.chmod(tmp, default_file_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_via_temp(path, lambda tmp: pq.write_table(table, tmp, **kwargs))
 
 
 def write_json_atomic(obj: Any, path: str | os.PathLike) -> Path:

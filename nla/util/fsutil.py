@@ -15,19 +15,22 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 
-def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
-    """Write ``text`` to a temp file beside ``path``, then rename it into place."""
+def write_via_temp(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
+    """``write(tmp)`` to a temp file beside ``path``, give it the mode ``open()`` would (mkstemp makes
+    0600), then rename it into place: a crash leaves the old file or the new one, and a link at
+    ``path`` is replaced, never written through. The temp file is removed when ``write`` fails."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, default_file_mode())  # mkstemp makes 0600; a written output gets what open() would
+        write(tmp)
+        os.chmod(tmp, default_file_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -35,23 +38,17 @@ def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
     return path
 
 
+def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
+    """Write ``text`` to a temp file beside ``path``, then rename it into place."""
+    return write_via_temp(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
 def copy_file_atomic(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     """Copy ``src`` to a temp file beside ``dst``, then rename it into place (a link at ``dst`` is
     replaced, never written through)."""
     import shutil
 
-    dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp)
-        os.chmod(tmp, default_file_mode())
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return dst
+    return write_via_temp(dst, lambda tmp: shutil.copyfile(src, tmp))
 
 
 def _inside(path: str, root: str) -> bool:
