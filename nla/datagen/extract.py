@@ -157,6 +157,8 @@ def _chunk_rows(
     # a corpus whose documents carry a topic (source: wikipedia) is annotated with the claims of
     # nla.datagen.wiki: the quotation of the text's end, the topic, the subject's next token, the position
     wiki = not world and bool(docs) and all(d.topic is not None for d in docs)
+    if wiki:
+        from nla.datagen.wiki import row_claims
     if world:
         cols["facts"], cols["current_word"], cols["text_end"] = [], [], []
     if wiki:
@@ -197,8 +199,6 @@ def _chunk_rows(
                 cols["current_word"] += words
                 cols["text_end"] += ends
             if wiki:
-                from nla.datagen.wiki import row_claims
-
                 for k, p in enumerate(positions):
                     nxt = tokenizer.decode([int(next_ids[i, p])])
                     cols["topic"].append(doc.topic)

@@ -239,20 +239,12 @@ class WikiGrader(DatasetGrader):
         return out
 
     def grade_quote(self, explanation: str | None, truth: Any) -> Any:
-        from nla.world.explain import QuoteGrade
+        from nla.world.explain import grade_quote
 
         end, context = truth
-        target = text_units(end)
-        full = text_units(context) if context is not None else target
-        if target and full[-len(target):] != target:
-            raise ValueError(f"grade_quote: the context ends with {' '.join(full[-len(target) - 1:])!r}, not with its "
-                             f"quote claim {end!r}")
         said = [c.partition("=")[2] for c in parse_claims(explanation)[0] if c.startswith("quote=")]
-        quoted = said[0] if said else None
-        q = text_units(quoted) if quoted is not None else []
-        claims = tuple(p < len(full) and q[-1 - p] == full[-1 - p] for p in range(len(q)))
-        recalled = tuple(p < len(q) and q[-1 - p] == target[-1 - p] for p in range(len(target)))
-        return QuoteGrade(quoted, claims, recalled, quoted is not None and q == target)
+        return grade_quote(explanation, end, context, quoted=said[0] if said else None, unit_re=_UNIT_RE,
+                           what="quote claim")
 
     def claims(self, text: str | None) -> list[str]:
         return _sentences(text or "")

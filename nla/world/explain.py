@@ -207,21 +207,26 @@ class QuoteGrade:
         return self.said and all(self.claims)
 
 
-def grade_quote(text: str | None, end: str, context: str | None = None) -> QuoteGrade:
+def grade_quote(text: str | None, end: str, context: str | None = None, *, quoted: str | None | bool = False,
+                unit_re: re.Pattern[str] | None = None, what: str = "text_end") -> QuoteGrade:
     """Grade the quotation of ``text`` against the text read: ``end`` is the row's ``text_end`` (the
     units the language quotes: the recall targets), ``context`` the whole text read up to and
     including the token, when known; it must end with ``end``. A quoted unit is checked against
     ``context`` (else ``end``) at its position from the end; one before the start of what is known
-    is false (a quotation longer than the text, or than the row records without a context)."""
+    is false (a quotation longer than the text, or than the row records without a context).
+    ``quoted``: the span the explanation quotes when the caller's language finds it (False: this
+    language's ``quotation(text)``); ``unit_re``: what a unit is (``text_units``'s default: the world's);
+    ``what``: how an error names ``end``."""
     if end is None:
         raise ValueError("grade_quote: end is None; the row has no text_end to grade the quotation against")
-    target = text_units(end)
-    full = text_units(context) if context is not None else target
+    target = text_units(end, unit_re)
+    full = text_units(context, unit_re) if context is not None else target
     if target and full[-len(target):] != target:
         raise ValueError(f"grade_quote: the context ends with {' '.join(full[-len(target) - 1:])!r}, not with its "
-                         f"text_end {end!r}")
-    quoted = quotation(text)
-    q = text_units(quoted) if quoted is not None else []
+                         f"{what} {end!r}")
+    if quoted is False:
+        quoted = quotation(text)
+    q = text_units(quoted, unit_re) if quoted is not None else []
     claims = tuple(p < len(full) and q[-1 - p] == full[-1 - p] for p in range(len(q)))
     recalled = tuple(p < len(q) and q[-1 - p] == target[-1 - p] for p in range(len(target)))
     return QuoteGrade(quoted, claims, recalled, quoted is not None and q == target)
