@@ -835,6 +835,7 @@ def test_checksums_are_verified_once_per_file_and_machine(tmp_path, monkeypatch)
     every rank) load it without hashing; NLA_VERIFY_CHECKSUMS=always hashes every time, off never."""
     import hashlib
     import os
+    import time
 
     import torch
     from safetensors.torch import save_file
@@ -865,14 +866,18 @@ def test_checksums_are_verified_once_per_file_and_machine(tmp_path, monkeypatch)
         V.verify_checksums(ckpt)
     monkeypatch.undo()
     monkeypatch.setenv("NLA_CACHE", str(tmp_path / "cache"))
-    # a bit flipped in place with the mtime kept: only "always" sees it (the documented trade of "once")
+    # a bit flipped in place with the size and mtime kept (issue 58): the write moved the ctime, which no
+    # user can set back, so "once" hashes it again and catches it; "always" too
     st = f.stat()
+    time.sleep(0.05)  # past the kernel's coarse timestamp tick (a few ms), as any later tampering is
     data = bytearray(f.read_bytes())
     data[-3] ^= 0x01
     f.write_bytes(bytes(data))
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
-    V._verified.clear()
-    V.verify_checksums(ckpt)
+    assert (f.stat().st_size, f.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    V._verified.clear()  # a new process: the machine's record no longer matches the file
+    with pytest.raises(InputError, match="SHA-256 differs"):
+        V.verify_checksums(ckpt)
     monkeypatch.setenv("NLA_VERIFY_CHECKSUMS", "always")
     with pytest.raises(InputError, match="SHA-256 differs"):
         V.verify_checksums(ckpt)

@@ -114,14 +114,16 @@ def check_checkpoint(path: str | os.PathLike, what: str, extra: Sequence[str] = 
 
 
 CHECKSUM_FILE = "nla_checksums.sha256"
-_verified: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256, so a load hashes once
+_verified: dict[tuple[str, int, int, int], str] = {}  # _file_key -> sha256, so a load hashes once
 
 # How often a recorded SHA-256 is checked (environment variable NLA_VERIFY_CHECKSUMS):
 #   once   (default) once per file and machine: the digest of a file, keyed by its resolved path, size,
-#          mtime and inode, is kept in $NLA_CACHE/verified-checksums.jsonl, so the policy, reference and
-#          rollout copies and every rank of every later run load it without hashing (a 7B model's
-#          ~15 GB took minutes per start, on every rank); a file that changes is hashed again;
-#   always every load of every process hashes (a flipped bit on disk that leaves mtime alone is caught);
+#          mtime, ctime and inode, is kept in $NLA_CACHE/verified-checksums.jsonl, so the policy, reference
+#          and rollout copies and every rank of every later run load it without hashing (a 7B model's
+#          ~15 GB took minutes per start, on every rank); a file that changes is hashed again. Any write
+#          moves the ctime, which (unlike the mtime) no user can set back, so a bit flipped in place with
+#          the mtime restored is hashed again too (issue 58);
+#   always every load of every process hashes (a bit that flips on disk without a write is caught too);
 #   off    never hash (the files are still checked complete and well-formed).
 VERIFY_MODES = ("once", "always", "off")
 
@@ -134,10 +136,11 @@ def verify_mode() -> str:
     return mode
 
 
-def _file_key(path: Path) -> tuple[str, int, int]:
-    """(resolved path, size, mtime_ns): a file's identity for the once-per-file checks below."""
+def _file_key(path: Path) -> tuple[str, int, int, int]:
+    """(resolved path, size, mtime_ns, ctime_ns): a file's identity for the once-per-file checks below
+    (the ctime: a write with the mtime set back still moves it)."""
     st = path.stat()
-    return str(path.resolve()), st.st_size, st.st_mtime_ns
+    return str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _record_path() -> Path:
@@ -146,11 +149,11 @@ def _record_path() -> Path:
 
 def _disk_key(path: Path) -> str:
     st = path.stat()
-    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}"
 
 
 def _recorded(path: Path) -> str | None:
-    """The digest this machine recorded for ``path`` as it is now (same size, mtime, inode), or None."""
+    """The digest this machine recorded for ``path`` as it is now (same size, mtime, inode, ctime), or None."""
     try:
         lines = _record_path().read_text(encoding="utf-8").splitlines()
     except OSError:
@@ -221,7 +224,7 @@ def write_checksums(directory: str | os.PathLike) -> Path | None:
     return out
 
 
-_finite: set[tuple[str, int, int]] = set()  # (path, size, mtime_ns) of files found finite, so a load checks once
+_finite: set[tuple[str, int, int, int]] = set()  # _file_key of files found finite, so a load checks once
 
 
 def check_finite_weights(path: str | os.PathLike) -> None:
