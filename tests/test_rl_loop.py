@@ -286,6 +286,13 @@ def test_grpo_raises_mean_reward(pair, tmp_path):
     ck = res.checkpoint_dir
     assert load_sidecar(ck / "av").role == "av" and load_sidecar(ck / "ar").role == "ar"
     assert json.loads((out / "rl_summary.json").read_text())["step"] == 60
+    # what --resume compares: the dataset this run trained on (issue 58)
+    import hashlib
+    from pathlib import Path
+
+    rec = json.loads((ck / "inputs.json").read_text())
+    assert set(rec) == {"dataset"}
+    assert rec["dataset"]["sha256"] == hashlib.sha256(Path(pair["dataset"]).read_bytes()).hexdigest()
 
 
 def test_resume_matches_uninterrupted(pair, tmp_path):

@@ -425,6 +425,37 @@ def test_run_dir_is_not_reused_silently(pair, capsys, tmp_path, tiny_tokenizer, 
     assert saved["max_steps"] == 2
 
 
+def test_resume_refuses_a_dataset_replaced_at_the_same_path(pair, capsys, tmp_path, tiny_tokenizer, single_thread):
+    """Issue 58: a checkpoint records its dataset's size and SHA-256; ``--resume`` on another file at
+    the same path used to go on silently (the data cursor pointing into other rows)."""
+    import hashlib
+    import json
+    import shutil
+
+    from train_helpers import dataset_sidecar, write_ar_dataset
+
+    rng = np.random.default_rng(0)
+    ds = write_ar_dataset(tmp_path / "ar.parquet", dataset_sidecar(tiny_tokenizer, pair["av"], D, 1),
+                          rng.standard_normal((8, D)).astype(np.float32))
+    shutil.copy(ds, tmp_path / "ar.orig.parquet")
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert cli(capsys, *_ar_train_args(tmp_path, ds, "--set", "stop_after_steps=2"))[0] == 0
+    rec = json.loads((ckpts / "step_00000002" / "inputs.json").read_text())
+    digest = hashlib.sha256(Path(ds).read_bytes()).hexdigest()
+    assert rec["dataset"] == {"path": str(Path(ds).resolve()), "size": Path(ds).stat().st_size, "sha256": digest}
+    # the same path, other rows (other vectors, same shape and size)
+    write_ar_dataset(tmp_path / "ar.parquet", dataset_sidecar(tiny_tokenizer, pair["av"], D, 1),
+                     rng.standard_normal((8, D)).astype(np.float32))
+    code, lines = cli(capsys, *_ar_train_args(tmp_path, ds, "--resume"))
+    assert code == 2
+    assert_one_error_line(lines, "train", f"--resume: dataset {Path(ds).resolve()} is not the file this run trained on",
+                          f"sha256 {digest[:16]}", "Put the run's dataset back")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002"]  # the run untouched
+    shutil.copy(tmp_path / "ar.orig.parquet", ds)  # the run's own file back: it continues
+    assert cli(capsys, *_ar_train_args(tmp_path, ds, "--resume"))[0] == 0
+    assert sorted(p.name for p in ckpts.iterdir())[-1] == "step_00000004"
+
+
 def test_diverged_training_stops_at_the_first_non_finite_figure(pair, capsys, tmp_path, tiny_tokenizer,
                                                                  single_thread):
     """Issue 21: ``lr=1e6`` trained an AR whose predictions were infinite (scored as cosine 0) to

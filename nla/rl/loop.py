@@ -57,6 +57,7 @@ from nla.train.checkpoint import (
 )
 from nla.train.data import DataCursor
 from nla.train.health import StuckRunMonitor, check_finite_loss
+from nla.train.rundir import write_input_fingerprints
 from nla.util.checkpoint_files import atomic_dir
 from nla.util.metrics import MetricsLogger
 from nla.util.threads import adapt_threads, apply_threads
@@ -303,6 +304,7 @@ def save_checkpoint(root: Path, step: int, groups: WorkerGroups, cfg: RLConfig, 
             groups.value.save_model(tmp / "value_model.pt")
         torch.save(state, tmp / RL_STATE_FILE)
         save_rl_config(cfg, tmp / "rl_config.yaml")
+        write_input_fingerprints(tmp, cfg.to_dict())
     prune_checkpoints(root, keep_last)
     return final
 

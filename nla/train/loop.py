@@ -37,6 +37,7 @@ from nla.train.optim import (
     warmup_cosine,
     warn_if_lr_far,
 )
+from nla.train.rundir import write_input_fingerprints
 from nla.util.checkpoint_files import atomic_dir
 from nla.util.threads import adapt_threads
 
@@ -167,6 +168,7 @@ def run_training_loop(cfg: Any, spec: LoopSpec) -> TrainResult:
                         extra = spec.save_model(tmp, step)
                         model.train()
                         save_config(cfg, tmp / "train_config.yaml")
+                        write_input_fingerprints(tmp, cfg.to_dict())
                         save_training_state(tmp, opt, sched, step, cursor, extra={"skipped_steps": skipped})
                     prune_checkpoints(root, cfg.keep_last)
                     last_ckpt = final

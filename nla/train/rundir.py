@@ -26,6 +26,10 @@ Used by ``nla train`` and ``nla rl`` before any work starts:
    logs, and a ``*_curves.png`` only beside the ``*.jsonl`` it was drawn from (a quickstart dir's
    report plots have no log beside them). Anything else is refused, named, never deleted: a
    user's model in ``checkpoints/`` was deleted as "the previous run" (issue 58).
+6. ``--resume`` trains on the same data: each checkpoint records the size and SHA-256 of the
+   config's dataset files (:data:`INPUTS_FILE`, :func:`write_input_fingerprints`); a dataset
+   replaced at the same path is refused, named, with both digests (it used to continue silently
+   on other rows, its data cursor pointing into another file) (issue 58).
 """
 
 from __future__ import annotations
@@ -40,10 +44,14 @@ from nla.util.validation import InputError, load_yaml
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ADDED_FIELDS", "LOCK_FILE", "RESUME_MAY_CHANGE", "RUN_OUTPUTS", "STATE_FILES", "RunDirError", "RunLock",
-           "inputs_inside", "lock_run_dir", "not_written_by_nla", "prepare_run_dir", "remove_stale_temp_dirs"]
+__all__ = ["ADDED_FIELDS", "INPUTS_FILE", "LOCK_FILE", "RESUME_MAY_CHANGE", "RUN_OUTPUTS", "STATE_FILES", "RunDirError", "RunLock",
+           "input_fingerprints", "inputs_inside", "lock_run_dir", "not_written_by_nla", "prepare_run_dir",
+           "remove_stale_temp_dirs", "write_input_fingerprints"]
 
 LOCK_FILE = ".nla.lock"
+# What a checkpoint records of the files it was trained on (write_input_fingerprints), and which fields
+INPUTS_FILE = "inputs.json"
+INPUT_FILE_FIELDS = ("dataset", "eval_dataset")
 # What a run of nla train / nla rl writes at the top of its out_dir (nla.train.loop, nla.rl.loop,
 # nla.util.metrics): the only entries --overwrite deletes.
 RUN_OUTPUTS = ("checkpoints", "tensorboard", "rl_config.yaml", "rl_summary.json",
@@ -335,3 +343,54 @@ def _prepare(out: Path, config: dict[str, Any], config_name: str, *, resume: boo
             f"--resume: the config differs from the run's ({saved_file}): {'; '.join(diff)}. Resume with the run's "
             "config, or start a new run (another --out, or --overwrite)"
         )
+    _check_same_inputs(ckpts[-1], config)
+
+
+def input_fingerprints(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{field: {"path", "size", "sha256"}}`` of the config's dataset files that exist
+    (:data:`INPUT_FILE_FIELDS`); the digest is the machine's verified one when the file is unchanged
+    (``nla.util.checkpoint_files.file_sha256``), so a run hashes its dataset once."""
+    from nla.util.checkpoint_files import file_sha256
+
+    out = {}
+    for field in INPUT_FILE_FIELDS:
+        value = config.get(field)
+        if isinstance(value, str) and value and Path(value).is_file():
+            f = Path(value)
+            out[field] = {"path": str(f.resolve()), "size": f.stat().st_size, "sha256": file_sha256(f, use_record=True)}
+    return out
+
+
+def write_input_fingerprints(checkpoint_dir: str | os.PathLike, config: dict[str, Any]) -> None:
+    """Record in a checkpoint being saved what :func:`input_fingerprints` finds (``--resume`` compares it)."""
+    import json
+
+    Path(checkpoint_dir, INPUTS_FILE).write_text(json.dumps(input_fingerprints(config), indent=1), encoding="utf-8")
+
+
+def _check_same_inputs(ckpt: Path, config: dict[str, Any]) -> None:
+    """Refuse ``--resume`` when a dataset the checkpoint recorded is another file now (same path or not)."""
+    import json
+
+    record = ckpt / INPUTS_FILE
+    if not record.is_file():  # a checkpoint from before issue 58 round 5: nothing to compare
+        return
+    try:
+        saved = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise RunDirError(f"--resume: {record} is unreadable ({err}); it records the run's datasets. Resume from an "
+                          "earlier checkpoint, or start a new run (another --out, or --overwrite)") from None
+    now = input_fingerprints(config)
+    for field, was in (saved or {}).items():
+        if not isinstance(was, dict):
+            continue
+        cur = now.get(field)
+        if cur is None:
+            raise RunDirError(f"--resume: {field} {config.get(field)!r} is not a file; the run trained on "
+                              f"{was.get('path')} ({was.get('size')} bytes). Resume with that dataset")
+        if (cur["size"], cur["sha256"]) != (was.get("size"), was.get("sha256")):
+            raise RunDirError(
+                f"--resume: {field} {cur['path']} is not the file this run trained on: {was.get('size')} bytes, "
+                f"sha256 {str(was.get('sha256'))[:16]}... in {record}; {cur['size']} bytes, sha256 "
+                f"{cur['sha256'][:16]}... now. Put the run's dataset back, or start a new run on this one "
+                "(another --out, or --overwrite)")
