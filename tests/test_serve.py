@@ -515,11 +515,46 @@ def test_slow_bodies_idle_connections_and_disconnects(pair, caplog):
 
     from nla.serve.app import uvicorn_settings
 
-    limits = ServeLimits(max_new_tokens=8, body_timeout_s=1.0, keep_alive_s=1.0)
+    limits = ServeLimits(max_new_tokens=8, body_timeout_s=1.0, keep_alive_s=1.0, header_timeout_s=1.5)
     s = NLAService.load(str(pair[0]), None, device="cpu", limits=limits)
-    assert uvicorn_settings(limits) == {"timeout_keep_alive": 1, "limit_concurrency": 256}
+    settings = uvicorn_settings(limits)
+    assert {k: v for k, v in settings.items() if k != "http"} == {"timeout_keep_alive": 1, "limit_concurrency": 256}
+    assert settings["http"].head_timeout_s == 1.5
     try:
-        with BackgroundServer(create_app(s, allowed_hosts=list(LOOPBACK)), **uvicorn_settings(limits)) as srv:
+        with BackgroundServer(create_app(s, allowed_hosts=list(LOOPBACK)), **settings) as srv:
+            import socket
+
+            # a request head sent a byte every 0.3 s (never done): a 408 and the connection closed after
+            # header_timeout_s, though bytes kept coming (the keep-alive timer restarts on every byte)
+            with socket.create_connection((srv.host, srv.port), timeout=10) as sock:
+                t0 = time.monotonic()
+                got = b""
+                try:
+                    for byte in b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 40:
+                        sock.sendall(bytes([byte]))
+                        time.sleep(0.3)
+                        sock.setblocking(False)
+                        try:
+                            got += sock.recv(65536)
+                        except BlockingIOError:
+                            pass
+                        finally:
+                            sock.setblocking(True)
+                        if got:
+                            break
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+                assert got.startswith(b"HTTP/1.1 408"), got[:200]
+                assert b"the request line and headers did not arrive within 1.5 s" in got
+                assert 1.4 < time.monotonic() - t0 < 5
+            # a whole request right away is unaffected, and so is the second request on one connection
+            with socket.create_connection((srv.host, srv.port), timeout=10) as sock:
+                for _ in range(2):
+                    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                    got = b""
+                    while not got.endswith(b'{"status":"ok"}'):
+                        got += sock.recv(65536)
+                    assert got.startswith(b"HTTP/1.1 200")
             head = (b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                     b"Content-Length: 100\r\n\r\n")
             t0 = time.monotonic()

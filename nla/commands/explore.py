@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from nla.util.http import LOOPBACK, allowed_hosts, port_flag
+from nla.util.http import LOOPBACK, allowed_hosts, header_timeout_protocol, port_flag
 from nla.util.threads import THREADS_HELP, threads_flag
 
 log = logging.getLogger("nla.explore")
@@ -92,5 +92,6 @@ def run(args: argparse.Namespace) -> int:
                     "addressed to %s; --allow-host adds names)", args.host, ", ".join(allowed_hosts(args.host,
                                                                                                       args.allow_host)))
     log.info("nla explore: open http://%s:%d/", args.host if ":" not in args.host else f"[{args.host}]", args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    # a request's head within 10 s (uvicorn bounds neither it nor, in the app, the body: nla.util.http)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", http=header_timeout_protocol(10.0))
     return 0

@@ -362,6 +362,10 @@ def create_app(service: NLAService, *, allowed_hosts: list[str] | None = None) -
 
 
 def uvicorn_settings(limits: ServeLimits) -> dict[str, Any]:
-    """uvicorn's connection bounds for ``limits``: an idle keep-alive connection closed after
-    ``keep_alive_s``, at most ``max_connections`` at once (the body's own deadline is read_json_body's)."""
-    return {"timeout_keep_alive": max(1, math.ceil(limits.keep_alive_s)), "limit_concurrency": limits.max_connections}
+    """uvicorn's connection bounds for ``limits``: a request's head within ``header_timeout_s``, an
+    idle keep-alive connection closed after ``keep_alive_s``, at most ``max_connections`` at once (the
+    body's own deadline is read_json_body's)."""
+    from nla.util.http import header_timeout_protocol
+
+    return {"timeout_keep_alive": max(1, math.ceil(limits.keep_alive_s)), "limit_concurrency": limits.max_connections,
+            "http": header_timeout_protocol(limits.header_timeout_s)}

@@ -62,7 +62,9 @@ class ServeLimits:
         max_request_tokens: the decode work one request may ask for, vectors x n_samples x
         max_new_tokens (``/verbalize``) or prompts x max_new_tokens (``/generate``), checked before
         any work (the other caps together admitted a ~20-minute ``/verbalize`` that held every
-        other client, issue 58); body_timeout_s: seconds the whole request body may take to arrive;
+        other client, issue 58); header_timeout_s: seconds a request's line and headers may take to
+        arrive (``nla.util.http.header_timeout_protocol``; a 408, then the connection closed);
+        body_timeout_s: seconds the whole request body may take to arrive;
         keep_alive_s: how long an idle connection stays open; max_connections: connections served at
         once (uvicorn's ``limit_concurrency``; more get a 503).
     A ``/generate`` text is refused on its length in bytes (more than ``MAX_BYTES_PER_TOKEN`` per
@@ -81,6 +83,7 @@ class ServeLimits:
     max_texts: int = 256
     max_text_chars: int = 8000
     max_request_tokens: int = 65536
+    header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     keep_alive_s: float = 5.0
     max_connections: int = 256

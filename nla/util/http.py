@@ -17,6 +17,11 @@ Safety, in the order a request meets it:
    mid-body ends its request quietly, with one log line and no traceback.
 3. :func:`get_field`, :func:`int_list`, :func:`float_array`: every field checked; a bad one raises
    :class:`RequestError`, which the apps answer as ``{"error": "<one line>"}`` with its 4xx status.
+
+Before any of these, the connection: :func:`header_timeout_protocol` is uvicorn's HTTP protocol with
+a deadline on a request's head (its line and headers), which uvicorn does not bound: a client
+sending a header byte a second held a connection for as long as it liked, and enough of them every
+connection the server allows (issue 58).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ __all__ = [
     "error_response",
     "float_array",
     "get_field",
+    "header_timeout_protocol",
     "host_name",
     "int_list",
     "port_flag",
@@ -371,6 +377,66 @@ def check_bind_host(host: str) -> str:
         raise ValueError(f"--host: cannot resolve {host!r} to an address to bind ({err}); give an address of this "
                          "machine such as 127.0.0.1 (the default) or 0.0.0.0") from None
     return host
+
+
+def header_timeout_protocol(seconds: float) -> type:
+    """uvicorn's h11 HTTP protocol with a deadline on each request's head: a connection whose request
+    line and headers have not all arrived ``seconds`` after it opened (or after its previous response)
+    is answered ``408 Request Timeout`` and closed. Pass it as uvicorn's ``http=``.
+
+    Why our own subclass: uvicorn bounds an idle keep-alive connection (``timeout_keep_alive``) and
+    the app bounds the body (:func:`read_json_body`), but nothing bounds the head; h11 and uvicorn have
+    no such setting (uvicorn 0.55)."""
+    import asyncio
+
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
+            or seconds <= 0:
+        raise ValueError(f"header timeout: expected a positive number of seconds, found {seconds!r}")
+
+    class HeaderTimeoutH11Protocol(H11Protocol):
+        head_timeout_s = float(seconds)
+        _head_deadline: asyncio.TimerHandle | None = None
+
+        def _arm_head_deadline(self) -> None:
+            self._cancel_head_deadline()
+            self._head_deadline = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+        def _cancel_head_deadline(self) -> None:
+            if self._head_deadline is not None:
+                self._head_deadline.cancel()
+                self._head_deadline = None
+
+        def _head_timed_out(self) -> None:
+            self._head_deadline = None
+            # IDLE: the request's head has not been parsed yet (after it, h11 is in SEND_BODY or DONE)
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                body = b'{"error": "the request line and headers did not arrive within %g s"}' % self.head_timeout_s
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                                     b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+                self.transport.close()
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_head_deadline()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:  # the head is in: the app's deadlines take over
+                self._cancel_head_deadline()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():  # keep-alive: the next request's head has the same bound
+                self._arm_head_deadline()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_head_deadline()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutH11Protocol
 
 
 class BackgroundServer:
