@@ -248,6 +248,15 @@ def test_verbalize_and_score_equal_the_client(client, server, vectors):
             "seed": 5}
     ref = client.verbalize(v[:2], greedy=False, temperature=0.7, n_samples=3, max_new_tokens=12, seed=5)
     assert _post(server.url, "/verbalize", body).json()["results"] == [x.to_dict() for x in ref]
+    # 20 vectors are decoded in pieces of verbalize_piece (8): rows numbered over the request, the same
+    # answers as the client's, greedy and sampled (one seeded stream over the pieces)
+    v20 = vectors[:20]
+    got = _post(server.url, "/verbalize", {"vectors": v20.tolist(), "max_new_tokens": MAX_NEW}).json()["results"]
+    assert [g["row"] for g in got] == list(range(20))
+    assert got == [x.to_dict() for x in client.verbalize(v20, greedy=True, max_new_tokens=MAX_NEW)]
+    body = {"vectors": v20.tolist(), "greedy": False, "temperature": 0.7, "max_new_tokens": 12, "seed": 5}
+    ref = client.verbalize(v20, greedy=False, temperature=0.7, max_new_tokens=12, seed=5, batch_size=8)
+    assert _post(server.url, "/verbalize", body).json()["results"] == [x.to_dict() for x in ref]
     texts = ["Alice is in the garden", None, "the cat sleeps", ""]
     got = _post(server.url, "/score", {"texts": texts, "vectors": v[:4].tolist()}).json()["results"]
     res = client.score(texts, v[:4])
@@ -259,6 +268,25 @@ def test_verbalize_and_score_equal_the_client(client, server, vectors):
     assert isinstance(info["injection_scale"], float) and info["has_ar"] is True
     assert {"requests", "batches", "largest_batch"} <= set(info["batching"]) and info["limits"]["max_new_tokens"] == 64
     assert httpx.get(f"{server.url}/get_model_info").json()["is_generation"] is True
+
+
+def test_a_verbalize_past_its_wall_time_is_a_503_between_pieces(pair, vectors):
+    """Issue 58: /verbalize was bounded by its decode work only, which a slow or busy machine turns into
+    minutes; past verbalize_seconds the next piece is refused, naming how far it got."""
+    limits = ServeLimits(max_new_tokens=16, verbalize_seconds=1e-6, verbalize_piece=8)
+    service = NLAService.load(str(pair[0]), None, device="cpu", limits=limits)
+    try:
+        with BackgroundServer(create_app(service)) as srv:
+            r = _post(srv.url, "/verbalize", {"vectors": vectors[:20].tolist(), "max_new_tokens": 8})
+            assert r.status_code == 503
+            err = r.json()["error"]
+            assert err.startswith("/verbalize: 8 of 20 vectors explained in ") and \
+                "past this server's limit of 1e-06 s per request (ServeLimits.verbalize_seconds)" in err
+            # one piece's worth is answered whole: the bound is checked between pieces
+            r = _post(srv.url, "/verbalize", {"vectors": vectors[:8].tolist(), "max_new_tokens": 8})
+            assert r.status_code == 200 and len(r.json()["results"]) == 8
+    finally:
+        service.close()
 
 
 def test_score_without_an_ar_is_a_409(pair):

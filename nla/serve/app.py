@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -198,7 +199,29 @@ class NLAService:
         }
 
     def verbalize(self, vectors: torch.Tensor, **kw: Any) -> list[dict[str, Any]]:
-        return [v.to_dict() for v in self.client.verbalize(vectors, **kw)]
+        """The explanations of ``vectors``, decoded ``limits.verbalize_piece`` vectors at a time; past
+        ``limits.verbalize_seconds`` of decoding the rest is refused (503), so one request cannot hold
+        the server's only model thread for as long as its token budget takes on a slow machine."""
+        lim, n = self.limits, vectors.shape[0]
+        seed = kw.pop("seed", None)
+        t0 = time.monotonic()
+        out: list[dict[str, Any]] = []
+        # one seeded stream over the pieces: the answer is NLAClient.verbalize(vectors, seed=seed,
+        # batch_size=verbalize_piece)'s
+        device = next(self.client.av_model.parameters()).device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            for start in range(0, n, lim.verbalize_piece):
+                if start and time.monotonic() - t0 > lim.verbalize_seconds:
+                    raise RequestError(
+                        f"/verbalize: {start} of {n} vectors explained in {time.monotonic() - t0:.0f} s, past this "
+                        f"server's limit of {lim.verbalize_seconds:g} s per request (ServeLimits.verbalize_seconds); "
+                        "send fewer vectors, samples or max_new_tokens per request", status=503)
+                got = self.client.verbalize(vectors[start:start + lim.verbalize_piece], seed=None,
+                                            batch_size=lim.verbalize_piece, **kw)
+                out.extend({**v.to_dict(), "row": start + v.row} for v in got)
+        return out
 
     def score(self, texts: list[str | None], vectors: torch.Tensor) -> list[dict[str, Any]]:
         res = self.client.score(texts, vectors)

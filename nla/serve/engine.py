@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 import uuid
@@ -64,7 +65,10 @@ class ServeLimits:
         any work (the other caps together admitted a ~20-minute ``/verbalize`` that held every
         other client, issue 58); header_timeout_s: seconds a request's line and headers may take to
         arrive (``nla.util.http.header_timeout_protocol``; a 408, then the connection closed);
-        body_timeout_s: seconds the whole request body may take to arrive;
+        body_timeout_s: seconds the whole request body may take to arrive; verbalize_seconds: the wall
+        time one ``/verbalize`` may decode for, checked between pieces of ``verbalize_piece`` vectors
+        (a 503 naming how far it got once past it; the token cap bounds the work, this the time on a
+        slow or busy machine);
         keep_alive_s: how long an idle connection stays open; max_connections: connections served at
         once (uvicorn's ``limit_concurrency``; more get a 503).
     A ``/generate`` text is refused on its length in bytes (more than ``MAX_BYTES_PER_TOKEN`` per
@@ -84,15 +88,20 @@ class ServeLimits:
     max_text_chars: int = 8000
     max_request_tokens: int = 65536
     header_timeout_s: float = 10.0
+    verbalize_seconds: float = 120.0
+    verbalize_piece: int = 8
     body_timeout_s: float = 30.0
     keep_alive_s: float = 5.0
     max_connections: int = 256
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < (0 if name == "batch_wait_ms"
-                                                                                           else 1):
+            seconds = name.endswith("_s") or name.endswith("_seconds")  # any positive time; counts are >= 1
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+                    value < 0 if name == "batch_wait_ms" else value <= 0 if seconds else value < 1):
                 raise ValueError(f"ServeLimits.{name}: expected a positive number, found {value!r}")
+            if not seconds and name != "batch_wait_ms" and not isinstance(value, int):
+                raise ValueError(f"ServeLimits.{name}: expected a whole number, found {value!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
