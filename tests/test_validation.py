@@ -1017,3 +1017,30 @@ def test_overwrite_deletes_only_what_a_run_wrote_and_never_its_inputs(pair, caps
     assert data.is_file()
     assert not inner.exists()  # the old checkpoint went, the new run's is there
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000002"]
+
+
+def test_json_files_nla_reads_back_name_the_file_line_and_fix(tmp_path):
+    """Issue 58: a malformed summary, manifest or record was a bare JSONDecodeError naming no file."""
+    from nla.datagen.real_sources import read_wikipedia
+    from nla.util.validation import InputError, load_json
+
+    f = tmp_path / "summary.json"
+    f.write_text('{"a": 1,\n "b": }', encoding="utf-8")
+    with pytest.raises(InputError) as err:
+        load_json(f, "datagen summary", "delete it")
+    assert str(err.value) == f"{f}:2:7: the datagen summary is not valid JSON (Expecting value); delete it"
+    f.write_text("[1, 2]", encoding="utf-8")
+    with pytest.raises(InputError, match=r"the datagen summary should be a JSON object, found list; delete it"):
+        load_json(f, "datagen summary", "delete it")
+    assert load_json(f, "x", "y", kind=None) == [1, 2]
+    f.write_bytes(b'{"a": "\xff"}')
+    with pytest.raises(InputError, match=r"summary.json: the datagen summary is not UTF-8 text \(invalid start byte "
+                                         r"at byte 7\); delete it"):
+        load_json(f, "datagen summary", "delete it")
+    with pytest.raises(InputError, match="missing.json: the manifest is missing; run extract"):
+        load_json(tmp_path / "missing.json", "manifest", "run extract")
+    # a user's Wikipedia file cut short: the error is at column 43, one past its 42 characters
+    w = tmp_path / "wiki.json"
+    w.write_text('{"Ada": {"extract": "x", "topic": "People"', encoding="utf-8")
+    with pytest.raises(InputError, match=r"wiki.json:1:43: the Wikipedia file .* is not valid JSON"):
+        read_wikipedia(w)

@@ -37,6 +37,7 @@ from nla.datagen.io import (
     write_parquet_atomic,
 )
 from nla.util.threads import adapt_threads
+from nla.util.validation import load_json
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +311,8 @@ def extract_activations(
     }
     manifest_path = shard_dir / "manifest.json"
     if manifest_path.exists():
-        old = json.loads(manifest_path.read_text())
+        old = load_json(manifest_path, "extraction's shard manifest",
+                        f"delete {shard_dir} (the shards are recomputed) or rerun with --force")
         if old != manifest:
             diff = {k: (old.get(k), v) for k, v in manifest.items() if old.get(k) != v}
             raise DatagenError(
@@ -356,7 +358,8 @@ def consolidate_shards(out_dir: str | os.PathLike) -> ExtractResult:
     manifest_path = shard_dir / "manifest.json"
     if not manifest_path.exists():
         raise DatagenError(f"{shard_dir}: no manifest.json; run extract first")
-    manifest = json.loads(manifest_path.read_text())
+    manifest = load_json(manifest_path, "extraction's shard manifest",
+                         f"delete {shard_dir} and run extract again (or rerun with --force)")
     n_chunks = manifest["n_chunks"]
     paths = [shard_dir / f"part-{c:06d}.parquet" for c in range(n_chunks)]
     missing = [p.name for p in paths if not p.exists()]

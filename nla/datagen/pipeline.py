@@ -32,6 +32,7 @@ from nla.datagen.config import SPLITS, DatagenConfig
 from nla.datagen.io import DatagenError, read_parquet, write_json_atomic
 from nla.util.fsutil import write_text_atomic
 from nla.util.threads import apply_threads
+from nla.util.validation import load_json
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +248,8 @@ def run(cfg: DatagenConfig, stages: Sequence[str] | None = None, force: bool = F
         yaml.safe_dump(res.cfg.to_dict(), sort_keys=False, allow_unicode=True), out / CONFIG_FILE
     )
     summary_path = out / SUMMARY_FILE
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary = load_json(summary_path, "datagen summary", "delete it (datagen writes it again) or rerun with --force"
+                        ) if summary_path.exists() else {}
     for stage in STAGES:
         if stage not in stages:
             continue

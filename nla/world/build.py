@@ -40,7 +40,7 @@ from nla.core.templates import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE
 from nla.util.configcheck import check_config_types
 from nla.util.confighelp import option, with_help
 from nla.util.numerics import cpu_kernels, cpu_paths, describe_cpu_paths
-from nla.util.validation import load_yaml
+from nla.util.validation import load_json, load_yaml
 from nla.world.explain import TextExplainer
 from nla.world.facts import Document, all_facts, facts_at, text_end, token_facts, unit_ends
 from nla.world.generator import generate_documents
@@ -238,7 +238,7 @@ def load_world(root: str | Path) -> WorldArtifacts:
     summary_json = root / "summary.json"
     if not summary_json.exists():
         raise FileNotFoundError(f"{root} is not a finished world build (no summary.json); run `nla world build`")
-    summary = json.loads(summary_json.read_text())
+    summary = load_json(summary_json, "world build's summary", f"rebuild it: nla world build --out {root} --overwrite")
     return WorldArtifacts(
         root=root,
         subject_dir=root / "subject",
