@@ -275,6 +275,23 @@ def main() -> int:
                     pass
                 if time.perf_counter() - t0 > 15:
                     problems.append(f"an idle connection stayed open {time.perf_counter() - t0:.0f} s")
+            # a request head sent a byte a second: a 408 and the close after the default 10 s
+            with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+                t0 = time.perf_counter()
+                got = b""
+                try:
+                    for byte in b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 60:
+                        s.sendall(bytes([byte]))
+                        s.settimeout(1.0)
+                        try:
+                            got = s.recv(4096)
+                        except TimeoutError:
+                            continue
+                        break
+                except OSError:
+                    pass
+                if not got.startswith(b"HTTP/1.1 408") or time.perf_counter() - t0 > 20:
+                    problems.append(f"a slow request head: {got[:80]!r} after {time.perf_counter() - t0:.0f} s")
             with socket.create_connection(("127.0.0.1", port), timeout=10) as s:  # gone mid-body
                 s.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                           b"Content-Length: 100\r\n\r\n{\"input")
@@ -287,6 +304,45 @@ def main() -> int:
         if "Traceback" in log:
             problems.append(f"a traceback in the server's log: {log[log.index('Traceback'):][:300]!r}")
         return "; ".join(problems) or None
+
+    # ---- 7. lower severity (round 5's left-overs)
+    def checksum_flip() -> str | None:
+        x = scratch / "ckflip"
+        shutil.copytree(ar, x)
+        f = x / "model.safetensors"
+        code, out = run("score", "--ar", x, "--dataset", data / "eval.parquet", "--rows", "4")
+        if code != 0:
+            return f"the first load failed: {out[-300:]!r}"
+        st = f.stat()
+        time.sleep(0.05)
+        raw = bytearray(f.read_bytes())
+        raw[-5] ^= 0x01
+        f.write_bytes(bytes(raw))
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # the size and mtime as they were
+        code, out = run("score", "--ar", x, "--dataset", data / "eval.parquet", "--rows", "4")
+        return clear_error(code, out, "score", "SHA-256 differs")
+
+    def resume_replaced_dataset() -> str | None:
+        x = scratch / "resume_ds"
+        ds = scratch / "resume_ds.parquet"
+        shutil.copy(data / "ar_sft.parquet", ds)
+        shutil.copy(data / "ar_sft.parquet.nla_meta.yaml", str(ds) + ".nla_meta.yaml")
+        args = [a if a != data / "ar_sft.parquet" else ds for a in ar_train]
+        args[args.index("--max-steps") + 1] = "2"
+        code, out = run(*args, "--out", x, "--set", "stop_after_steps=1", "--set", "save_every=1")
+        if code != 0:
+            return f"the first step failed: {out[-300:]!r}"
+        shutil.copy(data / "av_sft.parquet", ds)  # another file at the same path
+        code, out = run(*args, "--out", x, "--resume", "--set", "save_every=1")
+        return clear_error(code, out, "train", "is not the file this run trained on")
+
+    def malformed_manifest() -> str | None:
+        x = scratch / "manifest"
+        shutil.copytree(data, x, ignore=shutil.ignore_patterns("*.parquet"))
+        summary = x / "datagen_summary.json"
+        summary.write_text('{"extract": ')
+        code, out = run("datagen", "run", "--config", x / "datagen_config.yaml", "--out", x, timeout=120)
+        return clear_error(code, out, "datagen", "datagen_summary.json:1:13", "not valid JSON")
 
     # ---- 5. tracebacks
     def quickstart_sets() -> str | None:
@@ -408,7 +464,10 @@ def main() -> int:
             ("traceback", "explore --run with a malformed report.json / rl.jsonl", explore_malformed),
             ("traceback", "world build seq_len 1 / vocab_size 1e9", world_bounds),
             ("hang", "an API explainer trickling a byte at a time", trickling_explainer),
-            ("hang", "a YAML alias bomb in lora.target_modules", alias_bomb)):
+            ("hang", "a YAML alias bomb in lora.target_modules", alias_bomb),
+            ("lower", "a checksum verified once, then a bit flipped with size and mtime kept", checksum_flip),
+            ("lower", "--resume after the dataset was replaced at the same path", resume_replaced_dataset),
+            ("lower", "a malformed datagen_summary.json names the file", malformed_manifest)):
         probe(cls, name, fn)
     failed = Counter(cls for cls, _, why in results if why is not None)
     total = Counter(cls for cls, _, _ in results)

@@ -248,7 +248,7 @@ def run(cfg: DatagenConfig, stages: Sequence[str] | None = None, force: bool = F
         yaml.safe_dump(res.cfg.to_dict(), sort_keys=False, allow_unicode=True), out / CONFIG_FILE
     )
     summary_path = out / SUMMARY_FILE
-    summary = load_json(summary_path, "datagen summary", "delete it (datagen writes it again) or rerun with --force"
+    summary = load_json(summary_path, "datagen summary", "delete it (datagen writes it again)"
                         ) if summary_path.exists() else {}
     for stage in STAGES:
         if stage not in stages:
@@ -257,7 +257,7 @@ def run(cfg: DatagenConfig, stages: Sequence[str] | None = None, force: bool = F
         h = stage_hash(res.cfg, stage)
         force_stage = force
         if not force and marker.exists():
-            old = json.loads(marker.read_text())
+            old = load_json(marker, f"{stage} stage's done-marker", f"delete it (the {stage} stage runs again)")
             if old.get("hash") == h:
                 log.info(
                     "%s: already done for these settings (%s); skipping (use --force to redo)", stage, marker
