@@ -161,3 +161,24 @@ def test_max_len_past_the_subjects_positions_is_refused_before_extract(cfg_file,
     assert not (tmp_path / "out" / "activations.parquet").exists()
     assert main(["datagen", "extract", "--config", str(cfg_file), "--set", "max_len=128"]) == 0
     assert (tmp_path / "out" / "activations.parquet").is_file()
+
+
+def test_max_len_is_checked_against_a_named_model_dir_before_a_world_is_built(cfg_file, tmp_path, capsys,
+                                                                             monkeypatch):
+    """A world-source config naming its model dir (as every saved datagen_config.yaml does) built the
+    world first, minutes on an empty cache, and refused max_len only then (issue 58's re-probe)."""
+    import nla.world
+
+    data = yaml.safe_load(cfg_file.read_text())
+    data.update(source="world", world_preset="tiny", corpus_path=None, explainer="world")
+    cfg = tmp_path / "world_cfg.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+
+    def no_build(*a, **k):
+        raise AssertionError("the world was built before max_len was checked")
+
+    monkeypatch.setattr(nla.world, "build_world", no_build)
+    code = main(["datagen", "run", "--config", str(cfg), "--set", "max_len=1000"])
+    err = capsys.readouterr().err
+    assert code == 2 and "max_len: 1000 tokens per document, but the subject model" in err, err
+    assert not (tmp_path / "out" / "activations.parquet").exists()

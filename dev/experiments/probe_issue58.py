@@ -310,7 +310,7 @@ def main() -> int:
         x = scratch / "ckflip"
         shutil.copytree(ar, x)
         f = x / "model.safetensors"
-        code, out = run("score", "--ar", x, "--dataset", data / "eval.parquet", "--rows", "4")
+        code, out = run("score", "--ar", x, "--dataset", data / "ar_sft.parquet", "--rows", "4")
         if code != 0:
             return f"the first load failed: {out[-300:]!r}"
         st = f.stat()
@@ -319,7 +319,7 @@ def main() -> int:
         raw[-5] ^= 0x01
         f.write_bytes(bytes(raw))
         os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # the size and mtime as they were
-        code, out = run("score", "--ar", x, "--dataset", data / "eval.parquet", "--rows", "4")
+        code, out = run("score", "--ar", x, "--dataset", data / "ar_sft.parquet", "--rows", "4")
         return clear_error(code, out, "score", "SHA-256 differs")
 
     def resume_replaced_dataset() -> str | None:

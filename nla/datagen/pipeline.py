@@ -208,14 +208,16 @@ def _check_tokenizer(res: Resolved) -> None:
                    injection_char=c.injection_char, injection_scale=c.injection_scale, mse_scale=c.mse_scale)
 
 
-def _check_positions(res: Resolved) -> None:
-    """``max_len`` against the subject's positions, before any document is read: with max_len 1000
-    on a 128-position model, extract wrote rows at positions 128-923 the model never saw (issue 58)."""
+def _check_positions(c: DatagenConfig) -> None:
+    """``max_len`` against the subject's positions, before any document is read (and, when the config
+    names the model dir, before a world is built for it): with max_len 1000 on a 128-position model,
+    extract wrote rows at positions 128-923 the model never saw (issue 58)."""
     from transformers import AutoConfig
 
     from nla.core.arch import max_positions
 
-    c = res.cfg
+    if not c.model_dir:
+        return
     try:
         n = max_positions(AutoConfig.from_pretrained(c.model_dir, local_files_only=True))
     except (OSError, ValueError):
@@ -237,9 +239,11 @@ def run(cfg: DatagenConfig, stages: Sequence[str] | None = None, force: bool = F
     if bad:
         raise DatagenError(f"unknown stage(s) {bad}; valid stages: {list(STAGES)}")
     apply_threads(cfg.threads)
+    if "extract" in stages:
+        _check_positions(cfg)  # a model dir named in the config: before resolve builds a world (minutes)
     res = resolve(cfg)
     if "extract" in stages:
-        _check_positions(res)
+        _check_positions(res.cfg)
     if "build" in stages:
         _check_tokenizer(res)
     out = Path(res.cfg.out_dir)
