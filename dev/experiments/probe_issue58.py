@@ -5,7 +5,7 @@ server probes start ``nla serve`` and talk to it with raw sockets and httpx), an
 the issue asks for: a clear error (exit 2, one ``nla CMD: error:`` line, no traceback), a clean 4xx,
 or the correct result, and that nothing outside the run was read, changed or deleted.
 
-    python -m dev.experiments.probe_issue58 --run runs/quickstart-tiny [--scratch /tmp/probe58]
+    python -m dev.experiments.probe_issue58 --run runs/quickstart-tiny [--scratch /tmp/probe58] [--only TEXT]
 
 ``--run``: a finished ``nla quickstart`` dir, or one whose world, datagen, ar and av stages are done
 (its warm-start pair, datagen and world are used; the run itself is only read). Prints one line per
@@ -61,6 +61,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", required=True)
     ap.add_argument("--scratch", default="/tmp/probe58")
+    ap.add_argument("--only", action="append", default=[], metavar="TEXT",
+                    help="run only the probes whose name contains TEXT (repeatable)")
     args = ap.parse_args()
     run_dir = Path(args.run).resolve()
     scratch = Path(args.scratch).resolve()
@@ -468,7 +470,8 @@ def main() -> int:
             ("lower", "a checksum verified once, then a bit flipped with size and mtime kept", checksum_flip),
             ("lower", "--resume after the dataset was replaced at the same path", resume_replaced_dataset),
             ("lower", "a malformed datagen_summary.json names the file", malformed_manifest)):
-        probe(cls, name, fn)
+        if not args.only or any(t in name for t in args.only):
+            probe(cls, name, fn)
     failed = Counter(cls for cls, _, why in results if why is not None)
     total = Counter(cls for cls, _, _ in results)
     print("\nby class (probes as the issue asks / probes): " +
