@@ -182,3 +182,23 @@ def test_max_len_is_checked_against_a_named_model_dir_before_a_world_is_built(cf
     err = capsys.readouterr().err
     assert code == 2 and "max_len: 1000 tokens per document, but the subject model" in err, err
     assert not (tmp_path / "out" / "activations.parquet").exists()
+
+
+def test_a_malformed_summary_is_refused_naming_it_before_any_work(cfg_file, tmp_path, capsys, monkeypatch):
+    """A datagen_summary.json cut short was a bare JSONDecodeError, after the world was built (issue 58)."""
+    import nla.world
+
+    monkeypatch.setattr(nla.world, "build_world", lambda *a, **k: (_ for _ in ()).throw(AssertionError("built")))
+    data = yaml.safe_load(cfg_file.read_text())
+    data.update(source="world", world_preset="tiny", corpus_path=None, explainer="world")
+    cfg = tmp_path / "world_cfg.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "datagen_summary.json").write_text('{"extract": ')
+    code = main(["datagen", "run", "--config", str(cfg)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert (f"{tmp_path / 'out' / 'datagen_summary.json'}:1:13: the datagen summary is not valid JSON (Expecting value); "
+            "delete it (datagen writes it again)") in err
+    # nothing else written (the run lock aside)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".nla.lock", "datagen_summary.json"]

@@ -241,6 +241,10 @@ def run(cfg: DatagenConfig, stages: Sequence[str] | None = None, force: bool = F
     apply_threads(cfg.threads)
     if "extract" in stages:
         _check_positions(cfg)  # a model dir named in the config: before resolve builds a world (minutes)
+    # the run's summary, read before resolve too: a malformed one is refused before any world is built
+    summary_path = Path(cfg.out_dir) / SUMMARY_FILE
+    summary = load_json(summary_path, "datagen summary", "delete it (datagen writes it again)"
+                        ) if summary_path.exists() else {}
     res = resolve(cfg)
     if "extract" in stages:
         _check_positions(res.cfg)
@@ -251,9 +255,6 @@ def run(cfg: DatagenConfig, stages: Sequence[str] | None = None, force: bool = F
     write_text_atomic(
         yaml.safe_dump(res.cfg.to_dict(), sort_keys=False, allow_unicode=True), out / CONFIG_FILE
     )
-    summary_path = out / SUMMARY_FILE
-    summary = load_json(summary_path, "datagen summary", "delete it (datagen writes it again)"
-                        ) if summary_path.exists() else {}
     for stage in STAGES:
         if stage not in stages:
             continue
