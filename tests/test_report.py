@@ -65,6 +65,14 @@ def test_report_warns_of_a_kind_the_warm_start_does_not_read(tmp_path, caplog):
     assert unread_kinds(warm) == {"place": [0.13, 0.13], "activity": [0.37, 0.34]}
     assert unread_kinds(warm, margin=0.02) == {"place": [0.13, 0.13]}
     assert unread_kinds(rl) == {}  # no per-kind rows: nothing to say
+    # sentences in no claim form (the wiki grader's "other"): recall 1.0 on both rows by convention,
+    # never an unread kind, and no recall in the table (precision only)
+    warm["rows"][0]["faithfulness"]["by_kind"]["other"] = [1.0, 0.0]
+    warm["rows"][2]["faithfulness"]["by_kind"]["other"] = [1.0, 0.0]
+    assert "other" not in unread_kinds(warm)
+    from nla.eval.report import kind_table
+
+    assert "| other | – | – | 0.00 | – | – |" in kind_table(warm, rl)
     with caplog.at_level("WARNING", logger="nla.eval.report"):
         md = write_report(tmp_path, preset="x", stages=[], configs={}, world={}, warm_eval=warm, rl_eval=rl,
                           ar_info={}, av_info={}, rl_info={}).read_text()
