@@ -22,24 +22,17 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from dev.experiments.wiki_probe import _logistic, _split_docs
+from dev.experiments.wiki_probe import _logistic, load_split
 
 
 def unit_probe(datagen: Path, positions: int = 3) -> dict:
     meta = pq.read_schema(datagen / "activations.parquet").metadata or {}
-    rows = pq.read_table(datagen / "activations.parquet").to_pylist()
-    wiki = "topic" in rows[0] or meta.get(b"nla.grader") == b"wiki"
+    tr, te, x_tr, x_te = load_split(datagen)
+    wiki = "topic" in tr[0] or meta.get(b"nla.grader") == b"wiki"
     if wiki:
         from nla.datagen.wiki import text_units
     else:
         from nla.world.facts import text_units
-    train_docs, test_docs = _split_docs(datagen)
-    tr = [r for r in rows if r["doc_id"] in train_docs]
-    te = [r for r in rows if r["doc_id"] in test_docs]
-    x_tr = torch.tensor(np.array([r["activation_vector"] for r in tr], dtype=np.float32))
-    x_te = torch.tensor(np.array([r["activation_vector"] for r in te], dtype=np.float32))
-    mu, sd = x_tr.mean(0), x_tr.std(0) + 1e-6
-    x_tr, x_te = (x_tr - mu) / sd, (x_te - mu) / sd
     out = {"datagen": str(datagen), "language": "wiki" if wiki else "world", "rows_train": len(tr),
            "rows_test": len(te), "layer": tr[0]["activation_layer"]}
 

@@ -38,6 +38,19 @@ def _split_docs(datagen: Path) -> tuple[set[int], set[int]]:
     return train, test
 
 
+def load_split(datagen: Path) -> tuple[list[dict], list[dict], torch.Tensor, torch.Tensor]:
+    """The rows of ``activations.parquet`` on the warm-start documents (train) and the RL documents
+    (test), with their vectors standardised on the training rows' mean and std per dimension."""
+    rows = pq.read_table(datagen / "activations.parquet").to_pylist()
+    train_docs, test_docs = _split_docs(datagen)
+    tr = [r for r in rows if r["doc_id"] in train_docs]
+    te = [r for r in rows if r["doc_id"] in test_docs]
+    x_tr = torch.tensor(np.array([r["activation_vector"] for r in tr], dtype=np.float32))
+    x_te = torch.tensor(np.array([r["activation_vector"] for r in te], dtype=np.float32))
+    mu, sd = x_tr.mean(0), x_tr.std(0) + 1e-6
+    return tr, te, (x_tr - mu) / sd, (x_te - mu) / sd
+
+
 def _logistic(x_tr, y_tr, x_te, n_cls, l2=1e-3, steps=300):
     torch.manual_seed(0)
     w = torch.zeros(x_tr.shape[1], n_cls, requires_grad=True)
@@ -76,14 +89,7 @@ def main(argv=None) -> dict:
     tok = AutoTokenizer.from_pretrained(d)
     emb = AutoModelForCausalLM.from_pretrained(d).get_input_embeddings().weight.detach().float()
 
-    t = pq.read_table(args.datagen / "activations.parquet").to_pylist()
-    train_docs, test_docs = _split_docs(args.datagen)
-    tr = [r for r in t if r["doc_id"] in train_docs]
-    te = [r for r in t if r["doc_id"] in test_docs]
-    x_tr = torch.tensor(np.array([r["activation_vector"] for r in tr], dtype=np.float32))
-    x_te = torch.tensor(np.array([r["activation_vector"] for r in te], dtype=np.float32))
-    mu, sd = x_tr.mean(0), x_tr.std(0) + 1e-6
-    x_tr, x_te = (x_tr - mu) / sd, (x_te - mu) / sd
+    tr, te, x_tr, x_te = load_split(args.datagen)
     out: dict = {"rows_train": len(tr), "rows_test": len(te), "layer": tr[0]["activation_layer"]}
 
     def facts(r):
