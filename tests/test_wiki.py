@@ -262,3 +262,55 @@ def test_the_real_path_at_ci_size(tmp_path):
     assert (oracle["recall"], oracle["precision"], oracle["n"]) == (1.0, 1.0, 4)  # the data's claims are all true
     assert set(oracle["by_kind"]) == {"quote", "topic", "next", "position"}
     assert set(rows["AV → AR round trip"]["by_kind"]) <= {"quote", "topic", "next", "position", "other"}
+
+
+def test_the_explorer_grades_a_wiki_pair_in_its_own_language():
+    """Issue 56: the explorer judged every pair's claims and quotation by the world's language; a pair
+    trained on wiki claims (its AV sidecar's training.explainer) is graded by the wiki grader."""
+    from types import SimpleNamespace
+
+    from nla.explore.engine import grade_claims, pair_grader, quote_grade
+
+    wiki = pair_grader(SimpleNamespace(av_sidecar=SimpleNamespace(training={"explainer": "wiki"}), ar_sidecar=None))
+    assert wiki.name == "wiki"
+    for explainer in ("world", "context", None):
+        side = SimpleNamespace(training={} if explainer is None else {"explainer": explainer})
+        assert pair_grader(SimpleNamespace(av_sidecar=side, ar_sidecar=None)).name == "world"
+    truth = ["quote=King", "topic=People", "next=,", "position=start"]
+    text = 'The text ends with "King". The article is about Arts.'
+    got = grade_claims(text, truth, "Augusta Ada King", wiki)
+    # 1 of 4 true claims said (recall 0.25); 1 of the 2 said is true (precision 0.5)
+    assert got["claims"] == [{"fact": "quote=King", "correct": True}, {"fact": "topic=Arts", "correct": False}]
+    assert got["missed"] == ["next=,", "position=start", "topic=People"]
+    assert (got["recall"], got["precision"]) == (0.25, 0.5)
+    assert got["quotation"] == {"quoted": "King", "truth": "King", "exact": True, "correct": True,
+                                "units": [{"unit": "King", "position": 0, "correct": True}]}
+    # digits are a unit of this language: a year read is quoted whole and true
+    assert quote_grade('The text ends with "1815".', "He was born in 1815", wiki)["correct"] is True
+    # a quotation of the token read's unit plus a false one before it: the token right, the whole false
+    q = quote_grade('The text ends with "Queen King".', "Augusta Ada King", wiki)
+    assert q["units"] == [{"unit": "Queen", "position": 1, "correct": False}, {"unit": "King", "position": 0,
+                                                                             "correct": True}]
+    assert q["correct"] is False and q["exact"] is False
+
+
+def test_explore_run_examples_of_a_wiki_run_are_graded_by_its_datasets_grader(tmp_path):
+    """`nla explore --run` on a smollm2 run raised "Fact.kind: expected one of [person, ...], found
+    'quote'": its examples were graded by the world's facts whatever the dataset's language."""
+    import pyarrow as pa
+
+    from nla.core.graders import tag_grader
+    from nla.explore.run import _examples
+
+    ds = tmp_path / "eval.parquet"
+    pq.write_table(tag_grader(pa.table({"facts": [TRUTH]}), "wiki"), ds)
+    sample = {"row": 0, "context": "Augusta Ada King,", "facts": TRUTH, "explanation": explanation_of(TRUTH),
+              "status": "completed", "mse_nrm": 0.5}
+    ev = {"dataset": str(ds), "samples": [sample]}
+    ex = _examples(ev, ev)[0]["rl"]
+    assert (ex["recall"], ex["precision"], ex["missed"]) == (1.0, 1.0, [])
+    assert ex["quotation"]["quoted"] == "Ada King," and ex["quotation"]["units"][-1] == {
+        "unit": ",", "position": 0, "correct": True}
+    # the dataset gone: the grader whose kinds hold the samples' facts (wiki's here, not the world's)
+    ds.unlink()
+    assert _examples(ev, ev)[0]["rl"]["recall"] == 1.0

@@ -115,6 +115,16 @@ class DatasetGrader:
         None when the grader grades no quotation (the base)."""
         return None
 
+    def quote_truth_of(self, read: str) -> Any:
+        """What ``grade_quote`` grades against for any text ``read`` (the text up to and including the
+        token), by this language's rule of what a quotation says (the explorer's typed text); None when
+        the grader grades no quotation (the base)."""
+        return None
+
+    def quote_units(self, quoted: str) -> list[str]:
+        """The units (words or marks) of a quotation in reading order, as this language counts them."""
+        return quoted.split()
+
     def text_explainer(self, table: Any, dataset_path: Path) -> list[str] | None:
         return None
 

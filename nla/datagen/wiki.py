@@ -252,6 +252,13 @@ class WikiGrader(DatasetGrader):
         return grade_quote(explanation, end, context, quoted=said[0] if said else None, unit_re=_UNIT_RE,
                            what="quote claim")
 
+    def quote_truth_of(self, read: str) -> tuple[str, str]:
+        """This language's quotation of ``read``: the unit the token read ends (``text_end``)."""
+        return text_end(read), read
+
+    def quote_units(self, quoted: str) -> list[str]:
+        return text_units(quoted)
+
     def claims(self, text: str | None) -> list[str]:
         return _sentences(text or "")
 

@@ -114,6 +114,17 @@ class WorldGrader(DatasetGrader):
         end, context = truth
         return grade_quote(explanation, end, context)
 
+    def quote_truth_of(self, read: str) -> tuple[str, str]:
+        """The world's data explainer's quotation of ``read`` (its last TEXT_END_UNITS units)."""
+        from nla.world.facts import end_of_text
+
+        return end_of_text(read), read
+
+    def quote_units(self, quoted: str) -> list[str]:
+        from nla.world.facts import text_units
+
+        return text_units(quoted)
+
     # --- the explanation suite (nla.eval.suite): one claim per sentence, the language's phrasings
     def is_quotation(self, claim: str) -> bool:
         return bool(QUOTE_RE.match(claim.strip()))

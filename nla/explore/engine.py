@@ -42,15 +42,13 @@ import torch
 from nla.client import NLAClient, NLAClientError, ScoreResult, Verbalization
 from nla.core.activations import block_outputs, tokenize_text
 from nla.core.arch import hidden_size, num_layers
-from nla.core.graders import get_grader
+from nla.core.graders import DatasetGrader, get_grader
 from nla.core.provenance import Provenance, ProvenanceError, check_provenance
 from nla.datagen.extract import load_subject
 from nla.eval.suite.claims import attribute_claims
 from nla.util.http import RequestError
 from nla.util.validation import InputError, check_sampling
-from nla.world import Fact, generate_documents, grade, load_world, parse_facts, token_facts
-from nla.world.explain import grade_quote
-from nla.world.facts import end_of_text
+from nla.world import generate_documents, load_world, token_facts
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +168,9 @@ class Explorer:
             fits = {i: d for i, d in world.docs.items()
                     if len(tokenize_text(subject_tokenizer, d.text, self.max_tokens + 1)[0]) <= self.max_tokens}
             self.world = WorldDocs(world.root, fits)
-        self.grader = get_grader("world")  # splits explanations into claims (a sentence each) and judges them
+        # splits explanations into claims (a sentence each) and judges them: the language the pair was
+        # trained on (its AV sidecar's training.explainer, e.g. wiki for the smollm2 preset), else the world's
+        self.grader = pair_grader(client)
         self._lock = threading.Lock()  # one model call at a time: hooks and generation are not thread-safe
 
     @classmethod
@@ -329,8 +329,8 @@ class Explorer:
             read = self.read_to(inp, p)
             entry: dict[str, Any] = {
                 "position": p, "token": tokens[p]["text"],
-                "greedy": _explanation(greedy[k], greedy_scores, k, facts, attributed[k], read),
-                "samples": [_explanation(sampled[j], sampled_scores, j, facts, attributed[P + j], read)
+                "greedy": _explanation(greedy[k], greedy_scores, k, facts, attributed[k], read, self.grader),
+                "samples": [_explanation(sampled[j], sampled_scores, j, facts, attributed[P + j], read, self.grader)
                             for j in range(k * n_samples, (k + 1) * n_samples)],
             }
             if facts is not None:
@@ -360,7 +360,7 @@ class Explorer:
             return []
         attr = attribute_claims(self.client, list(texts), vectors, grader=self.grader,
                                 truths=None if facts is None else [list(f) for f in facts],
-                                quotes=None if reads is None else [(end_of_text(r), r) for r in reads])
+                                quotes=None if reads is None else [self.grader.quote_truth_of(r) for r in reads])
         return [[c.to_dict() | {"delta_mse": _finite(c.delta_mse)} for c in cs] for cs in attr]
 
     def score(self, texts: Sequence[str | None], vectors: torch.Tensor,
@@ -385,7 +385,7 @@ class Explorer:
             raise RequestError("vectors: every vector must be finite and non-zero")
         with self._lock:
             res = self.client.score(list(texts), vectors, batch_size=len(texts))
-        return [_scores(res, i) | grade_claims(t, facts, read) for i, t in enumerate(texts)]
+        return [_scores(res, i) | grade_claims(t, facts, read, self.grader) for i, t in enumerate(texts)]
 
     @staticmethod
     def read_to(inp: TextInput, position: int) -> str:
@@ -412,42 +412,61 @@ def _scores(res: ScoreResult, i: int) -> dict[str, Any]:
     return {"cosine": _num(res.cosine[i]), "mse_nrm": _num(res.mse_nrm[i]), "failed": bool(res.failed[i])}
 
 
-def grade_claims(explanation: str | None, facts: list[str] | None, read: str | None = None) -> dict[str, Any]:
-    """Each fact the explanation claims, marked true/false against the token's ground truth (world
-    only), and with ``read`` (the text read up to and including the token, any text) its quotation
-    of the text's end, graded unit by unit (``quote_grade``)."""
+def pair_grader(client: NLAClient) -> DatasetGrader:
+    """The grader of the language a pair was trained on: its AV sidecar's ``training.explainer`` when
+    a grader of that name is registered (``wiki``), else the world's."""
+    side = client.av_sidecar or client.ar_sidecar
+    name = (side.training or {}).get("explainer") if side is not None else None
+    if isinstance(name, str) and name != "world":
+        try:
+            return get_grader(name)
+        except (KeyError, ValueError):
+            pass  # an explainer with no grader of its name (context, an API model): the world's sentences
+    return get_grader("world")
+
+
+def grade_claims(explanation: str | None, facts: list[str] | None, read: str | None = None,
+                 grader: DatasetGrader | None = None) -> dict[str, Any]:
+    """Each fact the explanation claims, marked true/false against the token's ground truth (the
+    ``"kind=value"`` strings of ``grader``'s language, default the world's), and with ``read`` (the text
+    read up to and including the token, any text) its quotation of the text's end, graded unit by unit
+    (``quote_grade``)."""
+    grader = grader or get_grader("world")
     out: dict[str, Any] = {}
     if read is not None:
-        out["quotation"] = quote_grade(explanation, read)
+        out["quotation"] = quote_grade(explanation, read, grader)
     if facts is None:
         return out
-    truth = {Fact.parse(f) for f in facts}
     text = explanation or ""
-    claims = sorted(parse_facts(text))
-    g = grade(text, truth)
-    return {"claims": [{"fact": str(f), "correct": f in truth} for f in claims],
-            "missed": sorted(str(f) for f in truth - set(claims)),
+    truth = set(facts)
+    claims = sorted(grader.named_facts(text))
+    g = grader.grade(text, list(facts))
+    return {"claims": [{"fact": f, "correct": f in truth} for f in claims],
+            "missed": sorted(truth - set(claims)),
             "recall": g.recall, "precision": g.precision, **out}
 
 
-def quote_grade(explanation: str | None, read: str) -> dict[str, Any] | None:
-    """The explanation's quotation against the end of ``read`` (``nla.world.explain.grade_quote``):
+def quote_grade(explanation: str | None, read: str, grader: DatasetGrader | None = None) -> dict[str, Any] | None:
+    """The explanation's quotation against the end of ``read``, by ``grader``'s rule (default the
+    world's: its last three units; the wiki's: the token read's unit):
     ``{"quoted", "truth", "exact", "correct", "units": [{"unit", "position", "correct"}]}`` in reading
-    order (position 0 = the token read; ``correct``: every unit true); None when it quotes nothing."""
-    from nla.world.facts import text_units
-
-    end = end_of_text(read)
-    g = grade_quote(explanation, end, read)
-    if g.quoted is None:
+    order (position 0 = the token read; ``correct``: every unit true); None when it quotes nothing or
+    the language grades no quotation."""
+    grader = grader or get_grader("world")
+    truth = grader.quote_truth_of(read)
+    g = grader.grade_quote(explanation, truth) if truth is not None else None
+    if g is None or g.quoted is None:
         return None
-    units = text_units(g.quoted)
+    end = truth[0]
+    units = grader.quote_units(g.quoted)
     return {"quoted": g.quoted, "truth": end, "exact": g.exact, "correct": g.all_true,
             "units": [{"unit": u, "position": len(units) - 1 - j, "correct": g.claims[len(units) - 1 - j]}
                       for j, u in enumerate(units)]}
 
 
 def _explanation(v: Verbalization, res: ScoreResult | None, i: int, facts: list[str] | None,
-                 attribution: list[dict[str, Any]], read: str | None = None) -> dict[str, Any]:
+                 attribution: list[dict[str, Any]], read: str | None = None,
+                 grader: DatasetGrader | None = None) -> dict[str, Any]:
     assert res is not None
     return {"explanation": v.explanation, "status": v.status, "text": v.text, **_scores(res, i),
-            **grade_claims(v.explanation, facts, read), "claim_attribution": attribution}
+            **grade_claims(v.explanation, facts, read, grader), "claim_attribution": attribution}

@@ -175,9 +175,29 @@ def _quote_table(warm: dict[str, Any], after: dict[str, Any]) -> dict[str, Any] 
             "rows": [[r[0], *[None if c in (None, "–") else float(c) for c in r[1:]]] for r in rows]}
 
 
+def _grader_of(ev: dict[str, Any]) -> Any:
+    """The grader the eval's dataset names in its parquet metadata (``wiki`` for the smollm2 preset);
+    when the dataset is gone or names none, the first of the world's and the wiki's graders whose kinds
+    hold every fact kind of the samples (the world's when they have none)."""
+    from nla.core.graders import GRADER_METADATA_KEY, get_grader
+
+    path = ev.get("dataset")
+    try:
+        import pyarrow.parquet as pq
+
+        name = (pq.read_schema(path).metadata or {}).get(GRADER_METADATA_KEY) if isinstance(path, str) else None
+        if name:
+            return get_grader(name.decode())
+    except (OSError, ValueError, KeyError):
+        pass
+    kinds = {str(f).partition("=")[0] for s in ev.get("samples", []) for f in s.get("facts") or []}
+    return next((g for g in map(get_grader, ("world", "wiki")) if kinds <= set(g.kinds)), get_grader("world"))
+
+
 def _examples(warm: dict[str, Any], after: dict[str, Any], n: int = 8) -> list[dict[str, Any]]:
     from nla.explore.engine import grade_claims
 
+    grader = _grader_of(after)
     by_row = {s["row"]: s for s in warm.get("samples", [])}
     out = []
     for s in after.get("samples", [])[:n]:
@@ -187,9 +207,9 @@ def _examples(warm: dict[str, Any], after: dict[str, Any], n: int = 8) -> list[d
             "row": s["row"], "context": s.get("context"), "facts": facts, "reference": s.get("reference"),
             "warmstart": {"explanation": w.get("explanation"), "status": w.get("status"),
                           "mse_nrm": _num(w.get("mse_nrm")),
-                          **grade_claims(w.get("explanation"), facts, s.get("context"))},
+                          **grade_claims(w.get("explanation"), facts, s.get("context"), grader)},
             "rl": {"explanation": s.get("explanation"), "status": s.get("status"), "mse_nrm": _num(s.get("mse_nrm")),
-                   **grade_claims(s.get("explanation"), facts, s.get("context"))},
+                   **grade_claims(s.get("explanation"), facts, s.get("context"), grader)},
         })
     return out
 
