@@ -183,7 +183,7 @@ def test_oracle_row_reads_every_true_fact(nla_pair, client, tmp_path):  # noqa: 
 
 def test_oracle_and_text_explainer_quote_as_many_units_as_the_datagen_setting(nla_pair, client, tmp_path):  # noqa: F811
     """world_explainer.quote_units = 1: the data explainer and the oracle quote the token read only, and the
-    quotation is graded against the whole end: quote[0] said and true, quote[1] not said."""
+    quotation is graded against the end cut by the same rule: quote[0] said and true, nothing else a target."""
     import yaml
 
     from nla.world.explain import oracle_explanation
@@ -198,8 +198,11 @@ def test_oracle_and_text_explainer_quote_as_many_units_as_the_datagen_setting(nl
     write_sidecar(path, nla_pair.side.replace(kind="nla_dataset", role=None), datagen_config=str(cfg))
     report = evaluate_pair(client, path, max_new_tokens=14, n_show=0)
     oracle = report.row("oracle: every true fact → AR").faithfulness.quote
-    assert (oracle.exact, oracle.all_true) == (3 / 5, 1.0)  # exact where the end is one unit: was, kitchen, night
-    assert oracle.by_position == {"quote[0]": (1.0, 1.0), "quote[1]": (0.0, None)}
+    # graded against the end cut by the same rule (issue 57): every quotation is exactly the cut end
+    # (garden, ",", was, kitchen, night; the empty end quotes nothing), and no unit before the token
+    # read is a recall target, so quote[1] has no row
+    assert (oracle.n, oracle.said, oracle.exact, oracle.all_true) == (6, 5 / 6, 1.0, 1.0)
+    assert oracle.by_position == {"quote[0]": (1.0, 1.0)}
     te = report.row("text explainer → AR").faithfulness.quote
     assert te.by_position == oracle.by_position
     assert oracle_explanation([], "garden", 0).startswith('The text ends with "garden".')

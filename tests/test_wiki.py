@@ -262,6 +262,35 @@ def test_the_real_path_at_ci_size(tmp_path):
     assert (oracle["recall"], oracle["precision"], oracle["n"]) == (1.0, 1.0, 4)  # the data's claims are all true
     assert set(oracle["by_kind"]) == {"quote", "topic", "next", "position"}
     assert set(rows["AV → AR round trip"]["by_kind"]) <= {"quote", "topic", "next", "position", "other"}
+    # The suite's causal edit on the real subject, with the data's own (true) explanations: every row's
+    # context reproduces its vector once the offset is added back (the pair's space is centred), its
+    # next-token claim is the subject's own top-1 (a recall slot), and the subject's own vector patched
+    # back keeps the prediction. Without the offset every row was "not reproduced".
+    from nla.datagen.extract import load_subject
+    from nla.eval.suite.causal import causal_edits
+
+    subject, tok = load_subject(side.base_model)
+    facts = rl_tab.column("facts").to_pylist()
+    texts = [explanation_of(f) for f in facts]
+    res = causal_edits(client, subject, tok, rl_tab.column("context").to_pylist(),
+                       torch.from_numpy(read_vectors(rl_tab)), texts, facts, get_grader("wiki"), 3)
+    with_next = sum(any(f.startswith("next=") for f in fs) for fs in facts)
+    assert (res["rows"], res["not_reproduced"]) == (len(facts), 0)
+    assert res["recall_slots"] == with_next and res["edits"] >= 1
+    assert res["original_keeps"] == 1.0
+    ex = res["examples"][0]
+    assert ex["edited"] == ex["explanation"].replace(f'expects "{ex["fact"][5:]}"', f'expects "{ex["edited_to"][5:]}"')
+
+
+def test_the_next_token_claim_is_the_suites_causal_edit():
+    g = get_grader("wiki")
+    assert g.fact_of_word(" Count") == "next=Count" and g.fact_of_word("\n") is None
+    assert g.fact_words("next=Count") == ("Count",) and g.fact_words("topic=People") == ()
+    assert g.facts_of_kind("next") == ()  # open values: the suite edits to another one seen in the rows
+    text = explanation_of(TRUTH)
+    assert g.edit_fact(text, "next=Count", "next=Duke") == text.replace('"Count" next', '"Duke" next')
+    assert g.edit_fact(text, "next=Earl", "next=Duke") is None  # not claimed
+    assert g.edit_fact(text, "topic=People", "topic=Arts") is None  # only the next token is edited
 
 
 def test_the_explorer_grades_a_wiki_pair_in_its_own_language():

@@ -110,7 +110,7 @@ def grade_run(run: Path, rows: int | None, warm: bool, seed: int = 0) -> dict[st
     texts = [v.explanation for v in client.verbalize(gold, max_new_tokens=_preset_settings(run)["max_new_tokens"],
                                                      batch_size=64)]
     grader = get_grader("world")
-    q = quotation_summary(texts, grader.quote_truths(table), grader)
+    q = quotation_summary(texts, grader.quote_truths(table, path), grader)
     return asdict(q) | {"av": str(av_dir)}
 
 

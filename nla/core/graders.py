@@ -76,7 +76,7 @@ class DatasetGrader:
       ``quotes(table)`` (what it quotes of the text read);
     - ``text_explainer(table, dataset_path) -> list[str] | None``: the data's own explainer
       output per row, when the table does not carry it;
-    - ``quote_truths(table) -> list | None`` and ``grade_quote(explanation, truth) -> QuoteGrade``:
+    - ``quote_truths(table, dataset_path) -> list | None`` and ``grade_quote(explanation, truth) -> QuoteGrade``:
       what the text read ends with, per row, and an explanation's quotation graded against it
       (None: the language quotes nothing).
     """
@@ -105,9 +105,10 @@ class DatasetGrader:
         ``dataset_path``: where the table was read from (its settings may say how much to quote)."""
         return [None] * table.num_rows
 
-    def quote_truths(self, table: Any) -> list[Any] | None:
+    def quote_truths(self, table: Any, dataset_path: Path | None = None) -> list[Any] | None:
         """Per row of ``table``, what the text read ends with, for ``grade_quote`` (None in a row: not
-        known there); None when the grader grades no quotation (the base)."""
+        known there), by the dataset's rule of how much is quoted (``dataset_path``: where the table was
+        read from, whose settings may say); None when the grader grades no quotation (the base)."""
         return None
 
     def grade_quote(self, explanation: str | None, truth: Any) -> QuoteGrade | None:

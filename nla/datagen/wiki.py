@@ -230,7 +230,7 @@ class WikiGrader(DatasetGrader):
 
     # --- the quotation graded unit by unit (as the world's: nla.world.explain.QuoteGrade), over this
     # language's units (letters or digits of any script, or one mark)
-    def quote_truths(self, table: Any) -> list[tuple[str, str | None] | None] | None:
+    def quote_truths(self, table: Any, dataset_path: Any = None) -> list[tuple[str, str | None] | None] | None:
         """Per row ``(the quote claim's value, context)`` (None where the row has no quote claim); None
         for a table without ``facts``."""
         cols = table.column_names
@@ -258,6 +258,26 @@ class WikiGrader(DatasetGrader):
 
     def quote_units(self, quoted: str) -> list[str]:
         return text_units(quoted)
+
+    # --- the suite's causal edits (nla.eval.suite.causal): the next-token claim is the subject's own
+    # prediction, so editing it and patching the AR's reading of the edited text into the subject
+    # asks whether the claim moves what the model predicts. Its values are open (any token): the
+    # suite edits to another value seen in the rows (facts_of_kind is empty).
+    def fact_of_word(self, word: str) -> str | None:
+        """The next-token claim a predicted token makes (``word`` as the tokenizer decodes it)."""
+        value = _clean(word)
+        return f"next={value}" if value else None
+
+    def fact_words(self, fact: str) -> tuple[str, ...]:
+        kind, _, value = fact.partition("=")
+        return (value,) if kind == "next" and value else ()
+
+    def edit_fact(self, text: str, fact: str, new_fact: str) -> str | None:
+        """``text`` with its next-token claim of ``fact`` saying ``new_fact`` instead (other kinds: None)."""
+        if not (fact.startswith("next=") and new_fact.startswith("next=")):
+            return None
+        old, new = claim_sentence(fact), claim_sentence(new_fact)
+        return text.replace(old, new, 1) if old in text else None
 
     def claims(self, text: str | None) -> list[str]:
         return _sentences(text or "")

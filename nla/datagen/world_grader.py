@@ -99,14 +99,19 @@ class WorldGrader(DatasetGrader):
         n_units = _quote_units(dataset_path) if dataset_path is not None else None
         return quotes if n_units is None else [cut_quote(q, n_units) for q in quotes]
 
-    def quote_truths(self, table: Any) -> list[tuple[str, str | None] | None] | None:
+    def quote_truths(self, table: Any, dataset_path: Path | None = None) -> list[tuple[str, str | None] | None] | None:
         """Per row ``(text_end, context)`` (context None when the table has none; the row None when its
         ``text_end`` is null); None for a table without ``text_end`` (older datasets quote
-        ``current_word``, the last whole word, which is not graded)."""
+        ``current_word``, the last whole word, which is not graded). ``text_end`` is cut to the
+        dataset's ``world_explainer.quote_units`` when its datagen settings set it, the rule the data
+        explainer and the oracle quote by: a unit the rule does not quote is not a recall target."""
         cols = table.column_names
         if "text_end" not in cols:
             return None
         ends = table.column("text_end").to_pylist()
+        n_units = _quote_units(dataset_path) if dataset_path is not None else None
+        if n_units is not None:
+            ends = [None if e is None else cut_quote(e, n_units) for e in ends]
         contexts = table.column("context").to_pylist() if "context" in cols else [None] * len(ends)
         return [None if e is None else (e, c) for e, c in zip(ends, contexts, strict=True)]
 

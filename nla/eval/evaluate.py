@@ -445,7 +445,7 @@ def evaluate_pair(
     facts = table.column("facts").to_pylist() if "facts" in table.column_names else None
     report = EvalReport(dataset=str(path), n_rows=n, d_model=client.d_model, mse_scale=scale,
                         baseline_raw_mean_mse=base.raw_mean, baseline_normalized_mean_mse=base.normalized_mean)
-    quote_truths = grader.quote_truths(table) if grader is not None else None
+    quote_truths = grader.quote_truths(table, Path(path)) if grader is not None else None
     ev = _Eval(client, table, path, gold, dataset_rows, base, grader, facts, quote_truths, batch_size, max_new_tokens,
                report)
     verbs, rt = _av_rows(ev, frozen_ar, rng) if client.av_model is not None else (None, None)

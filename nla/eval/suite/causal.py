@@ -112,6 +112,10 @@ def causal_edits(client: NLAClient, subject: nn.Module, subject_tokenizer: Any, 
     rng = random.Random(f"nla-suite-causal:{seed}")
     gen = torch.Generator().manual_seed(seed)
     device = next(subject.parameters()).device
+    # A pair trained on centred vectors (extraction.vector_offset) reads and writes them minus the
+    # offset: the subject's own outputs are compared, and the AR's readings patched in, plus it (zero
+    # for an uncentred pair, so nothing changes there).
+    offset = -torch.as_tensor(client.to_pair_space(torch.zeros(vectors.shape[1]))).float()
     subject.eval()
     from nla.core.activations import block_outputs
 
@@ -144,7 +148,7 @@ def causal_edits(client: NLAClient, subject: nn.Module, subject_tokenizer: Any, 
         input_ids, mask, pos = _encode_contexts(subject_tokenizer, ctx, max_len)
         input_ids, mask, pos = input_ids.to(device), mask.to(device), pos.to(device)
         rows = torch.arange(len(ctx), device=device)
-        hidden = block_outputs(subject, input_ids, mask, layer)[rows, pos].float().cpu()
+        hidden = block_outputs(subject, input_ids, mask, layer)[rows, pos].float().cpu() - offset
         repro = torch.nn.functional.cosine_similarity(hidden, gold, dim=-1)
         top = patched_next_token_logits(subject, input_ids, mask, pos).argmax(-1).cpu()
         chosen: list[tuple[int, str, str, str]] = []  # (row in batch, fact, new fact, edited text)
@@ -158,7 +162,9 @@ def causal_edits(client: NLAClient, subject: nn.Module, subject_tokenizer: Any, 
             if fact is None or fact not in set(truths[i]) or int(top[b]) not in ids_of(fact):
                 continue
             counts["recall_slots"] += 1
-            others = [f for f in grader.facts_of_kind(fact_kind(fact))
+            # a language with an open set of values (the wiki's next token) edits to another value seen in the rows
+            known = grader.facts_of_kind(fact_kind(fact)) or tuple(f for f in means if fact_kind(f) == fact_kind(fact))
+            others = [f for f in known
                       if f != fact and f not in set(truths[i]) and f in means]  # the control needs its mean
             edited = None
             if texts[i] is not None and others:
@@ -180,7 +186,7 @@ def causal_edits(client: NLAClient, subject: nn.Module, subject_tokenizer: Any, 
         v_means = torch.stack([gold[b] - means[f] + means[nf] for b, f, nf, _ in chosen])
         v_means = v_means / v_means.norm(dim=-1, keepdim=True).clamp_min(1e-12) * norms.unsqueeze(-1)
         sub = (input_ids[bs], mask[bs], pos[bs])
-        preds = {name: patched_next_token_logits(subject, *sub, layer=layer, vectors=v).argmax(-1).cpu()
+        preds = {name: patched_next_token_logits(subject, *sub, layer=layer, vectors=v + offset.to(v.device)).argmax(-1).cpu()
                  for name, v in (("edited", v_edit), ("unedited", v_orig), ("random", v_rand), ("original", gold[bs]),
                                  ("means", v_means))}
         for k, (b, fact, new, edited) in enumerate(chosen):

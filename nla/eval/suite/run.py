@@ -139,7 +139,7 @@ def run_suite(
     has_truth = truths is not None and grader.grade("", next(t for t in truths if t is not None)) is not None
     if not has_truth:
         truths = None
-    quotes = grader.quote_truths(table) if truths is not None else None  # what each row's text ends with
+    quotes = grader.quote_truths(table, Path(path)) if truths is not None else None  # what each row's text ends with
     report = SuiteReport(dataset=str(path), n_rows=int(gold.shape[0]), seed=seed)
     logger.info("suite: verbalizing %d rows", gold.shape[0])
     verbs = client.verbalize(gold, max_new_tokens=max_new_tokens, batch_size=batch_size)
