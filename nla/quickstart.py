@@ -178,7 +178,14 @@ PRESETS: dict[str, QuickstartPreset] = {
         # recall 0.01) although it read them (teacher-forced mood accuracy 0.97), and RL learned
         # to add some and drop others (issue 25; dev/LOG.md, "Every kind named"). With 3-6
         # facts (preset "full") the warm-start is already at its reader's ceiling.
-        datagen=dict(n_docs=4000, max_len=128, world_explainer=dict(fact_rate=0.8, wrong_rate=0.1),
+        # The quotation is the token read's own word or mark (quote_units=1): a probe reads it from
+        # the layer-2 vector on 0.95 of rows, the unit before it on 0.71, the one before that on 0.57.
+        # Quoting three units, the AV's quotation was exactly true on about a third of rows; one
+        # unit, on 0.87-0.90 after RL, with FVE 0.810 +- 0.025 over three seeds against 0.800 +- 0.029.
+        # The cost: the AR's reading of an explanation keeps the subject's next-token prediction
+        # less often (0.65-0.75 against 0.79-0.86), the words before the token being no longer said
+        # (issue 57; BENCHMARKS.md, "The quotation of the token read only").
+        datagen=dict(n_docs=4000, max_len=128, world_explainer=dict(fact_rate=0.8, wrong_rate=0.1, quote_units=1),
                      **_DATAGEN_COMMON),
         # The AR bounds what any explanation can reach (the eval's oracle row); the AV was
         # under-trained at 500 steps (round trip 0.521 -> 0.709 at 1000, with the 3-6 fact explainer).
