@@ -256,6 +256,34 @@ def test_the_real_path_at_ci_size(tmp_path):
     client = NLAClient(str(rl.checkpoint_dir / "av"), str(rl.checkpoint_dir / "ar"))
     assert load_sidecar(rl.checkpoint_dir / "av").vector_offset == side.vector_offset
     torch.testing.assert_close(client.to_pair_space(torch.from_numpy(raw_vecs)), torch.from_numpy(raw_vecs - mean))
+    # nla serve on the same pair, over real HTTP: it says the pair is centred, and /verbalize and
+    # /score answer what NLAClient does for the same pair-space vectors
+    import httpx
+
+    from nla.serve import ServeLimits
+    from nla.serve.app import NLAService, create_app
+    from nla.util.http import LOOPBACK, BackgroundServer
+
+    pair_vecs = torch.from_numpy(read_vectors(rl_tab)[:2])
+    want = client.verbalize(pair_vecs, greedy=True, max_new_tokens=12)
+    service = NLAService.load(str(rl.checkpoint_dir / "av"), str(rl.checkpoint_dir / "ar"), device="cpu",
+                              limits=ServeLimits(max_new_tokens=64, max_prompt_tokens=256))
+    try:
+        with BackgroundServer(create_app(service, allowed_hosts=list(LOOPBACK))) as srv:
+            assert httpx.get(f"{srv.url}/info", timeout=60).json()["centred"] is True
+            got = httpx.post(f"{srv.url}/verbalize", json={"vectors": pair_vecs.tolist(), "greedy": True,
+                                                           "max_new_tokens": 12}, timeout=120).json()["results"]
+            assert [g["text"] for g in got] == [w.text for w in want]
+            texts = [explanation_of(f) for f in rl_tab.column("facts").to_pylist()[:2]]  # the data's own
+            scored = httpx.post(f"{srv.url}/score", json={"texts": texts, "vectors": pair_vecs.tolist()},
+                                timeout=120).json()["results"]
+            ref = client.score(texts, pair_vecs)
+            for s_row, m, f in zip(scored, ref.mse_nrm.tolist(), ref.failed.tolist(), strict=True):
+                assert s_row["failed"] is bool(f)
+                if not f:
+                    assert s_row["mse_nrm"] == pytest.approx(m, rel=1e-5, abs=1e-6)
+    finally:
+        service.close()
     report = evaluate_pair(client, dg / "rl.parquet", max_rows=4, max_new_tokens=12).to_dict()
     rows = {r["name"]: r["faithfulness"] for r in report["rows"]}
     oracle = rows["oracle: every true fact → AR"]
