@@ -346,13 +346,23 @@ class NLAClient:
         minus the ``vector_offset`` its sidecars record (a pair trained on centred vectors), unchanged
         otherwise. ``verbalize`` and ``score`` take vectors in the pair's space, as its datasets hold
         them; call this first on vectors taken from the subject. The AV and the AR must agree."""
+        side = self._offset_sidecar()
+        return raw if side is None else side.to_pair_space(raw)
+
+    def from_pair_space(self, vectors: Any) -> Any:
+        """The inverse of ``to_pair_space``: vectors in the pair's space (an AR's reading, a dataset's
+        vector) as the subject's raw block outputs, e.g. to patch them into the subject."""
+        side = self._offset_sidecar()
+        return vectors if side is None else side.from_pair_space(vectors)
+
+    def _offset_sidecar(self) -> Any:
+        """The sidecar whose ``vector_offset`` this pair applies; the AV's and the AR's must agree."""
         offsets = {tuple(s.vector_offset) if s.vector_offset is not None else None
                    for s in (self.av_sidecar, self.ar_sidecar) if s is not None}
         if len(offsets) > 1:
             raise ValueError("the AV's and the AR's sidecars record different extraction.vector_offset values (one "
                              "pair centred on two means); use a pair trained on the same dataset")
-        side = self.av_sidecar or self.ar_sidecar
-        return raw if side is None else side.to_pair_space(raw)
+        return self.av_sidecar or self.ar_sidecar
 
     def provenance(self) -> list[Provenance]:
         """What this client's checkpoints record of their subject (``nla.core.provenance``)."""

@@ -155,6 +155,10 @@ def test_sidecar_vector_offset_round_trips_and_is_checked(tmp_path):
     assert back.to_pair_space(np.array([[1.0, 0.0, 0.5]], np.float32)).tolist() == [[0.0, 2.0, 0.0]]
     assert back.to_pair_space(torch.tensor([2.0, 2.0, 2.0])).tolist() == [1.0, 4.0, 1.5]
     assert NLAConfig(**base).to_pair_space("unchanged") == "unchanged"
+    # the inverse adds the offset back (offset (1, -2, 0.5), by hand)
+    assert back.from_pair_space(np.array([[0.0, 2.0, 0.0]], np.float32)).tolist() == [[1.0, 0.0, 0.5]]
+    assert back.from_pair_space(torch.tensor([1.0, 4.0, 1.5])).tolist() == [2.0, 2.0, 2.0]
+    assert NLAConfig(**base).from_pair_space("unchanged") == "unchanged"
     with pytest.raises(ValueError, match=r"vector_offset \(extraction.vector_offset\): expected 3 numbers \(d_model\), found 2"):
         NLAConfig(**base, vector_offset=[1.0, 2.0])
     with pytest.raises(ValueError, match="entry 1 is nan; expected finite numbers"):

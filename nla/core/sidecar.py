@@ -190,6 +190,19 @@ class NLAConfig:
 
         return raw - torch.tensor(self.vector_offset, dtype=raw.dtype, device=raw.device)
 
+    def from_pair_space(self, vectors: Any) -> Any:
+        """The inverse of ``to_pair_space``: vectors as the pair reads them back in the subject's raw
+        space (plus ``vector_offset``; unchanged when the sidecar records none)."""
+        if self.vector_offset is None:
+            return vectors
+        import numpy as np
+
+        if isinstance(vectors, np.ndarray):
+            return vectors + np.asarray(self.vector_offset, dtype=vectors.dtype)
+        import torch
+
+        return vectors + torch.tensor(self.vector_offset, dtype=vectors.dtype, device=vectors.device)
+
     def _check_own_model(self) -> None:
         w = self.model_width
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):

@@ -113,9 +113,8 @@ def causal_edits(client: NLAClient, subject: nn.Module, subject_tokenizer: Any, 
     gen = torch.Generator().manual_seed(seed)
     device = next(subject.parameters()).device
     # A pair trained on centred vectors (extraction.vector_offset) reads and writes them minus the
-    # offset: the subject's own outputs are compared, and the AR's readings patched in, plus it (zero
-    # for an uncentred pair, so nothing changes there).
-    offset = -torch.as_tensor(client.to_pair_space(torch.zeros(vectors.shape[1]))).float()
+    # offset: the subject's own outputs are compared in the pair's space (client.to_pair_space), and
+    # the AR's readings patched in in the subject's (client.from_pair_space); an uncentred pair: as is.
     subject.eval()
     from nla.core.activations import block_outputs
 
@@ -148,7 +147,7 @@ def causal_edits(client: NLAClient, subject: nn.Module, subject_tokenizer: Any, 
         input_ids, mask, pos = _encode_contexts(subject_tokenizer, ctx, max_len)
         input_ids, mask, pos = input_ids.to(device), mask.to(device), pos.to(device)
         rows = torch.arange(len(ctx), device=device)
-        hidden = block_outputs(subject, input_ids, mask, layer)[rows, pos].float().cpu() - offset
+        hidden = client.to_pair_space(block_outputs(subject, input_ids, mask, layer)[rows, pos].float().cpu())
         repro = torch.nn.functional.cosine_similarity(hidden, gold, dim=-1)
         top = patched_next_token_logits(subject, input_ids, mask, pos).argmax(-1).cpu()
         chosen: list[tuple[int, str, str, str]] = []  # (row in batch, fact, new fact, edited text)
@@ -186,7 +185,7 @@ def causal_edits(client: NLAClient, subject: nn.Module, subject_tokenizer: Any, 
         v_means = torch.stack([gold[b] - means[f] + means[nf] for b, f, nf, _ in chosen])
         v_means = v_means / v_means.norm(dim=-1, keepdim=True).clamp_min(1e-12) * norms.unsqueeze(-1)
         sub = (input_ids[bs], mask[bs], pos[bs])
-        preds = {name: patched_next_token_logits(subject, *sub, layer=layer, vectors=v + offset.to(v.device)).argmax(-1).cpu()
+        preds = {name: patched_next_token_logits(subject, *sub, layer=layer, vectors=client.from_pair_space(v)).argmax(-1).cpu()
                  for name, v in (("edited", v_edit), ("unedited", v_orig), ("random", v_rand), ("original", gold[bs]),
                                  ("means", v_means))}
         for k, (b, fact, new, edited) in enumerate(chosen):
