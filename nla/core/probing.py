@@ -2,14 +2,20 @@
 
 Vectors are read as an NLA reads them, by direction: each row is normalised to unit length, then
 standardised with the training rows' mean and spread; a multi-label logistic regression over
-those features is fitted by full-batch L-BFGS (torch's; no solver of our own).
+those features is fitted by full-batch L-BFGS (torch's; no solver of our own). The unit probe
+(``read_units``, ``held_units``) reads which word or mark a vector's token is, by multinomial logistic
+regression, for the data explainer's rule of quoting only what the vector holds (issue 57).
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
-__all__ = ["fit_logistic", "standardise"]
+__all__ = ["fit_logistic", "fit_softmax", "held_units", "read_units", "standardise"]
 
 
 def standardise(x_train: torch.Tensor, x_test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,3 +39,73 @@ def fit_logistic(x: torch.Tensor, y: torch.Tensor, l2: float, steps: int) -> tup
 
     opt.step(closure)
     return w.detach(), b.detach()
+
+
+def fit_softmax(x: torch.Tensor, y: torch.Tensor, n_classes: int, l2: float = 1e-3,
+                steps: int = 300) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multinomial logistic regression ``softmax(x @ w + b)`` by full-batch L-BFGS.  x [N, d], y [N] class ids."""
+    w = torch.zeros(x.shape[1], n_classes, requires_grad=True)
+    b = torch.zeros(n_classes, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=steps, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(x @ w + b, y) + l2 * (w * w).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return w.detach(), b.detach()
+
+
+def read_units(x_fit: np.ndarray, units_fit: Sequence[str], x_read: np.ndarray, min_count: int = 2,
+               l2: float = 1e-3, steps: int = 300) -> tuple[list[str | None], np.ndarray]:
+    """What a linear probe fitted on ``(x_fit, units_fit)`` reads from each row of ``x_read``: the unit
+    it ranks first and that unit's probability. The classes are the units seen at least ``min_count``
+    times in the fit rows; vectors are read by direction (``standardise`` on the fit rows). With fewer
+    than two classes the probe reads nothing: every row gets (None, 0.0)."""
+    if len(units_fit) != len(x_fit):
+        raise ValueError(f"read_units: {len(x_fit)} fit vectors for {len(units_fit)} units; they must match one to one")
+    counts = Counter(units_fit)
+    classes = sorted(u for u, c in counts.items() if c >= min_count)
+    if len(classes) < 2 or len(x_read) == 0:
+        return [None] * len(x_read), np.zeros(len(x_read))
+    index = {u: i for i, u in enumerate(classes)}
+    keep = [i for i, u in enumerate(units_fit) if u in index]
+    x_tr, x_te = standardise(torch.as_tensor(np.asarray(x_fit)[keep], dtype=torch.float32),
+                             torch.as_tensor(np.asarray(x_read), dtype=torch.float32))
+    w, b = fit_softmax(x_tr, torch.tensor([index[units_fit[i]] for i in keep]), len(classes), l2, steps)
+    prob = torch.softmax(x_te @ w + b, dim=-1)
+    top_p, top = prob.max(-1)
+    return [classes[int(k)] for k in top], top_p.double().numpy()
+
+
+def held_units(x: np.ndarray, units: Sequence[str], groups: Sequence[int], min_prob: float,
+               x_other: np.ndarray | None = None, units_other: Sequence[str] | None = None,
+               folds: int = 2, **kw) -> tuple[np.ndarray, np.ndarray | None]:
+    """Whether each row's vector holds its unit, as a linear probe that never saw the row's group says:
+    the probe ranks the row's own unit first with probability >= ``min_prob``.
+
+    ``x``/``units``/``groups``: the rows the probe learns from, cross-fitted (each row is read by the
+    probe fitted on the other ``folds - 1`` folds; a group, e.g. a document, stays in one fold, by
+    ``group % folds``); ``x_other``/``units_other``: rows read by the probe fitted on all of ``x``
+    (held-out documents). Returns (held for ``x``, held for ``x_other`` or None)."""
+    if not 0.0 <= min_prob <= 1.0:
+        raise ValueError(f"held_units: min_prob must be in [0, 1], found {min_prob!r}")
+    if folds < 2:
+        raise ValueError(f"held_units: folds must be >= 2, found {folds!r}")
+    x = np.asarray(x)
+    fold = np.asarray(groups, dtype=np.int64) % folds
+    held = np.zeros(len(units), dtype=bool)
+    for k in range(folds):
+        fit, read = np.flatnonzero(fold != k), np.flatnonzero(fold == k)
+        top, p = read_units(x[fit], [units[i] for i in fit], x[read], **kw)
+        held[read] = [t is not None and t == units[i] and q >= min_prob for t, q, i in zip(top, p, read, strict=True)]
+    other = None
+    if x_other is not None:
+        if units_other is None or len(units_other) != len(x_other):
+            raise ValueError("held_units: units_other must give one unit per row of x_other")
+        top, p = read_units(x, list(units), np.asarray(x_other), **kw)
+        other = np.array([t is not None and t == u and q >= min_prob for t, q, u in zip(top, p, units_other, strict=True)],
+                         dtype=bool)
+    return held, other

@@ -119,6 +119,12 @@ class WorldExplainerConfig:
                                                 "says, from the token read back (1 = the token only); the oracle "
                                                 "row quotes as many; null = all of text_end (the token and the two "
                                                 "units before it). Range: an integer >= 1, or null.")
+    quote_min_prob: float | None = option(None, help="quote the token read only where the vector holds it: a "
+                                                     "linear probe fitted on other documents' vectors "
+                                                     "(nla.core.probing.held_units) ranks the row's own word or "
+                                                     "mark first with at least this probability; elsewhere the "
+                                                     "explanation quotes nothing (and the oracle row too). Needs "
+                                                     "quote_units: 1. null = always quote. Range: [0, 1], or null.")
 
     def __post_init__(self) -> None:
         c = "world_explainer"
@@ -131,6 +137,14 @@ class WorldExplainerConfig:
         if self.quote_units is not None and (isinstance(self.quote_units, bool) or not isinstance(self.quote_units, int)
                                              or self.quote_units < 1):
             raise _err(c, "quote_units", "an integer >= 1 or null (quote all of text_end)", self.quote_units)
+        if self.quote_min_prob is not None:
+            if isinstance(self.quote_min_prob, bool) or not isinstance(self.quote_min_prob, (int, float)) \
+                    or not 0 <= self.quote_min_prob <= 1:
+                raise _err(c, "quote_min_prob", "a probability in [0, 1] or null (always quote)", self.quote_min_prob)
+            if self.quote_units != 1:
+                raise _err(c, "quote_min_prob", "null unless quote_units is 1 (the probe reads the token read's own "
+                           f"unit; quote_units is {self.quote_units!r}): set quote_units: 1 or quote_min_prob: null",
+                           self.quote_min_prob)
         if not isinstance(self.min_facts, int) or self.min_facts < 1:
             raise _err(c, "min_facts", "an integer >= 1", self.min_facts)
         if not isinstance(self.max_facts, int) or self.max_facts < self.min_facts:

@@ -31,6 +31,7 @@ from nla.datagen.explainer_base import (  # noqa: F401 - re-exported: the stage'
     row_key,
 )
 from nla.datagen.io import DatagenError
+from nla.world.explain import QUOTE_HELD
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +67,77 @@ class WorldExplainer(Explainer):
                     "column; the world explainer needs world activations (source: world)"
                 )
             facts = frozenset(Fact(*s.split("=", 1)) for s in r["facts"])
-            text = self._text.explain(facts, row_key(r["doc_id"], r["position"]), row_quote(r))
+            # quote_held False: the probe says the vector does not hold the token read; quote nothing
+            quote = row_quote(r) if r.get(QUOTE_HELD, True) is not False else None
+            text = self._text.explain(facts, row_key(r["doc_id"], r["position"]), quote)
             if not text or not text.strip():
                 self.drops["world_no_explanation"] += 1
                 out.append(None)
             else:
                 out.append(text.strip())
         return out
+
+
+def add_quote_held(tables: dict[str, pa.Table], min_prob: float) -> tuple[dict[str, pa.Table], dict[str, Any]]:
+    """Each table with a ``quote_held`` column: whether a linear probe reads the row's token read (the last
+    unit of its ``text_end``) from its vector with probability >= ``min_prob``
+    (``nla.core.probing.held_units``). The probe learns from the warm-start splits (``av_sft`` and
+    ``ar_sft``), each row read by the probe fitted on the other half of their documents; the ``rl``
+    rows (held-out documents, eval among them) by the probe fitted on all of them. The world
+    explainer quotes only where it is true, so what the AV learns to quote is what the vector holds.
+    Returns the tables and a summary (the share held per split)."""
+    import numpy as np
+
+    from nla.core.probing import held_units
+    from nla.datagen.io import read_vectors
+    from nla.world.facts import text_units
+
+    fit = [n for n in ("av_sft", "ar_sft") if n in tables]
+    for name, t in tables.items():
+        missing = [c for c in ("text_end", "doc_id", "activation_vector") if c not in t.column_names]
+        if missing:
+            raise DatagenError(f"quote_min_prob: split {name} has no {', '.join(missing)} column; the probe "
+                               "needs world activations written by this version of datagen (rerun extract)")
+
+    def unit(end: str | None) -> str | None:
+        units = text_units(end) if end else []
+        return units[-1] if units else None
+
+    units = {n: [unit(e) for e in t.column("text_end").to_pylist()] for n, t in tables.items()}
+    x = np.concatenate([read_vectors(tables[n]) for n in fit]) if fit else np.zeros((0, 0), np.float32)
+    u = [w for n in fit for w in units[n]]
+    groups = [d for n in fit for d in tables[n].column("doc_id").to_pylist()]
+    # a row without a unit (no text_end) quotes nothing: it is never held, and never fits the probe
+    has = np.array([w is not None for w in u], dtype=bool)
+    if has.sum() < 2:
+        raise DatagenError(f"quote_min_prob: the warm-start splits have {int(has.sum())} rows with a text_end; "
+                           "the probe needs some to learn from")
+    x_other = {n: read_vectors(t) for n, t in tables.items() if n not in fit}
+    other_names = list(x_other)
+    other_x = np.concatenate([x_other[n] for n in other_names]) if other_names else None
+    other_u = [w or "" for n in other_names for w in units[n]] if other_names else None
+    held_fit, held_other = held_units(x[has], [w for w, h in zip(u, has, strict=True) if h],
+                                      [g for g, h in zip(groups, has, strict=True) if h], min_prob,
+                                      x_other=other_x, units_other=other_u)
+    flags = np.zeros(len(u), dtype=bool)
+    flags[has] = held_fit
+    out, summary, start = dict(tables), {}, 0
+    for n in fit:
+        k = tables[n].num_rows
+        out[n] = tables[n].append_column(QUOTE_HELD, pa.array(flags[start:start + k].tolist(), pa.bool_()))
+        start += k
+    start = 0
+    for n in other_names:
+        k = tables[n].num_rows
+        f = [bool(h) and w is not None for h, w in zip(held_other[start:start + k], units[n], strict=True)]
+        out[n] = tables[n].append_column(QUOTE_HELD, pa.array(f, pa.bool_()))
+        start += k
+    for n, t in out.items():
+        col = t.column(QUOTE_HELD).to_pylist()
+        summary[n] = round(sum(col) / len(col), 4) if col else None
+        log.info("explain: the probe reads the token read at p >= %.2f on %.1f%% of %s's rows", min_prob,
+                 100 * (summary[n] or 0.0), n)
+    return out, {"min_prob": min_prob, "share": summary}
 
 
 @register_explainer("world")

@@ -68,8 +68,9 @@ def _outputs(stage: str, out: Path) -> list[Path]:
 
 def stage_hash(cfg: DatagenConfig, stage: str) -> str:
     d = cfg.to_dict()
-    if d["world_explainer"].get("quote_units") is None:  # the default: the hash of data written before it was a setting
-        d["world_explainer"] = {k: v for k, v in d["world_explainer"].items() if k != "quote_units"}
+    for key in ("quote_units", "quote_min_prob"):  # at the default: the hash of data written before it was a setting
+        if d["world_explainer"].get(key) is None:
+            d["world_explainer"] = {k: v for k, v in d["world_explainer"].items() if k != key}
     keys: list[str] = []
     for s in STAGES[: STAGES.index(stage) + 1]:
         keys += _STAGE_FIELDS[s]
@@ -160,10 +161,20 @@ def _explain(res: Resolved, out: Path) -> dict[str, Any]:
     from nla.datagen.io import write_parquet_atomic
 
     explainer = make_explainer(res.cfg.explainer, res.cfg)
-    summary = {"explainer": res.cfg.explainer}
+    summary: dict[str, Any] = {"explainer": res.cfg.explainer}
+    tables = {name: read_parquet(out / "splits" / f"{name}.parquet") for name in ("av_sft", "ar_sft")}
+    min_prob = res.cfg.world_explainer.quote_min_prob if res.cfg.explainer == "world" else None
+    if min_prob is not None:
+        from nla.datagen.explain import add_quote_held
+
+        tables["rl"] = read_parquet(out / "splits" / "rl.parquet")
+        tables, summary["quote_held"] = add_quote_held(tables, min_prob)
+        # the RL split keeps its flag for the oracle row and the text explainer of eval (not explained)
+        write_parquet_atomic(tables.pop("rl"), out / "explained" / "rl.parquet")
+    else:
+        (out / "explained" / "rl.parquet").unlink(missing_ok=True)  # a flag of an earlier setting
     try:
-        for name in ("av_sft", "ar_sft"):
-            table = read_parquet(out / "splits" / f"{name}.parquet")
+        for name, table in tables.items():
             done, dropped = explain_table(table, explainer, desc=f"explain {name}")
             path = write_parquet_atomic(done, out / "explained" / f"{name}.parquet")
             summary[name] = {"rows_in": table.num_rows, "rows": done.num_rows, "dropped": dict(dropped)}
@@ -186,7 +197,9 @@ def _build(res: Resolved, out: Path) -> dict[str, Any]:
 
     c = res.cfg
     splits = {n: read_parquet(out / "explained" / f"{n}.parquet") for n in ("av_sft", "ar_sft")}
-    splits["rl"] = read_parquet(out / "splits" / "rl.parquet")
+    # explained/rl.parquet: the RL split with what explain added to it (quote_min_prob's quote_held)
+    rl = out / "explained" / "rl.parquet"
+    splits["rl"] = read_parquet(rl if rl.is_file() else out / "splits" / "rl.parquet")
     r = build_datasets(
         splits, c.model_dir, c.layer_index, out, av_template=c.av_template, ar_template=c.ar_template,
         injection_char=c.injection_char, injection_scale=c.injection_scale, mse_scale=c.mse_scale,

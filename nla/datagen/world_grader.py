@@ -17,6 +17,7 @@ from nla.core.graders import DatasetGrader, split_sentences
 from nla.world.explain import (
     FACT_TEMPLATES,
     PHRASINGS,
+    QUOTE_HELD,
     QUOTE_RE,
     Grade,
     QuoteGrade,
@@ -94,10 +95,15 @@ class WorldGrader(DatasetGrader):
 
     def quotes(self, table: Any, dataset_path: Path | None = None) -> list[str | None]:
         """The row's ``text_end`` (``current_word`` in older datasets), cut to the dataset's
-        ``world_explainer.quote_units`` when its datagen settings set it: the data explainer's rule."""
+        ``world_explainer.quote_units`` when its datagen settings set it, and None where its
+        ``quote_held`` column is false (``world_explainer.quote_min_prob``): the data explainer's rule."""
         quotes = table_quotes(table) or [None] * table.num_rows
         n_units = _quote_units(dataset_path) if dataset_path is not None else None
-        return quotes if n_units is None else [cut_quote(q, n_units) for q in quotes]
+        if n_units is not None:
+            quotes = [cut_quote(q, n_units) for q in quotes]
+        if QUOTE_HELD in table.column_names:  # world_explainer.quote_min_prob: quote only what the vector holds
+            quotes = [q if held else None for q, held in zip(quotes, table.column(QUOTE_HELD).to_pylist(), strict=True)]
+        return quotes
 
     def quote_truths(self, table: Any, dataset_path: Path | None = None) -> list[tuple[str, str | None] | None] | None:
         """Per row ``(text_end, context)`` (context None when the table has none; the row None when its

@@ -134,6 +134,10 @@ QUOTE_RE = re.compile(r'^The text ends with "[^"]+"\.$')  # as render_text_end w
 # Where a world dataset keeps the text to quote: ``text_end`` (datagen since the quotation of the
 # text's end), else ``current_word`` (datasets written before it: the quotation is that word).
 QUOTE_COLUMNS = ("text_end", "current_word")
+# Where a row says whether its vector holds the token read (``world_explainer.quote_min_prob``, a
+# probe's verdict; ``nla.datagen.explain.add_quote_held``): false, the data explainer and the oracle
+# quote nothing there. Absent: every row quotes.
+QUOTE_HELD = "quote_held"
 
 
 def row_quote(row: dict) -> str | None:
