@@ -740,7 +740,7 @@ def _probe(preset, out: Path, kw: dict[str, Any], progress: bool) -> dict[str, A
     from nla.world.probe import best_layer, probe_world, write_probe_json
 
     art = build_world(preset, progress=progress)
-    results = probe_world(art, progress=progress, **kw)
+    results = probe_world(art, progress=progress, quote_layers=(art.config.default_layer,), **kw)
     best = best_layer(results)
     if best != art.config.default_layer:
         logger.warning("probe: layer %d decodes the facts best, but the world's extraction layer is %d",

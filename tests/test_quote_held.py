@@ -30,9 +30,11 @@ def test_the_probe_reads_separable_units_and_not_confusable_ones():
     top, p = read_units(x, units, _vectors(["a", "b", "c", "d"], seed=1))
     assert top[:3] == ["a", "b", "c"] and (p[:3] > 0.9).all()
     assert top[3] in ("d", "e") and 0.3 < p[3] < 0.7  # d and e are the same vector: about one half each
-    # fewer than two units seen twice: nothing is read
+    # no unit seen twice: nothing is read; one unit seen twice: it is all there is to read
     top, p = read_units(x[:2], ["a", "b"], x[:3])
     assert top == [None, None, None] and (p == 0).all()
+    top, p = read_units(x[:3], ["a", "a", "b"], x[:2])
+    assert top == ["a", "a"] and (p == 1).all()
     with pytest.raises(ValueError, match="2 fit vectors for 3 units"):
         read_units(x[:2], ["a", "b", "c"], x)
 

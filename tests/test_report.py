@@ -87,3 +87,26 @@ def test_report_warns_of_a_kind_the_warm_start_does_not_read(tmp_path, caplog):
     clean = write_report(tmp_path, preset="x", stages=[], configs={}, world={}, warm_eval=warm, rl_eval=rl,
                          ar_info={}, av_info={}, rl_info={}).read_text()
     assert "does not read every kind" not in clean
+
+
+def test_the_kind_table_shows_the_quotation_beside_its_probe():
+    from nla.eval.report import kind_table, probe_table
+
+    warm, rl = _eval(0.5, 0.5, 0.8, 0.0), _eval(0.6, 0.6, 0.8, 0.0)
+    for ev, q0 in ((warm, (0.9, 0.95)), (rl, (0.85, 0.97))):
+        faith = ev["rows"][0]["faithfulness"]
+        faith["by_kind"] = {"place": [1.0, 1.0]}
+        # one unit quoted (quote_units=1): quote[1] is never said (recall 0, no precision): no row
+        faith["quote"] = {"by_position": {"quote[0]": list(q0), "quote[1]": [0.0, None]}}
+    probe = {"default_layer": 1, "layers": [
+        {"layer": 1, "mean_top1": 0.9, "mean_chance": 0.1, "kinds": [{"kind": "place", "top1": 0.9}],
+         "quotes": [{"kind": "quote[0]", "top1": 0.95}, {"kind": "quote[1]", "top1": 0.7}]}]}
+    lines = kind_table(warm, rl, probe)
+    assert "| quote[0] (quotation) | 0.95 | 0.90 | 0.95 | 0.85 | 0.97 |" in lines
+    assert not any(line.startswith("| quote[1]") for line in lines)
+    assert "| 1 (extraction layer) | 0.90 | **0.900** | 0.100 | 0.95 | 0.70 |" in probe_table(probe)
+    # a probe written before the quotation probe: the table as it was
+    old = {"default_layer": 1, "layers": [{"layer": 1, "mean_top1": 0.9, "mean_chance": 0.1,
+                                           "kinds": [{"kind": "place", "top1": 0.9}]}]}
+    assert probe_table(old)[0] == "| layer | place | mean top-1 | chance |"
+    assert "| quote[0] (quotation) | – | 0.90 | 0.95 | 0.85 | 0.97 |" in kind_table(warm, rl, old)

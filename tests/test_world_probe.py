@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from nla.world.facts import VOCAB, Fact
-from nla.world.probe import KindProbe, LayerProbe, best_layer, probe_kinds, probe_table_markdown
+from nla.world.probe import KindProbe, LayerProbe, best_layer, probe_kinds, probe_quotes, probe_table_markdown
 
 KINDS = ("place", "mood")
 
@@ -65,3 +65,39 @@ def test_best_layer_and_table():
     assert "| 1 (chosen) | 0.90 | **0.900** | 0.100 |" in md
     with pytest.raises(ValueError, match="no probe results"):
         best_layer([])
+
+
+def test_quotation_probe_reads_each_position_from_the_end():
+    """The token read's word is planted in the vector, the word before it is not: quote[0] is read
+    exactly, quote[1] at the commonest word's rate at most; chance is that commonest word's share."""
+    rng = np.random.default_rng(3)
+    words = ["sun", "moon", "sea", "hill"]
+    dirs = {w: rng.standard_normal(12) for w in words}
+
+    def rows(n):
+        reads, x = [], []
+        for i in range(n):
+            before, last = words[i % 4], words[(i * 7 + i // 4) % 4]
+            reads.append(f"The {before} {last}")
+            x.append(dirs[last] + 0.05 * rng.standard_normal(12))
+        return np.asarray(x, dtype=np.float32), reads
+
+    x_tr, r_tr = rows(400)
+    x_te, r_te = rows(200)
+    got = {k.kind: k for k in probe_quotes(x_tr, r_tr, x_te, r_te)}
+    assert set(got) == {"quote[0]", "quote[1]", "quote[2]"}
+    assert got["quote[0]"].top1 == pytest.approx(1.0) and got["quote[0]"].n_facts == 4 and got["quote[0]"].n_rows == 200
+    assert got["quote[2]"].top1 == pytest.approx(1.0) and got["quote[2]"].chance == pytest.approx(1.0)  # always "The"
+    assert got["quote[1]"].chance == pytest.approx(0.25) and got["quote[1]"].top1 < 0.5
+    # a text shorter than the position has no row there
+    short = {k.kind: k for k in probe_quotes(x_tr, r_tr, x_te[:2], ["sun", "The moon"])}
+    assert short["quote[1]"].n_rows == 1 and "quote[2]" not in short
+    with pytest.raises(ValueError, match="must match one to one"):
+        probe_quotes(x_tr, r_tr[:3], x_te, r_te)
+    # quotation probes are shown beside the kinds, not in their mean
+    layer = LayerProbe(2, (KindProbe("place", 12, 10, 0.9, 0.1),), tuple(got.values()))
+    assert layer.mean_top1 == pytest.approx(0.9) and layer.to_dict()["quotes"][0]["kind"] == "quote[0]"
+    md = probe_table_markdown([LayerProbe(1, (KindProbe("place", 12, 10, 0.5, 0.1),)), layer], chosen=2)
+    assert "| layer | place | mean top-1 | chance | quote[0] | quote[1] | quote[2] |" in md
+    assert "| 2 (chosen) | 0.90 | **0.900** | 0.100 | 1.00 |" in md
+    assert "| 1 | 0.50 | **0.500** | 0.100 | – | – | – |" in md  # a layer not probed for the quotation

@@ -62,14 +62,16 @@ def read_units(x_fit: np.ndarray, units_fit: Sequence[str], x_read: np.ndarray, 
                l2: float = 1e-3, steps: int = 300) -> tuple[list[str | None], np.ndarray]:
     """What a linear probe fitted on ``(x_fit, units_fit)`` reads from each row of ``x_read``: the unit
     it ranks first and that unit's probability. The classes are the units seen at least ``min_count``
-    times in the fit rows; vectors are read by direction (``standardise`` on the fit rows). With fewer
-    than two classes the probe reads nothing: every row gets (None, 0.0)."""
+    times in the fit rows; vectors are read by direction (``standardise`` on the fit rows). With one
+    class every row reads it (probability 1); with none the probe reads nothing: (None, 0.0)."""
     if len(units_fit) != len(x_fit):
         raise ValueError(f"read_units: {len(x_fit)} fit vectors for {len(units_fit)} units; they must match one to one")
     counts = Counter(units_fit)
     classes = sorted(u for u, c in counts.items() if c >= min_count)
-    if len(classes) < 2 or len(x_read) == 0:
+    if not classes or len(x_read) == 0:
         return [None] * len(x_read), np.zeros(len(x_read))
+    if len(classes) == 1:
+        return [classes[0]] * len(x_read), np.ones(len(x_read))
     index = {u: i for i, u in enumerate(classes)}
     keep = [i for i, u in enumerate(units_fit) if u in index]
     x_tr, x_te = standardise(torch.as_tensor(np.asarray(x_fit)[keep], dtype=torch.float32),

@@ -72,12 +72,16 @@ def probe_table(probe: dict[str, Any]) -> list[str]:
     if not layers:
         return []
     kinds = [k["kind"] for k in layers[0]["kinds"]]
-    lines = ["| layer | " + " | ".join(kinds) + " | mean top-1 | chance |", "|---" * (len(kinds) + 3) + "|"]
+    # the quotation's probes, at the layers probed for them (none in probes written before issue 57)
+    quotes = list(dict.fromkeys(k["kind"] for r in layers for k in r.get("quotes") or []))
+    lines = ["| layer | " + " | ".join(kinds) + " | mean top-1 | chance |" + "".join(f" {q} |" for q in quotes),
+             "|---" * (len(kinds) + 3 + len(quotes)) + "|"]
     for r in layers:
-        by = {k["kind"]: k["top1"] for k in r["kinds"]}
+        by = {k["kind"]: k["top1"] for k in r["kinds"] + (r.get("quotes") or [])}
         mark = " (extraction layer)" if r["layer"] == probe.get("default_layer") else ""
         lines.append(f"| {r['layer']}{mark} | " + " | ".join(_f(by.get(k), 2) for k in kinds)
-                     + f" | **{_f(r['mean_top1'])}** | {_f(r['mean_chance'])} |")
+                     + f" | **{_f(r['mean_top1'])}** | {_f(r['mean_chance'])} |"
+                     + "".join(f" {_f(by.get(q), 2)} |" for q in quotes))
     return lines
 
 
@@ -110,6 +114,16 @@ def kind_table(warm: dict[str, Any], after: dict[str, Any], probe: dict[str, Any
         if k in NO_RECALL_KINDS:
             w, a = (None, w[1]), (None, a[1])
         lines.append(f"| {k} | {_f(top1.get(k), 2)} | {_f(w[0], 2)} | {_f(w[1], 2)} | {_f(a[0], 2)} | {_f(a[1], 2)} |")
+    # the quotation's positions the language quotes, beside what the unit probe reads there (issue 57)
+    qw = ((rt_w.get("quote") or {}).get("by_position")) or {}
+    qa = ((rt_a.get("quote") or {}).get("by_position")) or {}
+    qprobe = {k["kind"]: k["top1"] for k in (at[0].get("quotes") or [])} if at else {}
+    for q in sorted(set(qw) | set(qa)):
+        w, a = qw.get(q) or (None, None), qa.get(q) or (None, None)
+        if w[1] is None and a[1] is None and not (w[0] or a[0]):
+            continue  # a position the language does not quote (no claim there, nothing recalled)
+        lines.append(f"| {q} (quotation) | {_f(qprobe.get(q), 2)} | {_f(w[0], 2)} | {_f(w[1], 2)} | {_f(a[0], 2)} | "
+                     f"{_f(a[1], 2)} |")
     return lines
 
 
@@ -361,7 +375,8 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
           *comparison_table(warm_eval, rl_eval), "",
           *(["### Per fact kind (AV → AR round trip)", "",
               ("Recall and precision of the facts of each kind, against what a linear probe reads of that kind "
-               "from the same layer's vectors (the most a faithful verbalizer could name)." if probe.get("layers") else
+               "from the same layer's vectors (the most a faithful verbalizer could name); a `quote[p]` row is the "
+               "quotation's unit p from the end, beside what a probe reads of that unit." if probe.get("layers") else
                "Recall and precision of the claims of each kind (no probe was run: the truth is the rows' own)."), "",
               *kinds, ""] if kinds else []),
           *(["### The quotation of the text's end (AV → AR round trip)", "",
@@ -371,7 +386,9 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
              "not count the quotation.", "", *quotes, ""] if quotes else []),
           *(["## What is in the vector", "",
               "Top-1 accuracy of a linear probe per fact kind on held-out stories (`nla world probe`): how much of "
-              "the ground truth any verbalizer could read from the vectors at each layer, against chance.", "",
+              "the ground truth any verbalizer could read from the vectors at each layer, against chance; "
+              "`quote[p]`: how often a probe names the word or mark p units from the end of the text read "
+              "(not in the mean).", "",
               *probe_table(probe), ""] if probe.get("layers") else []),
           *suite_section(suite),
           "## Training", "",

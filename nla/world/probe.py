@@ -14,13 +14,19 @@ is fitted on training stories and scored on held-out stories:
    training rows' mean and std, so every layer is probed on the same footing.
 
 It bounds what any verbalizer can say faithfully about the facts at a layer, and picks
-the extraction layer (docs/design.md §5). Notation: N rows, d width, F facts of a kind.
+the extraction layer (docs/design.md §5). Beside the facts, the quotation: for each position p
+from the end of the text read (``quote[0]`` the token read's own word or mark, ``quote[1]`` the one
+before it...), a multinomial probe over the units seen at least twice in training
+(``nla.core.probing.read_units``) scores how often it names the held-out row's unit (an unseen
+unit is a miss); its ``chance`` is the commonest training unit's share. Quotation probes are
+reported beside the kinds and never enter the layer choice. Notation: N rows, d width, F facts of a kind.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -53,6 +59,7 @@ class LayerProbe:
 
     layer: int
     kinds: tuple[KindProbe, ...]
+    quotes: tuple[KindProbe, ...] = ()  # quote[p]: the unit p from the end of the text read (n_facts: its classes)
 
     @property
     def mean_top1(self) -> float:
@@ -63,8 +70,11 @@ class LayerProbe:
         return float(np.mean([k.chance for k in self.kinds])) if self.kinds else float("nan")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layer": self.layer, "mean_top1": self.mean_top1, "mean_chance": self.mean_chance,
-                "kinds": [asdict(k) for k in self.kinds]}
+        out = {"layer": self.layer, "mean_top1": self.mean_top1, "mean_chance": self.mean_chance,
+               "kinds": [asdict(k) for k in self.kinds]}
+        if self.quotes:
+            out["quotes"] = [asdict(k) for k in self.quotes]
+        return out
 
 
 def probe_kinds(
@@ -104,6 +114,38 @@ def probe_kinds(
     return tuple(out)
 
 
+QUOTE_POSITIONS = 3  # quote[0..2]: the token read and the two units before it (the world's text_end)
+
+
+def probe_quotes(x_train: np.ndarray, reads_train: Sequence[str], x_test: np.ndarray, reads_test: Sequence[str],
+                 positions: int = QUOTE_POSITIONS, steps: int = 100) -> tuple[KindProbe, ...]:
+    """One unit probe per position p from the end of the text read (``reads_*[i]``: row i's text up to
+    and including its token): ``quote[p]`` top-1 over the held-out rows with a unit at p."""
+    from nla.core.probing import read_units
+    from nla.world.facts import text_units
+
+    if len(reads_train) != len(x_train) or len(reads_test) != len(x_test):
+        raise ValueError(f"probe_quotes: {len(x_train)} / {len(x_test)} vectors for {len(reads_train)} / "
+                         f"{len(reads_test)} texts read; they must match one to one")
+    units_tr = [text_units(r) for r in reads_train]
+    units_te = [text_units(r) for r in reads_test]
+    out = []
+    for p in range(positions):
+        tr = [i for i, u in enumerate(units_tr) if len(u) > p]
+        te = [i for i, u in enumerate(units_te) if len(u) > p]
+        if len(tr) < 2 or not te:
+            continue
+        y_tr = [units_tr[i][-1 - p] for i in tr]
+        truth = [units_te[i][-1 - p] for i in te]
+        top, _ = read_units(np.asarray(x_train)[tr], y_tr, np.asarray(x_test)[te], steps=steps)
+        counts = Counter(y_tr)
+        common = counts.most_common(1)[0][0]
+        out.append(KindProbe(f"quote[{p}]", sum(1 for c in counts.values() if c >= 2), len(te),
+                             float(np.mean([a == b for a, b in zip(top, truth, strict=True)])),
+                             float(np.mean([t == common for t in truth]))))
+    return tuple(out)
+
+
 @torch.no_grad()
 def collect_layer_vectors(
     model: Any,
@@ -116,11 +158,13 @@ def collect_layer_vectors(
     max_len: int = 128,
     batch_size: int = 32,
     progress: bool = False,
+    texts_read: list[str] | None = None,
 ) -> tuple[dict[int, np.ndarray], list[list[str]]]:
     """Block-``K`` outputs for every K in ``layers`` at sampled positions, and the facts there.
 
     Positions are drawn as in datagen (``nla.core.activations.sample_positions``), so a probe
-    sees the same kind of rows the NLA is trained on. Returns ``({K: [N, d]}, facts)``.
+    sees the same kind of rows the NLA is trained on. Returns ``({K: [N, d]}, facts)``; a list
+    given as ``texts_read`` gets each row's text up to and including its token (for ``probe_quotes``).
     """
     from nla.core.activations import sample_positions
 
@@ -140,6 +184,9 @@ def collect_layer_vectors(
                 continue
             tf = token_facts(doc, [tuple(o) for o in offsets[j, real].tolist()])
             facts += [sorted(str(f) for f in tf[p]) for p in pos]
+            if texts_read is not None:
+                ends = offsets[j, real].tolist()
+                texts_read += [doc.text[: ends[p][1]] for p in pos]
             idx = real[torch.as_tensor(pos)]
             for k in layers:
                 vecs[k].append(out.hidden_states[k + 1][j, idx].float().numpy())
@@ -155,8 +202,11 @@ def probe_world_layers(
     skip_first: int = 4,
     max_len: int = 128,
     progress: bool = False,
+    quote_layers: Sequence[int] | None = None,
 ) -> list[LayerProbe]:
-    """Probe every layer in ``layers`` (default: every block but the last) of a world subject."""
+    """Probe every layer in ``layers`` (default: every block but the last) of a world subject, and the
+    quotation's positions at ``quote_layers`` (default: the same layers; the unit probes cost most of
+    the time, so the quickstart asks for its extraction layer only)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(subject_dir))
@@ -168,11 +218,15 @@ def probe_world_layers(
         raise ValueError(f"probe layers: expected blocks 0..{n_layers - 2} of this {n_layers}-block subject, "
                          f"found {bad}")
     kw = dict(positions_per_doc=positions_per_doc, skip_first=skip_first, max_len=max_len, progress=progress)
-    x_tr, f_tr = collect_layer_vectors(model, tok, train_docs, layers, seed=0, **kw)
-    x_te, f_te = collect_layer_vectors(model, tok, test_docs, layers, seed=1, **kw)
+    quoted = set(layers if quote_layers is None else quote_layers)
+    r_tr: list[str] = []
+    r_te: list[str] = []
+    x_tr, f_tr = collect_layer_vectors(model, tok, train_docs, layers, seed=0, texts_read=r_tr, **kw)
+    x_te, f_te = collect_layer_vectors(model, tok, test_docs, layers, seed=1, texts_read=r_te, **kw)
     results = []
     for k in tqdm(layers, desc="probe: fit", disable=not progress, leave=False):
-        results.append(LayerProbe(k, probe_kinds(x_tr[k], f_tr, x_te[k], f_te)))
+        results.append(LayerProbe(k, probe_kinds(x_tr[k], f_tr, x_te[k], f_te),
+                                  probe_quotes(x_tr[k], r_tr, x_te[k], r_te) if k in quoted else ()))
         logger.info("probe layer %d: mean top-1 %.3f (chance %.3f)", k, results[-1].mean_top1,
                     results[-1].mean_chance)
     return results
@@ -180,7 +234,7 @@ def probe_world_layers(
 
 def probe_world(
     world: Any, layers: Sequence[int] | None = None, n_train_docs: int = 1500, n_test_docs: int = 300,
-    progress: bool = False,
+    progress: bool = False, quote_layers: Sequence[int] | None = None,
 ) -> list[LayerProbe]:
     """Probe a world build (``nla.world.build.WorldArtifacts``): fit on its first training stories,
     score on its held-out stories (never seen in pretraining)."""
@@ -191,7 +245,8 @@ def probe_world(
         raise ValueError(f"n_test_docs: the world holds out {cfg.n_heldout_docs} stories, asked for {n_test_docs}")
     train = generate_documents(cfg.seed, min(n_train_docs, cfg.n_docs))
     test = generate_documents(cfg.seed, n_test_docs, start_id=cfg.heldout_start)
-    return probe_world_layers(world.subject_dir, train, test, layers=layers, progress=progress)
+    return probe_world_layers(world.subject_dir, train, test, layers=layers, progress=progress,
+                              quote_layers=quote_layers)
 
 
 def best_layer(results: Sequence[LayerProbe]) -> int:
@@ -202,15 +257,19 @@ def best_layer(results: Sequence[LayerProbe]) -> int:
 
 
 def probe_table_markdown(results: Sequence[LayerProbe], chosen: int | None = None) -> str:
-    """Rows: layers; columns: top-1 per kind, mean, chance. ``chosen`` is marked."""
+    """Rows: layers; columns: top-1 per kind, mean, chance, then each quotation position's top-1.
+    ``chosen`` is marked."""
     kinds = [k.kind for k in results[0].kinds] if results else []
-    lines = ["| layer | " + " | ".join(kinds) + " | mean top-1 | chance |",
-             "|---" * (len(kinds) + 3) + "|"]
+    quotes = list(dict.fromkeys(k.kind for r in results for k in r.quotes))  # those of any layer probed for them
+    lines = ["| layer | " + " | ".join(kinds) + " | mean top-1 | chance |" + "".join(f" {q} |" for q in quotes),
+             "|---" * (len(kinds) + 3 + len(quotes)) + "|"]
     for r in results:
-        by = {k.kind: k for k in r.kinds}
+        by = {k.kind: k for k in r.kinds + r.quotes}
         cells = [f"{by[k].top1:.2f}" if k in by else "–" for k in kinds]
+        qcells = "".join(f" {by[q].top1:.2f} |" if q in by else " – |" for q in quotes)
         mark = " (chosen)" if r.layer == chosen else ""
-        lines.append(f"| {r.layer}{mark} | " + " | ".join(cells) + f" | **{r.mean_top1:.3f}** | {r.mean_chance:.3f} |")
+        lines.append(f"| {r.layer}{mark} | " + " | ".join(cells) + f" | **{r.mean_top1:.3f}** | {r.mean_chance:.3f} |"
+                     + qcells)
     return "\n".join(lines)
 
 
