@@ -25,37 +25,32 @@ def standardise(x_train: torch.Tensor, x_test: torch.Tensor) -> tuple[torch.Tens
     return (x_train - mu) / sd, (x_test - mu) / sd
 
 
-def fit_logistic(x: torch.Tensor, y: torch.Tensor, l2: float, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Multi-label logistic regression ``sigmoid(x @ w + b)`` by full-batch L-BFGS.  x [N, d], y [N, F]."""
-    w = torch.zeros(x.shape[1], y.shape[1], requires_grad=True)
-    b = torch.zeros(y.shape[1], requires_grad=True)
+def _fit_linear(x: torch.Tensor, n_out: int, loss_of, l2: float, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [d, n_out], ``b`` [n_out] minimising ``loss_of(x @ w + b) + l2 * |w|^2`` by full-batch L-BFGS
+    from zeros (deterministic: no random start)."""
+    w = torch.zeros(x.shape[1], n_out, requires_grad=True)
+    b = torch.zeros(n_out, requires_grad=True)
     opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=steps, line_search_fn="strong_wolfe")
 
     def closure() -> torch.Tensor:
         opt.zero_grad()
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(x @ w + b, y) + l2 * (w * w).sum()
+        loss = loss_of(x @ w + b) + l2 * (w * w).sum()
         loss.backward()
         return loss
 
     opt.step(closure)
     return w.detach(), b.detach()
+
+
+def fit_logistic(x: torch.Tensor, y: torch.Tensor, l2: float, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-label logistic regression ``sigmoid(x @ w + b)`` by full-batch L-BFGS.  x [N, d], y [N, F]."""
+    return _fit_linear(x, y.shape[1], lambda z: torch.nn.functional.binary_cross_entropy_with_logits(z, y), l2, steps)
 
 
 def fit_softmax(x: torch.Tensor, y: torch.Tensor, n_classes: int, l2: float = 1e-3,
                 steps: int = 300) -> tuple[torch.Tensor, torch.Tensor]:
     """Multinomial logistic regression ``softmax(x @ w + b)`` by full-batch L-BFGS.  x [N, d], y [N] class ids."""
-    w = torch.zeros(x.shape[1], n_classes, requires_grad=True)
-    b = torch.zeros(n_classes, requires_grad=True)
-    opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=steps, line_search_fn="strong_wolfe")
-
-    def closure() -> torch.Tensor:
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(x @ w + b, y) + l2 * (w * w).sum()
-        loss.backward()
-        return loss
-
-    opt.step(closure)
-    return w.detach(), b.detach()
+    return _fit_linear(x, n_classes, lambda z: torch.nn.functional.cross_entropy(z, y), l2, steps)
 
 
 def read_units(x_fit: np.ndarray, units_fit: Sequence[str], x_read: np.ndarray, min_count: int = 2,
