@@ -128,3 +128,66 @@ def test_datagen_writes_the_flag_through_to_the_rl_split(tmp_path):
         assert [quotation(x) is not None for x in texts] == held  # quoted exactly where the probe reads the token
     rl, _ = load_dataset(tmp_path / "out" / "rl.parquet")
     assert rl.column(QUOTE_HELD).to_pylist().count(True) / rl.num_rows == pytest.approx(share["rl"], abs=5e-5)
+
+
+def test_a_hedged_quotation_is_said_unsure_and_graded_as_not_said():
+    from nla.core.graders import get_grader, quotation_summary
+    from nla.world.explain import (
+        Hedged,
+        cut_quote,
+        degeneracy,
+        grade_quote,
+        in_language,
+        render_text_end,
+        unheld_quote,
+    )
+
+    context = "Hugo went to the station. Soon it was night. He"
+    sure, unsure = 'The text ends with "He". Hugo is one of the characters.', 'The text may end with "She".'
+    assert render_text_end(Hedged("He")) == 'The text may end with "He".'
+    assert isinstance(cut_quote(Hedged("night. He"), 1), Hedged) and cut_quote(Hedged("night. He"), 1) == "He"
+    q = quotation(unsure)
+    assert q == "She" and isinstance(q, Hedged) and not isinstance(quotation(sure), Hedged)
+    assert in_language('The text may end with "She".') and not degeneracy(unsure).any
+    g = grade_quote(unsure, "He", context)
+    assert (g.said, g.claims, g.recalled, g.exact, g.hedged) == (False, (), (False,), False, (False,))
+    right = grade_quote('The text may end with "He".', "He", context)
+    assert right.hedged == (True,) and not right.said
+    # three rows: said and right, hedged and wrong, hedged and right: precision counts the first only
+    grader = get_grader("world")
+    texts = [sure, unsure, 'The text may end with "He".']
+    summary = quotation_summary(texts, [("He", context)] * 3, grader)
+    assert summary.by_position["quote[0]"] == (1 / 3, 1.0) and summary.said == 1 / 3
+    assert summary.hedged == 2 / 3 and summary.hedged_true == 0.5
+    # the suite: a hedged quotation is no claim, true or false
+    assert grader.claim_truth('The text may end with "She".', ["person=hugo"], ("He", context)) is None
+    assert grader.claim_truth('The text ends with "She".', ["person=hugo"], ("He", context)) is False
+    assert unheld_quote("He", True, "hedge") == "He" and unheld_quote("He", False, "omit") is None
+    assert isinstance(unheld_quote("He", False, "hedge"), Hedged) and unheld_quote(None, False, "hedge") is None
+    with pytest.raises(ValueError, match="quote_unheld: expected omit or hedge"):
+        unheld_quote("He", False, "maybe")
+
+
+def test_the_data_explainer_hedges_unheld_rows_when_asked():
+    units = ["a", "b", "c", "d", "e"] * 20
+    tables = {"av_sft": _split(units, [i // 5 for i in range(100)], 0),
+              "ar_sft": _split(units, [100 + i // 5 for i in range(100)], 1),
+              "rl": _split(["a", "d"], [500, 500], 2)}
+    out, _ = add_quote_held(tables, 0.8)
+    rows = out["rl"].drop_columns(["activation_vector"]).to_pylist()
+    ex = WorldExplainer(seed=0, min_facts=1, max_facts=1, wrong_rate=0.0, quote_units=1, quote_unheld="hedge")
+    texts = ex.explain_batch(rows)
+    assert texts[0].startswith('The text ends with "a". ') and texts[1].startswith('The text may end with "d". ')
+    with pytest.raises(ValueError, match=r"quote_unheld: expected one of omit, hedge, found 'maybe'"):
+        DatagenConfig.from_dict({"world_explainer": {"quote_units": 1, "quote_min_prob": 0.5, "quote_unheld": "maybe"}})
+    with pytest.raises(ValueError, match=r"quote_unheld: expected omit unless quote_min_prob is set"):
+        DatagenConfig.from_dict({"world_explainer": {"quote_units": 1, "quote_unheld": "hedge"}})
+
+
+def test_the_explorer_marks_a_hedged_quotation_as_unsure():
+    from nla.explore.engine import quote_grade
+
+    read = "Hugo went to the station. Soon it was night. He"
+    q = quote_grade('The text may end with "He".', read)
+    assert q["hedged"] is True and q["correct"] is False and [u["correct"] for u in q["units"]] == [True]
+    assert quote_grade('The text ends with "He".', read)["hedged"] is False

@@ -152,6 +152,8 @@ class DatasetGrader:
         if quote is not None and self.is_quotation(claim):
             g = self.grade_quote(claim, quote)
             if g is not None:
+                if getattr(g, "hedged", None) is not None:
+                    return None  # said unsure: not a claim (nla.world.explain.Hedged)
                 return bool(g.said and all(g.claims))
         named = self.named_facts(claim)
         return None if not named else named <= set(truth)
@@ -203,7 +205,9 @@ class Quotation:
 
     ``claims["quote[p]"]``: units quoted at p. ``said``: share of rows that quote; ``exact``: share of
     the rows whose text's end is not empty whose quotation is exactly it; ``all_true``: share of the
-    rows that quote whose every quoted unit is true (None when none quotes)."""
+    rows that quote whose every quoted unit is true (None when none quotes). ``hedged``: share of rows
+    whose quotation is said unsure (``nla.world.explain.Hedged``: not said, in every figure above);
+    ``hedged_true``: of those, the share whose every unit is true anyway (None when none hedges)."""
 
     n: int
     said: float | None
@@ -211,6 +215,8 @@ class Quotation:
     all_true: float | None
     by_position: dict[str, tuple[float | None, float | None]]
     claims: dict[str, int]
+    hedged: float | None = None
+    hedged_true: float | None = None
 
 
 def quotation_summary(texts: Sequence[str | None], truths: Sequence[Any], grader: DatasetGrader
@@ -242,11 +248,13 @@ def quotation_summary(texts: Sequence[str | None], truths: Sequence[Any], grader
         claims[f"quote[{p}]"] = len(said)
     with_end = [g for g in grades if len(g.recalled)]
     quoting = [g for g in grades if g.said]
+    hedging = [g.hedged for g in grades if getattr(g, "hedged", None) is not None]
     return Quotation(
         n=len(grades), said=len(quoting) / len(grades),
         exact=float(np.mean([g.exact for g in with_end])) if with_end else None,
         all_true=float(np.mean([all(g.claims) for g in quoting])) if quoting else None,
-        by_position=by_position, claims=claims)
+        by_position=by_position, claims=claims, hedged=len(hedging) / len(grades),
+        hedged_true=float(np.mean([all(h) for h in hedging])) if hedging else None)
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,10 @@ class WorldExplainerConfig:
                                                      "mark first with at least this probability; elsewhere the "
                                                      "explanation quotes nothing (and the oracle row too). Needs "
                                                      "quote_units: 1. null = always quote. Range: [0, 1], or null.")
+    quote_unheld: str = option("omit", help="what the explanation says of the token read where quote_min_prob "
+                                            "finds the vector does not hold it: omit (no quotation) or hedge "
+                                            "(the quotation said unsure, 'The text may end with \"...\".', which "
+                                            "the grader counts as not said). Range: omit, hedge.")
 
     def __post_init__(self) -> None:
         c = "world_explainer"
@@ -145,6 +149,11 @@ class WorldExplainerConfig:
                 raise _err(c, "quote_min_prob", "null unless quote_units is 1 (the probe reads the token read's own "
                            f"unit; quote_units is {self.quote_units!r}): set quote_units: 1 or quote_min_prob: null",
                            self.quote_min_prob)
+        if self.quote_unheld not in ("omit", "hedge"):
+            raise _err(c, "quote_unheld", "one of omit, hedge", self.quote_unheld)
+        if self.quote_unheld != "omit" and self.quote_min_prob is None:
+            raise _err(c, "quote_unheld", "omit unless quote_min_prob is set (it says which rows are unheld)",
+                       self.quote_unheld)
         if not isinstance(self.min_facts, int) or self.min_facts < 1:
             raise _err(c, "min_facts", "an integer >= 1", self.min_facts)
         if not isinstance(self.max_facts, int) or self.max_facts < self.min_facts:

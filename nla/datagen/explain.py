@@ -31,7 +31,7 @@ from nla.datagen.explainer_base import (  # noqa: F401 - re-exported: the stage'
     row_key,
 )
 from nla.datagen.io import DatagenError
-from nla.world.explain import QUOTE_HELD
+from nla.world.explain import QUOTE_HELD, unheld_quote
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,11 @@ class WorldExplainer(Explainer):
     name = "world"
 
     def __init__(self, seed: int, min_facts: int, max_facts: int, wrong_rate: float, word_rate: float = 1.0,
-                 fact_rate: float | None = None, quote_units: int | None = None) -> None:
+                 fact_rate: float | None = None, quote_units: int | None = None, quote_unheld: str = "omit") -> None:
         super().__init__()
         from nla.world import TextExplainer
+
+        self.quote_unheld = quote_unheld
 
         self._text = TextExplainer(seed=seed, min_facts=min_facts, max_facts=max_facts, wrong_rate=wrong_rate,
                                    word_rate=word_rate, fact_rate=fact_rate, quote_units=quote_units)
@@ -67,8 +69,9 @@ class WorldExplainer(Explainer):
                     "column; the world explainer needs world activations (source: world)"
                 )
             facts = frozenset(Fact(*s.split("=", 1)) for s in r["facts"])
-            # quote_held False: the probe says the vector does not hold the token read; quote nothing
-            quote = row_quote(r) if r.get(QUOTE_HELD, True) is not False else None
+            # quote_held False: the probe says the vector does not hold the token read; quote nothing,
+            # or say it unsure (quote_unheld: hedge)
+            quote = unheld_quote(row_quote(r), r.get(QUOTE_HELD, True) is not False, self.quote_unheld)
             text = self._text.explain(facts, row_key(r["doc_id"], r["position"]), quote)
             if not text or not text.strip():
                 self.drops["world_no_explanation"] += 1
@@ -143,7 +146,8 @@ def add_quote_held(tables: dict[str, pa.Table], min_prob: float) -> tuple[dict[s
 @register_explainer("world")
 def _world(cfg: DatagenConfig) -> Explainer:
     w = cfg.world_explainer
-    return WorldExplainer(cfg.seed, w.min_facts, w.max_facts, w.wrong_rate, w.word_rate, w.fact_rate, w.quote_units)
+    return WorldExplainer(cfg.seed, w.min_facts, w.max_facts, w.wrong_rate, w.word_rate, w.fact_rate, w.quote_units,
+                          w.quote_unheld)
 
 
 _WORD_RE = re.compile(r"[A-Za-z][A-Za-z'-]*")

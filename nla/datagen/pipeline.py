@@ -68,8 +68,9 @@ def _outputs(stage: str, out: Path) -> list[Path]:
 
 def stage_hash(cfg: DatagenConfig, stage: str) -> str:
     d = cfg.to_dict()
-    for key in ("quote_units", "quote_min_prob"):  # at the default: the hash of data written before it was a setting
-        if d["world_explainer"].get(key) is None:
+    # a setting at its default leaves the hash of data written before it was a setting
+    for key, default in (("quote_units", None), ("quote_min_prob", None), ("quote_unheld", "omit")):
+        if d["world_explainer"].get(key) == default:
             d["world_explainer"] = {k: v for k, v in d["world_explainer"].items() if k != key}
     keys: list[str] = []
     for s in STAGES[: STAGES.index(stage) + 1]:

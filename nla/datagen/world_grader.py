@@ -29,6 +29,7 @@ from nla.world.explain import (
     oracle_explanation,
     parse_facts,
     table_quotes,
+    unheld_quote,
 )
 from nla.world.facts import KINDS, SURFACE_INDEX, VOCAB, Fact, words_with_spans
 
@@ -102,7 +103,10 @@ class WorldGrader(DatasetGrader):
         if n_units is not None:
             quotes = [cut_quote(q, n_units) for q in quotes]
         if QUOTE_HELD in table.column_names:  # world_explainer.quote_min_prob: quote only what the vector holds
-            quotes = [q if held else None for q, held in zip(quotes, table.column(QUOTE_HELD).to_pylist(), strict=True)]
+            dc = _datagen_config(dataset_path, "the oracle's quotation") if dataset_path is not None else None
+            unheld = dc.world_explainer.quote_unheld if dc is not None else "omit"
+            quotes = [unheld_quote(q, held, unheld)
+                      for q, held in zip(quotes, table.column(QUOTE_HELD).to_pylist(), strict=True)]
         return quotes
 
     def quote_truths(self, table: Any, dataset_path: Path | None = None) -> list[tuple[str, str | None] | None] | None:
@@ -221,7 +225,7 @@ class WorldGrader(DatasetGrader):
             seed, kw = dc.seed, dict(min_facts=w.min_facts, max_facts=w.max_facts, wrong_rate=w.wrong_rate,
                                      word_rate=w.word_rate, fact_rate=w.fact_rate, quote_units=w.quote_units)
         explainer = TextExplainer(seed=seed, **kw)
-        words = self.quotes(table)
+        words = self.quotes(table, dataset_path)
         return [explainer.explain(frozenset(_truth(fs)), row_key(doc, pos), word)
                 for fs, doc, pos, word in zip(table.column("facts").to_pylist(), table.column("doc_id").to_pylist(),
                                               table.column("position").to_pylist(), words, strict=True)]

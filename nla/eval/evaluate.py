@@ -214,6 +214,11 @@ def quote_table(rows: list[EvalRow]) -> list[str]:
         cells = [" / ".join(_fmt2(v) for v in q.by_position[p]) if p in q.by_position else "-" for p in positions]
         lines.append(f"| {r.name} | {_fmt2(q.said)} | {_fmt2(q.exact)} | {_fmt2(q.all_true)} | " + " | ".join(cells)
                      + " |")
+    hedging = [r for r in graded if r.faithfulness.quote.hedged]
+    if hedging:  # quote_unheld: hedge (nla.world.explain.Hedged): not said above; how often right anyway
+        lines += ["", "Said unsure (`The text may end with \"…\".`, counted as not said above): "
+                  + "; ".join(f"{r.name} on {_fmt2(r.faithfulness.quote.hedged)} of rows, every unit true on "
+                              f"{_fmt2(r.faithfulness.quote.hedged_true)} of them" for r in hedging) + "."]
     return lines
 
 

@@ -459,8 +459,10 @@ def quote_grade(explanation: str | None, read: str, grader: DatasetGrader | None
         return None
     end = truth[0]
     units = grader.quote_units(g.quoted)
-    return {"quoted": g.quoted, "truth": end, "exact": g.exact, "correct": g.all_true,
-            "units": [{"unit": u, "position": len(units) - 1 - j, "correct": g.claims[len(units) - 1 - j]}
+    hedged = getattr(g, "hedged", None)  # said unsure (nla.world.explain.Hedged): each unit's truth all the same
+    claims = g.claims if hedged is None else hedged
+    return {"quoted": g.quoted, "truth": end, "exact": g.exact, "correct": g.all_true, "hedged": hedged is not None,
+            "units": [{"unit": u, "position": len(units) - 1 - j, "correct": claims[len(units) - 1 - j]}
                       for j, u in enumerate(units)]}
 
 

@@ -125,11 +125,23 @@ def render_text_end(quote: str) -> str:
     what a vector at a middle layer mostly holds: the token itself (at a full stop the word before
     it was quoted) and the previous words; a linear read of the vectors from the true facts and the
     current word explained 0.76-0.78 of their variance, with the token and the two units before it
-    0.84-0.87 (dev/LOG.md, 2026-12-01, "What the explanation language cannot say")."""
-    return f'The text ends with "{" ".join(quote.replace(chr(34), "").split())}".'
+    0.84-0.87 (dev/LOG.md, 2026-12-01, "What the explanation language cannot say").
+
+    A ``Hedged`` quote is said unsure: ``The text may end with "…".`` (issue 57)."""
+    verb = "may end" if isinstance(quote, Hedged) else "ends"
+    return f'The text {verb} with "{" ".join(quote.replace(chr(34), "").split())}".'
 
 
-QUOTE_RE = re.compile(r'^The text ends with "[^"]+"\.$')  # as render_text_end writes it
+class Hedged(str):
+    """A quotation said unsure (``The text may end with "…".``): where the vector does not hold the
+    token read (``world_explainer.quote_unheld: hedge``), the language still says its likeliest word
+    but does not claim it; the grader counts it as not said (``QuoteGrade.hedged``) and the suite as
+    no claim. A ``str``, so every path that carries a quotation carries this one unchanged."""
+
+    __slots__ = ()
+
+
+QUOTE_RE = re.compile(r'^The text (?:ends|may end) with "[^"]+"\.$')  # as render_text_end writes it
 
 # Where a world dataset keeps the text to quote: ``text_end`` (datagen since the quotation of the
 # text's end), else ``current_word`` (datasets written before it: the quotation is that word).
@@ -148,6 +160,18 @@ def row_quote(row: dict) -> str | None:
     return None
 
 
+def unheld_quote(quote: str | None, held: bool, unheld: str = "omit") -> str | None:
+    """What the language quotes of a row: ``quote`` where the vector holds the token read (``held``),
+    else nothing (``unheld`` "omit") or ``quote`` said unsure (``Hedged``; "hedge")."""
+    if held or quote is None:
+        return quote
+    if unheld == "hedge":
+        return Hedged(quote)
+    if unheld == "omit":
+        return None
+    raise ValueError(f"quote_unheld: expected omit or hedge, found {unheld!r}")
+
+
 def table_quotes(table) -> list[str | None] | None:
     """The quotation of every row of a pyarrow ``table``, or None when it has no quote column."""
     for c in QUOTE_COLUMNS:
@@ -164,20 +188,22 @@ def cut_quote(quote: str | None, n_units: int | None) -> str | None:
         return quote
     if isinstance(n_units, bool) or not isinstance(n_units, int) or n_units < 1:
         raise ValueError(f"quote_units: expected an integer >= 1 or None, found {n_units!r}")
-    return end_of_text(quote, n_units)
+    cut = end_of_text(quote, n_units)
+    return Hedged(cut) if isinstance(quote, Hedged) else cut
 
 
 # The quotation inside one sentence, as render_text_end writes it (its closing full stop may be missing).
-_QUOTATION = re.compile(r'^The text ends with "([^"]*)"')
+_QUOTATION = re.compile(r'^The text (ends|may end) with "([^"]*)"')
 
 
 def quotation(text: str | None) -> str | None:
     """The span the explanation quotes as the text's end (its first ``The text ends with "…"``
-    sentence), or None when it has none (a broken quote, with no closing mark, is none)."""
+    sentence; a ``Hedged`` span from ``The text may end with "…"``), or None when it has none (a
+    broken quote, with no closing mark, is none)."""
     for sentence in split_sentences(text or ""):
         m = _QUOTATION.match(sentence)
         if m:
-            return m.group(1)
+            return Hedged(m.group(2)) if m.group(1) == "may end" else m.group(2)
     return None
 
 
@@ -194,16 +220,19 @@ class QuoteGrade:
     recalled[p]: for each unit of the text's end (the row's ``text_end``, what the language quotes),
         whether the quotation says it at its position (False when not quoted).
     exact: the quotation is exactly the text's end (unit for unit; spacing aside).
+    hedged: for a quotation said unsure (``Hedged``), whether each of its units is true, as ``claims``
+        would be; it is not said (no ``claims``, nothing ``recalled``, not ``exact``). None otherwise.
     """
 
     quoted: str | None
     claims: tuple[bool, ...]
     recalled: tuple[bool, ...]
     exact: bool
+    hedged: tuple[bool, ...] | None = None
 
     @property
     def said(self) -> bool:
-        return self.quoted is not None
+        return self.quoted is not None and self.hedged is None
 
     @property
     def all_true(self) -> bool:
@@ -232,6 +261,8 @@ def grade_quote(text: str | None, end: str, context: str | None = None, *, quote
         quoted = quotation(text)
     q = text_units(quoted, unit_re) if quoted is not None else []
     claims = tuple(p < len(full) and q[-1 - p] == full[-1 - p] for p in range(len(q)))
+    if isinstance(quoted, Hedged):  # said unsure: graded for calibration, counted as not said
+        return QuoteGrade(quoted, (), (False,) * len(target), False, hedged=claims)
     recalled = tuple(p < len(q) and q[-1 - p] == target[-1 - p] for p in range(len(target)))
     return QuoteGrade(quoted, claims, recalled, quoted is not None and q == target)
 

@@ -136,11 +136,13 @@ function scoreLine(e) {
 // The quotation of the text's end, unit by unit: each quoted word or mark marked as a fact is.
 function quoteUnits(q) {
   if (!q) return [];
-  return [el("span", { class: "muted small", title: `the text read ends with “${q.truth}”` }, "quotes:"),
-    ...q.units.map((u) => el("span", { class: "fact quote " + (u.correct ? "true" : "false"),
+  // said unsure ("The text may end with"): no claim, so marked "?" whatever its truth (shown in the title)
+  return [el("span", { class: "muted small", title: `the text read ends with “${q.truth}”` },
+    q.hedged ? "quotes, unsure:" : "quotes:"),
+    ...q.units.map((u) => el("span", { class: "fact quote " + (q.hedged ? "hedged" : u.correct ? "true" : "false"),
       title: (u.correct ? "the text's unit here" : "not the text's unit here") +
-        ` (position ${u.position} from the end; 0 = the token read)` },
-    (u.correct ? "✓ " : "✗ ") + u.unit))];
+        ` (position ${u.position} from the end; 0 = the token read)` + (q.hedged ? "; said unsure: not a claim" : "") },
+    (q.hedged ? "? " : u.correct ? "✓ " : "✗ ") + u.unit))];
 }
 
 function claimsLine(e) {
