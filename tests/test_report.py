@@ -110,3 +110,25 @@ def test_the_kind_table_shows_the_quotation_beside_its_probe():
                                            "kinds": [{"kind": "place", "top1": 0.9}]}]}
     assert probe_table(old)[0] == "| layer | place | mean top-1 | chance |"
     assert "| quote[0] (quotation) | – | 0.90 | 0.95 | 0.85 | 0.97 |" in kind_table(warm, rl, old)
+
+
+def test_the_report_says_how_often_the_quotation_is_said_unsure(tmp_path):
+    from nla.eval.report import quote_summary, quote_table
+
+    warm, rl = _eval(0.5, 0.5, 0.8, 0.0), _eval(0.6, 0.6, 0.8, 0.0)
+    for ev, hedged in ((warm, 0.5), (rl, 0.25)):
+        ev["rows"][0]["faithfulness"]["quote"] = {"n": 4, "said": 1 - hedged, "exact": 0.5, "all_true": 1.0,
+                                                  "by_position": {"quote[0]": [1 - hedged, 1.0]}, "hedged": hedged,
+                                                  "hedged_true": 0.5}
+    head = quote_summary(warm, rl)
+    assert head["quote_hedged_warmstart"] == 0.5 and head["quote_hedged_rl"] == 0.25 and head["quote_hedged_true_rl"] == 0.5
+    lines = quote_table(warm, rl)
+    assert '| says it unsure, "may end with" (share of rows) | 0.50 | | 0.25 | |' in lines
+    assert "| ... and is right anyway (share of those) | 0.50 | | 0.50 | |" in lines
+    md = write_report(tmp_path, preset="x", stages=[], configs={}, world={}, warm_eval=warm, rl_eval=rl,
+                      ar_info={}, av_info={}, rl_info={}).read_text()
+    assert 'said unsure ("may end with", not counted as said) on 0.500 → 0.250 of rows.' in md
+    # a language that never hedges: the table as it was
+    plain = _eval(0.5, 0.5, 0.8, 0.0)
+    plain["rows"][0]["faithfulness"]["quote"] = {"said": 1.0, "by_position": {"quote[0]": [1.0, 1.0]}}
+    assert not any("unsure" in line for line in quote_table(plain, plain))

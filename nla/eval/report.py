@@ -162,7 +162,7 @@ def quote_summary(warm: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
     out: dict[str, Any] = {}
     for tag, rep in (("warmstart", warm), ("rl", after)):
         q = _quote(rep)
-        for key in ("exact", "all_true", "said"):
+        for key in ("exact", "all_true", "said", "hedged", "hedged_true"):
             out[f"quote_{key}_{tag}"] = q.get(key)
         out[f"quote_by_position_{tag}"] = {k: list(v) for k, v in (q.get("by_position") or {}).items()}
     out["oracle_quote_exact_rl"] = _quote(after, ORACLE).get("exact")
@@ -185,6 +185,11 @@ def quote_table(warm: dict[str, Any], after: dict[str, Any]) -> list[str]:
                       ("all_true", "every quoted unit true (share of rows that quote)"),
                       ("said", "quotes the text's end at all (share of rows)")):
         lines.append(f"| {what} | {_f(qw.get(key), 2)} | | {_f(qa.get(key), 2)} | |")
+    if qw.get("hedged") or qa.get("hedged"):  # quote_unheld: hedge: said unsure, counted as not said above
+        lines += [f"| says it unsure, \"may end with\" (share of rows) | {_f(qw.get('hedged'), 2)} | | "
+                  f"{_f(qa.get('hedged'), 2)} | |",
+                  f"| ... and is right anyway (share of those) | {_f(qw.get('hedged_true'), 2)} | | "
+                  f"{_f(qa.get('hedged_true'), 2)} | |"]
     return lines
 
 
@@ -365,7 +370,10 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
              f"unit true on {_f(headline['quote_all_true_warmstart'])} → {_f(headline['quote_all_true_rl'])} of the "
              f"rows that quote, the token read right (quote[0] precision) "
              f"{_f((headline['quote_by_position_warmstart'].get('quote[0]') or [None, None])[1])} → "
-             f"{_f((headline['quote_by_position_rl'].get('quote[0]') or [None, None])[1])}.", ""] if quotes else []),
+             f"{_f((headline['quote_by_position_rl'].get('quote[0]') or [None, None])[1])}"
+             + (f"; said unsure (\"may end with\", not counted as said) on {_f(headline.get('quote_hedged_warmstart'))} → "
+                f"{_f(headline.get('quote_hedged_rl'))} of rows" if headline.get("quote_hedged_rl") else "") + ".", ""]
+            if quotes else []),
           *ceiling_line(headline),
           *pair_lines(pair),
           "## Evaluation (held-out documents)", "",
