@@ -87,7 +87,8 @@ def add_quote_held(tables: dict[str, pa.Table], min_prob: float) -> tuple[dict[s
     (``nla.core.probing.held_units``). The probe learns from the warm-start splits (``av_sft`` and
     ``ar_sft``), each row read by the probe fitted on the other half of their documents; the ``rl``
     rows (held-out documents, eval among them) by the probe fitted on all of them. The world
-    explainer quotes only where it is true, so what the AV learns to quote is what the vector holds.
+    explainer quotes firmly only where it is true (elsewhere nothing, or the quotation said unsure:
+    ``world_explainer.quote_unheld``), so what the AV learns to claim is what the vector holds.
     Returns the tables and a summary (the share held per split)."""
     import numpy as np
 
