@@ -31,7 +31,6 @@ from nla.datagen.explainer_base import (  # noqa: F401 - re-exported: the stage'
     row_key,
 )
 from nla.datagen.io import DatagenError
-from nla.world.explain import QUOTE_HELD, unheld_quote
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ class WorldExplainer(Explainer):
 
     def explain_batch(self, rows: list[dict[str, Any]]) -> list[str | None]:
         from nla.world import Fact
-        from nla.world.explain import row_quote
+        from nla.world.explain import QUOTE_HELD, row_quote, unheld_quote
 
         out: list[str | None] = []
         for r in rows:
@@ -94,6 +93,9 @@ def add_quote_held(tables: dict[str, pa.Table], min_prob: float) -> tuple[dict[s
 
     from nla.core.probing import held_units
     from nla.datagen.io import read_vectors
+
+    # the world's modules are imported here, not at the top: the RL loop imports this module, not the world
+    from nla.world.explain import QUOTE_HELD
     from nla.world.facts import text_units
 
     fit = [n for n in ("av_sft", "ar_sft") if n in tables]
