@@ -344,7 +344,7 @@ def test_the_explorer_grades_a_wiki_pair_in_its_own_language():
     assert got["claims"] == [{"fact": "quote=King", "correct": True}, {"fact": "topic=Arts", "correct": False}]
     assert got["missed"] == ["next=,", "position=start", "topic=People"]
     assert (got["recall"], got["precision"]) == (0.25, 0.5)
-    assert got["quotation"] == {"quoted": "King", "truth": "King", "exact": True, "correct": True,
+    assert got["quotation"] == {"quoted": "King", "truth": "King", "exact": True, "correct": True, "hedged": False,
                                 "units": [{"unit": "King", "position": 0, "correct": True}]}
     # digits are a unit of this language: a year read is quoted whole and true
     assert quote_grade('The text ends with "1815".', "He was born in 1815", wiki)["correct"] is True
