@@ -99,12 +99,12 @@ class WorldGrader(DatasetGrader):
         ``world_explainer.quote_units`` when its datagen settings set it, and None where its
         ``quote_held`` column is false (``world_explainer.quote_min_prob``): the data explainer's rule."""
         quotes = table_quotes(table) or [None] * table.num_rows
-        n_units = _quote_units(dataset_path) if dataset_path is not None else None
-        if n_units is not None:
-            quotes = [cut_quote(q, n_units) for q in quotes]
+        dc = _datagen_config(dataset_path, "the oracle's quotation") if dataset_path is not None else None
+        w = dc.world_explainer if dc is not None else None
+        if w is not None and w.quote_units is not None:
+            quotes = [cut_quote(q, w.quote_units) for q in quotes]
         if QUOTE_HELD in table.column_names:  # world_explainer.quote_min_prob: quote only what the vector holds
-            dc = _datagen_config(dataset_path, "the oracle's quotation") if dataset_path is not None else None
-            unheld = dc.world_explainer.quote_unheld if dc is not None else "omit"
+            unheld = w.quote_unheld if w is not None else "omit"
             quotes = [unheld_quote(q, held, unheld)
                       for q, held in zip(quotes, table.column(QUOTE_HELD).to_pylist(), strict=True)]
         return quotes

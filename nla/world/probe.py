@@ -37,7 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from nla.core.probing import fit_logistic, standardise
-from nla.world.facts import KINDS, VOCAB, Document, Fact, token_facts
+from nla.world.facts import KINDS, TEXT_END_UNITS, VOCAB, Document, Fact, token_facts
 
 logger = logging.getLogger(__name__)
 
@@ -114,11 +114,8 @@ def probe_kinds(
     return tuple(out)
 
 
-QUOTE_POSITIONS = 3  # quote[0..2]: the token read and the two units before it (the world's text_end)
-
-
 def probe_quotes(x_train: np.ndarray, reads_train: Sequence[str], x_test: np.ndarray, reads_test: Sequence[str],
-                 positions: int = QUOTE_POSITIONS, steps: int = 100) -> tuple[KindProbe, ...]:
+                 positions: int = TEXT_END_UNITS, steps: int = 100) -> tuple[KindProbe, ...]:
     """One unit probe per position p from the end of the text read (``reads_*[i]``: row i's text up to
     and including its token): ``quote[p]`` top-1 over the held-out rows with a unit at p."""
     from nla.core.probing import read_units
