@@ -11,10 +11,7 @@ Notation as in ``nla.rl.types``: N samples, P prompt tokens, L response tokens, 
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -23,8 +20,8 @@ from nla.core.arch import cache_kwargs, output_cache
 from nla.core.injection import InjectionHook
 from nla.core.logprobs import LOGPROB_CHUNK_ELEMENTS, entropy_from_logp
 from nla.core.logprobs import token_logprobs as _token_logprobs
+from nla.core.prefix import cache_rows, lm_head_on, supports_cache_reuse, take_rows
 from nla.rl.distributed import DataParallel
-from nla.rl.sampling import supports_cache_reuse
 from nla.rl.types import Rollout
 
 __all__ = [
@@ -144,55 +141,6 @@ def length_buckets(lengths: Tensor, k: int) -> list[Tensor]:
     k = max(1, min(k, n // MIN_BUCKET_ROWS))
     order = torch.sort(lengths, descending=True, stable=True).indices
     return [b for b in torch.tensor_split(order, k) if len(b)]
-
-
-def take_rows(x: Tensor, rows: Tensor) -> Tensor:
-    """``x[rows]`` along dim 0 where ``rows`` repeats entries, with a backward whose sums over the
-    repeats are the same bits on every run.
-
-    Why not ``x[rows]``: on the CPU at 2 threads, the backward of a repeated-row gather (the
-    shared prompt prefix's KV cache and last logits handed to each sample of a group) summed the
-    repeats in an order that changed from call to call: the same policy update gave other
-    weights in the last bits on every run, and RL runs of one seed drifted apart from step 2
-    (issue 25; 1 thread, or unique rows, were stable). A one-hot matmul gives exactly the same
-    forward values (each output is one row times 1 plus zeros) and a matmul backward, whose
-    order the kernel fixes.
-    """
-    if x.shape[0] == 0 or len(rows) == 0:
-        return x[rows]
-    sel = torch.nn.functional.one_hot(rows, x.shape[0]).to(x.dtype)  # [r, n]
-    return (sel @ x.reshape(x.shape[0], -1)).reshape(len(rows), *x.shape[1:])
-
-
-def cache_rows(cache: Any, rows: Tensor) -> Any:
-    """A copy of a KV cache holding the batch rows ``rows`` (the original is left as it is)."""
-    sub = copy.copy(cache)
-    sub.layers = [copy.copy(layer) for layer in cache.layers]
-    for layer in sub.layers:  # what DynamicLayer.batch_select_indices does, with take_rows
-        if layer.keys is not None and layer.keys.numel():
-            layer.keys, layer.values = take_rows(layer.keys, rows), take_rows(layer.values, rows)
-    return sub
-
-
-@contextmanager
-def lm_head_on(model: nn.Module, rows: Tensor) -> Iterator[None]:
-    """Within the block, ``model``'s LM head reads only the positions where ``rows`` [n, l] is true:
-    the forward's ``logits`` come back as [T, V], T = ``rows.sum()``, in row-major order.
-
-    Logits at padding positions are never read (their log-probs are masked out of every loss),
-    so this only skips work. A pre-hook on the head module, so that the head still runs inside
-    the model's own forward (a sharded model gathers its root weights there).
-    """
-    head = model.get_output_embeddings()
-
-    def select(_module: nn.Module, args: tuple) -> tuple:
-        return (args[0][rows], *args[1:])
-
-    handle = head.register_forward_pre_hook(select)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def rank_micro_batches(dp: DataParallel, mine: Tensor, n: int, micro_batch_size: int

@@ -58,21 +58,10 @@ from transformers.generation.logits_process import (
 
 from nla.core.arch import cache_kwargs, output_cache
 from nla.core.injection import InjectionHook
+from nla.core.prefix import CACHE_REUSE_MODEL_TYPES, supports_cache_reuse
 from nla.rl.config import DECODES
 
 COMPACT_DIVISOR = 8
-
-# Model types whose KV cache the fast paths (this loop, and the shared prefix of
-# ``nla.rl.kernels.response_logprobs``) are tested against the plain paths. Others (Gemma 3's
-# sliding-window layers, GPT-2) gave different numbers in those tests and take the plain
-# paths: HF ``generate`` here, the per-row forward there.
-CACHE_REUSE_MODEL_TYPES = frozenset({"llama", "qwen2"})
-
-
-def supports_cache_reuse(model: nn.Module) -> bool:
-    """Whether the fast paths may reuse this model's KV cache (``CACHE_REUSE_MODEL_TYPES``)."""
-    return getattr(getattr(model, "config", None), "model_type", None) in CACHE_REUSE_MODEL_TYPES
-
 
 def hf_generate(model: nn.Module, hook: InjectionHook, prompt_ids: Tensor, vectors: Tensor, n_samples: int,
                 max_new_tokens: int, eos_id: int, pad_id: int, *, suppress_ids: list[int] = (),
