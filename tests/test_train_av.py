@@ -15,6 +15,7 @@ from nla.train.av import (
     AVTrainError,
     build_examples,
     collate,
+    shared_prompt_head,
     smoke_flags,
     token_losses,
     train_av,
@@ -134,6 +135,71 @@ def test_the_warm_start_loss_at_a_large_vocabulary_equals_the_plain_one(tiny_tok
     torch.testing.assert_close(out["chunked"][0] * out["plain"][1], out["plain"][0] * out["plain"][1])
     for k, g in out["plain"][2].items():
         torch.testing.assert_close(out["chunked"][2][k], g, rtol=1e-4, atol=1e-6)
+
+
+def test_shared_prompt_head_by_hand():
+    """The common head of every prompt, stopping before the injection site's left neighbour."""
+    inj, left = 9, 8
+    rows = [AVExample([1, 2, 3, 4, 8, 9, 7, 5], [6]), AVExample([1, 2, 3, 4, 8, 9, 7, 5], [6, 6])]
+    assert shared_prompt_head(rows, inj, left) == 4  # 1 2 3 4; the site "8 9" runs per row
+    assert shared_prompt_head(rows + [AVExample([1, 2, 0, 4, 8, 9, 7, 5], [6])], inj, left) == 2
+    assert shared_prompt_head(rows + [AVExample([1, 0, 3, 4, 8, 9, 7, 5], [6])], inj, left) == 0  # one token: off
+    assert shared_prompt_head([AVExample([8, 9, 7], [6])], inj, left) == 0  # the site opens the prompt
+    assert shared_prompt_head([], inj, left) == 0
+
+
+def test_the_shared_prompt_head_gives_the_plain_loss_and_gradients(tiny_tokenizer, tiny_model_dir):
+    """share_prompt_head: the head runs once, its cache repeated to the rows, the LM head on the
+    response only; per-token losses and every gradient equal the per-row forward's."""
+    from transformers import AutoModelForCausalLM
+
+    base = tiny_model_dir("llama")
+    side = dataset_sidecar(tiny_tokenizer, base, 32, 1, injection_scale=5.0)
+    model = AutoModelForCausalLM.from_pretrained(base).eval()
+    msgs = [{"role": "system", "content": "you are a cat . you are a dog ."},
+            {"role": "user", "content": "Explain the hidden state << <INJECT> >> in a few short sentences ."}]
+    ex = build_examples(tiny_tokenizer, [msgs] * 3, ["<explanation>\ncat\n</explanation>",
+                                                     "<explanation>\nthe dog walks to the river\n</explanation>",
+                                                     "<explanation>\nit is morning\n</explanation>"],
+                        side.injection_char, 64)
+    shared = shared_prompt_head(ex, side.injection_token_id, side.injection_left_neighbor_id)
+    site = ex[0].prompt_ids.index(side.injection_token_id)
+    assert shared == site - 1 and shared >= 8  # the system message and "Explain the hidden state"
+    batch = collate(ex, tiny_tokenizer.pad_token_id, "right")
+    hook = InjectionHook.from_config(model, side)
+    v = torch.randn(3, 32, generator=torch.Generator().manual_seed(0))
+    out = {}
+    for k in (0, shared):
+        model.zero_grad()
+        with hook.vectors(v):
+            nll, m = token_losses(model, batch, torch.device("cpu"), k)
+        assert hook.applied_forwards == 1  # the head holds no site; the rest of each row does
+        ((nll * m).sum() / m.sum()).backward()
+        out[k] = (nll.detach(), m, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert torch.equal(out[0][1], out[shared][1])
+    torch.testing.assert_close(out[shared][0] * out[0][1], out[0][0] * out[0][1], rtol=1e-5, atol=1e-6)
+    assert out[0][2].keys() == out[shared][2].keys()
+    for n, g in out[0][2].items():
+        torch.testing.assert_close(out[shared][2][n], g, rtol=1e-4, atol=1e-6)
+
+
+def test_share_prompt_head_trains_as_the_plain_way(tmp_path, tiny_tokenizer, tiny_model_dir, caplog):
+    """The same run with and without share_prompt_head: the same losses step by step (float rounding
+    apart); with left padding it is refused by name and the run trains the plain way."""
+    ds = _av_data(tmp_path, tiny_tokenizer, tiny_model_dir("llama"), injection_scale=5.0, n=24)
+    kw = dict(max_steps=4, batch_size=4, eval_every=4, warmup_steps=1, log_every=1, smoke_num=0)
+    with caplog.at_level("INFO", logger="nla.train.av"):
+        train_av(_cfg(ds, tmp_path / "plain", **kw))
+        train_av(_cfg(ds, tmp_path / "shared", share_prompt_head=True, **kw))
+    assert "AV: the prompt's first" in caplog.text and "tokens run once per batch (share_prompt_head)" in caplog.text
+    la = [r["loss"] for r in read_metrics(tmp_path / "plain" / "av.jsonl") if "loss" in r]
+    lb = [r["loss"] for r in read_metrics(tmp_path / "shared" / "av.jsonl") if "loss" in r]
+    assert len(la) == 4
+    np.testing.assert_allclose(lb, la, rtol=1e-4)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="nla.train.av"):
+        train_av(_cfg(ds, tmp_path / "left", share_prompt_head=True, padding_side="left", **kw))
+    assert "share_prompt_head is on but padding_side is left: every row runs its whole prompt" in caplog.text
 
 
 def test_smoke_flags():

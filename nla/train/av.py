@@ -39,6 +39,7 @@ from nla.core.injection import (
     save_av_checkpoint,
 )
 from nla.core.logprobs import LOGPROB_CHUNK_ELEMENTS, token_logprobs
+from nla.core.prefix import cache_rows, lm_head_on, supports_cache_reuse
 from nla.core.lora import LORA_SUBDIR, apply_sft_lora, merged_state_dict, save_adapter
 from nla.core.sidecar import NLAConfig
 from nla.core.templates import AV_PLACEHOLDER
@@ -140,13 +141,37 @@ def collate(examples: list[AVExample], pad_id: int, padding_side: str) -> AVBatc
     return AVBatch(ids, mask, labels, position_ids)
 
 
-def token_losses(model: torch.nn.Module, batch: AVBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token next-token loss [B, T-1] and its mask [B, T-1] (true where the label is learned)."""
+def token_losses(model: torch.nn.Module, batch: AVBatch, device: torch.device, shared: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token next-token loss [B, T-1] and its mask [B, T-1] (true where the label is learned).
+
+    ``shared`` > 0: the batch's first ``shared`` tokens are the same on every row and hold no
+    injection site (``shared_prompt_head``): they run once, their KV cache is repeated to the rows
+    (``take_rows``: gradients reach them as the sum over the rows, as in the per-row forward), the
+    rest of each row runs on top of it, and the LM head reads the learned positions only. The same
+    loss as ``shared=0`` to float rounding (tests/test_train_av.py); right-padded batches of a
+    ``supports_cache_reuse`` model only (the caller checks).
+    """
+    labels = batch.labels[:, 1:].to(device)  # [B, T-1]
+    learned = labels != IGNORE_INDEX
+    if shared > 0:
+        B = batch.input_ids.shape[0]
+        ids = batch.input_ids.to(device)
+        head = model(input_ids=ids[:1, :shared], position_ids=batch.position_ids[:1, :shared].to(device),
+                     use_cache=True, logits_to_keep=1)
+        cache = cache_rows(arch.output_cache(head), torch.zeros(B, dtype=torch.long, device=device))
+        # position t's logits predict token t+1: the learned positions, all past the shared head
+        at = torch.cat([learned, torch.zeros_like(learned[:, :1])], 1)[:, shared:]
+        with lm_head_on(model, at):
+            logits = model(input_ids=ids[:, shared:], attention_mask=batch.attention_mask.to(device),
+                           position_ids=batch.position_ids[:, shared:].to(device), use_cache=True,
+                           **arch.cache_kwargs(cache)).logits  # [learned tokens, V]
+        lp, _ = token_logprobs(logits, labels[learned])
+        return torch.zeros(labels.shape, dtype=lp.dtype, device=lp.device).index_put(
+            learned.nonzero(as_tuple=True), -lp), learned
     out = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
                 position_ids=batch.position_ids.to(device), use_cache=False)
     logits = out.logits[:, :-1]  # [B, T-1, V]
-    labels = batch.labels[:, 1:].to(device)  # [B, T-1]
-    learned = labels != IGNORE_INDEX
     if logits.numel() <= LOGPROB_CHUNK_ELEMENTS:  # a small vocabulary: the plain loss
         nll = F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
         return nll, learned
@@ -154,6 +179,26 @@ def token_losses(model: torch.nn.Module, batch: AVBatch, device: torch.device) -
     lp, _ = token_logprobs(logits[learned], labels[learned])
     return torch.zeros(labels.shape, dtype=lp.dtype, device=lp.device).index_put(learned.nonzero(as_tuple=True),
                                                                                   -lp), learned
+
+
+def shared_prompt_head(examples: list[AVExample], inj_id: int, left_id: int) -> int:
+    """How many leading tokens every row's prompt has in common, stopping before the injection
+    site's left neighbour (the hook finds a site by its neighbours, so they run per row): the
+    chat template's head and the prompt's words before the marker. 0 when under 2."""
+    if not examples:
+        return 0
+    first = examples[0].prompt_ids
+    n = len(first)
+    for e in examples[1:]:
+        p = e.prompt_ids
+        n = min(n, len(p))
+        while n and p[:n] != first[:n]:
+            n -= 1
+    for i in range(1, n):
+        if first[i] == inj_id and first[i - 1] == left_id:
+            n = i - 1
+            break
+    return n if n >= 2 else 0
 
 
 def _resolve_injection(cfg: AVTrainConfig, side: NLAConfig) -> NLAConfig:
@@ -350,6 +395,16 @@ def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
                               side.injection_char, cfg.max_length, what)
 
     train_ex, eval_ex = examples(train_tab, "training split"), examples(eval_tab, "eval split")
+    shared = 0
+    if cfg.share_prompt_head:
+        why = ("the model's type is not one whose KV cache is reused (nla.core.prefix.CACHE_REUSE_MODEL_TYPES)"
+               if not supports_cache_reuse(model) else "padding_side is left" if cfg.padding_side != "right"
+               else "gradient_checkpointing is on" if cfg.gradient_checkpointing else None)
+        if why is None:
+            shared = shared_prompt_head(train_ex + eval_ex, side.injection_token_id, side.injection_left_neighbor_id)
+            logger.info("AV: the prompt's first %d tokens run once per batch (share_prompt_head)", shared)
+        else:
+            logger.info("AV: share_prompt_head is on but %s: every row runs its whole prompt", why)
     train_v = torch.from_numpy(np.ascontiguousarray(train_vec))
     eval_v = torch.from_numpy(np.ascontiguousarray(eval_vec))
     logger.info("AV: %d train / %d eval rows, injection_scale=%s", len(train_ex), len(eval_ex), side.injection_scale)
@@ -363,7 +418,7 @@ def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
             a = (torch.rand(len(idx), 1) * 2 - 1) * cfg.mean_shift_augment
             vecs = vecs + a * mean
         with hook.vectors(vecs.to(device)):
-            nll, m = token_losses(model, batch, device)
+            nll, m = token_losses(model, batch, device, shared)
         loss = (nll * m).sum() / m.sum().clamp_min(1)
         return loss, {"response_tokens": float(m.sum())}
 
@@ -372,7 +427,7 @@ def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
         for s in range(0, len(rows), cfg.micro):
             batch = collate(rows[s : s + cfg.micro], pad_id, cfg.padding_side)
             with hook.vectors(vecs[s : s + cfg.micro].to(device)):
-                nll, m = token_losses(model, batch, device)
+                nll, m = token_losses(model, batch, device, shared)
             tot += float((nll * m).sum())
             cnt += float(m.sum())
         return tot / max(cnt, 1.0)
