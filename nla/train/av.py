@@ -39,8 +39,8 @@ from nla.core.injection import (
     save_av_checkpoint,
 )
 from nla.core.logprobs import LOGPROB_CHUNK_ELEMENTS, token_logprobs
-from nla.core.prefix import cache_rows, lm_head_on, supports_cache_reuse
 from nla.core.lora import LORA_SUBDIR, apply_sft_lora, merged_state_dict, save_adapter
+from nla.core.prefix import cache_rows, lm_head_on, supports_cache_reuse
 from nla.core.sidecar import NLAConfig
 from nla.core.templates import AV_PLACEHOLDER
 from nla.core.token_ids import canonical_av_prompt_ids, derive_token_ids, verify_tokenizer
