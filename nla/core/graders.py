@@ -279,6 +279,9 @@ class Faithfulness:
     n: int
     note: str | None = None
     quote: Quotation | None = None
+    # kind -> (share of the graded rows that say a claim of it unsure, share of those true anyway), for a
+    # grader whose grades carry ``hedged`` (the wiki's: ``wiki_explainer.unheld: hedge``); not in the above
+    hedged: dict[str, tuple[float, float]] | None = None
 
 
 def faithfulness(texts: list[str | None], facts: list[list[str]], grader: DatasetGrader | None = None,
@@ -302,6 +305,7 @@ def faithfulness(texts: list[str | None], facts: list[list[str]], grader: Datase
         return Faithfulness(None, None, {}, 0, note=f"no ground truth: facts is null on every row ({len(facts)}); "
                                                    "recall and precision are not graded", quote=quote)
     empty = 0
+    hedged: dict[str, list[bool]] = {}
     for i, (t, fs) in enumerate(zip(texts, facts, strict=True)):
         if fs is None:
             continue
@@ -321,6 +325,8 @@ def faithfulness(texts: list[str | None], facts: list[list[str]], grader: Datase
         precisions.append(g.precision)
         for k, rp in g.by_kind.items():
             per_kind.setdefault(k, []).append(rp)
+        for k, right in (getattr(g, "hedged", None) or {}).items():
+            hedged.setdefault(k, []).append(right)
     order = [k for k in grader.kinds if k in per_kind] + sorted(set(per_kind) - set(grader.kinds))
     by_kind = {k: (float(np.mean([r for r, _ in per_kind[k]])), float(np.mean([p for _, p in per_kind[k]])))
                for k in order}
@@ -331,7 +337,9 @@ def faithfulness(texts: list[str | None], facts: list[list[str]], grader: Datase
                      "precision only where the explanation names a fact")
     return Faithfulness(float(np.mean(recalls)) if recalls else None,
                         float(np.mean(precisions)) if precisions else None, by_kind, len(recalls),
-                        note="; ".join(notes) or None, quote=quote)
+                        note="; ".join(notes) or None, quote=quote,
+                        hedged={k: (len(v) / len(recalls), float(np.mean(v))) for k, v in hedged.items()}
+                        if hedged and recalls else None)
 
 
 # ------------------------------------------------------------------ text helpers (any language)

@@ -1,7 +1,7 @@
 """`DatagenConfig`: one frozen, validated config for all datagen stages.
 
 YAML keys map one to one onto the fields; nested sections (`provider`,
-`world_explainer`) map onto their own frozen dataclasses. CLI overrides use the
+`world_explainer`, `wiki_explainer`) map onto their own frozen dataclasses. CLI overrides use the
 same names (`--set provider.model=claude-x`).
 """
 
@@ -163,6 +163,36 @@ class WorldExplainerConfig:
 
 
 @dataclass(frozen=True)
+class WikiExplainerConfig:
+    """What the ``wiki`` data explainer says firmly (``source: wikipedia``; nla.datagen.wiki)."""
+
+    quote_min_prob: float | None = option(None, help="say the quotation firmly only where a linear probe fitted on "
+                                                     "other articles' vectors (nla.core.probing.held_units) ranks "
+                                                     "the row's own unit first with at least this probability; "
+                                                     "null = always. Range: [0, 1], or null.")
+    topic_min_prob: float | None = option(None, help="the same for the article's topic. Range: [0, 1], or null.")
+    next_min_prob: float | None = option(None, help="the same for the subject's next token. Range: [0, 1], or null.")
+    position_min_prob: float | None = option(None, help="the same for the position bucket. Range: [0, 1], or null.")
+    unheld: str = option("hedge", help="what is said of a claim whose value the probe does not read: hedge (said "
+                                       "unsure, 'The article may be about X.', which the grader counts as not "
+                                       "said) or omit. Range: hedge, omit.")
+
+    def min_prob(self) -> dict[str, float]:
+        """The kinds gated by a probe and their thresholds (empty: every claim is said firmly)."""
+        return {k: float(getattr(self, f"{k}_min_prob")) for k in ("quote", "topic", "next", "position")
+                if getattr(self, f"{k}_min_prob") is not None}
+
+    def __post_init__(self) -> None:
+        c = "wiki_explainer"
+        for k in ("quote", "topic", "next", "position"):
+            v = getattr(self, f"{k}_min_prob")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
+                raise _err(c, f"{k}_min_prob", "a probability in [0, 1] or null (always said firmly)", v)
+        if self.unheld not in ("hedge", "omit"):
+            raise _err(c, "unheld", "one of hedge, omit", self.unheld)
+
+
+@dataclass(frozen=True)
 class DatagenConfig:
     """Everything the four datagen stages need. Defaults live here, nowhere else."""
 
@@ -225,6 +255,9 @@ class DatagenConfig:
                                           "context (offline, any text), anthropic or openai (provider).")
     world_explainer: WorldExplainerConfig = option(default_factory=WorldExplainerConfig,
                                                    help="the world explainer's settings (imperfect on purpose).")
+    wiki_explainer: WikiExplainerConfig = option(default_factory=WikiExplainerConfig,
+                                                 help="the wiki explainer's settings (source=wikipedia): which claims "
+                                                      "it says firmly.")
     provider: ProviderConfig = option(default_factory=ProviderConfig, help="the HTTP explainers' settings.")
     # build
     av_template: str | None = option(None, help="the AV's user message, with {injection_char} once; null = "
@@ -310,6 +343,11 @@ class DatagenConfig:
             raise _err(c, "world_explainer", "a WorldExplainerConfig", self.world_explainer)
         if not isinstance(self.provider, ProviderConfig):
             raise _err(c, "provider", "a ProviderConfig", self.provider)
+        if not isinstance(self.wiki_explainer, WikiExplainerConfig):
+            raise _err(c, "wiki_explainer", "a WikiExplainerConfig", self.wiki_explainer)
+        if self.wiki_explainer.min_prob() and self.explainer != "wiki":
+            raise _err(c, "wiki_explainer", f"no *_min_prob unless explainer is wiki (it is {self.explainer!r}): "
+                       "the probes gate the wiki explainer's claims", self.wiki_explainer)
 
     # --- (de)serialisation -------------------------------------------------
     @classmethod
@@ -331,7 +369,8 @@ class DatagenConfig:
             if isinstance(fr, list):
                 data["split_fractions"] = tuple(fr)
         data = check_config_types(cls, data)  # types before any comparison, nested sections too
-        nested = {"provider": ProviderConfig, "world_explainer": WorldExplainerConfig}
+        nested = {"provider": ProviderConfig, "world_explainer": WorldExplainerConfig,
+                  "wiki_explainer": WikiExplainerConfig}
         for key, sub in nested.items():
             if key in data and isinstance(data[key], dict):
                 sub_valid = {f.name for f in dataclasses.fields(sub)}

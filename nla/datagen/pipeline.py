@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from nla.datagen.config import SPLITS, DatagenConfig
+from nla.datagen.config import SPLITS, DatagenConfig, WikiExplainerConfig
 from nla.datagen.io import DatagenError, read_parquet, write_json_atomic
 from nla.util.fsutil import write_text_atomic
 from nla.util.threads import apply_threads
@@ -46,7 +46,7 @@ _STAGE_FIELDS = {
                 "layer_index", "positions_per_doc", "skip_first", "seed", "batch_size", "max_len",
                 "batches_per_shard", "bad_vectors"),
     "split": ("split_fractions",),
-    "explain": ("explainer", "world_explainer", "provider"),
+    "explain": ("explainer", "world_explainer", "wiki_explainer", "provider"),
     "build": ("av_template", "ar_template", "injection_char", "injection_scale", "mse_scale", "shuffled_baseline",
               "center"),
 }  # fmt: skip
@@ -72,10 +72,12 @@ def stage_hash(cfg: DatagenConfig, stage: str) -> str:
     for key, default in (("quote_units", None), ("quote_min_prob", None), ("quote_unheld", "omit")):
         if d["world_explainer"].get(key) == default:
             d["world_explainer"] = {k: v for k, v in d["world_explainer"].items() if k != key}
+    if d["wiki_explainer"] == dataclasses.asdict(WikiExplainerConfig()):
+        del d["wiki_explainer"]
     keys: list[str] = []
     for s in STAGES[: STAGES.index(stage) + 1]:
         keys += _STAGE_FIELDS[s]
-    blob = json.dumps({k: d[k] for k in keys}, sort_keys=True, default=str)
+    blob = json.dumps({k: d[k] for k in keys if k in d}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -165,11 +167,17 @@ def _explain(res: Resolved, out: Path) -> dict[str, Any]:
     summary: dict[str, Any] = {"explainer": res.cfg.explainer}
     tables = {name: read_parquet(out / "splits" / f"{name}.parquet") for name in ("av_sft", "ar_sft")}
     min_prob = res.cfg.world_explainer.quote_min_prob if res.cfg.explainer == "world" else None
-    if min_prob is not None:
-        from nla.datagen.explain import add_quote_held
-
+    gated = res.cfg.wiki_explainer.min_prob() if res.cfg.explainer == "wiki" else {}
+    if min_prob is not None or gated:
         tables["rl"] = read_parquet(out / "splits" / "rl.parquet")
-        tables, summary["quote_held"] = add_quote_held(tables, min_prob)
+        if gated:
+            from nla.datagen.wiki import add_claims_held
+
+            tables, summary["claims_held"] = add_claims_held(tables, gated)
+        else:
+            from nla.datagen.explain import add_quote_held
+
+            tables, summary["quote_held"] = add_quote_held(tables, min_prob)
         # the RL split keeps its flag for the oracle row and the text explainer of eval (not explained)
         write_parquet_atomic(tables.pop("rl"), out / "explained" / "rl.parquet")
     else:
@@ -198,7 +206,7 @@ def _build(res: Resolved, out: Path) -> dict[str, Any]:
 
     c = res.cfg
     splits = {n: read_parquet(out / "explained" / f"{n}.parquet") for n in ("av_sft", "ar_sft")}
-    # explained/rl.parquet: the RL split with what explain added to it (quote_min_prob's quote_held)
+    # explained/rl.parquet: the RL split with what explain added to it (quote_held, claims_held)
     rl = out / "explained" / "rl.parquet"
     splits["rl"] = read_parquet(rl if rl.is_file() else out / "splits" / "rl.parquet")
     r = build_datasets(

@@ -32,6 +32,7 @@ the subject's next token from the extraction's forward pass); no library grades 
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,10 +41,14 @@ from typing import Any
 from nla.core.graders import DatasetGrader, has_repeated_sentence, split_sentences
 from nla.datagen.explainer_base import Explainer, register_explainer
 
-__all__ = ["KINDS", "POSITION_BUCKETS", "QUOTE_UNITS", "WikiExplainer", "WikiGrader", "claim_sentence",
-           "explanation_of", "parse_claims", "position_bucket", "row_claims", "text_end"]
+__all__ = ["HELD_COLUMN", "KINDS", "POSITION_BUCKETS", "QUOTE_UNITS", "UNHELD", "WikiExplainer", "WikiGrader",
+           "add_claims_held", "claim_sentence", "explanation_of", "hedged_claims", "parse_claims", "parse_hedged",
+           "position_bucket", "row_claims", "text_end"]
+
+logger = logging.getLogger(__name__)
 
 KINDS = ("quote", "topic", "next", "position")
+UNHELD = ("omit", "hedge")  # what is said of a claim the vector does not hold (wiki_explainer.unheld)
 # The quotation is the unit the token read ends (1), not more: a linear probe on SmolLM2's block-10
 # vectors (dev/experiments/wiki_probe.py, 9,600 training rows, other articles' rows held out) names the
 # token read on 0.59 of rows, the one before it on 0.32 and the one before that on 0.17; the preset's AV
@@ -59,6 +64,14 @@ _POSITION_SENTENCES = {"start": "This is at the start of the article.", "early":
 # A unit of the text: a run of letters or digits (any script), or one other non-space character.
 _UNIT_RE = re.compile(r"[^\W_]+|[^\s]", re.UNICODE)
 _QUOTE_RE = re.compile(r'^The text ends with "(.+)"\.$')
+# A claim said unsure (``wiki_explainer.unheld: hedge``): where a probe does not read the claim's value
+# from the vector, the data explainer still says it, but as "may"; the grader counts it as not said.
+_HEDGED_POSITION = {"start": "This may be at the start of the article.", "early": "This may be early in the article.",
+                    "later": "This may be later in the article."}
+_HEDGED_RE = (("quote", re.compile(r'^The text may end with "(.+)"\.$')),
+              ("topic", re.compile(r"^The article may be about (.+)\.$")),
+              ("next", re.compile(r'^The model may expect "(.+)" next\.$')))
+HELD_COLUMN = "claims_held"  # the kinds a probe reads from the row's vector (add_claims_held)
 _TOPIC_RE = re.compile(r"^The article is about (.+)\.$")
 _NEXT_RE = re.compile(r'^The model expects "(.+)" next\.$')
 _POSITION_RE = {v: k for k, v in _POSITION_SENTENCES.items()}
@@ -117,32 +130,51 @@ def row_claims(context: str, position: int, topic: str | None, next_token: str |
     return out
 
 
-def claim_sentence(claim: str) -> str:
-    """The sentence that states a ``"kind=value"`` claim."""
+def claim_sentence(claim: str, hedged: bool = False) -> str:
+    """The sentence that states a ``"kind=value"`` claim; ``hedged``: the same claim said unsure."""
     kind, sep, value = claim.partition("=")
     if not sep or kind not in KINDS or not value:
         raise ValueError(f"claim: expected 'kind=value' with kind one of {KINDS}, found {claim!r}")
     if kind == "quote":
-        return f'The text ends with "{value}".'
+        return f'The text may end with "{value}".' if hedged else f'The text ends with "{value}".'
     if kind == "topic":
-        return f"The article is about {value}."
+        return f"The article may be about {value}." if hedged else f"The article is about {value}."
     if kind == "next":
-        return f'The model expects "{value}" next.'
+        return f'The model may expect "{value}" next.' if hedged else f'The model expects "{value}" next.'
     if value not in _POSITION_SENTENCES:
         raise ValueError(f"claim {claim!r}: position must be one of {sorted(_POSITION_SENTENCES)}")
-    return _POSITION_SENTENCES[value]
+    return _HEDGED_POSITION[value] if hedged else _POSITION_SENTENCES[value]
 
 
-def explanation_of(claims: Sequence[str]) -> str:
-    """The explanation saying ``claims`` in the order of ``KINDS`` (the data explainer's and the oracle's)."""
+def explanation_of(claims: Sequence[str], held: Sequence[str] | None = None, unheld: str = "hedge") -> str:
+    """The explanation saying ``claims`` in the order of ``KINDS`` (the data explainer's and the oracle's).
+    ``held``: the kinds said firmly (None: all); a claim of another kind is said unsure (``unheld``
+    hedge) or left out (omit)."""
+    if unheld not in UNHELD:
+        raise ValueError(f"unheld: expected one of {UNHELD}, found {unheld!r}")
     order = {k: i for i, k in enumerate(KINDS)}
-    return " ".join(claim_sentence(c) for c in sorted(claims, key=lambda c: order[c.partition("=")[0]]))
+    out = []
+    for c in sorted(claims, key=lambda c: order[c.partition("=")[0]]):
+        firm = held is None or c.partition("=")[0] in held
+        if firm or unheld == "hedge":
+            out.append(claim_sentence(c, hedged=not firm))
+    return " ".join(out)
 
 
 def _sentences(text: str) -> list[str]:
     # a full stop inside a quotation does not end a sentence (split_sentences knows), and the
     # quotation may itself end in a mark: '"in 1990."' then '.'
     return [s.strip() for s in split_sentences(text or "") if s.strip()]
+
+
+def parse_hedged(sentence: str) -> str | None:
+    """The ``"kind=value"`` a sentence says unsure (``The article may be about X.``), or None."""
+    s = sentence.strip()
+    for kind, pattern in _HEDGED_RE:
+        m = pattern.match(s)
+        if m and _clean(m.group(1)):
+            return f"{kind}={_clean(m.group(1))}"
+    return next((f"position={k}" for k, v in _HEDGED_POSITION.items() if v == s), None)
 
 
 def parse_claim(sentence: str) -> str | None:
@@ -158,15 +190,21 @@ def parse_claim(sentence: str) -> str | None:
 
 
 def parse_claims(text: str | None) -> tuple[list[str], int]:
-    """(the claims an explanation states, in order; the number of its sentences in no claim form)."""
+    """(the claims an explanation states, in order; the number of its sentences in no claim form). A
+    claim said unsure (``parse_hedged``) is neither: it states nothing and is in the language."""
     claims, other = [], 0
     for s in _sentences(text or ""):
         c = parse_claim(s)
-        if c is None:
-            other += 1
-        else:
+        if c is not None:
             claims.append(c)
+        elif parse_hedged(s) is None:
+            other += 1
     return claims, other
+
+
+def hedged_claims(text: str | None) -> list[str]:
+    """The claims an explanation says unsure, in order (``parse_hedged``)."""
+    return [c for c in (parse_hedged(s) for s in _sentences(text or "")) if c is not None]
 
 
 @dataclass(frozen=True)
@@ -178,6 +216,8 @@ class ClaimGrade:
     recall: float
     precision: float
     by_kind: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # kind -> whether the claim said unsure is true anyway (the first of each kind; not in the figures above)
+    hedged: dict[str, bool] = field(default_factory=dict)
 
 
 def grade_claims(explanation: str | None, truth: Sequence[str]) -> ClaimGrade:
@@ -200,7 +240,10 @@ def grade_claims(explanation: str | None, truth: Sequence[str]) -> ClaimGrade:
         by_kind[kind] = (h / len(t) if t else 1.0, h / len(s) if s else 1.0)
     if other:
         by_kind["other"] = (1.0, 0.0)
-    return ClaimGrade(recall, precision, by_kind)
+    hedged: dict[str, bool] = {}
+    for c in hedged_claims(explanation):
+        hedged.setdefault(c.partition("=")[0], c in truth_set)
+    return ClaimGrade(recall, precision, by_kind, hedged)
 
 
 class WikiGrader(DatasetGrader):
@@ -223,10 +266,29 @@ class WikiGrader(DatasetGrader):
             return dict.fromkeys(self.degeneracy_checks, False)
         sentences = _sentences(text)
         return {"repeated": has_repeated_sentence(sentences), "broken_quote": text.count('"') % 2 == 1,
-                "outside_language": any(parse_claim(s) is None for s in sentences)}
+                "outside_language": any(parse_claim(s) is None and parse_hedged(s) is None for s in sentences)}
 
-    def oracle(self, truth: Sequence[str], quote: str | None, key: int) -> str:
-        return explanation_of(truth)
+    def oracle(self, truth: Sequence[str], quote: Any, key: int) -> str:
+        """Every true claim; ``quote``: the row's entry of ``quotes`` (None: every claim firm, else
+        (the kinds held, what is said of the others), as the data explainer said them)."""
+        if quote is None:
+            return explanation_of(truth)
+        held, unheld = quote
+        return explanation_of(truth, held, unheld)
+
+    def quotes(self, table: Any, dataset_path: Any = None) -> list[Any]:
+        """Per row what the oracle needs beside the truth: None (every claim firm) unless the dataset
+        has a ``claims_held`` column (``wiki_explainer.*_min_prob``), then (the kinds held there, the
+        dataset's ``wiki_explainer.unheld``: hedge when its datagen settings cannot be read)."""
+        if HELD_COLUMN not in table.column_names:
+            return [None] * table.num_rows
+        unheld = "hedge"
+        if dataset_path is not None:
+            from nla.datagen.world_grader import _datagen_config
+
+            dc = _datagen_config(dataset_path, "the oracle's claims")
+            unheld = dc.wiki_explainer.unheld if dc is not None else unheld
+        return [None if h is None else (tuple(h), unheld) for h in table.column(HELD_COLUMN).to_pylist()]
 
     # --- the quotation graded unit by unit (as the world's: nla.world.explain.QuoteGrade), over this
     # language's units (letters or digits of any script, or one mark)
@@ -291,9 +353,17 @@ class WikiGrader(DatasetGrader):
 
 class WikiExplainer(Explainer):
     """The data explainer of ``source: wikipedia``: every claim true of the row (its ``facts``),
-    in the order of ``KINDS``; it says nothing it cannot check."""
+    in the order of ``KINDS``; it says nothing it cannot check. Where the row has a ``claims_held``
+    column (``add_claims_held``), a claim whose kind is not in it is said unsure (``unheld``
+    hedge) or left out (omit)."""
 
     name = "wiki"
+
+    def __init__(self, unheld: str = "hedge") -> None:
+        super().__init__()
+        if unheld not in UNHELD:
+            raise ValueError(f"wiki_explainer.unheld: expected one of {UNHELD}, found {unheld!r}")
+        self.unheld = unheld
 
     def explain_batch(self, rows: list[dict[str, Any]]) -> list[str | None]:
         from nla.datagen.io import DatagenError
@@ -304,14 +374,76 @@ class WikiExplainer(Explainer):
             if facts is None:
                 raise DatagenError(f"wiki explainer: row doc_id={r.get('doc_id')} position={r.get('position')} has "
                                    "no 'facts' column; it needs source: wikipedia activations")
-            if not facts:
+            text = explanation_of(facts, r.get(HELD_COLUMN), self.unheld) if facts else ""
+            if not text:
                 self.drops["wiki_no_claims"] += 1
                 out.append(None)
             else:
-                out.append(explanation_of(facts))
+                out.append(text)
         return out
+
+
+def add_claims_held(tables: dict[str, Any], min_prob: dict[str, float]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Each table with a ``claims_held`` column: the kinds whose true value a linear probe reads from the
+    row's vector with probability >= ``min_prob[kind]`` (``nla.core.probing.held_units``; a kind not in
+    ``min_prob`` is always held). The probes learn from the warm-start splits (``av_sft``, ``ar_sft``),
+    each row read by the probe fitted on the other half of their articles; the other splits (held-out
+    articles, eval among them) by the probe fitted on all of them. The data explainer then says firmly
+    only what the vector holds, so what the AV learns to claim is what it can read (issue 57's rule,
+    as ``world_explainer.quote_min_prob`` does for the world's quotation). Returns the tables and a
+    summary (the share held per kind and split)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from nla.core.probing import held_units
+    from nla.datagen.io import DatagenError, read_vectors
+
+    bad = sorted(set(min_prob) - set(KINDS))
+    if bad:
+        raise DatagenError(f"wiki_explainer: min_prob names {bad}; the kinds are {list(KINDS)}")
+    fit = [n for n in ("av_sft", "ar_sft") if n in tables]
+    for name, t in tables.items():
+        missing = [c for c in ("facts", "doc_id", "activation_vector") if c not in t.column_names]
+        if missing:
+            raise DatagenError(f"wiki_explainer: split {name} has no {', '.join(missing)} column; the probes need "
+                               "source: wikipedia activations (rerun extract)")
+    if not fit:
+        raise DatagenError("wiki_explainer: the probes learn from the warm-start splits (av_sft, ar_sft); none given")
+    others = [n for n in tables if n not in fit]
+
+    def values(name: str, kind: str) -> list[str | None]:
+        return [next((f.partition("=")[2] for f in fs or [] if f.startswith(kind + "=")), None)
+                for fs in tables[name].column("facts").to_pylist()]
+
+    x = np.concatenate([read_vectors(tables[n]) for n in fit])
+    groups = [d for n in fit for d in tables[n].column("doc_id").to_pylist()]
+    x_other = np.concatenate([read_vectors(tables[n]) for n in others]) if others else None
+    held: dict[str, np.ndarray] = {}  # kind -> [rows of fit + others]
+    for kind, p in min_prob.items():
+        v = [w for n in fit for w in values(n, kind)]
+        has = np.array([w is not None for w in v], dtype=bool)
+        v_other = [w for n in others for w in values(n, kind)]
+        h_fit, h_other = held_units(x[has], [w for w, k in zip(v, has, strict=True) if k],
+                                    [g for g, k in zip(groups, has, strict=True) if k], p,
+                                    x_other=x_other, units_other=[w or "" for w in v_other] if others else None)
+        flags = np.zeros(len(v), dtype=bool)
+        flags[has] = h_fit
+        if others:
+            flags = np.concatenate([flags, np.asarray(h_other, dtype=bool) & np.array([w is not None for w in v_other])])
+        held[kind] = flags
+    out, summary, start = dict(tables), {}, 0
+    for n in fit + others:
+        k = tables[n].num_rows
+        rows = [[kind for kind in KINDS if kind not in held or bool(held[kind][start + i])] for i in range(k)]
+        out[n] = tables[n].append_column(HELD_COLUMN, pa.array(rows, pa.list_(pa.string())))
+        summary[n] = {kind: round(float(held[kind][start:start + k].mean()), 4) if k else None for kind in held}
+        start += k
+    for n, shares in summary.items():
+        logger.info("explain: the probes read at min_prob %s: %s of %s's rows", min_prob,
+                    ", ".join(f"{kind} {100 * (s or 0):.1f}%" for kind, s in shares.items()), n)
+    return out, {"min_prob": dict(min_prob), "share": summary}
 
 
 @register_explainer("wiki")
 def _wiki(cfg: Any) -> Explainer:
-    return WikiExplainer()
+    return WikiExplainer(cfg.wiki_explainer.unheld)

@@ -181,6 +181,11 @@ class EvalReport:
                 bk = r.faithfulness.by_kind
                 cells = [f"{bk[k][0]:.2f} / {bk[k][1]:.2f}" if k in bk else "-" for k in order]
                 lines.append(f"| {r.name} | " + " | ".join(cells) + " |")
+            unsure = [r for r in kinds if r.faithfulness.hedged]
+            if unsure:  # wiki_explainer.unheld: hedge: claims said with "may", not counted in the table
+                lines += ["", "Said unsure (\"may\", counted as not said above): " + "; ".join(
+                    f"{r.name}: " + ", ".join(f"{k} on {s:.2f} of rows, true on {t:.2f} of them"
+                                              for k, (s, t) in r.faithfulness.hedged.items()) for r in unsure) + "."]
         lines += quote_table(self.rows)
         if self.samples:
             lines += ["", "## Samples", ""]
