@@ -141,3 +141,9 @@ def test_faithfulness_reports_the_claims_said_unsure_per_kind():
     assert f.recall == pytest.approx((1 / 4 + 1 / 4 + 1) / 3)  # hedged claims are not said
     assert f.precision == 1.0
     assert faithfulness([explanation_of(CLAIMS)], [CLAIMS], WikiGrader()).hedged is None
+    # precision over the claims made: quote said 3 times, all true; topic said once (row 3), true; the
+    # by-kind table's topic precision counts rows 1-2 (topic true, not said) as precise too
+    assert f.said == {"quote": (3, 1.0), "topic": (1, 1.0), "next": (1, 1.0), "position": (1, 1.0)}
+    wrong = faithfulness(['The article is about History.', explanation_of(CLAIMS)], [CLAIMS] * 2, WikiGrader())
+    assert wrong.said["topic"] == (2, 0.5)
+    assert wrong.by_kind["topic"] == (0.5, 0.5)

@@ -282,6 +282,10 @@ class Faithfulness:
     # kind -> (share of the graded rows that say a claim of it unsure, share of those true anyway), for a
     # grader whose grades carry ``hedged`` (the wiki's: ``wiki_explainer.unheld: hedge``); not in the above
     hedged: dict[str, tuple[float, float]] | None = None
+    # kind -> (claims of it said over the graded rows, the share of them true), for a grader whose grades
+    # carry ``said`` (the wiki's): precision over the claims made, where ``by_kind`` counts a row that does
+    # not say the kind as precise
+    said: dict[str, tuple[int, float]] | None = None
 
 
 def faithfulness(texts: list[str | None], facts: list[list[str]], grader: DatasetGrader | None = None,
@@ -306,6 +310,7 @@ def faithfulness(texts: list[str | None], facts: list[list[str]], grader: Datase
                                                    "recall and precision are not graded", quote=quote)
     empty = 0
     hedged: dict[str, list[bool]] = {}
+    said: dict[str, list[int]] = {}
     for i, (t, fs) in enumerate(zip(texts, facts, strict=True)):
         if fs is None:
             continue
@@ -327,6 +332,10 @@ def faithfulness(texts: list[str | None], facts: list[list[str]], grader: Datase
             per_kind.setdefault(k, []).append(rp)
         for k, right in (getattr(g, "hedged", None) or {}).items():
             hedged.setdefault(k, []).append(right)
+        for k, (n_said, n_true) in (getattr(g, "said", None) or {}).items():
+            tot = said.setdefault(k, [0, 0])
+            tot[0] += n_said
+            tot[1] += n_true
     order = [k for k in grader.kinds if k in per_kind] + sorted(set(per_kind) - set(grader.kinds))
     by_kind = {k: (float(np.mean([r for r, _ in per_kind[k]])), float(np.mean([p for _, p in per_kind[k]])))
                for k in order}
@@ -339,7 +348,8 @@ def faithfulness(texts: list[str | None], facts: list[list[str]], grader: Datase
                         float(np.mean(precisions)) if precisions else None, by_kind, len(recalls),
                         note="; ".join(notes) or None, quote=quote,
                         hedged={k: (len(v) / len(recalls), float(np.mean(v))) for k, v in hedged.items()}
-                        if hedged and recalls else None)
+                        if hedged and recalls else None,
+                        said={k: (n, t / n) for k, (n, t) in said.items()} if said else None)
 
 
 # ------------------------------------------------------------------ text helpers (any language)

@@ -218,6 +218,9 @@ class ClaimGrade:
     by_kind: dict[str, tuple[float, float]] = field(default_factory=dict)
     # kind -> whether the claim said unsure is true anyway (the first of each kind; not in the figures above)
     hedged: dict[str, bool] = field(default_factory=dict)
+    # kind -> (claims of it said, of those true): precision over the claims said, where ``by_kind``'s
+    # counts a row that does not say the kind as precise
+    said: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def grade_claims(explanation: str | None, truth: Sequence[str]) -> ClaimGrade:
@@ -231,6 +234,7 @@ def grade_claims(explanation: str | None, truth: Sequence[str]) -> ClaimGrade:
     recall = len(hits) / len(truth_set) if truth_set else 1.0
     precision = len(hits) / n_said if n_said else 1.0
     by_kind: dict[str, tuple[float, float]] = {}
+    said_by_kind: dict[str, tuple[int, int]] = {}
     for kind in KINDS:
         t = {c for c in truth_set if c.startswith(kind + "=")}
         s = [c for c in said_set if c.startswith(kind + "=")]
@@ -238,12 +242,14 @@ def grade_claims(explanation: str | None, truth: Sequence[str]) -> ClaimGrade:
             continue
         h = sum(c in t for c in s)
         by_kind[kind] = (h / len(t) if t else 1.0, h / len(s) if s else 1.0)
+        if s:
+            said_by_kind[kind] = (len(s), h)
     if other:
         by_kind["other"] = (1.0, 0.0)
     hedged: dict[str, bool] = {}
     for c in hedged_claims(explanation):
         hedged.setdefault(c.partition("=")[0], c in truth_set)
-    return ClaimGrade(recall, precision, by_kind, hedged)
+    return ClaimGrade(recall, precision, by_kind, hedged, said_by_kind)
 
 
 class WikiGrader(DatasetGrader):

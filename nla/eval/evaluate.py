@@ -181,6 +181,11 @@ class EvalReport:
                 bk = r.faithfulness.by_kind
                 cells = [f"{bk[k][0]:.2f} / {bk[k][1]:.2f}" if k in bk else "-" for k in order]
                 lines.append(f"| {r.name} | " + " | ".join(cells) + " |")
+            counted = [r for r in kinds if r.faithfulness.said]
+            if counted:  # precision over the claims made (the table counts a row not saying a kind as precise)
+                lines += ["", "Claims said, and the share true, per kind: " + "; ".join(
+                    f"{r.name}: " + ", ".join(f"{k} {n} ({p:.2f})" for k, (n, p) in r.faithfulness.said.items())
+                    for r in counted) + "."]
             unsure = [r for r in kinds if r.faithfulness.hedged]
             if unsure:  # wiki_explainer.unheld: hedge: claims said with "may", not counted in the table
                 lines += ["", "Said unsure (\"may\", counted as not said above): " + "; ".join(
