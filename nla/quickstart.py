@@ -185,7 +185,14 @@ PRESETS: dict[str, QuickstartPreset] = {
         # The cost: the AR's reading of an explanation keeps the subject's next-token prediction
         # less often (0.65-0.75 against 0.79-0.86), the words before the token being no longer said
         # (issue 57; BENCHMARKS.md, "The quotation of the token read only").
-        datagen=dict(n_docs=4000, max_len=128, world_explainer=dict(fact_rate=0.8, wrong_rate=0.1, quote_units=1),
+        # The quotation is said firmly only where a linear probe reads the token from the vector at
+        # p >= 0.9, elsewhere unsure ('The text may end with "X".', graded as not said): after RL the
+        # firm quotation is right on 0.999 / 0.998 / 0.983 of the rows that have one (37-50 % of rows)
+        # over three seeds, against 0.884 / 0.868 / 0.897 for an always-firm one, FVE 0.804 +- 0.023
+        # against 0.810 +- 0.024 (issue 57; BENCHMARKS.md, "Keeping RL from trading the quotation away").
+        datagen=dict(n_docs=4000, max_len=128,
+                     world_explainer=dict(fact_rate=0.8, wrong_rate=0.1, quote_units=1, quote_min_prob=0.9,
+                                          quote_unheld="hedge"),
                      **_DATAGEN_COMMON),
         # The AR bounds what any explanation can reach (the eval's oracle row); the AV was
         # under-trained at 500 steps (round trip 0.521 -> 0.709 at 1000, with the 3-6 fact explainer).
