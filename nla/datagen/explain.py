@@ -92,18 +92,15 @@ def add_quote_held(tables: dict[str, pa.Table], min_prob: float) -> tuple[dict[s
     import numpy as np
 
     from nla.core.probing import held_units
-    from nla.datagen.io import read_vectors
+    from nla.datagen.io import read_vectors, require_split_columns
 
     # the world's modules are imported here, not at the top: the RL loop imports this module, not the world
     from nla.world.explain import QUOTE_HELD
     from nla.world.facts import text_units
 
     fit = [n for n in ("av_sft", "ar_sft") if n in tables]
-    for name, t in tables.items():
-        missing = [c for c in ("text_end", "doc_id", "activation_vector") if c not in t.column_names]
-        if missing:
-            raise DatagenError(f"quote_min_prob: split {name} has no {', '.join(missing)} column; the probe "
-                               "needs world activations written by this version of datagen (rerun extract)")
+    require_split_columns(tables, ("text_end", "doc_id", "activation_vector"), "quote_min_prob",
+                          "the probe needs world activations written by this version of datagen (rerun extract)")
 
     def unit(end: str | None) -> str | None:
         units = text_units(end) if end else []

@@ -47,6 +47,15 @@ def read_parquet(path: str | os.PathLike) -> pa.Table:
         ) from exc
 
 
+def require_split_columns(tables: dict[str, pa.Table], columns: tuple[str, ...], what: str, hint: str) -> None:
+    """Raise ``DatagenError`` naming the first split of ``tables`` that lacks any of ``columns``
+    (``what``: the setting that needs them; ``hint``: what to do)."""
+    for name, t in tables.items():
+        missing = [c for c in columns if c not in t.column_names]
+        if missing:
+            raise DatagenError(f"{what}: split {name} has no {', '.join(missing)} column; {hint}")
+
+
 def read_vectors(path_or_table: str | os.PathLike | pa.Table, column: str = VECTOR_COLUMN, *,
                  source: str | os.PathLike | None = None, check: bool = True) -> np.ndarray:
     """Return the vector column as a float32 array [N, d] without building Python floats.

@@ -402,17 +402,14 @@ def add_claims_held(tables: dict[str, Any], min_prob: dict[str, float]) -> tuple
     import pyarrow as pa
 
     from nla.core.probing import held_units
-    from nla.datagen.io import DatagenError, read_vectors
+    from nla.datagen.io import DatagenError, read_vectors, require_split_columns
 
     bad = sorted(set(min_prob) - set(KINDS))
     if bad:
         raise DatagenError(f"wiki_explainer: min_prob names {bad}; the kinds are {list(KINDS)}")
     fit = [n for n in ("av_sft", "ar_sft") if n in tables]
-    for name, t in tables.items():
-        missing = [c for c in ("facts", "doc_id", "activation_vector") if c not in t.column_names]
-        if missing:
-            raise DatagenError(f"wiki_explainer: split {name} has no {', '.join(missing)} column; the probes need "
-                               "source: wikipedia activations (rerun extract)")
+    require_split_columns(tables, ("facts", "doc_id", "activation_vector"), "wiki_explainer",
+                          "the probes need source: wikipedia activations (rerun extract)")
     if not fit:
         raise DatagenError("wiki_explainer: the probes learn from the warm-start splits (av_sft, ar_sft); none given")
     others = [n for n in tables if n not in fit]
