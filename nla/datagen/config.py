@@ -8,6 +8,7 @@ same names (`--set provider.model=claude-x`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -422,3 +423,19 @@ def parse_override(text: str) -> tuple[str, Any]:
     """`key=value` with the value parsed as YAML (numbers, null, lists): ``parse_overrides``'s rule."""
     ((key, value),) = parse_overrides([text]).items()
     return key, value
+
+
+def datagen_config_of(dataset_path: str | os.PathLike, what: str = "recall slots") -> DatagenConfig | None:
+    """The datagen settings a dataset's sidecar records (``training.datagen_config``), or None (with a
+    warning naming ``what``, the reader that needs them, when the file is unreadable)."""
+    try:
+        from nla.core.sidecar import load_sidecar
+
+        prov = load_sidecar(dataset_path).training.get("datagen_config")
+        # recorded as written (often relative to where datagen ran); it sits beside the datasets
+        for path in ([Path(prov), Path(dataset_path).parent / Path(prov).name] if prov else []):
+            if path.is_file():
+                return DatagenConfig.from_yaml(path)
+    except (OSError, ValueError) as err:
+        logging.getLogger(__name__).warning("%s: cannot read the datagen settings (%s); using defaults", what, err)
+    return None

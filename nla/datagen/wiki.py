@@ -290,9 +290,9 @@ class WikiGrader(DatasetGrader):
             return [None] * table.num_rows
         unheld = "hedge"
         if dataset_path is not None:
-            from nla.datagen.world_grader import _datagen_config
+            from nla.datagen.config import datagen_config_of
 
-            dc = _datagen_config(dataset_path, "the oracle's claims")
+            dc = datagen_config_of(dataset_path, "the oracle's claims")
             unheld = dc.wiki_explainer.unheld if dc is not None else unheld
         return [None if h is None else (tuple(h), unheld) for h in table.column(HELD_COLUMN).to_pylist()]
 

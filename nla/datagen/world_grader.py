@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from nla.core.graders import DatasetGrader, split_sentences
+from nla.datagen.config import datagen_config_of
 from nla.world.explain import (
     FACT_TEMPLATES,
     PHRASINGS,
@@ -42,26 +43,9 @@ def _same_case(word: str, like: str) -> str:
     return word.capitalize() if like[:1].isupper() else word
 
 
-def _datagen_config(dataset_path: Path, what: str = "recall slots") -> Any:
-    """The datagen settings the dataset sidecar's provenance records (``training.datagen_config``),
-    or None (with a warning naming ``what`` when the file is unreadable)."""
-    try:
-        from nla.core.sidecar import load_sidecar
-        from nla.datagen.config import DatagenConfig
-
-        prov = load_sidecar(dataset_path).training.get("datagen_config")
-        # recorded as written (often relative to where datagen ran); it sits beside the datasets
-        for path in ([Path(prov), Path(dataset_path).parent / Path(prov).name] if prov else []):
-            if path.is_file():
-                return DatagenConfig.from_yaml(path)
-    except (OSError, ValueError) as err:
-        logger.warning("%s: cannot read the datagen settings (%s); using defaults", what, err)
-    return None
-
-
 def _quote_units(dataset_path: Path) -> int | None:
     """``world_explainer.quote_units`` of the dataset's datagen settings (None: quote all of ``text_end``)."""
-    dc = _datagen_config(dataset_path, "the oracle's quotation")
+    dc = datagen_config_of(dataset_path, "the oracle's quotation")
     return None if dc is None else dc.world_explainer.quote_units
 
 
@@ -99,7 +83,7 @@ class WorldGrader(DatasetGrader):
         ``world_explainer.quote_units`` when its datagen settings set it, and None where its
         ``quote_held`` column is false (``world_explainer.quote_min_prob``): the data explainer's rule."""
         quotes = table_quotes(table) or [None] * table.num_rows
-        dc = _datagen_config(dataset_path, "the oracle's quotation") if dataset_path is not None else None
+        dc = datagen_config_of(dataset_path, "the oracle's quotation") if dataset_path is not None else None
         w = dc.world_explainer if dc is not None else None
         if w is not None and w.quote_units is not None:
             quotes = [cut_quote(q, w.quote_units) for q in quotes]
@@ -189,7 +173,7 @@ class WorldGrader(DatasetGrader):
         """The recall slots (``nla.world.slots``) of the stories the dataset's rows were read from,
         regenerated from the world seed its datagen settings record; None without those settings
         or a ``doc_id`` column."""
-        dc = _datagen_config(dataset_path)
+        dc = datagen_config_of(dataset_path)
         if dc is None or dc.source != "world" or "doc_id" not in table.column_names:
             return None
         import numpy as np
@@ -219,7 +203,7 @@ class WorldGrader(DatasetGrader):
         from nla.datagen.explainer_base import row_key
 
         seed, kw = 0, {}
-        dc = _datagen_config(dataset_path, "text explainer baseline")
+        dc = datagen_config_of(dataset_path, "text explainer baseline")
         if dc is not None:
             w = dc.world_explainer
             seed, kw = dc.seed, dict(min_facts=w.min_facts, max_facts=w.max_facts, wrong_rate=w.wrong_rate,
