@@ -422,9 +422,11 @@ def add_claims_held(tables: dict[str, Any], min_prob: dict[str, float]) -> tuple
     groups = [d for n in fit for d in tables[n].column("doc_id").to_pylist()]
     x_other = np.concatenate([read_vectors(tables[n]) for n in others]) if others else None
     held: dict[str, np.ndarray] = {}  # kind -> [rows of fit + others]
-    for kind, p in min_prob.items():
+    for step, (kind, p) in enumerate(min_prob.items(), start=1):
         v = [w for n in fit for w in values(n, kind)]
         has = np.array([w is not None for w in v], dtype=bool)
+        logger.info("explain: probe %d of %d (%s, p >= %.2f): fitting on %d rows, cross-fitted by article", step,
+                    len(min_prob), kind, p, int(has.sum()))
         v_other = [w for n in others for w in values(n, kind)]
         h_fit, h_other = held_units(x[has], [w for w, k in zip(v, has, strict=True) if k],
                                     [g for g, k in zip(groups, has, strict=True) if k], p,
