@@ -240,8 +240,14 @@ _REAL_TRAIN = dict(warmup_steps=10, min_lr_ratio=0.1, max_grad_norm=1.0, log_eve
 PRESETS["smollm2"] = QuickstartPreset(
     world="tiny",  # unused: source wikipedia has no world
     source="wikipedia",
+    # The topic, the next token and the position are said firmly only where a linear probe reads them
+    # at p >= 0.9 (28-31 %, 11-14 %, 39-44 % of rows), else "may": ungated, the AV said a wrong topic on
+    # two rows of three; gated, it says every one of them unsure and a firm claim is never false
+    # (BENCHMARKS.md, "The preset rebalanced"). The quotation stays firm (right on 0.71: the AV reads the
+    # token better than the probe, which holds it at p 0.9 on 40 % of rows).
     datagen=dict(n_docs=1500, max_len=64, positions_per_doc=8, skip_first=1, batch_size=16, layer_index=10,
-                 injection_char="§", center=True, split_fractions=[0.4, 0.4, 0.2]),
+                 injection_char="§", center=True, split_fractions=[0.4, 0.4, 0.2],
+                 wiki_explainer=dict(topic_min_prob=0.9, next_min_prob=0.9, position_min_prob=0.9)),
     # The AR bounds every explanation (the oracle): read on the gold explanations of held-out articles it
     # reached FVE 0.29 at 300 steps, 0.45 at 400, 0.51 at 600, 0.57 at 1,200 (dev/experiments/smollm2_curve.py);
     # with 500 steps the pair reached 0.75 of an oracle of 0.35, so the AR gets 1,200 (the time from the AV's
