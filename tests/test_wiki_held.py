@@ -147,3 +147,14 @@ def test_faithfulness_reports_the_claims_said_unsure_per_kind():
     wrong = faithfulness(['The article is about History.', explanation_of(CLAIMS)], [CLAIMS] * 2, WikiGrader())
     assert wrong.said["topic"] == (2, 0.5)
     assert wrong.by_kind["topic"] == (0.5, 0.5)
+
+
+def test_the_explorer_shows_unsure_claims_apart_from_claims_and_misses():
+    from nla.explore.engine import grade_claims as explore_grade
+
+    text = 'The text ends with "Paris". The article may be about History. The model may expect "," next.'
+    out = explore_grade(text, CLAIMS, grader=WikiGrader())
+    assert out["claims"] == [{"fact": "quote=Paris", "correct": True}]
+    assert out["unsure"] == [{"fact": "topic=History", "correct": False}, {"fact": "next=,", "correct": True}]
+    assert out["missed"] == ["position=early", "topic=Geography"]  # next=, was said unsure: not missed
+    assert WikiGrader().hedged_facts(text) == ["topic=History", "next=,"]

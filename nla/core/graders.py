@@ -144,6 +144,10 @@ class DatasetGrader:
         """The facts (``"kind=value"``) ``text`` claims (empty when the grader has no facts)."""
         return frozenset()
 
+    def hedged_facts(self, text: str | None) -> list[str]:
+        """The facts ``text`` says unsure, which it does not claim (the base: none; the wiki's "may")."""
+        return []
+
     def claim_truth(self, claim: str, truth: Sequence[str], quote: Any = None) -> bool | None:
         """True / False when ``claim`` names facts and all of them are / one is not in ``truth``, or
         when it is a quotation and ``quote`` (the row's entry of ``quote_truths``) is given: every

@@ -356,6 +356,9 @@ class WikiGrader(DatasetGrader):
     def named_facts(self, text: str | None) -> frozenset[str]:
         return frozenset(parse_claims(text)[0])
 
+    def hedged_facts(self, text: str | None) -> list[str]:
+        return hedged_claims(text)
+
 
 class WikiExplainer(Explainer):
     """The data explainer of ``source: wikipedia``: every claim true of the row (its ``facts``),

@@ -440,9 +440,11 @@ def grade_claims(explanation: str | None, facts: list[str] | None, read: str | N
     text = explanation or ""
     truth = set(facts)
     claims = sorted(grader.named_facts(text))
+    unsure = list(dict.fromkeys(grader.hedged_facts(text)))  # said with "may": no claim, shown apart
     g = grader.grade(text, list(facts))
     return {"claims": [{"fact": f, "correct": f in truth} for f in claims],
-            "missed": sorted(truth - set(claims)),
+            "unsure": [{"fact": f, "correct": f in truth} for f in unsure],
+            "missed": sorted(truth - set(claims) - set(unsure)),
             "recall": g.recall, "precision": g.precision, **out}
 
 

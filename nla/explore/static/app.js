@@ -148,11 +148,17 @@ function quoteUnits(q) {
 function claimsLine(e) {
   const quote = quoteUnits(e.quotation);
   if (!e.claims) return quote.length ? el("div", { class: "claims" }, quote) : null;
-  if (!e.claims.length && !(e.missed || []).length && !quote.length) return null;
+  const unsure = e.unsure || [];
+  if (!e.claims.length && !(e.missed || []).length && !unsure.length && !quote.length) return null;
   return el("div", { class: "claims" }, quote,
     e.claims.map((c) => el("span", { class: "fact " + (c.correct ? "true" : "false"),
       title: c.correct ? "true at this token" : "not true at this token" },
     (c.correct ? "✓ " : "✗ ") + c.fact)),
+    // said unsure ("may"): no claim, marked "?" whatever its truth (shown in the title)
+    unsure.length ? el("span", { class: "muted small" }, "unsure:") : null,
+    unsure.map((c) => el("span", { class: "fact hedged",
+      title: "said unsure: not a claim; " + (c.correct ? "true at this token" : "not true at this token") },
+    "? " + c.fact)),
     (e.missed || []).length ? el("span", { class: "muted small" }, "not said:") : null,
     (e.missed || []).map((f) => el("span", { class: "fact missed", title: "true here, not said" }, f)));
 }
