@@ -119,6 +119,9 @@ def test_add_claims_held_reads_each_row_by_a_probe_that_never_saw_its_article():
 
 
 def test_the_settings_are_checked_by_name():
+    from nla.datagen.wiki import KINDS
+
+    assert WikiExplainerConfig.GATED == KINDS  # every claim kind has its threshold
     assert WikiExplainerConfig(topic_min_prob=0.9, next_min_prob=0.5).min_prob() == {"topic": 0.9, "next": 0.5}
     with pytest.raises(ValueError, match=r"wiki_explainer\.topic_min_prob: expected a probability in \[0, 1\]"):
         WikiExplainerConfig(topic_min_prob=1.5)

@@ -178,14 +178,15 @@ class WikiExplainerConfig:
                                        "unsure, 'The article may be about X.', which the grader counts as not "
                                        "said) or omit. Range: hedge, omit.")
 
+    GATED = ("quote", "topic", "next", "position")  # nla.datagen.wiki.KINDS, each with a *_min_prob field
+
     def min_prob(self) -> dict[str, float]:
         """The kinds gated by a probe and their thresholds (empty: every claim is said firmly)."""
-        return {k: float(getattr(self, f"{k}_min_prob")) for k in ("quote", "topic", "next", "position")
-                if getattr(self, f"{k}_min_prob") is not None}
+        return {k: float(getattr(self, f"{k}_min_prob")) for k in self.GATED if getattr(self, f"{k}_min_prob") is not None}
 
     def __post_init__(self) -> None:
         c = "wiki_explainer"
-        for k in ("quote", "topic", "next", "position"):
+        for k in self.GATED:
             v = getattr(self, f"{k}_min_prob")
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
                 raise _err(c, f"{k}_min_prob", "a probability in [0, 1] or null (always said firmly)", v)

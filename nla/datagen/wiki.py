@@ -189,22 +189,30 @@ def parse_claim(sentence: str) -> str | None:
     return None
 
 
-def parse_claims(text: str | None) -> tuple[list[str], int]:
-    """(the claims an explanation states, in order; the number of its sentences in no claim form). A
-    claim said unsure (``parse_hedged``) is neither: it states nothing and is in the language."""
-    claims, other = [], 0
+def _parse(text: str | None) -> tuple[list[str], list[str], int]:
+    """(the claims an explanation states, the claims it says unsure, its sentences in neither form)."""
+    claims, hedged, other = [], [], 0
     for s in _sentences(text or ""):
         c = parse_claim(s)
         if c is not None:
             claims.append(c)
-        elif parse_hedged(s) is None:
+        elif (h := parse_hedged(s)) is not None:
+            hedged.append(h)
+        else:
             other += 1
+    return claims, hedged, other
+
+
+def parse_claims(text: str | None) -> tuple[list[str], int]:
+    """(the claims an explanation states, in order; the number of its sentences in no claim form). A
+    claim said unsure (``parse_hedged``) is neither: it states nothing and is in the language."""
+    claims, _, other = _parse(text)
     return claims, other
 
 
 def hedged_claims(text: str | None) -> list[str]:
     """The claims an explanation says unsure, in order (``parse_hedged``)."""
-    return [c for c in (parse_hedged(s) for s in _sentences(text or "")) if c is not None]
+    return _parse(text)[1]
 
 
 @dataclass(frozen=True)
@@ -227,7 +235,7 @@ def grade_claims(explanation: str | None, truth: Sequence[str]) -> ClaimGrade:
     """Recall = share of the true claims said; precision = share of the claims said that are true
     (a sentence in no claim form counts as one false claim, kind ``other``). No claim said:
     precision 1.0 (nothing false was said), recall 0 unless nothing is true."""
-    said, other = parse_claims(explanation)
+    said, unsure, other = _parse(explanation)
     said_set, truth_set = list(dict.fromkeys(said)), set(truth)
     hits = [c for c in said_set if c in truth_set]
     n_said = len(said_set) + other
@@ -247,7 +255,7 @@ def grade_claims(explanation: str | None, truth: Sequence[str]) -> ClaimGrade:
     if other:
         by_kind["other"] = (1.0, 0.0)
     hedged: dict[str, bool] = {}
-    for c in hedged_claims(explanation):
+    for c in unsure:
         hedged.setdefault(c.partition("=")[0], c in truth_set)
     return ClaimGrade(recall, precision, by_kind, hedged, said_by_kind)
 
@@ -417,9 +425,10 @@ def add_claims_held(tables: dict[str, Any], min_prob: dict[str, float]) -> tuple
         raise DatagenError("wiki_explainer: the probes learn from the warm-start splits (av_sft, ar_sft); none given")
     others = [n for n in tables if n not in fit]
 
+    facts = {n: t.column("facts").to_pylist() for n, t in tables.items()}
+
     def values(name: str, kind: str) -> list[str | None]:
-        return [next((f.partition("=")[2] for f in fs or [] if f.startswith(kind + "=")), None)
-                for fs in tables[name].column("facts").to_pylist()]
+        return [next((f.partition("=")[2] for f in fs or [] if f.startswith(kind + "=")), None) for fs in facts[name]]
 
     x = np.concatenate([read_vectors(tables[n]) for n in fit])
     groups = [d for n in fit for d in tables[n].column("doc_id").to_pylist()]

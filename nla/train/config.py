@@ -261,7 +261,7 @@ class AVTrainConfig(_TrainBase):
                                                  "template's head and the prompt's words before the marker) once "
                                                  "per batch, their KV cache shared by the rows, and the LM head on "
                                                  "the response tokens only: the same loss to float rounding, "
-                                                 "fewer FLOPs where the template's head is long (SmolLM2's: 30 of "
+                                                 "fewer FLOPs where the template's head is long (SmolLM2's: 28 of "
                                                  "43 prompt tokens). Needs padding_side right, no "
                                                  "gradient_checkpointing, and a llama or qwen2 model; others "
                                                  "train the plain way (logged). Off by default: a run's figures "
