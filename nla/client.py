@@ -312,6 +312,12 @@ class NLAClient:
                 f"d_model: the AV sidecar says {av_side.d_model} but the AR sidecar says {ar_side.d_model}; the two "
                 "checkpoints were not trained on the same subject model and cannot form a pair"
             )
+        for role, side in (("AV", av_side), ("AR", ar_side)):
+            if side is not None and side.layers is not None:
+                raise NLAClientError(
+                    f"the {role} reads several blocks ({list(side.layers)}, extraction.layers); NLAClient does not "
+                    "take a block per vector yet (issue 59's next part), so it would verbalize and score them "
+                    "silently wrong: use a pair of one block")
         self.allow_mixed_provenance = allow_mixed_provenance
         if av_side is not None and ar_side is not None:  # subject, layer and tokenizer (nla.core.provenance)
             check_provenance([Provenance.of("the AV", av_side), Provenance.of("the AR", ar_side)],

@@ -85,3 +85,34 @@ def block_outputs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
     if not captured:
         raise RuntimeError(f"the hook on decoder block {layer_index} did not fire; report this model family")
     return captured[0]
+
+
+def blocks_outputs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   layers: Sequence[int]) -> dict[int, torch.Tensor]:
+    """``{K: output of decoder block K [B, T, d]}`` for every K of ``layers``, from one forward pass
+    that stops after the deepest (what ``block_outputs`` gives for each K alone)."""
+    captured: dict[int, torch.Tensor] = {}
+    deepest = max(layers)
+    blocks = decoder_layers(model)
+
+    def hook_for(k: int):
+        def hook(_module, _inputs, output):
+            captured[k] = output[0] if isinstance(output, tuple) else output
+            if k == deepest:
+                raise _StopForward
+        return hook
+
+    handles = [blocks[k].register_forward_hook(hook_for(k)) for k in sorted(set(layers))]
+    try:
+        with torch.inference_mode():
+            try:
+                model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [k for k in layers if k not in captured]
+    if missing:
+        raise RuntimeError(f"the hooks on decoder blocks {missing} did not fire; report this model family")
+    return {k: captured[k] for k in layers}

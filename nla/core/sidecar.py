@@ -88,6 +88,13 @@ class NLAConfig:
         pair reads and writes (``extraction.vector_offset``, nla's key: the training splits' mean for a
         ``center: true`` dataset, whose ``activation_vector`` column already holds the differences);
         None: the pair reads raw block outputs. ``to_pair_space`` applies it.
+    layers: the blocks a pair for several layers reads (``extraction.layers``, nla's key), in increasing
+        order, ``layer_index`` then the deepest (the AR keeps blocks 0..K); its templates name the block
+        as ``{layer}`` and :meth:`av_messages` / :meth:`ar_text` fill it in per row. None: one block,
+        ``layer_index`` (the published layout).
+    layer_norms: per block of ``layers``, the median norm of the training rows' raw vectors
+        (``extraction.layer_norms``; the scales differ by block, and the injection and the metric
+        rescale every vector, so this is a record, not a setting).
 
     The AV fields come all together or not at all, the AR fields likewise. Role "av" needs the AV
     fields, role "ar" the AR fields, a dataset both; a model sidecar without a role needs one set.
@@ -112,6 +119,8 @@ class NLAConfig:
     model_width: int | None = None
     injection_adapter: dict | None = field(default=None, hash=False)
     vector_offset: tuple[float, ...] | None = field(default=None, hash=False)
+    layers: tuple[int, ...] | None = None
+    layer_norms: dict | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -126,11 +135,12 @@ class NLAConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"NLAConfig.{name}: expected a non-negative int, found {value!r}")
         self._check_groups()
+        self._check_layers()
         if self.has_av_fields:
             if not isinstance(self.injection_char, str) or not self.injection_char:
                 raise ValueError(
                     f"NLAConfig.injection_char: expected a non-empty string, found {self.injection_char!r}")
-            _check_template("av_template", self.av_template, "injection_char")
+            _check_template("av_template", self.av_template, "injection_char", self.layers)
         if self.has_ar_fields:
             suffix = self.critic_suffix_ids
             if isinstance(suffix, (str, bytes)) or not isinstance(suffix, Sequence):
@@ -142,7 +152,7 @@ class NLAConfig:
                     f"{list(suffix)!r}"
                 )
             object.__setattr__(self, "critic_suffix_ids", suffix)
-            _check_template("ar_template", self.ar_template, "explanation")
+            _check_template("ar_template", self.ar_template, "explanation", self.layers)
             if not self.ar_template.split("{explanation}")[-1].strip():
                 raise ValueError(
                     f"NLAConfig.ar_template: needs a constant tail after {{explanation}} (the AR reads its prediction "
@@ -158,6 +168,60 @@ class NLAConfig:
         object.__setattr__(self, "training", dict(self.training))
         self._check_own_model()
         self._check_offset()
+
+    def _check_layers(self) -> None:
+        layers = self.layers
+        if layers is None:
+            if self.layer_norms is not None:
+                raise ValueError("NLAConfig.layer_norms (extraction.layer_norms): recorded only with "
+                                 "extraction.layers; found it without")
+            return
+        if isinstance(layers, (str, bytes, Mapping)) or not isinstance(layers, Sequence):
+            raise ValueError(f"NLAConfig.layers (extraction.layers): expected a list of blocks, found {layers!r}")
+        layers = tuple(layers)
+        if (len(layers) < 2 or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in layers)
+                or list(layers) != sorted(set(layers))):
+            raise ValueError(f"NLAConfig.layers (extraction.layers): expected two or more distinct blocks >= 0 in "
+                             f"increasing order, found {list(layers)!r}")
+        if self.layer_index is not None and self.layer_index != layers[-1]:
+            raise ValueError(f"NLAConfig.layer_index: expected the deepest of extraction.layers ({layers[-1]}: the "
+                             f"AR keeps blocks 0..{layers[-1]}), found {self.layer_index}")
+        object.__setattr__(self, "layers", layers)
+        object.__setattr__(self, "layer_index", layers[-1])
+        norms = self.layer_norms
+        if norms is not None:
+            if not isinstance(norms, Mapping) or sorted(int(k) for k in norms) != list(layers) or any(
+                    isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
+                    for v in norms.values()):
+                raise ValueError(f"NLAConfig.layer_norms (extraction.layer_norms): expected a positive number for "
+                                 f"each block of {list(layers)}, found {norms!r}")
+            object.__setattr__(self, "layer_norms", {int(k): float(v) for k, v in norms.items()})
+
+    def check_layer(self, layer: int | None, purpose: str) -> int | None:
+        """The block a vector comes from, checked against what the pair reads: one of ``layers`` for a pair
+        of several (required: the prompts name it), ``layer_index`` or None for a pair of one. A
+        :class:`SidecarError` naming the blocks otherwise (a vector of a block the pair was not trained
+        on is never verbalized silently)."""
+        if self.layers is None:
+            if layer is not None and self.layer_index is not None and layer != self.layer_index:
+                raise SidecarError(
+                    f"{purpose}: block {layer} was asked for, but this pair reads block {self.layer_index} only "
+                    f"(extraction.layer_index); give vectors of block {self.layer_index}, or use a pair trained on "
+                    f"block {layer}")
+            return layer
+        if layer is None:
+            raise SidecarError(
+                f"{purpose}: this pair reads several blocks ({list(self.layers)}, extraction.layers) and its prompts "
+                "name the block; say which block each vector comes from (layer=...)")
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer not in self.layers:
+            raise SidecarError(
+                f"{purpose}: block {layer!r} is not one this pair was trained on (extraction.layers: "
+                f"{list(self.layers)}); give vectors of one of those blocks")
+        return layer
+
+    def _fill_layer(self, template: str, layer: int | None, purpose: str) -> str:
+        layer = self.check_layer(layer, purpose)
+        return template.replace("{layer}", str(layer)) if self.layers is not None else template
 
     def _check_offset(self) -> None:
         off = self.vector_offset
@@ -305,15 +369,18 @@ class NLAConfig:
     def mse_scale_value(self) -> float | None:
         return resolve_scale(self.mse_scale, self.d_model)
 
-    def av_messages(self, placeholder: str | None = None) -> list[dict]:
-        """The canonical AV chat messages; ``placeholder`` (e.g. ``"<INJECT>"``) replaces the marker."""
+    def av_messages(self, placeholder: str | None = None, layer: int | None = None) -> list[dict]:
+        """The canonical AV chat messages; ``placeholder`` (e.g. ``"<INJECT>"``) replaces the marker;
+        ``layer``: the block the vector comes from (a pair of several blocks names it in the prompt)."""
         self.need_av("the AV prompt")
         marker = placeholder or self.injection_char
-        return [{"role": "user", "content": self.av_template.format(injection_char=marker)}]
+        template = self._fill_layer(self.av_template, layer, "the AV prompt")
+        return [{"role": "user", "content": template.format(injection_char=marker)}]
 
-    def ar_text(self, explanation: str) -> str:
+    def ar_text(self, explanation: str, layer: int | None = None) -> str:
+        """The AR's input for ``explanation``; ``layer`` as in :meth:`av_messages`."""
         self.need_ar("the AR text")
-        return self.ar_template.format(explanation=explanation)
+        return self._fill_layer(self.ar_template, layer, "the AR text").format(explanation=explanation)
 
     def replace(self, **kw: Any) -> NLAConfig:
         return dataclasses.replace(self, **kw)
@@ -335,25 +402,34 @@ class NLAConfig:
         mse_scale: float | str | None = SQRT_D_MODEL,
         base_model: str | None = None,
         training: dict | None = None,
+        layers: Sequence[int] | None = None,
+        layer_norms: Mapping[int, float] | None = None,
     ) -> NLAConfig:
         """Build a config whose token ids are computed from ``tokenizer``, then verify it."""
         draft = dict(
             kind=kind, role=role, d_model=d_model, layer_index=layer_index, injection_char=injection_char,
             av_template=av_template, ar_template=ar_template, injection_scale=injection_scale,
             mse_scale=mse_scale, base_model=base_model, training=dict(training or {}),
+            layers=None if layers is None else tuple(layers), layer_norms=None if layer_norms is None else dict(layer_norms),
         )
         cfg = cls(**derive_token_ids(tokenizer, injection_char, av_template, ar_template), **draft)
         verify_tokenizer(cfg, tokenizer)
         return cfg
 
 
-def _check_template(name: str, template: Any, key: str) -> None:
+def _check_template(name: str, template: Any, key: str, layers: Sequence[int] | None = None) -> None:
     if not isinstance(template, str) or "{" + key + "}" not in template:
         raise ValueError(f"NLAConfig.{name}: expected a string containing {{{key}}}, found {template!r}")
     if template.count("{" + key + "}") != 1:
         raise ValueError(f"NLAConfig.{name}: {{{key}}} must appear exactly once, found {template!r}")
+    if layers is not None and template.count("{layer}") != 1:
+        raise ValueError(f"NLAConfig.{name}: a pair of several blocks (extraction.layers {list(layers)}) names the "
+                         f"block in its prompts: {{layer}} must appear exactly once, found {template!r}")
+    if layers is None and "{layer}" in template:
+        raise ValueError(f"NLAConfig.{name}: {{layer}} names the block of a pair of several blocks, but the sidecar "
+                         f"records no extraction.layers; found {template!r}")
     try:
-        template.format(**{key: "x"})
+        template.replace("{layer}", "0").format(**{key: "x"})
     except (KeyError, IndexError, ValueError) as err:
         raise ValueError(
             f"NLAConfig.{name}: the template has braces other than {{{key}}} ({err!r}); double literal braces "
@@ -523,6 +599,8 @@ def load_sidecar(path: str | os.PathLike) -> NLAConfig:
             model_width=opt(("model", "hidden_size")),
             injection_adapter=opt(("injection_adapter",)),
             vector_offset=opt(("extraction", "vector_offset")),
+            layers=opt(("extraction", "layers")),
+            layer_norms=opt(("extraction", "layer_norms")),
         )
     except SidecarError:
         raise
@@ -598,6 +676,10 @@ def sidecar_document(cfg: NLAConfig, **provenance: Any) -> dict:
     extraction.update(injection_scale=cfg.injection_scale_value(), mse_scale=cfg.mse_scale_value())
     if cfg.vector_offset is not None:  # nla's key (the published readers ignore it): docs/serve.md
         extraction["vector_offset"] = list(cfg.vector_offset)
+    if cfg.layers is not None:  # nla's keys: a pair of several blocks (one block: the published layout)
+        extraction["layers"] = list(cfg.layers)
+        if cfg.layer_norms is not None:
+            extraction["layer_norms"] = {int(k): float(v) for k, v in sorted(cfg.layer_norms.items())}
     doc["extraction"] = extraction
     tokens: dict[str, Any] = {}
     templates: dict[str, Any] = {}

@@ -18,3 +18,10 @@ AV_PLACEHOLDER = "<INJECT>"
 
 # Default single-token injection marker (a rare CJK character, as in the published checkpoints).
 DEFAULT_INJECTION_CHAR = "㈎"
+
+# A pair for several blocks (datagen ``layers``) names the block in both prompts, so one AV and one AR
+# read every block: the AV is told where the vector comes from, the AR which block to rebuild. The
+# block sits away from the marker (whose neighbours stay ``<<`` and ``>>``) and before the explanation
+# (the AR's tail stays constant).
+LAYERED_AV_TEMPLATE = "Explain the hidden state <<{injection_char}>> of block {layer} in a few short sentences."
+LAYERED_AR_TEMPLATE = "Block {layer}. Explanation: {explanation}\nSummary vector:"

@@ -152,7 +152,14 @@ def _common_tail(seqs: Sequence[Sequence[int]], cap: int) -> tuple[int, ...]:
     return tuple(seqs[0][len(seqs[0]) - n:])
 
 
+def _any_block(template: str) -> str:
+    """A template of a pair of several blocks with ``{layer}`` filled in: the ids derived here (the
+    marker's neighbours, the AR's tail) are the same for every block, which sits elsewhere in the text."""
+    return template.replace("{layer}", "0")
+
+
 def _ar_tails(tokenizer: Any, ar_template: str) -> tuple[list[list[int]], int]:
+    ar_template = _any_block(ar_template)
     n_tail = len(tokenizer.encode(ar_template.split("{explanation}")[-1], add_special_tokens=False))
     if n_tail == 0:
         raise SidecarError(f"ar_template: the tail after {{explanation}} tokenises to nothing: {ar_template!r}")
@@ -201,7 +208,7 @@ def derive_token_ids(tokenizer: Any, injection_char: str | None, av_template: st
     out: dict[str, Any] = {}
     if av_template is not None and injection_char is not None:
         marker_id = _single_marker_id(tokenizer, injection_char)
-        messages = [{"role": "user", "content": av_template.format(injection_char=injection_char)}]
+        messages = [{"role": "user", "content": _any_block(av_template).format(injection_char=injection_char)}]
         prompt = canonical_av_prompt_ids(tokenizer, messages)
         pos = _marker_position(prompt, marker_id, injection_char)
         out.update(injection_token_id=marker_id, injection_left_neighbor_id=prompt[pos - 1],
@@ -230,7 +237,7 @@ def _verify_av(cfg: Any, tokenizer: Any) -> None:
             f"{cfg.injection_char!r} to {marker_id}; load the tokenizer saved with this checkpoint/dataset "
             "(or rebuild the sidecar with NLAConfig.from_tokenizer)"
         )
-    prompt = canonical_av_prompt_ids(tokenizer, cfg.av_messages())
+    prompt = canonical_av_prompt_ids(tokenizer, cfg.av_messages(layer=cfg.layers[0] if cfg.layers else None))
     pos = _marker_position(prompt, marker_id, cfg.injection_char)
     for side, name, found in (
         ("left", "injection_left_neighbor_id", prompt[pos - 1]),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,13 @@ import numpy as np
 import pyarrow as pa
 
 from nla.core.arch import hidden_size, num_layers
-from nla.core.templates import AV_PLACEHOLDER, DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE
+from nla.core.templates import (
+    AV_PLACEHOLDER,
+    DEFAULT_AR_TEMPLATE,
+    DEFAULT_AV_TEMPLATE,
+    LAYERED_AR_TEMPLATE,
+    LAYERED_AV_TEMPLATE,
+)
 from nla.datagen.io import DatagenError, read_parquet, read_vectors, write_parquet_atomic
 
 log = logging.getLogger(__name__)
@@ -47,6 +54,23 @@ def _messages_column(messages: list[dict], n: int) -> pa.Array:
     return one.take(pa.array(np.zeros(n, dtype=np.int64)))
 
 
+def _row_layers(table: pa.Table) -> list[int | None]:
+    """Each row's block (``activation_layer``), or None throughout for a table without the column."""
+    if "activation_layer" not in table.column_names:
+        return [None] * table.num_rows
+    return table.column("activation_layer").to_pylist()
+
+
+def _av_prompts(cfg: Any, table: pa.Table) -> pa.Array:
+    """The AV prompt column: the one canonical prompt, or for a pair of several blocks each row's with
+    its block named."""
+    if cfg.layers is None:
+        return _messages_column(cfg.av_messages(placeholder=AV_PLACEHOLDER), table.num_rows)
+    struct = pa.struct([("role", pa.string()), ("content", pa.string())])
+    by_block = {k: cfg.av_messages(placeholder=AV_PLACEHOLDER, layer=k) for k in cfg.layers}
+    return pa.array([by_block[k] for k in _row_layers(table)], pa.list_(struct))
+
+
 def _vector_width(table: pa.Table, name: str) -> int:
     if table.num_rows == 0:
         return 0
@@ -55,7 +79,7 @@ def _vector_width(table: pa.Table, name: str) -> int:
 
 def dataset_config(
     model_dir: str | os.PathLike,
-    layer_index: int,
+    layer_index: int | Sequence[int],
     *,
     av_template: str | None = None,
     ar_template: str | None = None,
@@ -64,17 +88,23 @@ def dataset_config(
     mse_scale: float | str | None = "sqrt_d_model",
     training: dict[str, Any] | None = None,
 ) -> Any:
-    """The dataset NLAConfig, with token metadata computed from the model's live tokenizer."""
+    """The dataset NLAConfig, with token metadata computed from the model's live tokenizer.
+    ``layer_index`` a list of blocks: a pair of several blocks, whose templates name the block
+    (``nla.core.templates.LAYERED_*`` when none is given)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from nla.core.sidecar import NLAConfig
 
+    layers = None if isinstance(layer_index, int) else [int(k) for k in layer_index]
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     n = num_layers(config)
-    if not 0 <= layer_index < n:
-        raise DatagenError(
-            f"layer_index {layer_index} is out of range: the model has {n} decoder blocks, valid range 0..{n - 1}"
-        )
+    for k in layers or [layer_index]:
+        if not 0 <= k < n:
+            raise DatagenError(
+                f"layer_index {k} is out of range: the model has {n} decoder blocks, valid range 0..{n - 1}"
+            )
+    if layers is not None:
+        layer_index = max(layers)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     return NLAConfig.from_tokenizer(
         tokenizer,
@@ -82,8 +112,9 @@ def dataset_config(
         role=None,
         d_model=hidden_size(config),
         layer_index=layer_index,
-        av_template=av_template or DEFAULT_AV_TEMPLATE,
-        ar_template=ar_template or DEFAULT_AR_TEMPLATE,
+        layers=layers,
+        av_template=av_template or (DEFAULT_AV_TEMPLATE if layers is None else LAYERED_AV_TEMPLATE),
+        ar_template=ar_template or (DEFAULT_AR_TEMPLATE if layers is None else LAYERED_AR_TEMPLATE),
         injection_char=injection_char,
         injection_scale=injection_scale,
         mse_scale=mse_scale,
@@ -92,7 +123,7 @@ def dataset_config(
     )
 
 
-def _check_split(table: pa.Table, name: str, d_model: int, layer_index: int, need_explanation: bool) -> None:
+def _check_split(table: pa.Table, name: str, d_model: int, layers: Sequence[int], need_explanation: bool) -> None:
     width = _vector_width(table, name)
     if table.num_rows and width != d_model:
         raise DatagenError(
@@ -100,11 +131,15 @@ def _check_split(table: pa.Table, name: str, d_model: int, layer_index: int, nee
             "(d_model mismatch); the activations were extracted from a different model - rerun extract"
         )
     if table.num_rows and "activation_layer" in table.column_names:
-        layers = set(np.unique(table.column("activation_layer").to_numpy()).tolist())
-        if layers != {layer_index}:
+        found = set(np.unique(table.column("activation_layer").to_numpy()).tolist())
+        if not found <= set(layers):
             raise DatagenError(
-                f"{name}: activation_layer is {sorted(layers)}, expected {layer_index}; rerun extract"
+                f"{name}: activation_layer is {sorted(found)}, expected {list(layers)[0] if len(layers) == 1 else list(layers)}; "
+                "rerun extract"
             )
+    elif table.num_rows and len(layers) > 1:
+        raise DatagenError(f"{name}: no activation_layer column, but the dataset is for blocks {list(layers)}; "
+                           "rerun extract")
     if need_explanation:
         if "explanation" not in table.column_names:
             raise DatagenError(f"{name}: no 'explanation' column; run the explain stage first")
@@ -141,7 +176,7 @@ def _shuffled(table: pa.Table, seed: int) -> pa.Table:
 def build_datasets(
     splits: dict[str, pa.Table],
     model_dir: str | os.PathLike,
-    layer_index: int,
+    layer_index: int | Sequence[int],
     out_dir: str | os.PathLike,
     *,
     av_template: str | None = None,
@@ -160,11 +195,28 @@ def build_datasets(
     center: subtract the mean vector of the av_sft and ar_sft rows (float64 mean, stored float32)
     from every split's vectors and record it as the sidecars' ``vector_offset``.
     grader: the ``nla.core.graders`` name written into each parquet's metadata (None: none written).
+    layer_index a list of blocks: rows of several blocks (``activation_layer``), each row's prompts
+    naming its block; the sidecars record the blocks and their training rows' median norms.
     """
     cfg = dataset_config(
         model_dir, layer_index, av_template=av_template, ar_template=ar_template, injection_char=injection_char,
         injection_scale=injection_scale, mse_scale=mse_scale,
     )  # fmt: skip
+    if cfg.layers is not None:
+        if center:
+            raise DatagenError("build: center with several blocks (one offset a block) is not built yet; set "
+                               "center: false")
+        norms = {}
+        for k in cfg.layers:
+            rows = [read_vectors(splits[n])[np.asarray(_row_layers(splits[n])) == k]
+                    for n in ("av_sft", "ar_sft") if n in splits and splits[n].num_rows]
+            v = np.concatenate(rows) if rows else np.zeros((0, cfg.d_model), np.float32)
+            if not len(v):
+                raise DatagenError(f"build: no training rows (av_sft, ar_sft) of block {k}; every block of "
+                                   f"{list(cfg.layers)} needs some")
+            norms[k] = float(f"{np.median(np.linalg.norm(v.astype(np.float64), axis=1)):.6g}")
+        cfg = cfg.replace(layer_norms=norms)
+        log.info("build: blocks %s, median norms %s", list(cfg.layers), norms)
     if center:
         train = [read_vectors(splits[n]) for n in ("av_sft", "ar_sft") if n in splits and splits[n].num_rows]
         if not train:
@@ -176,22 +228,23 @@ def build_datasets(
                  float(np.linalg.norm(offset)))
     out_dir = Path(out_dir)
     prov = dict(provenance or {})
-    messages = cfg.av_messages(placeholder=AV_PLACEHOLDER)
     result = BuildResult()
     for name, table in splits.items():
         if name not in ("av_sft", "ar_sft", "rl"):
             raise DatagenError(f"build: unknown split {name!r}; expected av_sft, ar_sft or rl")
-        _check_split(table, name, cfg.d_model, layer_index, need_explanation=name != "rl")
+        _check_split(table, name, cfg.d_model, cfg.layers or [cfg.layer_index], need_explanation=name != "rl")
         n = table.num_rows
         if name == "av_sft":
             expl = table.column("explanation").to_pylist()
-            table = table.append_column("prompt", _messages_column(messages, n))
+            table = table.append_column("prompt", _av_prompts(cfg, table))
             table = table.append_column("response", pa.array([format_response(e) for e in expl], pa.string()))
         elif name == "ar_sft":
             expl = table.column("explanation").to_pylist()
-            table = table.append_column("prompt", pa.array([cfg.ar_text(e) for e in expl], pa.string()))
+            table = table.append_column("prompt", pa.array(
+                [cfg.ar_text(e, layer=k if cfg.layers else None) for e, k in zip(expl, _row_layers(table), strict=True)],
+                pa.string()))
         else:
-            table = table.append_column("prompt", _messages_column(messages, n))
+            table = table.append_column("prompt", _av_prompts(cfg, table))
         if grader is not None:
             from nla.core.graders import tag_grader
 

@@ -227,6 +227,14 @@ class DatagenConfig:
                                                 "hidden_states[K+1]); null with source=world = the world's "
                                                 "default_layer. Range: an integer >= 0 below the model's block "
                                                 "count, or null.")
+    layers: tuple[int, ...] | None = option(None, help="several blocks read in one forward pass (one pair for "
+                                                       "many layers): every (document, position) gives a row per "
+                                                       "block, tagged activation_layer, and the prompts name the "
+                                                       "block ({layer} in the templates; null templates: "
+                                                       "nla.core.templates.LAYERED_*). layer_index is then the "
+                                                       "deepest of them (the AR's depth) or null. Range: two or "
+                                                       "more distinct integers >= 0 below the model's block "
+                                                       "count, or null (one block: layer_index).")
     positions_per_doc: int = option(8, help="token positions sampled per document (fewer when it is short). "
                                             "Range: an integer >= 1.")
     skip_first: int = option(4, help="the first this many tokens of a document are never sampled. Range: an "
@@ -293,9 +301,9 @@ class DatagenConfig:
                 raise _err(c, "corpus_path", "a .txt/.jsonl/.parquet path when source=file", self.corpus_path)
             if not self.model_dir:
                 raise _err(c, "model_dir", "a local HF model directory when source=file", self.model_dir)
-            if self.layer_index is None:
-                raise _err(c, "layer_index", "an integer when source=file", self.layer_index)
-        if self.source == "wikipedia" and self.layer_index is None:
+            if self.layer_index is None and self.layers is None:
+                raise _err(c, "layer_index", "an integer when source=file (or layers: several)", self.layer_index)
+        if self.source == "wikipedia" and self.layer_index is None and self.layers is None:
             raise _err(c, "layer_index", "an integer when source=wikipedia (e.g. 10 for SmolLM2-135M, a third of "
                        "its 30 blocks)", self.layer_index)
         if self.explainer == "wiki" and self.source != "wikipedia":
@@ -321,7 +329,10 @@ class DatagenConfig:
         if self.n_docs is not None and (not isinstance(self.n_docs, int) or self.n_docs < 1):
             raise _err(c, "n_docs", "an integer >= 1 or null", self.n_docs)
         if self.layer_index is not None and (not isinstance(self.layer_index, int) or self.layer_index < 0):
-            raise _err(c, "layer_index", "an integer >= 0 or null", self.layer_index)
+            raise _err(c, "layer_index", "an integer >= 0 or null (several blocks: layers: [0, 1, 2])",
+                       self.layer_index)
+        if self.layers is not None:
+            self._check_layers(c)
         if self.skip_first >= self.max_len:
             raise _err(c, "skip_first", f"less than max_len ({self.max_len})", self.skip_first)
         if self.bad_vectors not in BAD_VECTOR_POLICIES:
@@ -352,6 +363,27 @@ class DatagenConfig:
                        "the probes gate the wiki explainer's claims", self.wiki_explainer)
 
     # --- (de)serialisation -------------------------------------------------
+    def _check_layers(self, c: str) -> None:
+        if isinstance(self.layers, list):  # YAML and --set give lists
+            object.__setattr__(self, "layers", tuple(self.layers))
+        layers = self.layers
+        if (not isinstance(layers, tuple) or len(layers) < 2
+                or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in layers)):
+            raise _err(c, "layers", "two or more integers >= 0 (blocks), or null (one block: layer_index)", layers)
+        if len(set(layers)) != len(layers) or list(layers) != sorted(layers):
+            raise _err(c, "layers", f"distinct blocks in increasing order (e.g. {sorted(set(layers))})", layers)
+        if self.layer_index is not None and self.layer_index != layers[-1]:
+            raise _err(c, "layer_index", f"null or the deepest of layers ({layers[-1]}: the AR keeps blocks "
+                       f"0..{layers[-1]}) when layers is set", self.layer_index)
+        if self.center:
+            raise _err(c, "center", "false when layers is set (one offset a block is not built yet; "
+                       "issue 59)", self.center)
+
+    @property
+    def layered(self) -> bool:
+        """True when the rows come from several blocks (``layers``)."""
+        return self.layers is not None
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DatagenConfig:
         data = dict(data)

@@ -80,6 +80,29 @@ class WorldExplainer(Explainer):
         return out
 
 
+def by_block(tables: dict[str, pa.Table], fn: Any) -> tuple[dict[str, pa.Table], dict[str, Any]]:
+    """``fn(tables)`` on each block's rows alone when the rows come from several blocks (a probe fitted
+    per block: what a vector holds differs with depth), the tables put back in their row order and the
+    summaries given per block; ``fn(tables)`` itself for one block."""
+    import numpy as np
+
+    col = "activation_layer"
+    if any(col not in t.column_names for t in tables.values()):
+        return fn(tables)
+    blocks = sorted({k for t in tables.values() for k in t.column(col).to_pylist()})
+    if len(blocks) <= 1:
+        return fn(tables)
+    rows = {k: {n: np.flatnonzero(t.column(col).to_numpy() == k) for n, t in tables.items()} for k in blocks}
+    done, summary = {}, {}
+    for k in blocks:
+        done[k], summary[k] = fn({n: t.take(pa.array(rows[k][n])) for n, t in tables.items()})
+    out = {}
+    for n in tables:
+        order = np.concatenate([rows[k][n] for k in blocks])
+        out[n] = pa.concat_tables([done[k][n] for k in blocks]).take(pa.array(np.argsort(order, kind="stable")))
+    return out, {"by_block": summary}
+
+
 def add_quote_held(tables: dict[str, pa.Table], min_prob: float) -> tuple[dict[str, pa.Table], dict[str, Any]]:
     """Each table with a ``quote_held`` column: whether a linear probe reads the row's token read (the last
     unit of its ``text_end``) from its vector with probability >= ``min_prob``

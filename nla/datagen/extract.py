@@ -17,6 +17,7 @@ import json
 import logging
 import os
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
-from nla.core.activations import block_outputs, pad_right, sample_positions, tokenize_text
+from nla.core.activations import blocks_outputs, pad_right, sample_positions, tokenize_text
 from nla.core.arch import hidden_size, num_layers
 from nla.datagen.corpus import CorpusDoc
 from nla.datagen.io import (
@@ -142,7 +143,7 @@ def _chunk_rows(
     tokenizer: Any,
     docs: list[CorpusDoc],
     *,
-    layer_index: int,
+    layers: Sequence[int],
     positions_per_doc: int,
     skip_first: int,
     seed: int,
@@ -152,7 +153,7 @@ def _chunk_rows(
     world: bool,
     progress: tqdm | None = None,
 ) -> tuple[pa.Table, Counter, int]:
-    """Rows for one chunk of docs (several batches)."""
+    """Rows for one chunk of docs (several batches): one a (document, position) and block of ``layers``."""
     device = next(model.parameters()).device
     cols: dict[str, list] = {k: [] for k in ("doc_id", "position", "n_raw_tokens", "context", "token")}
     # a corpus whose documents carry a topic (source: wikipedia) is annotated with the claims of
@@ -164,7 +165,7 @@ def _chunk_rows(
         cols["facts"], cols["current_word"], cols["text_end"] = [], [], []
     if wiki:
         cols["facts"], cols["topic"], cols["next_token"] = [], [], []
-    vec_parts: list[np.ndarray] = []
+    vec_parts: dict[int, list[np.ndarray]] = {k: [] for k in layers}
     dropped: Counter = Counter()
     n_tokens = 0
     for b0 in range(0, len(docs), batch_size):
@@ -174,17 +175,18 @@ def _chunk_rows(
         lengths = [len(ids) for ids, _ in encoded]
         n_tokens += sum(lengths)
         input_ids, mask = pad_right([ids for ids, _ in encoded], 0)  # [B, T]
-        hidden = block_outputs(model, input_ids.to(device), mask.to(device), layer_index)
-        hidden = hidden.float().cpu().numpy()  # [B, T, d]
+        hidden = {k: h.float().cpu().numpy()  # [B, T, d] a block
+                  for k, h in blocks_outputs(model, input_ids.to(device), mask.to(device), layers).items()}
         next_ids = _next_tokens(model, input_ids.to(device), mask.to(device)) if wiki else None
         start = len(cols["doc_id"])  # every column gets this batch's rows from here on
-        b_vec = []
+        b_vec: dict[int, list[np.ndarray]] = {k: [] for k in layers}
         for i, (doc, (ids, offsets)) in enumerate(zip(batch, encoded, strict=True)):
             positions = sample_positions(seed, doc.doc_id, len(ids), positions_per_doc, skip_first)
             if len(positions) == 0:
                 dropped["doc_too_short"] += 1
                 continue
-            b_vec.append(hidden[i, positions])
+            for k in layers:
+                b_vec[k].append(hidden[k][i, positions])
             cols["doc_id"] += [doc.doc_id] * len(positions)
             cols["position"] += positions.tolist()
             cols["n_raw_tokens"] += [len(ids)] * len(positions)
@@ -207,22 +209,26 @@ def _chunk_rows(
                     cols["facts"].append(row_claims(cols["context"][-len(positions) + k], int(p), doc.topic, nxt))
         if progress is not None:
             progress.update(len(batch))
-        if not b_vec:
+        if not b_vec[layers[0]]:
             continue
-        vecs = np.concatenate(b_vec)
-        keep, bad = check_vectors(
-            vecs, np.array(cols["doc_id"][start:]), np.array(cols["position"][start:]), bad_vectors
-        )
-        dropped.update(bad)
+        vecs = {k: np.concatenate(b_vec[k]) for k in layers}
+        keep = np.ones(len(vecs[layers[0]]), dtype=bool)
+        for k in layers:  # a (document, position) bad at any block is dropped at every block
+            ok, bad = check_vectors(
+                vecs[k], np.array(cols["doc_id"][start:]), np.array(cols["position"][start:]), bad_vectors
+            )
+            keep &= ok
+            dropped.update({(name if len(layers) == 1 else f"{name}_block_{k}"): n for name, n in bad.items()})
         if not keep.all():
             for values in cols.values():
                 values[start:] = [v for v, k in zip(values[start:], keep, strict=True) if k]
-            vecs = vecs[keep]
-        vec_parts.append(vecs)
+            vecs = {k: v[keep] for k, v in vecs.items()}
+        for k in layers:
+            vec_parts[k].append(vecs[k])
     d = hidden_size(model.config)
-    vectors = np.concatenate(vec_parts) if vec_parts else np.zeros((0, d), dtype=np.float32)
-    table = _rows_table(vectors, cols, layer_index, world, wiki)
-    return table, dropped, n_tokens
+    tables = [_rows_table(np.concatenate(vec_parts[k]) if vec_parts[k] else np.zeros((0, d), dtype=np.float32),
+                          cols, k, world, wiki) for k in layers]
+    return pa.concat_tables(tables), dropped, n_tokens
 
 
 def _rows_table(vectors: np.ndarray, cols: dict[str, list], layer_index: int, world: bool, wiki: bool = False
@@ -251,7 +257,7 @@ def _rows_table(vectors: np.ndarray, cols: dict[str, list], layer_index: int, wo
 def extract_activations(
     model_dir: str | os.PathLike,
     corpus: list[CorpusDoc],
-    layer_index: int,
+    layer_index: int | Sequence[int],
     positions_per_doc: int,
     skip_first: int,
     seed: int,
@@ -265,7 +271,8 @@ def extract_activations(
     num_shards: int = 1,
     device: str = "cpu",
 ) -> ExtractResult:
-    """Extract activations of block `layer_index` into `out_dir/activations.parquet`.
+    """Extract activations of block `layer_index` into `out_dir/activations.parquet`; a list of
+    blocks gives a row per block for every (document, position), from one forward pass each batch.
 
     Work is cut into chunks of `batches_per_shard` batches; chunk c belongs to
     shard `c % num_shards`. Each chunk is written atomically to
@@ -289,7 +296,9 @@ def extract_activations(
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    check_layer_index(config, layer_index)
+    layers = [layer_index] if isinstance(layer_index, int) else list(layer_index)
+    for k in layers:
+        check_layer_index(config, k)
     model, tokenizer = load_subject(model_dir, device)
 
     out_dir = Path(out_dir)
@@ -300,7 +309,7 @@ def extract_activations(
         "n_chunks": n_chunks,
         "doc_ids_first_last": [ids[0], ids[-1]],
         "n_docs": len(docs),
-        "layer_index": layer_index,
+        "layer_index": layer_index if isinstance(layer_index, int) else layers,
         "seed": seed,
         "positions_per_doc": positions_per_doc,
         "skip_first": skip_first,
@@ -336,7 +345,7 @@ def extract_activations(
         for c in todo:
             chunk = docs[c * chunk_docs : (c + 1) * chunk_docs]
             table, dropped, n_tok = _chunk_rows(
-                model, tokenizer, chunk, layer_index=layer_index, positions_per_doc=positions_per_doc,
+                model, tokenizer, chunk, layers=layers, positions_per_doc=positions_per_doc,
                 skip_first=skip_first, seed=seed, batch_size=batch_size, max_len=max_len,
                 bad_vectors=bad_vectors, world=world, progress=bar,
             )  # fmt: skip
@@ -381,7 +390,8 @@ def consolidate_shards(out_dir: str | os.PathLike) -> ExtractResult:
             f"extract produced no rows from {manifest['n_docs']} documents (dropped: {dict(dropped)}); "
             "documents may be shorter than skip_first tokens, or every vector was bad"
         )
-    order = pa.compute.sort_indices(table, sort_keys=[("doc_id", "ascending"), ("position", "ascending")])
+    order = pa.compute.sort_indices(table, sort_keys=[("doc_id", "ascending"), ("position", "ascending"),
+                                                      ("activation_layer", "ascending")])
     table = table.take(order)
     path = write_parquet_atomic(table, out_dir / ACTIVATIONS_FILE)
     d = len(table.column("activation_vector")[0])

@@ -43,7 +43,7 @@ SUMMARY_FILE = "datagen_summary.json"
 # Settings each stage adds to the ones of the stages before it.
 _STAGE_FIELDS = {
     "extract": ("source", "world_preset", "world_seed", "n_docs", "doc_start_id", "corpus_path", "text_column", "model_dir",
-                "layer_index", "positions_per_doc", "skip_first", "seed", "batch_size", "max_len",
+                "layer_index", "layers", "positions_per_doc", "skip_first", "seed", "batch_size", "max_len",
                 "batches_per_shard", "bad_vectors"),
     "split": ("split_fractions",),
     "explain": ("explainer", "world_explainer", "wiki_explainer", "provider"),
@@ -74,6 +74,8 @@ def stage_hash(cfg: DatagenConfig, stage: str) -> str:
             d["world_explainer"] = {k: v for k, v in d["world_explainer"].items() if k != key}
     if d["wiki_explainer"] == dataclasses.asdict(WikiExplainerConfig()):
         del d["wiki_explainer"]
+    if d["layers"] is None:
+        del d["layers"]
     keys: list[str] = []
     for s in STAGES[: STAGES.index(stage) + 1]:
         keys += _STAGE_FIELDS[s]
@@ -91,6 +93,8 @@ class Resolved:
 
 def resolve(cfg: DatagenConfig) -> Resolved:
     """Fill model_dir / layer_index / n_docs from the world build when source=world (builds it if needed)."""
+    if cfg.layers is not None and cfg.layer_index is None:
+        cfg = cfg.replace(layer_index=cfg.layers[-1])  # the deepest: the AR's depth
     if cfg.source == "wikipedia" and cfg.model_dir is None:
         from nla.datagen.real_sources import smollm2_dir
 
@@ -137,7 +141,7 @@ def _extract(res: Resolved, out: Path) -> dict[str, Any]:
 
     c = res.cfg
     r = extract_activations(
-        c.model_dir, load_corpus(res), c.layer_index, c.positions_per_doc, c.skip_first, c.seed, c.batch_size,
+        c.model_dir, load_corpus(res), c.layers or c.layer_index, c.positions_per_doc, c.skip_first, c.seed, c.batch_size,
         out, c.max_len, bad_vectors=c.bad_vectors, batches_per_shard=c.batches_per_shard, device=c.device,
     )  # fmt: skip
     shutil.rmtree(out / "shards", ignore_errors=True)  # consolidated; the shards were only for resume
@@ -170,14 +174,14 @@ def _explain(res: Resolved, out: Path) -> dict[str, Any]:
     gated = res.cfg.wiki_explainer.min_prob() if res.cfg.explainer == "wiki" else {}
     if min_prob is not None or gated:
         tables["rl"] = read_parquet(out / "splits" / "rl.parquet")
+        from nla.datagen.explain import add_quote_held, by_block
+
         if gated:
             from nla.datagen.wiki import add_claims_held
 
-            tables, summary["claims_held"] = add_claims_held(tables, gated)
+            tables, summary["claims_held"] = by_block(tables, lambda t: add_claims_held(t, gated))
         else:
-            from nla.datagen.explain import add_quote_held
-
-            tables, summary["quote_held"] = add_quote_held(tables, min_prob)
+            tables, summary["quote_held"] = by_block(tables, lambda t: add_quote_held(t, min_prob))
         # the RL split keeps its flag for the oracle row and the text explainer of eval (not explained)
         write_parquet_atomic(tables.pop("rl"), out / "explained" / "rl.parquet")
     else:
@@ -210,7 +214,7 @@ def _build(res: Resolved, out: Path) -> dict[str, Any]:
     rl = out / "explained" / "rl.parquet"
     splits["rl"] = read_parquet(rl if rl.is_file() else out / "splits" / "rl.parquet")
     r = build_datasets(
-        splits, c.model_dir, c.layer_index, out, av_template=c.av_template, ar_template=c.ar_template,
+        splits, c.model_dir, c.layers or c.layer_index, out, av_template=c.av_template, ar_template=c.ar_template,
         injection_char=c.injection_char, injection_scale=c.injection_scale, mse_scale=c.mse_scale,
         shuffled_baseline=c.shuffled_baseline, seed=c.seed, center=c.center,
         grader="wiki" if c.source == "wikipedia" else None,
@@ -226,7 +230,7 @@ def _check_tokenizer(res: Resolved) -> None:
     from nla.datagen.build import dataset_config
 
     c = res.cfg
-    dataset_config(c.model_dir, c.layer_index, av_template=c.av_template, ar_template=c.ar_template,
+    dataset_config(c.model_dir, c.layers or c.layer_index, av_template=c.av_template, ar_template=c.ar_template,
                    injection_char=c.injection_char, injection_scale=c.injection_scale, mse_scale=c.mse_scale)
 
 

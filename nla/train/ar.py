@@ -138,8 +138,15 @@ def _shuffled_prompts(table: Any, side: NLAConfig, cfg: ARTrainConfig) -> list[s
     explanations = _text_column(table, "explanation", cfg.dataset)
     rows = table.column("doc_id").to_pylist() if "doc_id" in table.column_names else range(len(explanations))
     positions = table.column("position").to_pylist() if "position" in table.column_names else [0] * len(explanations)
-    return [side.ar_text(shuffle_sentences(e, np.random.default_rng([cfg.seed, int(d), int(p)])))
-            for e, d, p in zip(explanations, rows, positions, strict=True)]
+    if side.layers is None:
+        return [side.ar_text(shuffle_sentences(e, np.random.default_rng([cfg.seed, int(d), int(p)])))
+                for e, d, p in zip(explanations, rows, positions, strict=True)]
+    if "activation_layer" not in table.column_names:
+        raise ARTrainError(f"shuffle_sentences: dataset {cfg.dataset} is for blocks {list(side.layers)} but has no "
+                           "activation_layer column (each row's AR text names its block); rebuild it with nla datagen")
+    blocks = table.column("activation_layer").to_pylist()
+    return [side.ar_text(shuffle_sentences(e, np.random.default_rng([cfg.seed, int(d), int(p), int(k)])), layer=int(k))
+            for e, d, p, k in zip(explanations, rows, positions, blocks, strict=True)]
 
 
 def resolve_sidecar_and_base(cfg: Any) -> tuple[NLAConfig, str]:
