@@ -148,6 +148,31 @@ def load_vectors(path: str | os.PathLike, rows: int | None = None, *, check: boo
     return check_vectors(arr, f"vectors {p}") if check else arr
 
 
+def blocks_of(layer: Any, n: int, side: NLAConfig, what: str) -> list[int | None]:
+    """The block of each of ``n`` vectors: ``layer`` an int (all of them), a sequence of ``n`` ints, or None;
+    each checked against the blocks the pair reads (``NLAConfig.check_layer``: a pair of several blocks needs
+    one, a pair of one takes its own or none)."""
+    if layer is None or (isinstance(layer, int) and not isinstance(layer, bool)):
+        blocks = [layer] * n
+    else:
+        blocks = layer.tolist() if hasattr(layer, "tolist") else list(layer)
+        if len(blocks) != n:
+            raise NLAClientError(f"{what}: layer holds {len(blocks)} blocks for {n} vectors; give one block (an int) "
+                                 "or one a vector")
+        def bad_block(k: Any) -> bool:
+            return k is not None and (isinstance(k, bool) or not isinstance(k, int))
+
+        if any(bad_block(k) for k in blocks):
+            bad = next(k for k in blocks if bad_block(k))
+            raise NLAClientError(f"{what}: layer: expected block numbers (ints), found {bad!r}")
+    try:
+        for k in dict.fromkeys(blocks):
+            side.check_layer(k, what)
+    except SidecarError as err:
+        raise NLAClientError(str(err)) from None
+    return blocks
+
+
 def _as_tensor(vectors: Any, d_model: int, what: str) -> Tensor:
     """[N, d] fp32 CPU tensor from numpy/torch; raise naming both widths on a mismatch, or the bad rows."""
     if isinstance(vectors, Tensor):
@@ -312,12 +337,9 @@ class NLAClient:
                 f"d_model: the AV sidecar says {av_side.d_model} but the AR sidecar says {ar_side.d_model}; the two "
                 "checkpoints were not trained on the same subject model and cannot form a pair"
             )
-        for role, side in (("AV", av_side), ("AR", ar_side)):
-            if side is not None and side.layers is not None:
-                raise NLAClientError(
-                    f"the {role} reads several blocks ({list(side.layers)}, extraction.layers); NLAClient does not "
-                    "take a block per vector yet (issue 59's next part), so it would verbalize and score them "
-                    "silently wrong: use a pair of one block")
+        if av_side is not None and ar_side is not None and av_side.layers != ar_side.layers:
+            raise NLAClientError(f"layers: the AV reads blocks {av_side.layers} but the AR {ar_side.layers} "
+                                 "(extraction.layers); the two checkpoints cannot form a pair")
         self.allow_mixed_provenance = allow_mixed_provenance
         if av_side is not None and ar_side is not None:  # subject, layer and tokenizer (nla.core.provenance)
             check_provenance([Provenance.of("the AV", av_side), Provenance.of("the AR", ar_side)],
@@ -416,8 +438,13 @@ class NLAClient:
         seed: int | None = None,
         batch_size: int = 64,
         best_of: int = 1,
+        layer: int | Sequence[int] | None = None,
     ) -> list[Verbalization]:
         """Explanations for RAW vectors [N, d]: N * ``n_samples`` results, samples of one vector contiguous.
+
+        ``layer``: the block the vectors come from (an int, or one a vector). A pair of several blocks
+        (``extraction.layers``) needs it, its prompt names the block; a pair of one takes its own or
+        none; a block the pair was not trained on is refused.
 
         ``best_of=N`` (needs the AR): draw N samples per vector (``greedy=False``, at ``temperature``)
         and keep the one the AR reconstructs best (lowest ``mse_nrm`` against the vector; a failed
@@ -428,6 +455,7 @@ class NLAClient:
 
         side = self.require_av("verbalize")
         vec = _as_tensor(vectors, side.d_model, "AV")
+        blocks = blocks_of(layer, vec.shape[0], side, "verbalize")
         if n_samples < 1 or batch_size < 1 or max_new_tokens < 1 or best_of < 1:
             raise NLAClientError(
                 f"verbalize: n_samples, batch_size, max_new_tokens and best_of must be >= 1, found {n_samples}, "
@@ -444,7 +472,7 @@ class NLAClient:
                                   "best_of" if best_of > 1 else "n_samples")
         if best_of > 1:
             return self._best_of(vec, best_of, n_samples=n_samples, greedy=greedy, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, seed=seed, batch_size=batch_size)
+                                 temperature=temperature, seed=seed, batch_size=batch_size, layer=blocks)
         if self._rollout is None:
             self._rollout = RolloutWorker(self.av_model, self.av_tokenizer, side, device_of(self.av_model))
         out: list[Verbalization] = []
@@ -456,8 +484,9 @@ class NLAClient:
                 adapt_threads()
                 chunk = vec[start : start + batch_size]
                 rows = torch.arange(start, start + chunk.shape[0])
+                kw = {} if side.layers is None else {"blocks": torch.tensor(blocks[start : start + chunk.shape[0]])}
                 ro = self._rollout.generate(chunk, rows, n_samples, max_new_tokens, temperature=temperature,
-                                            greedy=greedy)
+                                            greedy=greedy, **kw)
                 for i, status in enumerate(ro.statuses()):
                     out.append(Verbalization(ro.texts[i], ro.explanations[i], status, int(ro.prompt_rows[i])))
         return out
@@ -486,7 +515,8 @@ class NLAClient:
                                  "greedy=False (greedy decoding gives the same one every time)")
         verbs = self.verbalize(vec, n_samples=best_of, greedy=False, **kw)
         gold = vec[[v.row for v in verbs]]
-        res = self.score([v.explanation for v in verbs], gold, batch_size=kw["batch_size"])
+        res = self.score([v.explanation for v in verbs], gold, batch_size=kw["batch_size"],
+                         layer=[kw["layer"][v.row] for v in verbs])
         # failed samples at the failure cost; a non-finite prediction (NaN mse) is never chosen
         mse = charge_failures(res.mse_nrm.nan_to_num(nan=float("inf")), res.failed,
                               failed_mse(gold, self.ar_sidecar.mse_scale_value()))
@@ -496,10 +526,13 @@ class NLAClient:
 
     # ------------------------------------------------------------------ reconstruct
     @torch.no_grad()
-    def reconstruct(self, texts: Sequence[str], batch_size: int = 64) -> Tensor:
-        """AR predictions [N, d] (fp32, CPU) for explanations (wrapped in the AR template here)."""
+    def reconstruct(self, texts: Sequence[str], batch_size: int = 64,
+                    layer: int | Sequence[int] | None = None) -> Tensor:
+        """AR predictions [N, d] (fp32, CPU) for explanations (wrapped in the AR template here); ``layer``
+        as in :meth:`verbalize` (a pair of several blocks reads each text with its block named)."""
 
         side = self.require_ar("reconstruct")
+        blocks = blocks_of(layer, len(texts), side, "reconstruct")
         for i, t in enumerate(texts):
             if not isinstance(t, str):
                 raise NLAClientError(
@@ -517,8 +550,9 @@ class NLAClient:
         try:
             for s in range(0, len(texts), batch_size):
                 adapt_threads()
-                enc = tokenize_ar_texts(self.ar_tokenizer, [side.ar_text(t) for t in texts[s : s + batch_size]],
-                                        self.max_length)
+                enc = tokenize_ar_texts(self.ar_tokenizer, [side.ar_text(t, layer=k) for t, k in
+                                                            zip(texts[s : s + batch_size], blocks[s : s + batch_size],
+                                                                strict=True)], self.max_length)
                 preds.append(self.ar.predict(enc["input_ids"].to(device), enc["attention_mask"].to(device))
                              .float().cpu())
         finally:
@@ -526,14 +560,17 @@ class NLAClient:
         return torch.cat(preds)
 
     # ------------------------------------------------------------------ score
-    def score(self, texts: Sequence[str | None], vectors: np.ndarray | Tensor, batch_size: int = 64) -> ScoreResult:
-        """Reconstruct ``texts`` and compare with RAW ``vectors`` [N, d]; None texts are failed samples."""
+    def score(self, texts: Sequence[str | None], vectors: np.ndarray | Tensor, batch_size: int = 64,
+              layer: int | Sequence[int] | None = None) -> ScoreResult:
+        """Reconstruct ``texts`` and compare with RAW ``vectors`` [N, d]; None texts are failed samples;
+        ``layer`` as in :meth:`verbalize`."""
         side = self.require_ar("score")
         gold = _as_tensor(vectors, side.d_model, "AR")
         if len(texts) != gold.shape[0]:
             raise NLAClientError(
                 f"score: {len(texts)} texts for {gold.shape[0]} vectors; pass exactly one text (or None) per vector"
             )
+        blocks = blocks_of(layer, len(texts), side, "score")
         n, d = gold.shape
         # No text, or an empty one (what extraction never returns: it says nothing), is a failed sample.
         failed = torch.tensor([t is None or (isinstance(t, str) and not t.strip()) for t in texts], dtype=torch.bool)
@@ -542,7 +579,8 @@ class NLAClient:
         mse = torch.full((n,), float("nan"))
         cos = torch.full((n,), float("nan"))
         if len(ok):
-            p = self.reconstruct([texts[int(i)] for i in ok], batch_size=batch_size)
+            p = self.reconstruct([texts[int(i)] for i in ok], batch_size=batch_size,
+                                 layer=[blocks[int(i)] for i in ok])
             bad = ~torch.isfinite(p).all(dim=-1)
             if bad.any():
                 logger.warning(
@@ -559,9 +597,11 @@ class NLAClient:
         """Verbalize, then score each sample's explanation against its own vector."""
         self.require_ar("round_trip")
         verbs = self.verbalize(vectors, **verbalize_kwargs)
-        gold = _as_tensor(vectors, self.d_model, "AV")[[v.row for v in verbs]]
+        vec = _as_tensor(vectors, self.d_model, "AV")
+        blocks = blocks_of(verbalize_kwargs.get("layer"), vec.shape[0], self.require_av("round_trip"), "round_trip")
+        gold = vec[[v.row for v in verbs]]
         return verbs, self.score([v.explanation for v in verbs], gold,
-                                 batch_size=verbalize_kwargs.get("batch_size", 64))
+                                 batch_size=verbalize_kwargs.get("batch_size", 64), layer=[blocks[v.row] for v in verbs])
 
 
 def load_checkpoint_sidecar(path: Path, role: str) -> NLAConfig:

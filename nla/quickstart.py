@@ -546,6 +546,12 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
         p = with_settings(p, settings)
         label = f"{preset} with {settings_label(settings)}"
     p.check(label)
+    if p.datagen.get("layers") is not None:
+        raise QuickstartError(
+            f"datagen.layers: {p.datagen['layers']}: the quickstart's pair for several blocks is not built yet (its "
+            "suite and report do not take a block; issue 59). Run the stages by hand (nla datagen run with layers, "
+            "nla train ar / av, nla rl, nla eval: docs/design.md, 'Several blocks'), or give one block: "
+            "datagen.layer_index=K")
     # One count for every stage, fixed for the run (unless "auto" was asked for): the same seed gives
     # the same numbers whatever else the machine runs.
     threads = threads if threads == AUTO else resolve_threads(threads)

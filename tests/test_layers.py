@@ -206,15 +206,150 @@ def test_both_warm_starts_train_on_rows_of_several_blocks(tmp_path, tiny_model_d
     from nla.core.reconstructor import Reconstructor
 
     assert len(arch.decoder_layers(Reconstructor.from_pretrained(ar.checkpoint_dir).base)) == 2  # blocks 0..1
-    # what does not read several blocks yet refuses the pair by name, never reads it as one block
+    # RL on the same rows: each row's prompt names its block, the AR reads each explanation with its block
+    import torch
+
+    from nla.core.token_ids import canonical_av_prompt_ids
+    from nla.rl.config import RLConfig
+    from nla.rl.loop import RLData, reward_items, run_rl
+    from nla.rl.roles.rollout import RolloutWorker
+    from nla.rl.types import Rollout
+
+    data = RLData.load(dg / "rl.parquet")
+    rl_side = load_sidecar(dg / "rl.parquet")
+    rows = torch.tensor([0, 1, 2])
+    blocks = data.blocks_for(rows, rl_side)
+    assert blocks.tolist() == read_parquet(dg / "rl.parquet").column("activation_layer").to_pylist()[:3]
+    assert data.ar_inputs(["It rains.", None, "Hi."], rows, rl_side) == [
+        f"Block {int(blocks[0])}. Explanation: It rains.\nSummary vector:", None,
+        f"Block {int(blocks[2])}. Explanation: Hi.\nSummary vector:"]
+    ro = Rollout(prompt_rows=rows, group=rows, vectors=data.vectors[rows], prompt_ids=torch.zeros(3, 2),
+                 response_ids=torch.zeros(3, 1, dtype=torch.long), response_mask=torch.ones(3, 1, dtype=torch.long),
+                 texts=["", "", ""], explanations=["It rains.", None, "Hi."], status=torch.tensor([0, 2, 0]))
+    assert [t for t, _ in reward_items(ro, data, rl_side)] == [
+        f"Block {int(blocks[0])}. Explanation: It rains.\nSummary vector:",
+        f"Block {int(blocks[2])}. Explanation: Hi.\nSummary vector:"]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(av.checkpoint_dir)
+    worker = RolloutWorker(AutoModelForCausalLM.from_pretrained(av.checkpoint_dir), tok, load_sidecar(av.checkpoint_dir),
+                           torch.device("cpu"))
+    want = {k: canonical_av_prompt_ids(tok, [{"role": "user", "content": f"Explain the hidden state <<㈎>> of block {k} "
+                                                                          "in a few short sentences."}]) for k in (0, 1)}
+    assert worker.prompts_for(torch.tensor([1, 0, 1]), 3).tolist() == [want[1], want[0], want[1]]
+    with pytest.raises(SidecarError, match=r"the rollout: block 3 is not one this pair was trained on"):
+        worker.prompts_for(torch.tensor([0, 3]), 2)
+    with pytest.raises(ValueError, match=r"needs a block for each of the 2 vectors; found None"):
+        worker.prompts_for(None, 2)
+    r = worker.generate(data.vectors[:2], torch.arange(2), 2, 6, blocks=torch.tensor([1, 0]))
+    assert r.prompt_ids.tolist() == [want[1], want[1], want[0], want[0]]
+    rl = run_rl(RLConfig.from_dict(dict(
+        av=str(av.checkpoint_dir), ar=str(ar.checkpoint_dir), dataset=str(dg / "rl.parquet"), out_dir=str(tmp_path / "rl"),
+        steps=1, eval_every=1, eval_max_rows=4, threads=1, progress=False,
+        rollout=dict(rollout_batch_size=2, n_samples_per_prompt=2, max_response_len=8),
+        optimiser=dict(lr=1e-5, micro_batch_size=4),
+        reconstructor=dict(replay_dataset=str(dg / "ar_sft.parquet"), replay_fraction=0.5),
+        checkpointing=dict(save_every=1, keep_last=1))))
+    for role in ("av", "ar"):
+        assert load_sidecar(rl.checkpoint_dir / role).layers == (0, 1)
+    # the step-0 guard read the AR texts of the rows' blocks through both paddings (the tiny AV writes no
+    # explanation yet, so the rewards are the failure cost; reward_items above is what the AR scores)
+    assert rl.metrics["step0_guard_diff"] < 1e-4
+    # a pair of one block and a pair of several do not mix
     from nla.client import NLAClient, NLAClientError
     from nla.rl.setup import RLSetupError, load_pair_sidecars
 
-    with pytest.raises(RLSetupError, match=r"av: a pair of several blocks \(\[0, 1\], extraction.layers\); RL does not "
-                                           r"train one yet"):
-        load_pair_sidecars(av.checkpoint_dir, ar.checkpoint_dir)
-    with pytest.raises(NLAClientError, match=r"the AV reads several blocks \(\[0, 1\], extraction.layers\); NLAClient "
-                                             r"does not take a block per vector yet"):
-        NLAClient(str(av.checkpoint_dir), None)
-    with pytest.raises(NLAClientError, match=r"the AR reads several blocks"):
-        NLAClient(None, str(ar.checkpoint_dir))
+    one = tmp_path / "one"
+    run(_cfg(one, tiny_model_dir("llama"), layer_index=1))
+    ar_one = train_ar(ARTrainConfig(dataset=str(one / "out" / "ar_sft.parquet"), out_dir=str(tmp_path / "ar1"), lr=1e-4,
+                                    max_length=80, **common))
+    with pytest.raises(RLSetupError, match=r"layers: the AV sidecar reads blocks \(0, 1\) but the AR sidecar None"):
+        load_pair_sidecars(av.checkpoint_dir, ar_one.checkpoint_dir)
+    with pytest.raises(NLAClientError, match=r"layers: the AV reads blocks \(0, 1\) but the AR None"):
+        NLAClient(str(av.checkpoint_dir), str(ar_one.checkpoint_dir))
+    # the client takes a block a vector: the AR reads each text with its block named
+    client = NLAClient(str(rl.checkpoint_dir / "av"), str(rl.checkpoint_dir / "ar"))
+    vecs = data.vectors[:3]
+    texts = ["It rains.", "The dog sings.", None]
+    got = client.score(texts, vecs, layer=[0, 1, 1])
+    want = client.reconstruct(["It rains.", "The dog sings."], layer=[0, 1])
+    ar_model = client.ar
+    from nla.core.reconstructor import tokenize_ar_texts
+
+    enc = tokenize_ar_texts(client.ar_tokenizer, ["Block 0. Explanation: It rains.\nSummary vector:",
+                                                  "Block 1. Explanation: The dog sings.\nSummary vector:"], 80)
+    with torch.no_grad():
+        direct = ar_model.predict(enc["input_ids"], enc["attention_mask"]).float()
+    torch.testing.assert_close(want, direct)
+    torch.testing.assert_close(got.predictions[:2], direct)
+    assert got.failed.tolist() == [False, False, True]
+    assert not torch.allclose(client.reconstruct(["It rains."], layer=1), direct[:1])  # the block is read
+    for call, message in ((lambda: client.score(texts, vecs), r"score: this pair reads several blocks \(\[0, 1\]"),
+                          (lambda: client.verbalize(vecs, layer=3), r"verbalize: block 3 is not one this pair was trained"),
+                          (lambda: client.verbalize(vecs, layer=[0, 1]), r"verbalize: layer holds 2 blocks for 3 vectors"),
+                          (lambda: client.score(texts, vecs, layer=[0, 1, True]), r"layer: expected block numbers")):
+        with pytest.raises(NLAClientError, match=message):
+            call()
+    verbs = client.verbalize(vecs, layer=[1, 0, 1], max_new_tokens=4)
+    assert [v.row for v in verbs] == [0, 1, 2]
+    # nla eval reports each block against its own baseline
+    from nla.core.vectors import fve_of_mse, predict_mean_baselines
+    from nla.eval.evaluate import ROW_ROUND_TRIP, evaluate_pair
+
+    report = evaluate_pair(client, dg / "rl.parquet", max_new_tokens=4, n_show=0)
+    blocks_all = read_parquet(dg / "rl.parquet").column("activation_layer").to_pylist()
+    assert sorted(report.by_block) == [0, 1]
+    gold = data.vectors
+    for k in (0, 1):
+        rows_k = [i for i, b in enumerate(blocks_all) if b == k]
+        cell = report.by_block[k][ROW_ROUND_TRIP]
+        assert cell["n"] == len(rows_k)
+        # every tiny-AV explanation fails: each row is charged the failure cost, whose FVE is derived by hand
+        from nla.core.reward import failed_mse
+
+        charged = failed_mse(gold[rows_k], client.ar_sidecar.mse_scale_value())
+        base = predict_mean_baselines(gold[rows_k], client.ar_sidecar.mse_scale_value())
+        assert cell["fve"] == pytest.approx(fve_of_mse(charged, base.raw_mean), rel=1e-6)
+    assert "## By block" in report.to_markdown() and report.to_dict()["by_block"]
+    # nla serve over real HTTP: /info names the blocks, /verbalize and /score take them as the client does
+    import httpx
+
+    from nla.serve import ServeLimits
+    from nla.serve.app import NLAService, create_app
+    from nla.util.http import LOOPBACK, BackgroundServer
+
+    service = NLAService.load(str(rl.checkpoint_dir / "av"), str(rl.checkpoint_dir / "ar"), device="cpu",
+                              limits=ServeLimits(max_new_tokens=16, max_prompt_tokens=256))
+    try:
+        with BackgroundServer(create_app(service, allowed_hosts=list(LOOPBACK))) as srv:
+            assert httpx.get(f"{srv.url}/info", timeout=60).json()["layers"] == [0, 1]
+            body = {"texts": ["It rains.", "The dog sings.", None], "vectors": vecs.tolist(), "layer": [0, 1, 1]}
+            res = httpx.post(f"{srv.url}/score", json=body, timeout=60).json()["results"]
+            assert [r["mse_nrm"] for r in res[:2]] == pytest.approx(got.mse_nrm[:2].tolist(), rel=1e-5)
+            bad = httpx.post(f"{srv.url}/score", json={**body, "layer": 2}, timeout=60)
+            assert bad.status_code == 400 and "block 2 is not one this pair was trained on" in bad.text, bad.text
+            none = httpx.post(f"{srv.url}/verbalize", json={"vectors": vecs.tolist(), "max_new_tokens": 4}, timeout=60)
+            assert none.status_code == 400 and "this pair reads several blocks" in none.text, none.text
+            ok = httpx.post(f"{srv.url}/verbalize", json={"vectors": vecs.tolist(), "max_new_tokens": 4,
+                                                          "layer": [1, 0, 1]}, timeout=120).json()["results"]
+            assert [r["text"] for r in ok] == [v.text for v in verbs]
+    finally:
+        service.close()
+    # the suite and the explorer do not take a block yet: refused by name, before any work
+    from nla.eval.suite.run import run_suite
+    from nla.explore.engine import Explorer
+    from nla.util.http import RequestError
+
+    with pytest.raises(NLAClientError, match=r"suite: the pair reads several blocks \(\[0, 1\]\)"):
+        run_suite(client, dg / "rl.parquet")
+    with pytest.raises(RequestError, match=r"the pair reads several blocks \(\[0, 1\]\); the explorer reads one block"):
+        Explorer.load(str(rl.checkpoint_dir / "av"), str(rl.checkpoint_dir / "ar"))
+
+
+def test_the_quickstart_refuses_several_blocks_before_any_work(tmp_path):
+    from nla.quickstart import QuickstartError, run_quickstart
+
+    with pytest.raises(QuickstartError, match=r"datagen.layers: \[0, 1\]: the quickstart's pair for several blocks is "
+                                              r"not built yet"):
+        run_quickstart("tiny", tmp_path / "run", settings=["datagen.layers=[0, 1]"])
+    assert not (tmp_path / "run").exists()

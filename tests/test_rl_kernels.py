@@ -235,3 +235,34 @@ def test_response_logprobs_at_a_large_vocabulary_chunk_like_one_block(setup, mon
         assert out["block"][2].keys() == out["chunked"][2].keys()
         for k, g in out["block"][2].items():
             torch.testing.assert_close(out["chunked"][2][k], g, rtol=1e-4, atol=1e-6)
+
+
+def test_a_prompt_per_row_is_each_rows_own_prompt(setup):
+    """A pair of several blocks gives each row its own prompt (one length, [n, P]): the log-probs, by the
+    shared-prefix path and the plain one, are each row's with its prompt alone ([P]); and [n, P] holding
+    one prompt on every row is the [P] call bit for bit."""
+    model, side, hook, prompt, vectors, ids, mask = setup
+    model.eval()
+    other = prompt.clone()
+    other[1] = 3 if int(prompt[1]) != 3 else 4  # another token away from the marker and its neighbours
+    per_group = [prompt, other, other]
+    prompts = torch.stack([per_group[g] for g in range(B) for _ in range(G)])  # [n, P]
+    want = torch.zeros(B * G, L)
+    for g in range(B):
+        rows = slice(g * G, (g + 1) * G)
+        want[rows], _ = response_logprobs(model, hook, per_group[g], ids[rows], mask[rows], vectors[rows],
+                                          share_prefix=False)
+    for share in (False, True):
+        got, _ = response_logprobs(model, hook, prompts, ids, mask, vectors, share_prefix=share)
+        torch.testing.assert_close(got * mask, want * mask, rtol=1e-5, atol=1e-5)
+    same = prompt.expand(B * G, -1).clone()
+    for share in (False, True):
+        a, _ = response_logprobs(model, hook, same, ids, mask, vectors, share_prefix=share)
+        b, _ = response_logprobs(model, hook, prompt, ids, mask, vectors, share_prefix=share)
+        assert torch.equal(a, b)
+    # a rollout keeps each sample's prompt row when it is cut and joined
+    r = _rollout(prompts, vectors, ids, mask)
+    keep = torch.tensor([i % 2 == 0 for i in range(B * G)])
+    assert torch.equal(r.select(keep).prompt_ids, prompts[keep])
+    joined = Rollout.concat([r.select(keep), _rollout(prompt, vectors[:2], ids[:2], mask[:2])], pad_id=0)
+    assert torch.equal(joined.prompt_ids, torch.cat([prompts[keep], prompt.expand(2, -1)]))

@@ -55,7 +55,14 @@ from nla.client import NLAClient, NLAClientError, ScoreResult, failed_mse
 from nla.core.graders import DatasetGrader, Faithfulness, faithfulness, get_grader, grader_for_table
 from nla.core.provenance import Provenance, check_provenance
 from nla.core.reward import charge_failures
-from nla.core.vectors import check_spread, cosine, fve_of_mse, mse_nrm, normalize_activation
+from nla.core.vectors import (
+    check_spread,
+    cosine,
+    fve_of_mse,
+    mse_nrm,
+    normalize_activation,
+    predict_mean_baselines,
+)
 from nla.util.fsutil import dumps_json, json_ready
 
 logger = logging.getLogger(__name__)
@@ -132,6 +139,9 @@ class EvalReport:
     baseline_normalized_mean_mse: float
     rows: list[EvalRow] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
+    # a pair of several blocks: per block, per row name, {n, fve (against that block's own raw-mean
+    # baseline), recall, precision}; None for a pair of one
+    by_block: dict[int, dict[str, dict[str, float | None]]] | None = None
 
     def row(self, name: str) -> EvalRow:
         for r in self.rows:
@@ -192,6 +202,20 @@ class EvalReport:
                     f"{r.name}: " + ", ".join(f"{k} on {s:.2f} of rows, true on {t:.2f} of them"
                                               for k, (s, t) in r.faithfulness.hedged.items()) for r in unsure) + "."]
         lines += quote_table(self.rows)
+        if self.by_block:
+            names = list(next(iter(self.by_block.values())))
+            lines += ["", "## By block", "",
+                      "FVE against each block's own baseline (the mean of its normalised golds); fact recall / "
+                      "precision of that block's rows.", "",
+                      "| block | rows | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+            for k, per in self.by_block.items():
+                cells = []
+                for name in names:
+                    c = per.get(name) or {}
+                    cells.append(f"{c['fve']:.4f}" + (f" ({_fmt2(c['recall'])} / {_fmt2(c['precision'])})"
+                                                      if c.get("recall") is not None else "") if c else "-")
+                n = next(iter(per.values()))["n"] if per else 0
+                lines.append(f"| {k} | {n} | " + " | ".join(cells) + " |")
         if self.samples:
             lines += ["", "## Samples", ""]
             for s in self.samples:
@@ -289,6 +313,8 @@ class _Eval:
     batch_size: int
     max_new_tokens: int
     report: EvalReport
+    blocks: list[int] | None = None  # [N] each row's block, for a pair of several blocks
+    per_row: dict[str, tuple[Tensor, list[str | None]]] = field(default_factory=dict)  # name -> (mse [N], texts)
 
     def graded(self, texts: list[str | None]) -> tuple[Faithfulness | None, dict[str, float] | None]:
         """Faithfulness (rows with facts) and degeneracy (any grader) of ``texts``."""
@@ -304,8 +330,9 @@ class _Eval:
         """One row: ``reader``'s AR (the pair's by default) reconstructs ``texts``; failures charged
         per convention 1."""
         reader = reader or self.client
-        res = reader.score(texts, self.gold, batch_size=self.batch_size)
+        res = reader.score(texts, self.gold, batch_size=self.batch_size, layer=self.blocks)
         mse, cos = _filled(res, self.gold, reader.ar_sidecar.mse_scale_value())
+        self.per_row[name] = (mse, texts)
         faith, degen = grades if grades is not None else self.graded(texts)
         self.report.rows.append(row_stats(name, mse, cos, self.base.raw_mean,
                                           res.failure_rate if failure_rate is None else failure_rate, faith, degen))
@@ -347,9 +374,10 @@ def _av_rows(ev: _Eval, frozen_ar: NLAClient | None, rng: np.random.Generator) -
     (convention 5) and the shuffled-vector control; returns (verbalizations, round-trip scores)."""
     client, gold, n = ev.client, ev.gold, ev.gold.shape[0]
     logger.info("eval: verbalizing %d rows", n)
-    verbs, rt = client.round_trip(gold, max_new_tokens=ev.max_new_tokens, batch_size=ev.batch_size)
+    verbs, rt = client.round_trip(gold, max_new_tokens=ev.max_new_tokens, batch_size=ev.batch_size, layer=ev.blocks)
     texts = [v.explanation for v in verbs]
     mse, cos = _filled(rt, gold, client.ar_sidecar.mse_scale_value())
+    ev.per_row[ROW_ROUND_TRIP] = (mse, texts)
     grades = ev.graded(texts)
     ev.report.rows.append(replace(row_stats(ROW_ROUND_TRIP, mse, cos, ev.base.raw_mean, rt.failure_rate, *grades),
                                   diversity=text_diversity(texts)))
@@ -364,7 +392,8 @@ def _av_rows(ev: _Eval, frozen_ar: NLAClient | None, rng: np.random.Generator) -
         ev.read(ROW_FROZEN, texts, reader=frozen_ar, grades=grades)  # same texts, same grades
     perm = torch.from_numpy(rng.permutation(n))
     logger.info("eval: verbalizing %d shuffled vectors", n)
-    sverbs = client.verbalize(gold[perm], max_new_tokens=ev.max_new_tokens, batch_size=ev.batch_size)
+    sverbs = client.verbalize(gold[perm], max_new_tokens=ev.max_new_tokens, batch_size=ev.batch_size,
+                              layer=None if ev.blocks is None else [ev.blocks[int(i)] for i in perm])
     ev.read(ROW_SHUFFLED, [v.explanation for v in sverbs])
     return verbs, rt
 
@@ -388,6 +417,29 @@ def _text_rows(ev: _Eval, text_explainer_baseline: bool) -> tuple[list[str] | No
         if all(o is not None for o in oracle):
             ev.read(ROW_ORACLE, oracle)
     return reference, te
+
+
+def _by_block(ev: _Eval) -> dict[int, dict[str, dict[str, float | None]]]:
+    """Each block's rows alone, for every row read so far: FVE against the block's own raw-mean baseline
+    (what predicting that block's mean gives: blocks differ in scale and direction, so the pooled baseline
+    would credit telling the blocks apart), and fact recall / precision of its rows."""
+    scale = ev.client.ar_sidecar.mse_scale_value()
+    blocks = np.asarray(ev.blocks)
+    out: dict[int, dict[str, dict[str, float | None]]] = {}
+    for k in sorted(set(ev.blocks)):
+        idx = np.flatnonzero(blocks == k)
+        if len(idx) < 2:
+            continue  # FVE needs two rows
+        base = predict_mean_baselines(ev.gold[idx], scale)
+        out[k] = {}
+        for name, (mse, texts) in ev.per_row.items():
+            sub = [texts[int(i)] for i in idx]
+            faith = (faithfulness(sub, [ev.facts[int(i)] for i in idx], ev.grader)
+                     if ev.grader is not None and ev.facts is not None else None)
+            out[k][name] = {"n": len(idx), "fve": fve_of_mse(mse[torch.from_numpy(idx)], base.raw_mean),
+                            "recall": None if faith is None else faith.recall,
+                            "precision": None if faith is None else faith.precision}
+    return out
 
 
 def _mean_rows(ev: _Eval) -> None:
@@ -461,11 +513,19 @@ def evaluate_pair(
     report = EvalReport(dataset=str(path), n_rows=n, d_model=client.d_model, mse_scale=scale,
                         baseline_raw_mean_mse=base.raw_mean, baseline_normalized_mean_mse=base.normalized_mean)
     quote_truths = grader.quote_truths(table, Path(path)) if grader is not None else None
+    blocks = None
+    if ar_side.layers is not None:
+        if "activation_layer" not in table.column_names:
+            raise NLAClientError(f"dataset: {path} has no activation_layer column, but the pair reads several blocks "
+                                 f"({list(ar_side.layers)}); evaluate on a dataset nla datagen built with those layers")
+        blocks = [int(k) for k in table.column("activation_layer").to_pylist()]
     ev = _Eval(client, table, path, gold, dataset_rows, base, grader, facts, quote_truths, batch_size, max_new_tokens,
-               report)
+               report, blocks)
     verbs, rt = _av_rows(ev, frozen_ar, rng) if client.av_model is not None else (None, None)
     reference, te = _text_rows(ev, text_explainer_baseline)
     _mean_rows(ev)
+    if blocks is not None:
+        report.by_block = _by_block(ev)
     show = sorted(rng.choice(n, size=min(n_show, n), replace=False).tolist()) if n_show > 0 else []
     _samples(ev, show, verbs, rt, reference, te)
     return report

@@ -186,6 +186,10 @@ class Explorer:
             client = NLAClient(av, ar, device=device, dtype=dtype, allow_mixed_provenance=allow_mixed_provenance)
         except (NLAClientError, ProvenanceError) as err:
             raise RequestError(str(err), status=409) from None
+        if (client.av_sidecar or client.ar_sidecar).layers is not None:
+            raise RequestError(f"the pair reads several blocks ({list((client.av_sidecar or client.ar_sidecar).layers)}); "
+                               "the explorer reads one block a pair and does not let you choose one yet (issue 59): "
+                               "use nla serve or NLAClient with layer=...", status=409)
         subject_dir = resolve_subject(subject, client)
         if subject is not None:  # the explicit subject must be the one the pair records
             try:

@@ -22,7 +22,7 @@ from nla.core.logprobs import LOGPROB_CHUNK_ELEMENTS, entropy_from_logp
 from nla.core.logprobs import token_logprobs as _token_logprobs
 from nla.core.prefix import cache_rows, lm_head_on, supports_cache_reuse, take_rows
 from nla.rl.distributed import DataParallel
-from nla.rl.types import Rollout
+from nla.rl.types import Rollout, prompt_batch
 
 __all__ = [
     "LENGTH_BUCKETS", "LOGPROB_CHUNK_ELEMENTS", "MIN_BUCKET_ROWS", "by_group_length", "cache_rows", "entropy_from_logp",
@@ -60,7 +60,7 @@ def response_logprobs(
       models take the per-row forward.
     """
     n, L = response_ids.shape
-    P = prompt_ids.shape[0]
+    P = prompt_ids.shape[-1]
     device = next(model.parameters()).device
     Lc = max(int(response_mask.sum(1).max()), 1) if n else L  # columns holding any real token
     resp, rmask = response_ids[:, :Lc].to(device), response_mask[:, :Lc].to(device).long()
@@ -70,7 +70,7 @@ def response_logprobs(
         starts[1:] = (vectors[1:] != vectors[:-1]).any(1)
         owner = starts.long().cumsum(0) - 1  # [n] index of each row's run
         with hook.vectors(vectors[starts]):
-            pre = model(input_ids=prompt_ids.to(device).expand(int(starts.sum()), P), use_cache=True,
+            pre = model(input_ids=prompt_batch(prompt_ids.to(device), int(starts.sum()), starts), use_cache=True,
                         logits_to_keep=1)
         # response token 0: the run's last prompt logits [runs, V], read at each row's first token
         last = pre.logits[:, -1]
@@ -108,7 +108,7 @@ def response_logprobs(
             if with_entropy:
                 ent = torch.cat([ent, zeros.index_put(at, torch.cat(ents)) if at else zeros], 1)
     else:
-        ids = torch.cat([prompt_ids.to(device).expand(n, P), resp], 1)
+        ids = torch.cat([prompt_batch(prompt_ids.to(device), n), resp], 1)
         attn = torch.cat([torch.ones(n, P, dtype=torch.long, device=device), rmask], 1)
         with hook.vectors(vectors):
             logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, P - 1 : P + Lc - 1]
@@ -188,7 +188,7 @@ def rollout_logprobs(model: nn.Module, hook: InjectionHook, rollout: Rollout, mi
     perm = by_group_length(rollout, mine)
     out = []
     for idx, real in rank_micro_batches(dp, mine[perm], n, micro_batch_size):
-        lp, _ = response_logprobs(model, hook, rollout.prompt_ids, rollout.response_ids[idx],
+        lp, _ = response_logprobs(model, hook, rollout.prompts_at(idx), rollout.response_ids[idx],
                                   rollout.response_mask[idx], rollout.vectors[idx])
         if real:
             out.append(lp.cpu())

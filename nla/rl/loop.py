@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from nla.core.graders import DatasetGrader, faithfulness, grader_for_table, shuffle_sentences
+from nla.core.sidecar import NLAConfig
 from nla.core.vectors import check_spread, fve_of_mse
 from nla.datagen.io import read_parquet, read_vectors
 from nla.rl import algorithms as A
@@ -81,6 +82,7 @@ class RLData:
     facts: list[list[str]] | None
     path: Path
     grader: DatasetGrader | None = None  # the grader the dataset names (``nla.core.graders.grader_for_table``)
+    blocks: torch.Tensor | None = None  # [R] each row's block (activation_layer); None: a dataset without it
 
     @classmethod
     def load(cls, path: str | Path) -> RLData:
@@ -89,7 +91,28 @@ class RLData:
         facts = table.column("facts").to_pylist() if "facts" in table.column_names else None
         if vecs.shape[0] == 0:
             raise ValueError(f"{path}: the RL dataset has no rows")
-        return cls(vecs, facts, Path(path), grader_for_table(table))
+        blocks = (torch.tensor(table.column("activation_layer").to_pylist(), dtype=torch.long)
+                  if "activation_layer" in table.column_names else None)
+        return cls(vecs, facts, Path(path), grader_for_table(table), blocks)
+
+    def blocks_for(self, rows: torch.Tensor, sidecar: NLAConfig) -> torch.Tensor | None:
+        """[n] the blocks of ``rows`` for a pair of several blocks (``sidecar.layers``); None for a pair of one."""
+        if sidecar.layers is None:
+            return None
+        if self.blocks is None:
+            raise ValueError(f"{self.path}: the pair reads several blocks ({list(sidecar.layers)}) but the dataset has no "
+                             "activation_layer column; use a dataset built by nla datagen with the same layers")
+        return self.blocks[rows]
+
+    def ar_inputs(self, texts: list[str | None], rows: torch.Tensor, sidecar: NLAConfig) -> list[str | None]:
+        """What the AR reads for the texts of ``rows``: the explanations themselves (the AR worker puts each
+        in the AR template), or for a pair of several blocks each one's AR text with its row's block named
+        (``NLAConfig.ar_text``): an explanation alone does not say which block it rebuilds."""
+        blocks = self.blocks_for(rows, sidecar)
+        if blocks is None:
+            return list(texts)
+        return [None if t is None else sidecar.ar_text(t, layer=int(k))
+                for t, k in zip(texts, blocks.tolist(), strict=True)]
 
 
 @dataclass
@@ -98,6 +121,7 @@ class ReplayData:
 
     texts: list[str]
     vectors: torch.Tensor  # [R, d] RAW
+    blocks: torch.Tensor | None = None  # [R] activation_layer (the AR text of a pair of several blocks names it)
 
     @classmethod
     def load(cls, path: str | Path) -> ReplayData:
@@ -109,7 +133,9 @@ class ReplayData:
         bad = [i for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()]
         if bad:
             raise ValueError(f"reconstructor.replay_dataset: {path} rows {bad[:10]} have no explanation text")
-        return cls(texts, torch.from_numpy(read_vectors(table, source=path).copy()))
+        blocks = (torch.tensor(table.column("activation_layer").to_pylist(), dtype=torch.long)
+                  if "activation_layer" in table.column_names else None)
+        return cls(texts, torch.from_numpy(read_vectors(table, source=path).copy()), blocks)
 
     @classmethod
     def for_run(cls, cfg: RLConfig, width: int) -> ReplayData | None:
@@ -122,11 +148,12 @@ class ReplayData:
                              f"{replay.vectors.shape[1]}-d vectors, the RL data {width}-d")
         return replay
 
-    def sample(self, n_rollout_rows: int, fraction: float, seed: int, step: int,
-               shuffle: bool = False) -> tuple[list[str], torch.Tensor]:
+    def sample(self, n_rollout_rows: int, fraction: float, seed: int, step: int, shuffle: bool = False,
+               sidecar: NLAConfig | None = None) -> tuple[list[str], torch.Tensor]:
         """Rows so that they make ``fraction`` of an AR update with ``n_rollout_rows`` rollout rows;
         drawn from an RNG keyed on ``(seed, step)`` (a resumed run replays the same rows), with
-        ``shuffle`` each text's sentences in a random order from the same RNG."""
+        ``shuffle`` each text's sentences in a random order from the same RNG. ``sidecar``: the AR's; for a
+        pair of several blocks the texts are returned as AR texts with each row's block named."""
         n = int(round(n_rollout_rows * fraction / (1.0 - fraction)))
         if n == 0:
             return [], self.vectors[:0]
@@ -135,6 +162,11 @@ class ReplayData:
         texts = [self.texts[i] for i in idx]
         if shuffle:
             texts = [shuffle_sentences(t, rng) for t in texts]
+        if sidecar is not None and sidecar.layers is not None:
+            if self.blocks is None:
+                raise ValueError("reconstructor.replay_dataset: the pair reads several blocks but the replay rows have "
+                                 "no activation_layer column; use the run's own ar_sft.parquet")
+            texts = [sidecar.ar_text(t, layer=int(self.blocks[i])) for t, i in zip(texts, idx.tolist(), strict=True)]
         return texts, self.vectors[torch.from_numpy(idx)]
 
 
@@ -147,9 +179,13 @@ class RLResult:
 
 
 # ----------------------------------------------------------------------------- pieces of a step
-def reward_items(rollout: Rollout) -> list[tuple[str, torch.Tensor]]:
-    """(explanation, RAW gold) for the samples the AR scores (extraction succeeded)."""
-    return scorable_items(rollout.explanations, rollout.vectors, rollout.ok)
+def reward_items(rollout: Rollout, data: RLData | None = None, sidecar: NLAConfig | None = None
+                 ) -> list[tuple[str, torch.Tensor]]:
+    """(explanation, RAW gold) for the samples the AR scores (extraction succeeded); for a pair of several
+    blocks (``sidecar``: the AR's) the explanation's AR text with its row's block named (``RLData.ar_inputs``)."""
+    texts = rollout.explanations if data is None or sidecar is None else data.ar_inputs(
+        rollout.explanations, rollout.prompt_rows, sidecar)
+    return scorable_items(texts, rollout.vectors, rollout.ok)
 
 
 def reward_settings(cfg: RLConfig) -> RewardSettings:
@@ -169,9 +205,11 @@ def fill_rewards(rollout: Rollout, scored_mse: list[float], cfg: RLConfig, scale
     rollout.mse, rollout.degenerate, rollout.rewards = s.mse, s.degenerate, s.rewards
 
 
-def score_rollout(rollout: Rollout, service: RewardService, cfg: RLConfig, scale: float | None) -> None:
-    """Score a whole rollout with the live AR (blocking); ``scale``: the AR's ``mse_scale``."""
-    fill_rewards(rollout, service.score(reward_items(rollout)), cfg, scale)
+def score_rollout(rollout: Rollout, service: RewardService, cfg: RLConfig, scale: float | None,
+                  data: RLData | None = None, sidecar: NLAConfig | None = None) -> None:
+    """Score a whole rollout with the live AR (blocking); ``scale``: the AR's ``mse_scale``; ``data`` and
+    ``sidecar`` as in ``reward_items``."""
+    fill_rewards(rollout, service.score(reward_items(rollout, data, sidecar)), cfg, scale)
 
 
 def generate_and_score(groups: WorkerGroups, cfg: RLConfig, data: RLData, rows: torch.Tensor,
@@ -191,10 +229,12 @@ def generate_and_score(groups: WorkerGroups, cfg: RLConfig, data: RLData, rows: 
         chunk = rows[start : start + size]
         t0 = time.perf_counter()
         ro = cfg.rollout
-        r = groups.rollout.generate(data.vectors[chunk], chunk, G, ro.max_response_len, ro.temperature, ro.top_p)
+        blocks = data.blocks_for(chunk, groups.ar_sidecar)
+        r = groups.rollout.generate(data.vectors[chunk], chunk, G, ro.max_response_len, ro.temperature, ro.top_p,
+                                    **({} if blocks is None else {"blocks": blocks}))
         t1 = time.perf_counter()
         t_gen += t1 - t0
-        pending.append((r, service.submit(reward_items(r))))  # an inline service scores here
+        pending.append((r, service.submit(reward_items(r, data, groups.ar_sidecar))))  # an inline service scores here
         t_wait += time.perf_counter() - t1
     t0 = time.perf_counter()
     for r, fut in pending:
@@ -358,11 +398,13 @@ def restore_checkpoint(ckpt: Path, groups: WorkerGroups, cfg: RLConfig, cursor: 
 
 
 # ----------------------------------------------------------------------------- the loop
-def step0_guard(groups: WorkerGroups, rollout: Rollout, tol: float) -> float:
+def step0_guard(groups: WorkerGroups, rollout: Rollout, tol: float, data: RLData | None = None) -> float:
     """Refuse to train when the padded reward path and the AR training layout disagree."""
     texts = [e if e is not None else t for e, t in zip(rollout.explanations, rollout.texts, strict=True)]
     # Varied lengths make the check meaningful: add truncated/short variants of the texts.
     texts = texts[:16] + [t[: max(1, len(t) // 3)] for t in texts[:8]]
+    if data is not None:  # a pair of several blocks reads AR texts (RLData.ar_inputs)
+        texts = data.ar_inputs(texts, torch.cat([rollout.prompt_rows[:16], rollout.prompt_rows[:8]]), groups.ar_sidecar)
     golds = torch.cat([rollout.vectors[:16], rollout.vectors[:8]])
     diff = groups.reconstructor.layout_check(texts, golds)
     if not diff <= tol:
@@ -379,8 +421,10 @@ def evaluate(groups: WorkerGroups, cfg: RLConfig, data: RLData, baseline: float,
     """Greedy decode of up to ``eval_max_rows`` held-out vectors, scored by the live AR."""
     n = min(cfg.eval_max_rows, data.vectors.shape[0])
     rows = torch.arange(n)
-    r = groups.rollout.generate(data.vectors[rows], rows, 1, cfg.rollout.max_response_len, greedy=True)
-    score_rollout(r, service, cfg, groups.ar_sidecar.mse_scale_value())
+    blocks = data.blocks_for(rows, groups.ar_sidecar)
+    r = groups.rollout.generate(data.vectors[rows], rows, 1, cfg.rollout.max_response_len, greedy=True,
+                                **({} if blocks is None else {"blocks": blocks}))
+    score_rollout(r, service, cfg, groups.ar_sidecar.mse_scale_value(), data, groups.ar_sidecar)
     m = rollout_metrics(r, baseline)
     m.update(grade_facts(r, data.facts, data.grader))
     return {f"eval_{k}": v for k, v in m.items() if k in ("fve_nrm", "mse_nrm", "reward_mean", "fact_recall",
@@ -395,17 +439,20 @@ def scores_inline(groups: WorkerGroups) -> bool:
     return isinstance(ar, ReconstructorWorker) and torch.device(ar.device).type == "cpu"
 
 
-def ar_rows(everything: Rollout, replay: ReplayData | None, cfg: RLConfig, step: int
-            ) -> tuple[list[str], torch.Tensor, int]:
+def ar_rows(everything: Rollout, replay: ReplayData | None, cfg: RLConfig, step: int, data: RLData | None = None,
+            sidecar: NLAConfig | None = None) -> tuple[list[str], torch.Tensor, int]:
     """The AR update's rows: every extracted sample of the step, in rollout order (the reward window's
-    rows come first), then the replay rows; returns (texts, RAW golds, number of replay rows)."""
+    rows come first), then the replay rows; returns (texts, RAW golds, number of replay rows). The texts
+    are what ``reward_items`` scored (``data``, ``sidecar``: a pair of several blocks reads AR texts)."""
     ok = everything.ok
-    exps = [e for e, k in zip(everything.explanations, ok.tolist(), strict=True) if k]
+    texts = everything.explanations if data is None or sidecar is None else data.ar_inputs(
+        everything.explanations, everything.prompt_rows, sidecar)
+    exps = [e for e, k in zip(texts, ok.tolist(), strict=True) if k]
     golds = everything.vectors[ok]
     if replay is None:
         return exps, golds, 0
     r_texts, r_golds = replay.sample(len(exps), cfg.reconstructor.replay_fraction, cfg.seed, step,
-                                     cfg.reconstructor.shuffle_sentences)
+                                     cfg.reconstructor.shuffle_sentences, sidecar)
     return exps + r_texts, torch.cat([golds, r_golds.to(golds.dtype)]), len(r_texts)
 
 
@@ -418,7 +465,8 @@ def rl_step(groups: WorkerGroups, cfg: RLConfig, data: RLData, cursor: DataCurso
     train, everything, m = collect_rollout(groups, cfg, data, cursor, service)
     if guard:
         tol = cfg.reward.step0_guard_tol
-        m["step0_guard_diff"] = step0_guard(groups, everything, STEP0_GUARD_TOL[cfg.dtype] if tol is None else tol)
+        m["step0_guard_diff"] = step0_guard(groups, everything, STEP0_GUARD_TOL[cfg.dtype] if tol is None else tol,
+                                            data)
     m.update(rollout_metrics(everything, baseline))
     m.update(grade_facts(everything, data.facts, data.grader))
     t1 = time.perf_counter()
@@ -432,7 +480,7 @@ def rl_step(groups: WorkerGroups, cfg: RLConfig, data: RLData, cursor: DataCurso
             m["explained_variance"] = A.explained_variance(values, returns, train.response_mask.float())
     m["time_policy"] = time.perf_counter() - t1
     t2 = time.perf_counter()
-    exps, golds, n_replay = ar_rows(everything, replay, cfg, step)
+    exps, golds, n_replay = ar_rows(everything, replay, cfg, step, data, groups.ar_sidecar)
     if replay is not None:
         m["ar_replay_rows"] = float(n_replay)
     m.update(groups.reconstructor.update(exps, golds))

@@ -357,6 +357,9 @@ def build_ray_groups(cfg: RLConfig, policy_dir: str | Path | None = None, ar_dir
                      ) -> RayWorkerGroups:
     """Start the policy and reconstructor actor groups; ``policy_dir`` / ``ar_dir`` override the weights (resume)."""
     av_side, ar_side = load_pair_sidecars(cfg.av, cfg.ar)
+    if av_side.layers is not None:
+        raise RLSetupError(f"backend: ray does not train a pair of several blocks ({list(av_side.layers)}) yet: its "
+                           "rollout dispatch carries no block a prompt (issue 59); use backend: local")
     owns = _start_ray(cfg)
     use_cuda = cfg.device != "cpu" and _cluster_has_gpus()
     groups: list[_ActorGroup] = []

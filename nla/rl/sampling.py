@@ -60,6 +60,7 @@ from nla.core.arch import cache_kwargs, output_cache
 from nla.core.injection import InjectionHook
 from nla.core.prefix import CACHE_REUSE_MODEL_TYPES, supports_cache_reuse
 from nla.rl.config import DECODES
+from nla.rl.types import prompt_batch
 
 COMPACT_DIVISOR = 8
 
@@ -69,13 +70,14 @@ def hf_generate(model: nn.Module, hook: InjectionHook, prompt_ids: Tensor, vecto
     """The plain path: HF ``generate`` on the repeated prompt, the hook injecting at prefill. [N, L]"""
     device = next(model.parameters()).device
     vec = vectors.repeat_interleave(n_samples, 0).to(device)
-    ids = prompt_ids.to(device).expand(vec.shape[0], prompt_ids.shape[0])
+    ids = (prompt_ids.to(device).expand(vec.shape[0], prompt_ids.shape[0]) if prompt_ids.dim() == 1
+           else prompt_ids.to(device).repeat_interleave(n_samples, 0))
     kw: dict = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_p": top_p,
                                                     "top_k": 0}
     with hook.vectors(vec):
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              eos_token_id=eos_id, pad_token_id=pad_id, suppress_tokens=list(suppress_ids), **kw)
-    return out[:, prompt_ids.shape[0]:]
+    return out[:, prompt_ids.shape[-1]:]
 
 
 def logits_processors(suppress_ids: list[int], temperature: float, top_p: float, greedy: bool,
@@ -185,7 +187,8 @@ def sample_responses(model: nn.Module, hook: InjectionHook, prompt_ids: Tensor, 
                      share: tuple[int, int] | None = None, decode: str = "eager") -> Tensor:
     """``n_samples`` responses per vector: token ids [N, L] (groups contiguous), ``pad_id`` after EOS.
 
-    prompt_ids: [P] the prompt holding one injection site; vectors: [B, d] RAW (the hook
+    prompt_ids: [P] the prompt holding one injection site, or [B, P] one a vector (a pair of several
+    blocks: each names its vector's block); vectors: [B, d] RAW (the hook
     rescales them). L is the number of decode steps run: ``max_new_tokens``, or fewer when
     every row has emitted EOS (as HF ``generate`` does). The caller sets eval mode.
     ``share``: (index of the first of these prompts, prompts of the whole batch) when the batch
@@ -198,7 +201,9 @@ def sample_responses(model: nn.Module, hook: InjectionHook, prompt_ids: Tensor, 
     """
     if decode not in DECODES:
         raise ValueError(f"decode: expected one of {list(DECODES)}, found {decode!r}")
-    B, P, G = vectors.shape[0], prompt_ids.shape[0], n_samples
+    B, P, G = vectors.shape[0], prompt_ids.shape[-1], n_samples
+    if prompt_ids.dim() == 2 and prompt_ids.shape[0] != B:
+        raise ValueError(f"sample_responses: {prompt_ids.shape[0]} prompts for {B} vectors")
     first, total = share if share is not None else (0, B)
     if not 0 <= first <= first + B <= total:
         raise ValueError(f"sample_responses: share={share} does not hold {B} prompts")
@@ -216,7 +221,7 @@ def sample_responses(model: nn.Module, hook: InjectionHook, prompt_ids: Tensor, 
     if N == 0:
         return tokens[:, :0]
     uniforms = None if seed is None else torch.Generator().manual_seed(seed)
-    ids = prompt_ids.to(device).expand(B, P)
+    ids = prompt_batch(prompt_ids.to(device), B)
     with hook.vectors(vectors.to(device)):
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
     cache = output_cache(out)

@@ -50,12 +50,9 @@ def load_pair_sidecars(av_dir: str | Path, ar_dir: str | Path) -> tuple[NLAConfi
             raise RLSetupError(f"{role}: {path} has no {SIDECAR_NAME}; pass a checkpoint written by `nla train {role}`")
         sides.append(load_sidecar(path))
     av, ar = sides
-    for role, side in (("av", av), ("ar", ar)):
-        if side.layers is not None:
-            raise RLSetupError(
-                f"{role}: a pair of several blocks ({list(side.layers)}, extraction.layers); RL does not train one "
-                "yet (issue 59: its datasets and both warm-starts are built, RL, the client and eval come next). "
-                "Train a pair a block (datagen layer_index: K)")
+    if (av.layers or None) != (ar.layers or None):
+        raise RLSetupError(f"layers: the AV sidecar reads blocks {av.layers} but the AR sidecar {ar.layers} "
+                           "(extraction.layers); the two checkpoints come from different datasets")
     for field in ("d_model", "layer_index"):
         # A published AV sidecar may record no layer (docs/design.md §3.1): compare only what both record.
         if None not in (getattr(av, field), getattr(ar, field)) and getattr(av, field) != getattr(ar, field):

@@ -192,6 +192,8 @@ class NLAService:
             "model_type": getattr(self.model.config, "model_type", None),
             "injection_scale": side.injection_scale_value(), "injection_token_id": side.injection_token_id,
             "injection_adapter": side.injection_adapter is not None, "layer_index": side.layer_index,
+            # a pair of several blocks: /verbalize and /score need each vector's block ('layer')
+            "layers": None if side.layers is None else list(side.layers),
             # a pair trained on centred vectors: a client subtracts extraction.vector_offset from raw vectors first
             "centred": side.vector_offset is not None,
             "eos_token_id": self.eos_id, "has_ar": self.client.ar is not None,
@@ -204,6 +206,7 @@ class NLAService:
         the server's only model thread for as long as its token budget takes on a slow machine."""
         lim, n = self.limits, vectors.shape[0]
         seed = kw.pop("seed", None)
+        blocks = kw.pop("layer", None)
         t0 = time.monotonic()
         out: list[dict[str, Any]] = []
         # one seeded stream over the pieces: the answer is NLAClient.verbalize(vectors, seed=seed,
@@ -218,13 +221,15 @@ class NLAService:
                         f"/verbalize: {start} of {n} vectors explained in {time.monotonic() - t0:.0f} s, past this "
                         f"server's limit of {lim.verbalize_seconds:g} s per request (ServeLimits.verbalize_seconds); "
                         "send fewer vectors, samples or max_new_tokens per request", status=503)
+                piece = None if blocks is None else blocks[start:start + lim.verbalize_piece]
                 got = self.client.verbalize(vectors[start:start + lim.verbalize_piece], seed=None,
-                                            batch_size=lim.verbalize_piece, **kw)
+                                            batch_size=lim.verbalize_piece, layer=piece, **kw)
                 out.extend({**v.to_dict(), "row": start + v.row} for v in got)
         return out
 
-    def score(self, texts: list[str | None], vectors: torch.Tensor) -> list[dict[str, Any]]:
-        res = self.client.score(texts, vectors)
+    def score(self, texts: list[str | None], vectors: torch.Tensor, layer: list[int | None] | None = None
+              ) -> list[dict[str, Any]]:
+        res = self.client.score(texts, vectors, layer=layer)
         return [{"mse_nrm": _nan_to_none(float(m)), "cosine": _nan_to_none(float(c)), "failed": bool(f)}
                 for m, c, f in zip(res.mse_nrm.tolist(), res.cosine.tolist(), res.failed.tolist(), strict=True)]
 
@@ -282,14 +287,25 @@ class ServeApp:
         d = self.s.sidecar.d_model
         return torch.from_numpy(float_array(raw, f"field {name!r}", ndim=2, width=d, width_name="d_model"))
 
+    def _blocks(self, body: dict[str, Any], n: int) -> list[int | None]:
+        """Field 'layer': each vector's block (an int for all, or a list), as the pair's sidecar allows
+        (a pair of several blocks needs it; nla.client.blocks_of)."""
+        from nla.client import blocks_of
+
+        try:
+            return blocks_of(body.get("layer"), n, self.s.sidecar, "field 'layer'")
+        except NLAClientError as err:
+            raise RequestError(str(err)) from None
+
     async def verbalize(self, request: Request) -> JSONResponse:
         body = await read_json_body(request, self.s.limits.max_body_bytes, self.s.limits.body_timeout_s)
         lim = self.s.limits
-        unknown = sorted(set(body) - {"vectors", "greedy", "temperature", "n_samples", "max_new_tokens", "seed"})
+        unknown = sorted(set(body) - {"vectors", "greedy", "temperature", "n_samples", "max_new_tokens", "seed", "layer"})
         if unknown:
             raise RequestError(f"unsupported field(s) {unknown}; /verbalize takes vectors, greedy, temperature, "
-                             "n_samples, max_new_tokens, seed")
+                             "n_samples, max_new_tokens, seed, layer")
         vectors = self._vectors(body)
+        blocks = self._blocks(body, vectors.shape[0])
         greedy = get_field(body, "greedy", bool, True)
         temperature = float(get_field(body, "temperature", float, 1.0))
         n_samples = get_field(body, "n_samples", int, 1)
@@ -309,7 +325,8 @@ class ServeApp:
             raise RequestError(f"{vectors.shape[0]} vectors x n_samples {n_samples} x max_new_tokens {max_new_tokens} "
                                f"= {work} tokens to decode; the cap is {lim.max_request_tokens} per request: split "
                                "the vectors over several requests", status=413)
-        kw = dict(greedy=greedy, temperature=temperature, n_samples=n_samples, max_new_tokens=max_new_tokens, seed=seed)
+        kw = dict(greedy=greedy, temperature=temperature, n_samples=n_samples, max_new_tokens=max_new_tokens, seed=seed,
+                  layer=blocks)
         results = await self._wait(self.s.batcher.submit_task(lambda: self.s.verbalize(vectors, **kw)))
         return JSONResponse({"results": results})
 
@@ -317,9 +334,9 @@ class ServeApp:
         body = await read_json_body(request, self.s.limits.max_body_bytes, self.s.limits.body_timeout_s)
         if self.s.client.ar is None:
             raise RequestError("/score needs a reconstructor: this server has none; start it with --ar DIR", status=409)
-        unknown = sorted(set(body) - {"texts", "vectors"})
+        unknown = sorted(set(body) - {"texts", "vectors", "layer"})
         if unknown:
-            raise RequestError(f"unsupported field(s) {unknown}; /score takes texts, vectors")
+            raise RequestError(f"unsupported field(s) {unknown}; /score takes texts, vectors, layer")
         texts = get_field(body, "texts", list)
         if not texts:
             raise RequestError("field 'texts': is empty; give one text (or null) per vector")
@@ -337,7 +354,8 @@ class ServeApp:
         if len(texts) != vectors.shape[0]:
             raise RequestError(f"fields 'texts' and 'vectors': {len(texts)} texts for {vectors.shape[0]} vectors; give "
                              "one text (or null) per vector")
-        results = await self._wait(self.s.batcher.submit_task(lambda: self.s.score(texts, vectors)))
+        blocks = self._blocks(body, vectors.shape[0])
+        results = await self._wait(self.s.batcher.submit_task(lambda: self.s.score(texts, vectors, blocks)))
         return JSONResponse({"results": results})
 
 

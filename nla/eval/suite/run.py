@@ -106,6 +106,10 @@ def run_suite(
     bad = [p for p in parts if p not in PARTS]
     if bad:
         raise NLAClientError(f"suite parts: expected some of {list(PARTS)}, found {bad}")
+    side = client.av_sidecar or client.ar_sidecar
+    if side is not None and side.layers is not None:
+        raise NLAClientError(f"suite: the pair reads several blocks ({list(side.layers)}); the suite does not take a "
+                             "block a row yet (issue 59): run nla eval, which reports each block")
     if subject is not None:
         check_subject_dir(subject)
     if "best_of" in parts:  # before any work (nla.util.validation.check_sampling, the one check)

@@ -60,7 +60,7 @@ def policy_micro_loss(model: nn.Module, hook: InjectionHook, rollout: Rollout, i
     Returns (loss, response mask [n, L], detached metrics). ``old_all`` None means on-policy:
     ``old_logp`` is this forward's detached log-prob.
     """
-    logp, ent = response_logprobs(model, hook, rollout.prompt_ids, rollout.response_ids[idx],
+    logp, ent = response_logprobs(model, hook, rollout.prompts_at(idx), rollout.response_ids[idx],
                                   rollout.response_mask[idx], rollout.vectors[idx], with_entropy=True,
                                   share_prefix=s.share_prefix)
     m = rollout.response_mask[idx].float().to(logp.device)

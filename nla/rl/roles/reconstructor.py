@@ -209,8 +209,9 @@ class ReconstructorWorker(Trainable):
         self.window = FusedRewardWindow() if on else PlainScoring()
 
     def encode(self, explanations: list[str], padding_side: str = "right") -> dict[str, Tensor]:
-        """The AR template around each explanation, tokenized and padded on ``padding_side``."""
-        texts = [self.sidecar.ar_text(e) for e in explanations]
+        """The AR template around each explanation, tokenized and padded on ``padding_side``. A pair of
+        several blocks is given AR texts already (the loop names each row's block: ``RLData.ar_inputs``)."""
+        texts = list(explanations) if self.sidecar.layers is not None else [self.sidecar.ar_text(e) for e in explanations]
         return tokenize_ar_texts(self.tokenizer, texts, self.max_length, padding_side)
 
     @torch.no_grad()

@@ -53,9 +53,38 @@ class RolloutWorker:
         self.decode = decode  # nla.rl.sampling.DECODES
         self.dp = dp if dp is not None else DataParallel()
         self.hook = InjectionHook.from_config(model, sidecar)
-        self.prompt_ids = torch.tensor(canonical_av_prompt_ids(tokenizer, sidecar.av_messages()), dtype=torch.long)
+        self.block_prompts: dict[int, Tensor] | None = None
+        if sidecar.layers is None:
+            self.prompt_ids = torch.tensor(canonical_av_prompt_ids(tokenizer, sidecar.av_messages()), dtype=torch.long)
+        else:  # a pair of several blocks: each block's prompt names it
+            self.block_prompts = {k: torch.tensor(canonical_av_prompt_ids(tokenizer, sidecar.av_messages(layer=k)),
+                                                  dtype=torch.long) for k in sidecar.layers}
+            lengths = {k: len(p) for k, p in self.block_prompts.items()}
+            if len(set(lengths.values())) > 1:
+                raise ValueError(
+                    f"av_template: the prompts of blocks {list(lengths)} tokenize to {list(lengths.values())} tokens; "
+                    "a rollout batch holds prompts of one length, so name the blocks in words or numbers this "
+                    "tokenizer splits alike (e.g. zero-padded: 03 and 10 where digits are single tokens)")
+            self.prompt_ids = self.block_prompts[sidecar.layers[0]]
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+
+    def prompts_for(self, blocks: Tensor | None, n: int) -> Tensor:
+        """The prompt ids for ``n`` vectors: the one prompt [P], or [n, P] with each vector's block named
+        (``blocks`` [n]; each checked against the blocks the pair reads)."""
+        if self.block_prompts is None:
+            if blocks is not None:
+                for k in blocks.unique().tolist():
+                    self.sidecar.check_layer(int(k), "the rollout")
+            return self.prompt_ids
+        if blocks is None or len(blocks) != n:
+            raise ValueError(f"the rollout: a pair of several blocks ({list(self.block_prompts)}) needs a block for each "
+                             f"of the {n} vectors; found {None if blocks is None else len(blocks)}")
+        for k in blocks.unique().tolist():
+            self.sidecar.check_layer(int(k), "the rollout")
+        if not n:
+            return self.prompt_ids.new_zeros((0, len(self.prompt_ids)))
+        return torch.stack([self.block_prompts[int(k)] for k in blocks.tolist()])
 
     def sync_weights(self, policy: PolicyWorker) -> None:
         """Make the next rollout use the policy's weights: a shared module needs nothing; a copy gets
@@ -65,14 +94,16 @@ class RolloutWorker:
     @torch.no_grad()
     def generate(self, vectors: Tensor, prompt_rows: Tensor, n_samples: int, max_new_tokens: int,
                  temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-                 share: tuple[int, int] | None = None) -> Rollout:
+                 share: tuple[int, int] | None = None, blocks: Tensor | None = None) -> Rollout:
         """``n_samples`` responses per vector [B, d] -> a Rollout of N = B * n_samples (groups contiguous).
 
         Split over ranks, ``vectors`` are this rank's share of the prompts, ``share`` = (index of
         its first prompt, prompts of the whole batch), and every rank calls with the same RNG
         state: the ranks' rollouts joined in rank order are the rollout of the whole batch
-        (``nla.rl.sampling``, item 5)."""
+        (``nla.rl.sampling``, item 5). ``blocks``: [B] the block of each vector, for a pair of several
+        blocks (its prompts name the block); None for a pair of one."""
         B = vectors.shape[0]
+        prompts = self.prompts_for(blocks, B)
         vec = vectors.repeat_interleave(n_samples, 0)
         rows = prompt_rows.repeat_interleave(n_samples, 0)
         N = vec.shape[0]
@@ -81,7 +112,7 @@ class RolloutWorker:
         try:
             # Finished rows leave the batch; greedy gives HF generate's tokens (nla.rl.sampling).
             resp = sample_responses(
-                self.model, self.hook, self.prompt_ids, vectors, n_samples, max_new_tokens, self.eos_id,
+                self.model, self.hook, prompts, vectors, n_samples, max_new_tokens, self.eos_id,
                 self.pad_id, temperature=temperature, top_p=top_p, greedy=greedy,
                 # The AV must never write the marker: a second site in prompt+response would
                 # shift the injection in the log-prob forward (and it is the failure smell).
@@ -96,7 +127,8 @@ class RolloutWorker:
         status = torch.tensor([st.code for st, _ in parsed], dtype=torch.long).reshape(N)
         return Rollout(
             prompt_rows=rows.cpu(), group=torch.arange(B).repeat_interleave(n_samples), vectors=vec.float().cpu(),
-            prompt_ids=self.prompt_ids, response_ids=resp, response_mask=mask, texts=texts,
+            prompt_ids=prompts if prompts.dim() == 1 else prompts.repeat_interleave(n_samples, 0), response_ids=resp,
+            response_mask=mask, texts=texts,
             explanations=explanations, status=status,
         )
 

@@ -15,7 +15,7 @@ from nla.rl import algorithms as A
 from nla.rl.distributed import DataParallel
 from nla.rl.kernels import rank_micro_batches
 from nla.rl.roles.trainable import LOCAL, OptimSettings, Trainable
-from nla.rl.types import Rollout
+from nla.rl.types import Rollout, prompt_batch
 
 __all__ = ["ValueModel", "ValueWorker"]
 
@@ -56,10 +56,10 @@ class ValueWorker(Trainable):
         self._setup_optim(self.model, optim, dp)
 
     def _values(self, rollout: Rollout, idx: Tensor) -> Tensor:
-        P, L = rollout.prompt_ids.shape[0], rollout.response_ids.shape[1]
+        P, L = rollout.prompt_ids.shape[-1], rollout.response_ids.shape[1]
         n = len(idx)
         device = next(self.model.parameters()).device
-        ids = torch.cat([rollout.prompt_ids.to(device).expand(n, P), rollout.response_ids[idx].to(device)], 1)
+        ids = torch.cat([prompt_batch(rollout.prompts_at(idx).to(device), n), rollout.response_ids[idx].to(device)], 1)
         attn = torch.cat([torch.ones(n, P, dtype=torch.long, device=device),
                           rollout.response_mask[idx].to(device).long()], 1)
         with self.hook.vectors(rollout.vectors[idx].to(device)):
