@@ -126,6 +126,13 @@ class WorldExplainerConfig:
                                                      "mark first with at least this probability; elsewhere the "
                                                      "explanation quotes nothing (and the oracle row too). Needs "
                                                      "quote_units: 1. null = always quote. Range: [0, 1], or null.")
+    fact_min_prob: float | None = option(None, help="name a fact only where the vector holds it: a linear probe "
+                                                    "of its kind fitted on other documents' vectors "
+                                                    "(nla.core.probing.held_labels) scores the row's own fact "
+                                                    "highest with at least this probability; the explainer and the "
+                                                    "oracle row name only such facts (fitted a block at a time "
+                                                    "with layers). null = every true fact may be named. Range: "
+                                                    "[0, 1], or null.")
     quote_unheld: str = option("omit", help="what the explanation says of the token read where quote_min_prob "
                                             "finds the vector does not hold it: omit (no quotation) or hedge "
                                             "(the quotation said unsure, 'The text may end with \"...\".', which "
@@ -150,6 +157,11 @@ class WorldExplainerConfig:
                 raise _err(c, "quote_min_prob", "null unless quote_units is 1 (the probe reads the token read's own "
                            f"unit; quote_units is {self.quote_units!r}): set quote_units: 1 or quote_min_prob: null",
                            self.quote_min_prob)
+        if self.fact_min_prob is not None and (isinstance(self.fact_min_prob, bool)
+                                               or not isinstance(self.fact_min_prob, (int, float))
+                                               or not 0 <= self.fact_min_prob <= 1):
+            raise _err(c, "fact_min_prob", "a probability in [0, 1] or null (every true fact may be named)",
+                       self.fact_min_prob)
         if self.quote_unheld not in ("omit", "hedge"):
             raise _err(c, "quote_unheld", "one of omit, hedge", self.quote_unheld)
         if self.quote_unheld != "omit" and self.quote_min_prob is None:

@@ -68,6 +68,9 @@ class WorldExplainer(Explainer):
                     "column; the world explainer needs world activations (source: world)"
                 )
             facts = frozenset(Fact(*s.split("=", 1)) for s in r["facts"])
+            held = r.get(FACTS_HELD)
+            if held is not None:  # fact_min_prob: only the facts the row's vector holds (add_facts_held)
+                facts = frozenset(f for f in facts if f"{f.kind}={f.value}" in set(held))
             # quote_held False: the probe says the vector does not hold the token read; quote nothing,
             # or say it unsure (quote_unheld: hedge)
             quote = unheld_quote(row_quote(r), r.get(QUOTE_HELD, True) is not False, self.quote_unheld)
@@ -101,6 +104,68 @@ def by_block(tables: dict[str, pa.Table], fn: Any) -> tuple[dict[str, pa.Table],
         order = np.concatenate([rows[k][n] for k in blocks])
         out[n] = pa.concat_tables([done[k][n] for k in blocks]).take(pa.array(np.argsort(order, kind="stable")))
     return out, {"by_block": summary}
+
+
+FACTS_HELD = "facts_held"
+
+
+def add_facts_held(tables: dict[str, pa.Table], min_prob: float) -> tuple[dict[str, pa.Table], dict[str, Any]]:
+    """Each table with a ``facts_held`` column: the row's true facts its vector holds, a kind at a time: a
+    multi-label linear probe of the kind (``nla.core.probing.held_labels``) scores one of the row's own facts
+    of the kind highest, at probability >= ``min_prob``. Cross-fitted over the warm-start splits' documents
+    as ``add_quote_held``; the ``rl`` rows read by the probe fitted on all of them. The world explainer then
+    names only held facts (``world_explainer.fact_min_prob``): a block that holds little gets a short, true
+    explanation, not a confident wrong one (issue 59). Returns the tables and the share of each kind's
+    rows (where the kind is true) whose fact is held, per split."""
+    import numpy as np
+
+    from nla.core.probing import held_labels
+    from nla.datagen.io import read_vectors, require_split_columns
+    from nla.world.facts import KINDS
+
+    fit = [n for n in ("av_sft", "ar_sft") if n in tables]
+    require_split_columns(tables, ("facts", "doc_id", "activation_vector"), "fact_min_prob",
+                          "the probe needs world activations with their facts (source: world)")
+    facts = {n: [list(f or []) for f in t.column("facts").to_pylist()] for n, t in tables.items()}
+    x = np.concatenate([read_vectors(tables[n]) for n in fit]) if fit else np.zeros((0, 0), np.float32)
+    groups = [d for n in fit for d in tables[n].column("doc_id").to_pylist()]
+    others = [n for n in tables if n not in fit]
+    x_other = np.concatenate([read_vectors(tables[n]) for n in others]) if others else None
+    held_fit: list[list[str]] = [[] for _ in groups]
+    held_other: list[list[str]] = [[] for _ in range(0 if x_other is None else len(x_other))]
+    fit_facts = [f for n in fit for f in facts[n]]
+    other_facts = [f for n in others for f in facts[n]]
+    share: dict[str, dict[str, float | None]] = {n: {} for n in tables}
+    for kind in KINDS:
+        prefix = f"{kind}="
+        labels = [[f for f in fs if f.startswith(prefix)] for fs in fit_facts]
+        if sum(bool(lab) for lab in labels) < 2:
+            continue  # a kind the splits hardly hold: never said where a probe cannot learn it
+        a, b = held_labels(x, labels, groups, min_prob, x_other=x_other,
+                           labels_other=[[f for f in fs if f.startswith(prefix)] for fs in other_facts]
+                           if x_other is not None else None)
+        for i, h in enumerate(a):
+            if h is not None:
+                held_fit[i].append(h)
+        for i, h in enumerate(b or []):
+            if h is not None:
+                held_other[i].append(h)
+    out, start, start_o = dict(tables), 0, 0
+    for n in tables:
+        k = tables[n].num_rows
+        if n in fit:
+            rows, start = held_fit[start:start + k], start + k
+        else:
+            rows, start_o = held_other[start_o:start_o + k], start_o + k
+        out[n] = tables[n].append_column(FACTS_HELD, pa.array([sorted(r) for r in rows], pa.list_(pa.string())))
+        for kind in KINDS:
+            has = [any(f.startswith(f"{kind}=") for f in fs) for fs in facts[n]]
+            held = [any(f.startswith(f"{kind}=") for f in r) for r in rows]
+            n_has = sum(has)
+            share[n][kind] = round(sum(h for h, t in zip(held, has, strict=True) if t) / n_has, 4) if n_has else None
+        log.info("explain: the probes read the facts at p >= %.2f: %s of %s's rows where each kind is true",
+                 min_prob, share[n], n)
+    return out, {"min_prob": min_prob, "share": share}
 
 
 def add_quote_held(tables: dict[str, pa.Table], min_prob: float) -> tuple[dict[str, pa.Table], dict[str, Any]]:

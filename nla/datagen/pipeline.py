@@ -69,7 +69,8 @@ def _outputs(stage: str, out: Path) -> list[Path]:
 def stage_hash(cfg: DatagenConfig, stage: str) -> str:
     d = cfg.to_dict()
     # a setting at its default leaves the hash of data written before it was a setting
-    for key, default in (("quote_units", None), ("quote_min_prob", None), ("quote_unheld", "omit")):
+    for key, default in (("quote_units", None), ("quote_min_prob", None), ("quote_unheld", "omit"),
+                         ("fact_min_prob", None)):
         if d["world_explainer"].get(key) == default:
             d["world_explainer"] = {k: v for k, v in d["world_explainer"].items() if k != key}
     if d["wiki_explainer"] == dataclasses.asdict(WikiExplainerConfig()):
@@ -171,8 +172,9 @@ def _explain(res: Resolved, out: Path) -> dict[str, Any]:
     summary: dict[str, Any] = {"explainer": res.cfg.explainer}
     tables = {name: read_parquet(out / "splits" / f"{name}.parquet") for name in ("av_sft", "ar_sft")}
     min_prob = res.cfg.world_explainer.quote_min_prob if res.cfg.explainer == "world" else None
+    fact_prob = res.cfg.world_explainer.fact_min_prob if res.cfg.explainer == "world" else None
     gated = res.cfg.wiki_explainer.min_prob() if res.cfg.explainer == "wiki" else {}
-    if min_prob is not None or gated:
+    if min_prob is not None or gated or fact_prob is not None:
         tables["rl"] = read_parquet(out / "splits" / "rl.parquet")
         from nla.datagen.explain import add_quote_held, by_block
 
@@ -181,7 +183,12 @@ def _explain(res: Resolved, out: Path) -> dict[str, Any]:
 
             tables, summary["claims_held"] = by_block(tables, lambda t: add_claims_held(t, gated))
         else:
-            tables, summary["quote_held"] = by_block(tables, lambda t: add_quote_held(t, min_prob))
+            if min_prob is not None:
+                tables, summary["quote_held"] = by_block(tables, lambda t: add_quote_held(t, min_prob))
+            if fact_prob is not None:
+                from nla.datagen.explain import add_facts_held
+
+                tables, summary["facts_held"] = by_block(tables, lambda t: add_facts_held(t, fact_prob))
         # the RL split keeps its flag for the oracle row and the text explainer of eval (not explained)
         write_parquet_atomic(tables.pop("rl"), out / "explained" / "rl.parquet")
     else:

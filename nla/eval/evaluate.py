@@ -412,8 +412,12 @@ def _text_rows(ev: _Eval, text_explainer_baseline: bool) -> tuple[list[str] | No
         ev.read("text explainer → AR", te, failure_rate=0.0)
     words = ev.grader.quotes(ev.table, ev.path) if ev.grader is not None and ev.facts is not None else None
     if words is not None:
+        facts = ev.facts
+        if "facts_held" in cols:  # world_explainer.fact_min_prob: the oracle names what the data names
+            facts = [[f for f in (fs or []) if f in set(h or [])]
+                     for fs, h in zip(facts, ev.table.column("facts_held").to_pylist(), strict=True)]
         oracle = [ev.grader.oracle(list(fs or []), w, int(r))
-                  for fs, w, r in zip(ev.facts, words, ev.dataset_rows, strict=True)]
+                  for fs, w, r in zip(facts, words, ev.dataset_rows, strict=True)]
         if all(o is not None for o in oracle):
             ev.read(ROW_ORACLE, oracle)
     return reference, te
