@@ -108,37 +108,49 @@ def held_units(x: np.ndarray, units: Sequence[str], groups: Sequence[int], min_p
     return held, other
 
 
-def read_labels(x_fit: np.ndarray, labels_fit: Sequence[Sequence[str]], x_read: np.ndarray, min_count: int = 2,
-                l2: float = 1e-3, steps: int = 300) -> tuple[list[str | None], np.ndarray]:
-    """What a multi-label linear probe (a sigmoid a label, ``fit_logistic``) fitted on ``(x_fit, labels_fit)``
-    reads from each row of ``x_read``: the label it scores highest and that label's probability. A row may
-    hold several labels at once (two persons in a story). The labels are those seen at least ``min_count``
-    times; vectors are read by direction (``standardise``). With none the probe reads nothing: (None, 0.0)."""
+def _label_probs(x_fit: np.ndarray, labels_fit: Sequence[Sequence[str]], x_read: np.ndarray, min_count: int = 2,
+                 l2: float = 1e-3, steps: int = 300) -> tuple[list[str | None], np.ndarray]:
+    """(classes, probabilities [n_read, len(classes)]) of a softmax probe over a kind's labels and "none"
+    (``classes[0]`` is None: a row without a label of the kind). A row with several labels (two persons)
+    is fitted to share its mass equally among them. The labels are those seen at least ``min_count`` times;
+    vectors are read by direction (``standardise``)."""
     if len(labels_fit) != len(x_fit):
         raise ValueError(f"read_labels: {len(x_fit)} fit vectors for {len(labels_fit)} label sets; they must match")
     counts = Counter(lab for labs in labels_fit for lab in set(labs))
-    classes = sorted(u for u, c in counts.items() if c >= min_count)
-    if not classes or len(x_read) == 0:
-        return [None] * len(x_read), np.zeros(len(x_read))
+    classes: list[str | None] = [None, *sorted(u for u, c in counts.items() if c >= min_count)]
+    if len(classes) == 1 or len(x_read) == 0:
+        return classes, np.ones((len(x_read), 1))
     index = {u: i for i, u in enumerate(classes)}
     y = torch.zeros(len(labels_fit), len(classes))
     for r, labs in enumerate(labels_fit):
-        for lab in labs:
-            if lab in index:
-                y[r, index[lab]] = 1.0
+        known = [index[lab] for lab in set(labs) if lab in index]
+        if known:
+            y[r, known] = 1.0 / len(known)
+        else:
+            y[r, 0] = 1.0
     x_tr, x_te = standardise(torch.as_tensor(np.asarray(x_fit), dtype=torch.float32),
                              torch.as_tensor(np.asarray(x_read), dtype=torch.float32))
-    w, b = fit_logistic(x_tr, y, l2, steps)
-    prob = torch.sigmoid(x_te @ w + b)
-    top_p, top = prob.max(-1)
-    return [classes[int(k)] for k in top], top_p.double().numpy()
+    w, b = _fit_linear(x_tr, len(classes), lambda z: torch.nn.functional.cross_entropy(z, y), l2, steps)
+    return classes, torch.softmax(x_te @ w + b, dim=-1).double().numpy()
+
+
+def read_labels(x_fit: np.ndarray, labels_fit: Sequence[Sequence[str]], x_read: np.ndarray, min_count: int = 2,
+                l2: float = 1e-3, steps: int = 300) -> tuple[list[str | None], np.ndarray]:
+    """What a linear probe of one kind (a softmax over its labels and "none", ``_label_probs``) fitted on
+    ``(x_fit, labels_fit)`` reads from each row of ``x_read``: the label it ranks first (None: "none") and
+    that label's probability. With no label seen ``min_count`` times every row reads "none" (p 1)."""
+    classes, prob = _label_probs(x_fit, labels_fit, x_read, min_count, l2, steps)
+    top = prob.argmax(-1) if len(prob) else np.zeros(0, dtype=np.int64)
+    return [classes[int(k)] for k in top], prob[np.arange(len(prob)), top] if len(prob) else np.zeros(0)
 
 
 def held_labels(x: np.ndarray, labels: Sequence[Sequence[str]], groups: Sequence[int], min_prob: float,
                 x_other: np.ndarray | None = None, labels_other: Sequence[Sequence[str]] | None = None,
                 folds: int = 2, **kw) -> tuple[list[str | None], list[str | None] | None]:
-    """The label each row's vector holds, as a multi-label probe that never saw the row's group says: its
-    highest-scoring label when that label is one of the row's own and scores ``>= min_prob``, else None.
+    """The label each row's vector holds, as a probe of the kind that never saw the row's group says
+    (``_label_probs``: a softmax over the labels and "none"): its top label when that is one of the row's
+    own and the row's own labels together have probability ``>= min_prob`` (two persons share theirs), else
+    None.
     Cross-fitted as ``held_units`` (``x``: the fit rows, each read by the probe of the other folds; ``x_other``:
     read by the probe fitted on all of ``x``). A row without labels of its own holds none."""
     if not 0.0 <= min_prob <= 1.0:
@@ -148,19 +160,24 @@ def held_labels(x: np.ndarray, labels: Sequence[Sequence[str]], groups: Sequence
     x = np.asarray(x)
     fold = np.asarray(groups, dtype=np.int64) % folds
 
-    def verdict(top: str | None, p: float, own: Sequence[str]) -> str | None:
-        return top if top is not None and top in own and p >= min_prob else None
+    def verdicts(classes: list[str | None], prob: np.ndarray, owns: Sequence[Sequence[str]]) -> list[str | None]:
+        out: list[str | None] = []
+        for row, own in zip(prob, owns, strict=True):
+            top = classes[int(row.argmax())]
+            mass = sum(q for c, q in zip(classes, row, strict=True) if c is not None and c in own)
+            out.append(top if top is not None and top in own and mass >= min_prob else None)
+        return out
 
     held: list[str | None] = [None] * len(labels)
     for k in range(folds):
         fit, read = np.flatnonzero(fold != k), np.flatnonzero(fold == k)
-        top, p = read_labels(x[fit], [labels[i] for i in fit], x[read], **kw)
-        for t, q, i in zip(top, p, read, strict=True):
-            held[i] = verdict(t, q, labels[i])
+        classes, prob = _label_probs(x[fit], [labels[i] for i in fit], x[read], **kw)
+        for i, v in zip(read, verdicts(classes, prob, [labels[i] for i in read]), strict=True):
+            held[i] = v
     other = None
     if x_other is not None:
         if labels_other is None or len(labels_other) != len(x_other):
             raise ValueError("held_labels: labels_other must give one label set per row of x_other")
-        top, p = read_labels(x, list(labels), np.asarray(x_other), **kw)
-        other = [verdict(t, q, own) for t, q, own in zip(top, p, labels_other, strict=True)]
+        classes, prob = _label_probs(x, list(labels), np.asarray(x_other), **kw)
+        other = verdicts(classes, prob, labels_other)
     return held, other

@@ -111,8 +111,8 @@ FACTS_HELD = "facts_held"
 
 def add_facts_held(tables: dict[str, pa.Table], min_prob: float) -> tuple[dict[str, pa.Table], dict[str, Any]]:
     """Each table with a ``facts_held`` column: the row's true facts its vector holds, a kind at a time: a
-    multi-label linear probe of the kind (``nla.core.probing.held_labels``) scores one of the row's own facts
-    of the kind highest, at probability >= ``min_prob``. Cross-fitted over the warm-start splits' documents
+    linear probe of the kind (``nla.core.probing.held_labels``: a softmax over its facts and "none") ranks one
+    of the row's own facts first, and the row's own facts of the kind have probability >= ``min_prob``. Cross-fitted over the warm-start splits' documents
     as ``add_quote_held``; the ``rl`` rows read by the probe fitted on all of them. The world explainer then
     names only held facts (``world_explainer.fact_min_prob``): a block that holds little gets a short, true
     explanation, not a confident wrong one (issue 59). Returns the tables and the share of each kind's
