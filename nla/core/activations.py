@@ -67,24 +67,7 @@ def pad_right(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
 
 def block_outputs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_index: int) -> torch.Tensor:
     """Output of decoder block ``layer_index`` [B, T, d] (model dtype, model device); later blocks never run."""
-    captured: list[torch.Tensor] = []
-
-    def hook(_module, _inputs, output):
-        captured.append(output[0] if isinstance(output, tuple) else output)
-        raise _StopForward
-
-    handle = decoder_layers(model)[layer_index].register_forward_hook(hook)
-    try:
-        with torch.inference_mode():
-            try:
-                model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-            except _StopForward:
-                pass
-    finally:
-        handle.remove()
-    if not captured:
-        raise RuntimeError(f"the hook on decoder block {layer_index} did not fire; report this model family")
-    return captured[0]
+    return blocks_outputs(model, input_ids, attention_mask, [layer_index])[layer_index]
 
 
 def blocks_outputs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -77,6 +77,15 @@ def read_units(x_fit: np.ndarray, units_fit: Sequence[str], x_read: np.ndarray, 
     return [classes[int(k)] for k in top], top_p.double().numpy()
 
 
+def _folds(name: str, groups: Sequence[int], folds: int, min_prob: float) -> np.ndarray:
+    """Each row's fold (its group modulo ``folds``: a document stays in one), the settings checked."""
+    if not 0.0 <= min_prob <= 1.0:
+        raise ValueError(f"{name}: min_prob must be in [0, 1], found {min_prob!r}")
+    if folds < 2:
+        raise ValueError(f"{name}: folds must be >= 2, found {folds!r}")
+    return np.asarray(groups, dtype=np.int64) % folds
+
+
 def held_units(x: np.ndarray, units: Sequence[str], groups: Sequence[int], min_prob: float,
                x_other: np.ndarray | None = None, units_other: Sequence[str] | None = None,
                folds: int = 2, **kw) -> tuple[np.ndarray, np.ndarray | None]:
@@ -87,12 +96,7 @@ def held_units(x: np.ndarray, units: Sequence[str], groups: Sequence[int], min_p
     probe fitted on the other ``folds - 1`` folds; a group, e.g. a document, stays in one fold, by
     ``group % folds``); ``x_other``/``units_other``: rows read by the probe fitted on all of ``x``
     (held-out documents). Returns (held for ``x``, held for ``x_other`` or None)."""
-    if not 0.0 <= min_prob <= 1.0:
-        raise ValueError(f"held_units: min_prob must be in [0, 1], found {min_prob!r}")
-    if folds < 2:
-        raise ValueError(f"held_units: folds must be >= 2, found {folds!r}")
-    x = np.asarray(x)
-    fold = np.asarray(groups, dtype=np.int64) % folds
+    x, fold = np.asarray(x), _folds("held_units", groups, folds, min_prob)
     held = np.zeros(len(units), dtype=bool)
     for k in range(folds):
         fit, read = np.flatnonzero(fold != k), np.flatnonzero(fold == k)
@@ -153,12 +157,7 @@ def held_labels(x: np.ndarray, labels: Sequence[Sequence[str]], groups: Sequence
     None.
     Cross-fitted as ``held_units`` (``x``: the fit rows, each read by the probe of the other folds; ``x_other``:
     read by the probe fitted on all of ``x``). A row without labels of its own holds none."""
-    if not 0.0 <= min_prob <= 1.0:
-        raise ValueError(f"held_labels: min_prob must be in [0, 1], found {min_prob!r}")
-    if folds < 2:
-        raise ValueError(f"held_labels: folds must be >= 2, found {folds!r}")
-    x = np.asarray(x)
-    fold = np.asarray(groups, dtype=np.int64) % folds
+    x, fold = np.asarray(x), _folds("held_labels", groups, folds, min_prob)
 
     def verdicts(classes: list[str | None], prob: np.ndarray, owns: Sequence[Sequence[str]]) -> list[str | None]:
         out: list[str | None] = []
