@@ -353,3 +353,10 @@ def test_the_quickstart_refuses_several_blocks_before_any_work(tmp_path):
                                               r"not built yet"):
         run_quickstart("tiny", tmp_path / "run", settings=["datagen.layers=[0, 1]"])
     assert not (tmp_path / "run").exists()
+
+
+def test_a_block_is_written_zero_padded_to_the_deepest_ones_digits():
+    side = _layered_sidecar(layers=(3, 10))
+    assert side.ar_text("x", layer=3) == "Block 03. Explanation: x\nSummary vector:"
+    assert side.ar_text("x", layer=10) == "Block 10. Explanation: x\nSummary vector:"
+    assert _layered_sidecar().ar_text("x", layer=2) == "Block 2. Explanation: x\nSummary vector:"

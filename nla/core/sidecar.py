@@ -220,8 +220,12 @@ class NLAConfig:
         return layer
 
     def _fill_layer(self, template: str, layer: int | None, purpose: str) -> str:
+        """``template`` with ``{layer}`` filled in: the block zero-padded to the deepest one's digits (03 and 10),
+        so that where a tokenizer reads digits one at a time every block's prompt has one length."""
         layer = self.check_layer(layer, purpose)
-        return template.replace("{layer}", str(layer)) if self.layers is not None else template
+        if self.layers is None:
+            return template
+        return template.replace("{layer}", str(layer).zfill(len(str(self.layers[-1]))))
 
     def _check_offset(self) -> None:
         off = self.vector_offset
