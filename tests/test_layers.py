@@ -360,3 +360,19 @@ def test_a_block_is_written_zero_padded_to_the_deepest_ones_digits():
     assert side.ar_text("x", layer=3) == "Block 03. Explanation: x\nSummary vector:"
     assert side.ar_text("x", layer=10) == "Block 10. Explanation: x\nSummary vector:"
     assert _layered_sidecar().ar_text("x", layer=2) == "Block 2. Explanation: x\nSummary vector:"
+
+
+def test_claims_true_counts_the_facts_claimed_not_the_rows_that_claim_nothing():
+    """Per-row precision charges a row that claims nothing where something holds 0; the by-block table's
+    claims_true is the share of claimed facts that are true (derived by hand)."""
+    from types import SimpleNamespace
+
+    from nla.core.graders import get_grader
+    from nla.eval.evaluate import _claims_true
+
+    ev = SimpleNamespace(grader=get_grader("world"),
+                         facts=[["person=alice"], ["person=bruno", "place=park"], ["time=night"], ["mood=happy"]])
+    texts = ["Alice is one of the characters.", "The scene is set at the park. Hugo is one of the characters.",
+             None, "The text has only just begun."]
+    assert _claims_true(ev, texts, np.arange(4)) == pytest.approx(2 / 3)  # alice, park true; hugo false
+    assert _claims_true(ev, [None, None], np.arange(2)) is None  # nothing claimed

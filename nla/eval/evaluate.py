@@ -206,14 +206,16 @@ class EvalReport:
             names = list(next(iter(self.by_block.values())))
             lines += ["", "## By block", "",
                       "FVE against each block's own baseline (the mean of its normalised golds); fact recall / "
-                      "precision of that block's rows.", "",
+                      "precision of that block's rows, and the share of the facts claimed that are true (a row "
+                      "claiming nothing is not counted there).", "",
                       "| block | rows | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
             for k, per in self.by_block.items():
                 cells = []
                 for name in names:
                     c = per.get(name) or {}
-                    cells.append(f"{c['fve']:.4f}" + (f" ({_fmt2(c['recall'])} / {_fmt2(c['precision'])})"
-                                                      if c.get("recall") is not None else "") if c else "-")
+                    graded = (f" ({_fmt2(c['recall'])} / {_fmt2(c['precision'])}; claims true "
+                              f"{_fmt2(c.get('claims_true'))})") if c and c.get("recall") is not None else ""
+                    cells.append(f"{c['fve']:.4f}{graded}" if c else "-")
                 n = next(iter(per.values()))["n"] if per else 0
                 lines.append(f"| {k} | {n} | " + " | ".join(cells) + " |")
         if self.samples:
@@ -442,8 +444,23 @@ def _by_block(ev: _Eval) -> dict[int, dict[str, dict[str, float | None]]]:
                      if ev.grader is not None and ev.facts is not None else None)
             out[k][name] = {"n": len(idx), "fve": fve_of_mse(mse[torch.from_numpy(idx)], base.raw_mean),
                             "recall": None if faith is None else faith.recall,
-                            "precision": None if faith is None else faith.precision}
+                            "precision": None if faith is None else faith.precision,
+                            "claims_true": _claims_true(ev, sub, idx) if faith is not None else None}
     return out
+
+
+def _claims_true(ev: _Eval, texts: list[str | None], idx: np.ndarray) -> float | None:
+    """The share of the facts claimed in ``texts`` that are true (precision over the claims made; the
+    per-row precision above counts a row that claims nothing where something holds as 0, so a short
+    true explanation of a block that holds little reads as imprecise there). None: no claim, or a grader
+    whose grades do not count claims."""
+    made = right = 0
+    for t, i in zip(texts, idx, strict=True):
+        g = ev.grader.grade(t or "", list(ev.facts[int(i)] or []))
+        if g is None or not hasattr(g, "n_pred"):
+            return None
+        made, right = made + g.n_pred, right + g.n_correct
+    return right / made if made else None
 
 
 def _mean_rows(ev: _Eval) -> None:
