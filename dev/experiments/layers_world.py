@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     t = time.time()
     run_datagen(DatagenConfig.from_dict(d))
     times["datagen"] = time.time() - t
-    rl_train, eval_ds = split_rl_for_eval(dg / "rl.parquet", dg, 0.25, seed=0)
+    rl_train, eval_ds = split_rl_for_eval(dg / "rl.parquet", dg, 0.25, seed=int(d["seed"]))  # the run's held-out docs
 
     ar_src, av_src = _one(src / "ar" / "checkpoints", "step_*"), _one(src / "av" / "checkpoints", "step_*")
     ar_cfg = yaml.safe_load((ar_src / "train_config.yaml").read_text())
