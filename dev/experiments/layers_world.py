@@ -67,25 +67,19 @@ def main(argv: list[str] | None = None) -> None:
     times["datagen"] = time.time() - t
     rl_train, eval_ds = split_rl_for_eval(dg / "rl.parquet", dg, 0.25, seed=int(d["seed"]))  # the run's held-out docs
 
-    ar_src, av_src = _one(src / "ar" / "checkpoints", "step_*"), _one(src / "av" / "checkpoints", "step_*")
-    ar_cfg = yaml.safe_load((ar_src / "train_config.yaml").read_text())
-    av_cfg = yaml.safe_load((av_src / "train_config.yaml").read_text())
+    def warm_start(train, cls, role: str, split: str):
+        """The run's own ``role`` warm-start config on the new rows, its steps (and eval) scaled."""
+        src_cfg = _one(src / role / "checkpoints", "step_*") / "train_config.yaml"
+        cfg = yaml.safe_load(src_cfg.read_text())
+        n, every = int(round(cfg["max_steps"] * k)), int(round(cfg["eval_every"] * k))
+        t = time.time()
+        result = train(load_config(cls, src_cfg, dict(dataset=str(dg / f"{split}.parquet"), out_dir=str(out / role),
+                                                     tensorboard=False, max_steps=n, eval_every=every, save_every=n)))
+        times[role] = time.time() - t
+        return result
 
-    def steps(cfg: dict, key: str) -> int:
-        return int(round(cfg[key] * k))
-
-    t = time.time()
-    ar = train_ar(load_config(ARTrainConfig, ar_src / "train_config.yaml", dict(
-        dataset=str(dg / "ar_sft.parquet"), out_dir=str(out / "ar"), tensorboard=False,
-        max_steps=steps(ar_cfg, "max_steps"), eval_every=steps(ar_cfg, "eval_every"),
-        save_every=steps(ar_cfg, "max_steps"))))
-    times["ar"] = time.time() - t
-    t = time.time()
-    av = train_av(load_config(AVTrainConfig, av_src / "train_config.yaml", dict(
-        dataset=str(dg / "av_sft.parquet"), out_dir=str(out / "av"), tensorboard=False,
-        max_steps=steps(av_cfg, "max_steps"), eval_every=steps(av_cfg, "eval_every"),
-        save_every=steps(av_cfg, "max_steps"))))
-    times["av"] = time.time() - t
+    ar = warm_start(train_ar, ARTrainConfig, "ar", "ar_sft")
+    av = warm_start(train_av, AVTrainConfig, "av", "av_sft")
 
     def evaluate(av_dir: Path, ar_dir: Path, name: str, frozen: NLAClient | None = None) -> None:
         client = NLAClient(str(av_dir), str(ar_dir))
