@@ -207,10 +207,11 @@ def build_datasets(
             raise DatagenError("build: center with several blocks (one offset a block) is not built yet; set "
                                "center: false")
         norms = {}
+        train = [n for n in ("av_sft", "ar_sft") if n in splits and splits[n].num_rows]
+        vectors = np.concatenate([read_vectors(splits[n]) for n in train]) if train else np.zeros((0, cfg.d_model))
+        blocks = np.asarray([k for n in train for k in _row_layers(splits[n])])
         for k in cfg.layers:
-            rows = [read_vectors(splits[n])[np.asarray(_row_layers(splits[n])) == k]
-                    for n in ("av_sft", "ar_sft") if n in splits and splits[n].num_rows]
-            v = np.concatenate(rows) if rows else np.zeros((0, cfg.d_model), np.float32)
+            v = vectors[blocks == k]
             if not len(v):
                 raise DatagenError(f"build: no training rows (av_sft, ar_sft) of block {k}; every block of "
                                    f"{list(cfg.layers)} needs some")

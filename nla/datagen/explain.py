@@ -70,7 +70,8 @@ class WorldExplainer(Explainer):
             facts = frozenset(Fact(*s.split("=", 1)) for s in r["facts"])
             held = r.get(FACTS_HELD)
             if held is not None:  # fact_min_prob: only the facts the row's vector holds (add_facts_held)
-                facts = frozenset(f for f in facts if f"{f.kind}={f.value}" in set(held))
+                held = set(held)
+                facts = frozenset(f for f in facts if f"{f.kind}={f.value}" in held)
             # quote_held False: the probe says the vector does not hold the token read; quote nothing,
             # or say it unsure (quote_unheld: hedge)
             quote = unheld_quote(row_quote(r), r.get(QUOTE_HELD, True) is not False, self.quote_unheld)
@@ -112,8 +113,8 @@ FACTS_HELD = "facts_held"
 def add_facts_held(tables: dict[str, pa.Table], min_prob: float) -> tuple[dict[str, pa.Table], dict[str, Any]]:
     """Each table with a ``facts_held`` column: the row's true facts its vector holds, a kind at a time: a
     linear probe of the kind (``nla.core.probing.held_labels``: a softmax over its facts and "none") ranks one
-    of the row's own facts first, and the row's own facts of the kind have probability >= ``min_prob``. Cross-fitted over the warm-start splits' documents
-    as ``add_quote_held``; the ``rl`` rows read by the probe fitted on all of them. The world explainer then
+    of the row's own facts first, and the row's own facts of the kind have probability >= ``min_prob``.
+    Cross-fitted over the warm-start splits' documents as ``add_quote_held``; the ``rl`` rows read by the probe fitted on all of them. The world explainer then
     names only held facts (``world_explainer.fact_min_prob``): a block that holds little gets a short, true
     explanation, not a confident wrong one (issue 59). Returns the tables and the share of each kind's
     rows (where the kind is true) whose fact is held, per split."""
