@@ -12,11 +12,13 @@ from nla.util.threads import THREADS_HELP, threads_flag
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quickstart", help="build the world, generate data, train AR/AV, run RL, evaluate, report")
-    p.add_argument("--preset", default="default", choices=["tiny", "default", "full", "smollm2"],
+    p.add_argument("--preset", default="default", choices=["tiny", "default", "full", "layers", "smollm2"],
                    help="tiny: about 2 minutes, for CI; default: the full CPU run (about 13 min on 2 cores, "
                         "BENCHMARKS.md); full: the default with a data explainer that names 3-6 of the true facts "
-                        "instead of each with probability 0.8; smollm2: a real trained model, SmolLM2-135M-Instruct "
-                        "read on Wikipedia (both from pip wheels; README, \"A real model\")")
+                        "instead of each with probability 0.8; layers: one pair for blocks 0-3 of the default "
+                        "world, each row's block named in its prompts (issue 59; opt-in, BENCHMARKS.md); smollm2: "
+                        "a real trained model, SmolLM2-135M-Instruct read on Wikipedia (both from pip wheels; "
+                        "README, \"A real model\")")
     p.add_argument("--out", default=None, help="run directory (default runs/quickstart-<preset>)")
     p.add_argument("--backend", default="local", choices=["local", "ray"], help="RL worker backend")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")

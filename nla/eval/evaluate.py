@@ -428,7 +428,7 @@ def _text_rows(ev: _Eval, text_explainer_baseline: bool) -> tuple[list[str] | No
 def _by_block(ev: _Eval) -> dict[int, dict[str, dict[str, float | None]]]:
     """Each block's rows alone, for every row read so far: FVE against the block's own raw-mean baseline
     (what predicting that block's mean gives: blocks differ in scale and direction, so the pooled baseline
-    would credit telling the blocks apart), and fact recall / precision of its rows."""
+    would credit telling the blocks apart), and fact recall / precision of its rows, overall and per kind."""
     scale = ev.client.ar_sidecar.mse_scale_value()
     blocks = np.asarray(ev.blocks)
     out: dict[int, dict[str, dict[str, float | None]]] = {}
@@ -445,7 +445,10 @@ def _by_block(ev: _Eval) -> dict[int, dict[str, dict[str, float | None]]]:
             out[k][name] = {"n": len(idx), "fve": fve_of_mse(mse[torch.from_numpy(idx)], base.raw_mean),
                             "recall": None if faith is None else faith.recall,
                             "precision": None if faith is None else faith.precision,
-                            "claims_true": _claims_true(ev, sub, idx) if faith is not None else None}
+                            "claims_true": _claims_true(ev, sub, idx) if faith is not None else None,
+                            # kind -> [recall, precision] of this block's rows (the report sets them beside
+                            # the probe's top-1 at that block)
+                            "by_kind": None if faith is None else {kd: list(rp) for kd, rp in faith.by_kind.items()}}
     return out
 
 

@@ -127,6 +127,60 @@ def kind_table(warm: dict[str, Any], after: dict[str, Any], probe: dict[str, Any
     return lines
 
 
+def _blocks(report: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """An eval report's per-block figures (``by_block``), keyed by block number (a cached stage's JSON has
+    them as strings)."""
+    return {int(k): v for k, v in sorted((report.get("by_block") or {}).items(), key=lambda kv: int(kv[0]))}
+
+
+def block_summary(warm: dict[str, Any], after: dict[str, Any],
+                  probe: dict[str, Any] | None = None) -> dict[int, dict[str, Any]]:
+    """Per block of a pair for several blocks (issue 59): the round trip's FVE (each block against its own
+    baseline) warm-start and after RL, the oracle's after RL, recall / precision (overall and per kind) after
+    RL, and the probe's top-1 per kind at that block; {} for a pair of one block."""
+    bw, ba = _blocks(warm), _blocks(after)
+    layers = {r["layer"]: r for r in (probe or {}).get("layers") or []}
+    out: dict[int, dict[str, Any]] = {}
+    for k in sorted(set(bw) | set(ba)):
+        w, a = (bw.get(k) or {}).get(ROUND_TRIP) or {}, (ba.get(k) or {}).get(ROUND_TRIP) or {}
+        at = layers.get(k)
+        out[k] = {"rows": a.get("n", w.get("n")), "fve_warmstart": w.get("fve"), "fve_rl": a.get("fve"),
+                  "oracle_fve_rl": ((ba.get(k) or {}).get(ORACLE) or {}).get("fve"),
+                  "recall_rl": a.get("recall"), "precision_rl": a.get("precision"), "claims_true_rl": a.get("claims_true"),
+                  "by_kind_rl": a.get("by_kind") or {},
+                  "probe_mean_top1": at["mean_top1"] if at else None,
+                  "probe_by_kind": {p["kind"]: p["top1"] for p in at["kinds"]} if at else {}}
+    return out
+
+
+def block_tables(blocks: dict[int, dict[str, Any]]) -> list[str]:
+    """``block_summary`` as two Markdown tables: the figures of each block, then recall / precision per kind
+    after RL beside the probe's top-1 at that block (what a faithful verbalizer could name there)."""
+    if not blocks:
+        return []
+    lines = ["| block | rows | probe mean top-1 | FVE warm | FVE RL | oracle RL | recall RL | precision RL | "
+             "claimed facts true RL |", "|---|---|---|---|---|---|---|---|---|"]
+    for k, b in blocks.items():
+        lines.append(f"| {k} | {b['rows']} | {_f(b['probe_mean_top1'], 2)} | {_f(b['fve_warmstart'])} | "
+                     f"{_f(b['fve_rl'])} | {_f(b['oracle_fve_rl'])} | {_f(b['recall_rl'], 2)} | "
+                     f"{_f(b['precision_rl'], 2)} | {_f(b['claims_true_rl'], 2)} |")
+    kinds: list[str] = []  # the probe's order (the dataset's own), then any other kind, each once
+    for b in blocks.values():
+        for k in [*b["probe_by_kind"], *b["by_kind_rl"]]:
+            if k not in kinds and k not in NO_RECALL_KINDS:
+                kinds.append(k)
+    if kinds:
+        lines += ["", "Per kind after RL, each block: probe top-1 · recall / precision.", "",
+                  "| kind | " + " | ".join(f"block {k}" for k in blocks) + " |", "|---|" + "---|" * len(blocks)]
+        for kind in kinds:
+            cells = []
+            for b in blocks.values():
+                rp = b["by_kind_rl"].get(kind) or (None, None)
+                cells.append(f"{_f(b['probe_by_kind'].get(kind), 2)} · {_f(rp[0], 2)} / {_f(rp[1], 2)}")
+            lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    return lines
+
+
 # A kind the warm-started AV names no more often truly than it does from shuffled vectors (recall within
 # this of the shuffled row's) is one it does not read; RL seldom adds such a kind (dev/LOG.md, "The
 # warm-start is a per-kind lottery"). Graded against ground truth: a report line, never a reward.
@@ -334,7 +388,11 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
     stuck = [f"- **{name}**: {w}" for name, info in (("AR warm-start", ar_info), ("AV warm-start", av_info),
                                                     ("RL", rl_info))
              for w in (info.get("metrics", {}).get("stuck_warnings") or [])]
-    kinds = kind_table(warm_eval, rl_eval, probe)
+    blocks = block_summary(warm_eval, rl_eval, probe)
+    if blocks:
+        headline["by_block"] = blocks
+    # a pair for several blocks pools its blocks' rows: each block against its own probe is "By block"
+    kinds = kind_table(warm_eval, rl_eval, None if blocks else probe)
     quotes = quote_table(warm_eval, rl_eval)
     unread = [f"- **{k}**: recall {_f(r, 2)}, on shuffled vectors {_f(sh, 2)}"
               for k, (r, sh) in headline["unread_kinds_warmstart"].items()]
@@ -384,9 +442,19 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
           *(["### Per fact kind (AV → AR round trip)", "",
               ("Recall and precision of the facts of each kind, against what a linear probe reads of that kind "
                "from the same layer's vectors (the most a faithful verbalizer could name); a `quote[p]` row is the "
-               "quotation's unit p from the end, beside what a probe reads of that unit." if probe.get("layers") else
+               "quotation's unit p from the end, beside what a probe reads of that unit." if probe.get("layers")
+               and not blocks else
+               "Recall and precision of the claims of each kind over every block's rows (each block beside its own "
+               "probe: \"By block\" below)." if blocks else
                "Recall and precision of the claims of each kind (no probe was run: the truth is the rows' own)."), "",
               *kinds, ""] if kinds else []),
+          *(["### By block", "",
+             f"One pair reads blocks {', '.join(map(str, blocks))} (`datagen.layers`), each row's block named in "
+             "its prompt. FVE of each block's rows against that block's own baseline (the mean of its normalised "
+             "golds); recall / precision of its rows; the claimed facts true: precision over the facts claimed (a "
+             "row that claims nothing is not counted); the probe: a linear probe of each kind at that block on "
+             "held-out stories (`nla world probe`), the most a faithful verbalizer could name there.", "",
+             *block_tables(blocks), ""] if blocks else []),
           *(["### The quotation of the text's end (AV → AR round trip)", "",
              "Each quoted word or mark is a claim about the text at its position from the end (quote[0] = the "
              "token read), graded against the row's text: recall over the rows whose text has a unit there (no "
@@ -399,6 +467,8 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
               "(not in the mean).", "",
               *probe_table(probe), ""] if probe.get("layers") else []),
           *suite_section(suite),
+          *(["## Does it explain?", "", "Not run: the explanation suite reads one block, and this pair reads "
+             f"{len(blocks)} (issue 59).", ""] if blocks and not suite else []),
           "## Training", "",
           (f"- subject model: {world['subject']} ({world.get('subject_dir')})" if world.get("subject") else
            f"- subject model: held-out loss {_f(world.get('heldout_loss'))} nats/token vs unigram entropy "
