@@ -92,8 +92,10 @@ class ExploreApp:
         kwargs = dict(positions=int_list(body, "positions"), n_samples=get_field(body, "n_samples", int, 0),
                       max_new_tokens=get_field(body, "max_new_tokens", int, None),
                       temperature=float(get_field(body, "temperature", (int, float), 1.0)),
-                      seed=get_field(body, "seed", int, 0), return_vectors=get_field(body, "return_vectors", bool, False))
+                      seed=get_field(body, "seed", int, 0), return_vectors=get_field(body, "return_vectors", bool, False),
+                      layer=get_field(body, "layer", int, None))
         ex.check_positions(inp, kwargs["positions"])  # fail fast, before queueing behind other model work
+        ex.block(kwargs["layer"])
         results = await run_in_threadpool(ex.explain, inp, **kwargs)
         return JSONResponse({"doc_id": inp.doc.doc_id if inp.doc else None, "n_tokens": inp.n_tokens,
                              "results": results})
@@ -108,6 +110,7 @@ class ExploreApp:
             if t is not None:
                 check_text(t, f"field 'texts', item {i}")
         facts, read = None, None
+        layer = get_field(body, "layer", int, None)  # the block the vectors are read at (a pair for several)
         if "vectors" in body:
             if any(k in body for k in ("text", "doc_id", "position")):
                 raise RequestError("give either 'vectors' or a token ('text' or 'doc_id' with 'position'), not both")
@@ -122,13 +125,13 @@ class ExploreApp:
             inp = self._input(body)
             position = get_field(body, "position", int)
             ex.check_positions(inp, [position])
-            acts = await run_in_threadpool(ex.activations, inp)
+            acts = await run_in_threadpool(ex.activations, inp, layer)
             vectors = acts[[position] * len(texts)] if texts else acts[:0]
             truth = ex.facts(inp)
             facts = truth[position] if truth is not None else None
             read = ex.read_to(inp, position)
         try:
-            results = await run_in_threadpool(ex.score, texts, vectors, facts, read)
+            results = await run_in_threadpool(ex.score, texts, vectors, facts, read, layer)
         except (InputError, NLAClientError) as err:  # the client's checks of the vectors: the request's fault
             raise RequestError(" ".join(str(err).split())) from None
         return JSONResponse({"results": results})

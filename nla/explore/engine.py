@@ -136,7 +136,11 @@ def resolve_subject(subject: str | os.PathLike | None, client: NLAClient) -> Pat
 
 
 class Explorer:
-    """Verbalize and score the activations of the subject model at the pair's layer, per token."""
+    """Verbalize and score the activations of the subject model at the pair's layer, per token.
+
+    A pair for several blocks (issue 59: ``layers`` in its sidecars) reads any of them: each request
+    names its block (``layer``; the deepest when omitted), the activations are that block's output and
+    the AV and AR are told the block as in training."""
 
     def __init__(self, client: NLAClient, subject_model: Any, subject_tokenizer: Any, *, subject_dir: Path,
                  layer_index: int, world: WorldDocs | None = None, limits: ExploreLimits | None = None) -> None:
@@ -144,12 +148,14 @@ class Explorer:
         self.model, self.tokenizer = subject_model, subject_tokenizer
         self.subject_dir = Path(subject_dir)
         self.layer_index = layer_index
+        side = client.av_sidecar or client.ar_sidecar
+        self.layers: tuple[int, ...] | None = side.layers if side is not None else None
         self.world = world
         self.limits = limits or ExploreLimits()
         if client.av_model is None or client.ar is None:
             raise RequestError("the explorer needs both an AV and an AR checkpoint (--av DIR --ar DIR)", status=409)
         n = num_layers(subject_model.config)
-        if not 0 <= layer_index < n:
+        if not 0 <= max(self.layers or (layer_index,)) < n:
             raise RequestError(
                 f"layer: the pair reads block {layer_index} but the subject model {self.subject_dir} has {n} blocks "
                 f"(0..{n - 1}); pass the --subject the pair was trained on", status=409)
@@ -186,10 +192,6 @@ class Explorer:
             client = NLAClient(av, ar, device=device, dtype=dtype, allow_mixed_provenance=allow_mixed_provenance)
         except (NLAClientError, ProvenanceError) as err:
             raise RequestError(str(err), status=409) from None
-        if (client.av_sidecar or client.ar_sidecar).layers is not None:
-            raise RequestError(f"the pair reads several blocks ({list((client.av_sidecar or client.ar_sidecar).layers)}); "
-                               "the explorer reads one block a pair and does not let you choose one yet (issue 59): "
-                               "use nla serve or NLAClient with layer=...", status=409)
         subject_dir = resolve_subject(subject, client)
         if subject is not None:  # the explicit subject must be the one the pair records
             try:
@@ -215,7 +217,8 @@ class Explorer:
         if self.world is not None:
             for doc_id, doc in self.world.docs.items():
                 docs.append({"doc_id": doc_id, "title": doc.text[:60], "text": doc.text, "n_facts": len(doc.facts)})
-        return {"d_model": self.client.d_model, "layer_index": self.layer_index, "subject": str(self.subject_dir),
+        return {"d_model": self.client.d_model, "layer_index": self.layer_index,
+                "layers": list(self.layers) if self.layers else None, "subject": str(self.subject_dir),
                 "mse_scale": self.client.mse_scale, "world": str(self.world.root) if self.world else None,
                 "world_docs": docs, "world_docs_considered": self.world_docs_considered,
                 "max_tokens": self.max_tokens, "max_new_tokens": self.max_new_tokens}
@@ -280,21 +283,43 @@ class Explorer:
         return list(positions)
 
     # ------------------------------------------------------------------ model work
-    def activations(self, inp: TextInput) -> torch.Tensor:
-        """Activations [T, d] (fp32, CPU) as the pair reads them: the output of block K at every token,
-        as datagen extracts them, minus the sidecars' ``vector_offset`` when the pair was trained on
-        centred vectors (``NLAClient.to_pair_space``)."""
+    def block(self, layer: int | None) -> int:
+        """The block a request reads: ``layer``, checked against the pair's blocks (None: the deepest, the
+        one a one-block pair reads)."""
+        if layer is None:
+            return self.layer_index
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise RequestError(f"layer: expected a block number, found {layer!r}")
+        offered = self.layers or (self.layer_index,)
+        if layer not in offered:
+            raise RequestError(f"layer: block {layer} is not one this pair was trained on; it reads "
+                               f"{'blocks ' + ', '.join(map(str, offered)) if self.layers else f'block {self.layer_index} only'}"
+                               "; pick one of those (or omit layer for the deepest)")
+        return layer
+
+    def _pair_layer(self, block: int) -> int | None:
+        """What the client is told: the block for a pair of several, nothing for a one-block pair."""
+        return block if self.layers else None
+
+    def activations(self, inp: TextInput, layer: int | None = None) -> torch.Tensor:
+        """Activations [T, d] (fp32, CPU) as the pair reads them: the output of block K (``layer``, checked
+        by ``block``) at every token, as datagen extracts them, minus the sidecars' ``vector_offset`` when
+        the pair was trained on centred vectors (``NLAClient.to_pair_space``)."""
+        block = self.block(layer)
         device = next(self.model.parameters()).device
         ids = torch.tensor([inp.ids], device=device)
         with self._lock:
-            hidden = block_outputs(self.model, ids, torch.ones_like(ids), self.layer_index)
+            hidden = block_outputs(self.model, ids, torch.ones_like(ids), block)
         return self.client.to_pair_space(hidden[0].float().cpu())
 
     def explain(self, inp: TextInput, positions: Sequence[int] | None = None, *, n_samples: int = 0,
                 max_new_tokens: int | None = None, temperature: float = 1.0, seed: int = 0,
-                return_vectors: bool = False) -> list[dict[str, Any]]:
-        """Greedy explanation (+ ``n_samples`` sampled ones) and round-trip scores for each position."""
+                return_vectors: bool = False, layer: int | None = None) -> list[dict[str, Any]]:
+        """Greedy explanation (+ ``n_samples`` sampled ones) and round-trip scores for each position, at
+        block ``layer`` (``block``)."""
         positions = self.check_positions(inp, positions)
+        block = self.block(layer)
+        at = self._pair_layer(block)
         if not 0 <= n_samples <= self.limits.max_samples:
             raise RequestError(f"n_samples must be 0..{self.limits.max_samples}, found {n_samples}")
         max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
@@ -304,35 +329,36 @@ class Explorer:
             check_sampling(temperature, what="temperature")
         except InputError as err:
             raise RequestError(str(err)) from None
-        acts = self.activations(inp)
+        acts = self.activations(inp, block)
         vectors = acts[positions]  # [P, d]
         P = len(positions)
         truth = self.facts(inp)
         with self._lock:
-            greedy = self.client.verbalize(vectors, max_new_tokens=max_new, greedy=True, batch_size=P)
-            greedy_scores = self.client.score([v.explanation for v in greedy], vectors, batch_size=P)
+            greedy = self.client.verbalize(vectors, max_new_tokens=max_new, greedy=True, batch_size=P, layer=at)
+            greedy_scores = self.client.score([v.explanation for v in greedy], vectors, batch_size=P, layer=at)
             sampled: list[Verbalization] = []
             sampled_scores = None
             gold = vectors[:0]
             if n_samples:
                 sampled = self.client.verbalize(vectors, max_new_tokens=max_new, greedy=False,
                                                 temperature=temperature, n_samples=n_samples, seed=seed,
-                                                batch_size=P)
+                                                batch_size=P, layer=at)
                 gold = vectors[[v.row for v in sampled]]  # [P*S, d], samples of one vector contiguous
-                sampled_scores = self.client.score([v.explanation for v in sampled], gold, batch_size=P * n_samples)
+                sampled_scores = self.client.score([v.explanation for v in sampled], gold, batch_size=P * n_samples,
+                                                   layer=at)
             # every explanation of the request (greedy ones, then samples) in one attribution call
             every = greedy + sampled
             row_facts = None if truth is None else [truth[positions[v.row]] for v in every]
             reads = [self.read_to(inp, positions[v.row]) for v in every]
             attributed = self._attribute([v.explanation for v in every], torch.cat([vectors, gold]), row_facts,
-                                         reads)
+                                         reads, at)
         tokens = self.tokens(inp)
         out = []
         for k, p in enumerate(positions):
             facts = truth[p] if truth is not None else None
             read = self.read_to(inp, p)
             entry: dict[str, Any] = {
-                "position": p, "token": tokens[p]["text"],
+                "position": p, "token": tokens[p]["text"], "layer": block,
                 "greedy": _explanation(greedy[k], greedy_scores, k, facts, attributed[k], read, self.grader),
                 "samples": [_explanation(sampled[j], sampled_scores, j, facts, attributed[P + j], read, self.grader)
                             for j in range(k * n_samples, (k + 1) * n_samples)],
@@ -346,31 +372,35 @@ class Explorer:
 
     def claim_attribution(self, texts: Sequence[str | None], vectors: torch.Tensor,
                           facts: Sequence[Sequence[str]] | None = None,
-                          reads: Sequence[str] | None = None) -> list[list[dict[str, Any]]]:
+                          reads: Sequence[str] | None = None, layer: int | None = None) -> list[list[dict[str, Any]]]:
         """Per explanation, each claim's ``{"text", "delta_mse", "truth", "quotation"}``: what deleting
         it costs the AR's reconstruction of RAW ``vectors[i]`` [N, d] (``nla.eval.suite.attribute_claims``
         with the world grader); ``facts[i]``: row i's ground truth (None: every fact claim's truth is
         null); ``reads[i]``: the text read up to and including row i's token (the quotation's truth;
-        None: not graded). A failed sample (None) has no claims. What ``explain`` returns as
-        ``claim_attribution``."""
+        None: not graded). A failed sample (None) has no claims; ``layer``: the block the vectors were
+        read at (``block``). What ``explain`` returns as ``claim_attribution``."""
+        at = self._pair_layer(self.block(layer))
         with self._lock:
-            return self._attribute(texts, vectors, facts, reads)
+            return self._attribute(texts, vectors, facts, reads, at)
 
     def _attribute(self, texts: Sequence[str | None], vectors: torch.Tensor,
                    facts: Sequence[Sequence[str]] | None,
-                   reads: Sequence[str] | None = None) -> list[list[dict[str, Any]]]:
-        """``claim_attribution`` under the caller's lock."""
+                   reads: Sequence[str] | None = None, layer: int | None = None) -> list[list[dict[str, Any]]]:
+        """``claim_attribution`` under the caller's lock (``layer``: what the client is told)."""
         if not texts:
             return []
         attr = attribute_claims(self.client, list(texts), vectors, grader=self.grader,
                                 truths=None if facts is None else [list(f) for f in facts],
-                                quotes=None if reads is None else [self.grader.quote_truth_of(r) for r in reads])
+                                quotes=None if reads is None else [self.grader.quote_truth_of(r) for r in reads],
+                                layer=layer)
         return [[c.to_dict() | {"delta_mse": _finite(c.delta_mse)} for c in cs] for cs in attr]
 
     def score(self, texts: Sequence[str | None], vectors: torch.Tensor,
-              facts: list[str] | None = None, read: str | None = None) -> list[dict[str, Any]]:
+              facts: list[str] | None = None, read: str | None = None, layer: int | None = None) -> list[dict[str, Any]]:
         """Reconstruct ``texts`` with the AR and compare with RAW ``vectors`` [N, d]; ``facts`` / ``read``:
-        the token's ground truth and the text read up to it, to grade the claims and the quotation."""
+        the token's ground truth and the text read up to it, to grade the claims and the quotation;
+        ``layer``: the block the vectors were read at (``block``)."""
+        at = self._pair_layer(self.block(layer))
         if not texts:
             raise RequestError("texts is empty; give one explanation per vector")
         if len(texts) > self.limits.max_score_texts:
@@ -388,7 +418,7 @@ class Explorer:
         if not torch.isfinite(vectors).all() or (vectors.norm(dim=-1) == 0).any():
             raise RequestError("vectors: every vector must be finite and non-zero")
         with self._lock:
-            res = self.client.score(list(texts), vectors, batch_size=len(texts))
+            res = self.client.score(list(texts), vectors, batch_size=len(texts), layer=at)
         return [_scores(res, i) | grade_claims(t, facts, read, self.grader) for i, t in enumerate(texts)]
 
     @staticmethod

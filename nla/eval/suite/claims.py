@@ -39,13 +39,15 @@ class Claim:
 
 def attribute_claims(client: NLAClient, texts: Sequence[str | None], vectors: Any, *,
                      grader: DatasetGrader | str | None = None, truths: Sequence[Sequence[str]] | None = None,
-                     quotes: Sequence[Any] | None = None, batch_size: int = 64) -> list[list[Claim]]:
+                     quotes: Sequence[Any] | None = None, batch_size: int = 64,
+                     layer: int | Sequence[int] | None = None) -> list[list[Claim]]:
     """Per explanation, its claims with their deletion cost (``nla.eval.suite``, part 1).
 
     ``texts[i]`` explains RAW ``vectors[i]``; None (a failed sample) has no claims. ``grader``: the
     one that splits claims and judges them (``generic``: sentences, no truth); ``truths[i]``: row
     i's facts, for each claim's ``truth``; ``quotes[i]``: what row i's text ends with (the grader's
-    ``quote_truths``), for a quotation's ``truth``. All deletions are read in one batched pass of the AR.
+    ``quote_truths``), for a quotation's ``truth``; ``layer``: the block of every row, or of each (a pair for
+    several blocks). All deletions are read in one batched pass of the AR.
     """
     grader = get_grader(grader) if isinstance(grader, str) else (grader or get_grader("generic"))
     gold = torch.as_tensor(np.asarray(vectors), dtype=torch.float32)
@@ -64,7 +66,11 @@ def attribute_claims(client: NLAClient, texts: Sequence[str | None], vectors: An
             variants.append(str(texts[i]))
             variants += [" ".join(cs[:j] + cs[j + 1:]) for j in range(len(cs))]
             rows += [i] * (len(cs) + 1)
-    mse = mse_of_texts(client, variants, gold[rows], batch_size) if variants else torch.zeros(0)
+    if layer is not None and not isinstance(layer, int):
+        if len(layer) != len(texts):
+            raise NLAClientError(f"attribute_claims: {len(layer)} blocks for {len(texts)} texts")
+        layer = [layer[i] for i in rows]  # each deletion read at its row's block
+    mse = mse_of_texts(client, variants, gold[rows], batch_size, layer) if variants else torch.zeros(0)
     out: list[list[Claim]] = []
     k = 0
     for i, cs in enumerate(claims):

@@ -53,13 +53,15 @@ def earlier_truths(truths: Sequence[Sequence[str]], doc_ids: Sequence[int], posi
     return out
 
 
-def mse_of_texts(client: NLAClient, texts: Sequence[str], gold: Tensor, batch_size: int) -> Tensor:
+def mse_of_texts(client: NLAClient, texts: Sequence[str], gold: Tensor, batch_size: int,
+                 layer: int | Sequence[int] | None = None) -> Tensor:
     """[N] ``mse_nrm`` of the AR's reading of ``texts`` (every one a string, the empty one included)
-    against ``gold`` [N, d] RAW, at the AR's scale."""
+    against ``gold`` [N, d] RAW, at the AR's scale; ``layer``: the block of every text, or of each (a pair
+    for several blocks: ``NLAClient.reconstruct``)."""
     side = client.require_ar("the suite")
     if not texts:
         return torch.zeros(0)
-    pred = client.reconstruct(list(texts), batch_size=batch_size)
+    pred = client.reconstruct(list(texts), batch_size=batch_size, layer=layer)
     return mse_nrm(pred, gold.float(), side.mse_scale_value())
 
 

@@ -53,7 +53,10 @@ function cosColour(cos) {
 
 function sourceBody() {
   const docId = $("doc-select").value;
-  return docId ? { doc_id: Number(docId) } : { text: $("text-input").value };
+  const body = docId ? { doc_id: Number(docId) } : { text: $("text-input").value };
+  // a pair for several blocks: the block chosen (every request of this text reads it)
+  if (!$("layer-row").hidden) body.layer = Number($("layer-select").value);
+  return body;
 }
 
 // ---------------------------------------------------------------- text view
@@ -310,6 +313,8 @@ function switchView(id) {
 async function init() {
   for (const t of document.querySelectorAll(".tab")) t.addEventListener("click", () => switchView(t.dataset.view));
   $("explore-btn").addEventListener("click", explore);
+  // another block is another vector at every token: explain the text again there
+  $("layer-select").addEventListener("change", () => { if (state.input) explore(); });
   $("sample-btn").addEventListener("click", sample);
   $("own-btn").addEventListener("click", scoreOwn);
   $("text-input").addEventListener("keydown", (e) => {
@@ -325,8 +330,14 @@ async function init() {
   if (info.setup_error) showError(`The models could not be loaded: ${info.setup_error}`);
   $("k-input").max = info.limits.max_samples;
   if (info.d_model) {
-    $("pair-info").textContent = `subject ${info.subject.split("/").slice(-3).join("/")} · layer ${info.layer_index}` +
+    const blocks = info.layers ? `blocks ${info.layers.join(", ")}` : `layer ${info.layer_index}`;
+    $("pair-info").textContent = `subject ${info.subject.split("/").slice(-3).join("/")} · ${blocks}` +
       ` · d_model ${info.d_model}` + (info.world ? " · world ground truth on" : "");
+  }
+  if (info.layers) {  // one pair for several blocks: the reader picks the block (the deepest first)
+    for (const k of info.layers) $("layer-select").appendChild(el("option", { value: k }, `block ${k}`));
+    $("layer-select").value = String(info.layer_index);
+    $("layer-row").hidden = false;
   }
   for (const d of info.world_docs || []) {
     const opt = el("option", { value: d.doc_id }, `#${d.doc_id}: ${d.title}…`);
