@@ -335,24 +335,43 @@ def test_both_warm_starts_train_on_rows_of_several_blocks(tmp_path, tiny_model_d
             assert [r["text"] for r in ok] == [v.text for v in verbs]
     finally:
         service.close()
-    # the suite and the explorer do not take a block yet: refused by name, before any work
+    # the suite does not take a block yet: refused by name, before any work
     from nla.eval.suite.run import run_suite
-    from nla.explore.engine import Explorer
-    from nla.util.http import RequestError
 
     with pytest.raises(NLAClientError, match=r"suite: the pair reads several blocks \(\[0, 1\]\)"):
         run_suite(client, dg / "rl.parquet")
-    with pytest.raises(RequestError, match=r"the pair reads several blocks \(\[0, 1\]\); the explorer reads one block"):
-        Explorer.load(str(rl.checkpoint_dir / "av"), str(rl.checkpoint_dir / "ar"))
+    # the explorer reads the block a request names (the deepest when none): that block's output at the token,
+    # verbalized and scored with the block named, as the client does
+    from starlette.testclient import TestClient
 
+    from nla.core.activations import block_outputs
+    from nla.explore import Explorer, create_app
+    from nla.util.http import RequestError
 
-def test_the_quickstart_refuses_several_blocks_before_any_work(tmp_path):
-    from nla.quickstart import QuickstartError, run_quickstart
-
-    with pytest.raises(QuickstartError, match=r"datagen.layers: \[0, 1\]: the quickstart's pair for several blocks is "
-                                              r"not built yet"):
-        run_quickstart("tiny", tmp_path / "run", settings=["datagen.layers=[0, 1]"])
-    assert not (tmp_path / "run").exists()
+    ex = Explorer.load(str(rl.checkpoint_dir / "av"), str(rl.checkpoint_dir / "ar"))
+    assert (ex.info()["layers"], ex.info()["layer_index"]) == ([0, 1], 1)
+    inp = ex.text_input(text="the dog sings")
+    ids = torch.tensor([inp.ids])
+    texts = {}
+    for k in (0, 1):
+        vec = ex.client.to_pair_space(block_outputs(ex.model, ids, torch.ones_like(ids), k)[0].float())[1:2]
+        torch.testing.assert_close(ex.activations(inp, k)[1:2], vec, rtol=0, atol=0)
+        got = ex.explain(inp, positions=[1], layer=k, max_new_tokens=4)[0]
+        want = ex.client.verbalize(vec, layer=k, max_new_tokens=4)[0]
+        assert got["layer"] == k and got["greedy"]["text"] == want.text
+        texts[k] = got["greedy"]["text"]
+    assert ex.explain(inp, positions=[1], max_new_tokens=4)[0]["greedy"]["text"] == texts[1]  # the deepest
+    with pytest.raises(RequestError, match=r"layer: block 3 is not one this pair was trained on; it reads blocks 0, 1"):
+        ex.explain(inp, positions=[1], layer=3)
+    api = TestClient(create_app(ex))
+    assert api.get("/api/info").json()["layers"] == [0, 1]
+    res = api.post("/api/explain", json={"text": "the dog sings", "positions": [1], "layer": 0, "max_new_tokens": 4})
+    assert res.status_code == 200 and res.json()["results"][0]["greedy"]["text"] == texts[0]
+    bad = api.post("/api/explain", json={"text": "the dog sings", "positions": [1], "layer": 2})
+    assert bad.status_code == 400 and "block 2 is not one this pair was trained on" in bad.text, bad.text
+    own = api.post("/api/score", json={"text": "the dog sings", "position": 1, "layer": 0, "texts": ["It rains."]})
+    want = ex.client.score(["It rains."], ex.activations(inp, 0)[1:2], layer=0)
+    assert own.json()["results"][0]["mse_nrm"] == pytest.approx(float(want.mse_nrm[0]), rel=1e-6)
 
 
 def test_a_block_is_written_zero_padded_to_the_deepest_ones_digits():
@@ -376,3 +395,110 @@ def test_claims_true_counts_the_facts_claimed_not_the_rows_that_claim_nothing():
              None, "The text has only just begun."]
     assert _claims_true(ev, texts, np.arange(4)) == pytest.approx(2 / 3)  # alice, park true; hugo false
     assert _claims_true(ev, [None, None], np.arange(2)) is None  # nothing claimed
+
+
+# ---------------------------------------------------------------- the quickstart's pair for several blocks
+
+
+def test_the_quickstart_refuses_several_blocks_where_they_are_not_built(tmp_path):
+    from nla.quickstart import QuickstartError, run_quickstart
+
+    layers = ["datagen.layers=[0, 1, 2, 3]"]
+    with pytest.raises(ValueError, match=r"DatagenConfig.center: expected false when layers is set"):
+        run_quickstart("smollm2", tmp_path / "run", settings=["datagen.layers=[8, 10]"])  # the preset centres
+    real = ["datagen.layers=[8, 10]", "datagen.center=false"]
+    for kw, why in ((dict(preset="smollm2", settings=real), "a real subject"),
+                    (dict(preset="default", settings=layers, pair_world="default-d64"), "--pair-world default-d64"),
+                    (dict(preset="default", settings=layers, injection_adapter="affine"), "--injection-adapter affine"),
+                    (dict(preset="layers", backend="ray"), "--backend ray")):
+        with pytest.raises(QuickstartError, match=r"datagen\.layers: \[.*\]: a pair for several blocks is not built "
+                                                  rf"for {why}.*datagen\.layer_index=K"):
+            run_quickstart(out=tmp_path / "run", **kw)
+        assert not (tmp_path / "run").exists()  # refused before any work
+
+
+def test_the_layers_preset_is_the_default_at_four_blocks_and_1_6x_the_steps():
+    from nla.quickstart import PRESETS
+
+    d, p = PRESETS["default"], PRESETS["layers"]
+    assert p.datagen["layers"] == [0, 1, 2, 3] and p.datagen["world_explainer"]["fact_min_prob"] == 0.5
+    assert p.datagen["world_explainer"] == {**d.datagen["world_explainer"], "fact_min_prob": 0.5}
+    assert {k: v for k, v in p.datagen.items() if k != "layers"} == {**d.datagen, "world_explainer": p.datagen[
+        "world_explainer"]}
+    assert (p.ar["max_steps"], p.av["max_steps"], p.rl["steps"]) == (1280, 2400, 160)  # 800, 1500, 100 x 1.6
+    assert {k: v for k, v in p.av.items() if k not in ("max_steps", "eval_every", "save_every")} == \
+        {k: v for k, v in d.av.items() if k not in ("max_steps", "eval_every", "save_every")}
+
+
+def test_block_tables_set_each_blocks_figures_beside_its_probe():
+    from nla.eval.evaluate import ROW_ORACLE, ROW_ROUND_TRIP
+    from nla.eval.report import block_summary, block_tables
+
+    def ev(fve0, fve1):
+        return {"by_block": {"0": {ROW_ROUND_TRIP: {"n": 4, "fve": fve0, "recall": 0.25, "precision": 1.0,
+                                                    "claims_true": 1.0, "by_kind": {"person": [0.5, 1.0]}},
+                                   ROW_ORACLE: {"n": 4, "fve": 0.5}},
+                             "1": {ROW_ROUND_TRIP: {"n": 4, "fve": fve1, "recall": 0.75, "precision": 0.5,
+                                                    "claims_true": None, "by_kind": {"person": [1.0, 0.5],
+                                                                                     "other": [1.0, 0.0]}}}}}
+
+    probe = {"layers": [{"layer": 0, "mean_top1": 0.3, "kinds": [{"kind": "person", "top1": 0.4}]},
+                        {"layer": 1, "mean_top1": 0.8, "kinds": [{"kind": "person", "top1": 0.9}]}]}
+    s = block_summary(ev(0.1, 0.2), ev(0.3, 0.4), probe)
+    assert list(s) == [0, 1]
+    assert s[0] == {"rows": 4, "fve_warmstart": 0.1, "fve_rl": 0.3, "oracle_fve_rl": 0.5, "recall_rl": 0.25,
+                    "precision_rl": 1.0, "claims_true_rl": 1.0, "by_kind_rl": {"person": [0.5, 1.0]},
+                    "probe_mean_top1": 0.3, "probe_by_kind": {"person": 0.4}}
+    assert s[1]["oracle_fve_rl"] is None and s[1]["probe_by_kind"] == {"person": 0.9}
+    lines = block_tables(s)
+    assert lines[2] == "| 0 | 4 | 0.30 | 0.100 | 0.300 | 0.500 | 0.25 | 1.00 | 1.00 |"
+    assert lines[3] == "| 1 | 4 | 0.80 | 0.200 | 0.400 | – | 0.75 | 0.50 | – |"
+    # "other" (no claim form: its recall means nothing) is not a row; person once, each block beside its probe
+    assert lines[-1] == "| person | 0.40 · 0.50 / 1.00 | 0.90 · 1.00 / 0.50 |" and "other" not in "\n".join(lines)
+    assert block_summary({"rows": []}, {"rows": []}) == {} and block_tables({}) == []
+
+
+def test_the_quickstart_runs_a_pair_for_two_blocks_and_reports_each(tiny_quickstart_run, tmp_path):
+    """The tiny preset at blocks 0 and 1, its world and probe taken from the shared tiny run (the same
+    configs: cached stages), a few steps a stage: every stage runs on the rows of both blocks, the
+    report has each block's figures beside the probe at that block, and the suite (one block) is not run."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import user_environment
+
+    from nla.eval.evaluate import ROW_ROUND_TRIP
+
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in ("world.stage_done.json", "probe.stage_done.json", "probe.json"):
+        shutil.copy(tiny_quickstart_run / name, out / name)
+    short = {f"{role}.{k}": 10 for role in ("ar", "av") for k in ("max_steps", "eval_every", "save_every")}
+    settings = ["datagen.layers=[0, 1]", "datagen.n_docs=200", "ar.warmup_steps=0", "av.warmup_steps=0",
+                "av.smoke_num=0", "rl.steps=2", "rl.eval_every=2", "rl.checkpointing.save_every=2",
+                "eval_max_rows=16", *(f"{k}={v}" for k, v in short.items())]
+    threads = json.loads((out / "world.stage_done.json").read_text())["config"]["threads"]  # the shared run's
+    # a process of its own, as the shared run was made (here earlier tests have chosen the CPU paths)
+    proc = subprocess.run([sys.executable, "-m", "nla.cli", "quickstart", "--preset", "tiny", "--out", str(out),
+                           "--no-progress", "--threads", str(threads), *(a for x in settings for a in ("--set", x))],
+                          env=user_environment(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert not (out / "suite").exists() and report["suite"] is None
+    assert [s["name"] for s in report["stages"]][:2] == ["world", "probe"]  # reused, not rebuilt
+    assert all(s["cached"] for s in report["stages"][:2])
+    blocks = report["headline"]["by_block"]
+    probe = {r["layer"]: r for r in json.loads((out / "probe.json").read_text())["layers"]}
+    assert sorted(blocks) == ["0", "1"]
+    for k, b in blocks.items():
+        cell = report["eval_rl"]["by_block"][k][ROW_ROUND_TRIP]
+        assert b["fve_rl"] == cell["fve"] and b["rows"] == cell["n"] and b["recall_rl"] == cell["recall"]
+        assert b["probe_by_kind"] == {p["kind"]: p["top1"] for p in probe[int(k)]["kinds"]}
+    md = (out / "report.md").read_text()
+    assert "### By block" in md and "| block | rows | probe mean top-1 |" in md
+    assert "Not run: the explanation suite reads one block, and this pair reads 2 (issue 59)." in md
+    (last,) = sorted((out / "rl" / "checkpoints").glob("step_*"))
+    for role in ("av", "ar"):
+        assert load_sidecar(last / role).layers == (0, 1)
