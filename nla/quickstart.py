@@ -229,8 +229,8 @@ PRESETS["full"] = dataclasses.replace(
 # and AR text (nla.core.templates.LAYERED_*). A fact is named only where a probe of its kind, fitted at the
 # row's block on other documents, holds it at p >= 0.5 (world_explainer.fact_min_prob): block 0 holds little,
 # and its explanations say little rather than guess. The AR's, the AV's and RL's steps are 1.6x the default's
-# (the pair's time against four one-block pairs: 0.4x). Measured on seeds 0 and 1 (BENCHMARKS.md, "One pair for
-# blocks 0-3 of the world"): at block 2 FVE 0.767 / 0.716 against one-block pairs' 0.809 / 0.779; opt-in
+# (the pair's time against four one-block pairs: 0.4x). Measured on seeds 0 and 1 (BENCHMARKS.md, "One pair
+# for blocks 0–3 of the world"): at block 2 FVE 0.767 / 0.716 against one-block pairs' 0.809 / 0.779; opt-in
 # until the pair is within 0.03 of one-block pairs at every block. No suite (it reads one block).
 PRESETS["layers"] = dataclasses.replace(
     PRESETS["default"],

@@ -478,7 +478,8 @@ def test_the_quickstart_runs_a_pair_for_two_blocks_and_reports_each(tiny_quickst
     short = {f"{role}.{k}": 10 for role in ("ar", "av") for k in ("max_steps", "eval_every", "save_every")}
     settings = ["datagen.layers=[0, 1]", "datagen.n_docs=200", "ar.warmup_steps=0", "av.warmup_steps=0",
                 "av.smoke_num=0", "rl.steps=2", "rl.eval_every=2", "rl.checkpointing.save_every=2",
-                "eval_max_rows=16", *(f"{k}={v}" for k, v in short.items())]
+                "rl.rollout.rollout_batch_size=2", "rl.rollout.n_samples_per_prompt=2", "rl.optimiser.micro_batch_size=4",
+                "eval_max_rows=8", *(f"{k}={v}" for k, v in short.items())]
     threads = json.loads((out / "world.stage_done.json").read_text())["config"]["threads"]  # the shared run's
     # a process of its own, as the shared run was made (here earlier tests have chosen the CPU paths)
     proc = subprocess.run([sys.executable, "-m", "nla.cli", "quickstart", "--preset", "tiny", "--out", str(out),
