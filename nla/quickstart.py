@@ -566,14 +566,15 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     if p.datagen.get("layers") is not None:
         # one pair for several blocks (issue 59): measured on the world with the local backend and a same-model
         # pair of the subject's own width; refused by name where it is not built or not measured
-        why = ("a real subject (its vectors are centred on one block's mean; datagen refuses center with layers)"
-               if p.real else f"--pair-world {pair_world} (a cross-model pair is measured at one block only)"
-               if pair_world is not None else f"--injection-adapter {injection_adapter} (measured at one block only)"
-               if injection_adapter != "none" else "--backend ray (the Ray backend takes one block; the local one "
-               "takes several)" if backend == "ray" else None)
-        if why is not None:
-            raise QuickstartError(f"datagen.layers: {p.datagen['layers']}: a pair for several blocks is not built for "
-                                  f"{why}; drop one, or give one block: datagen.layer_index=K")
+        unbuilt = [
+            (p.real, "a real subject (its vectors are centred on one block's mean; datagen refuses center with layers)"),
+            (pair_world is not None, f"--pair-world {pair_world} (a cross-model pair is measured at one block only)"),
+            (injection_adapter != "none", f"--injection-adapter {injection_adapter} (measured at one block only)"),
+            (backend == "ray", "--backend ray (the Ray backend takes one block; the local one takes several)")]
+        for refused, why in unbuilt:
+            if refused:
+                raise QuickstartError(f"datagen.layers: {p.datagen['layers']}: a pair for several blocks is not built "
+                                      f"for {why}; drop one, or give one block: datagen.layer_index=K")
     # One count for every stage, fixed for the run (unless "auto" was asked for): the same seed gives
     # the same numbers whatever else the machine runs.
     threads = threads if threads == AUTO else resolve_threads(threads)
