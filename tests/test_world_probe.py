@@ -101,3 +101,37 @@ def test_quotation_probe_reads_each_position_from_the_end():
     assert "| layer | place | mean top-1 | chance | quote[0] | quote[1] | quote[2] |" in md
     assert "| 2 (chosen) | 0.90 | **0.900** | 0.100 | 1.00 |" in md
     assert "| 1 | 0.50 | **0.500** | 0.100 | – | – | – |" in md  # a layer not probed for the quotation
+
+
+def test_vectors_are_the_block_outputs_datagen_reads_the_last_block_included(tiny_model_dir, tiny_tokenizer):
+    """Blocks 0..L-2: HF's hidden_states[K+1], value for value; the last block: its raw output (what datagen
+    extracts and the AR predicts), not hidden_states[-1], which has the final norm applied (issue 59: the
+    layered pair's deepest block had no probe row)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nla.world.generator import generate_documents
+    from nla.world.probe import collect_layer_vectors, probe_world_layers
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir("llama")))
+    docs = generate_documents(0, 3)
+    got, facts = collect_layer_vectors(model, tiny_tokenizer, docs, [0, 1, 2, 3], positions_per_doc=2, skip_first=1,
+                                       max_len=32)
+    assert {k: v.shape for k, v in got.items()} == {k: (6, 32) for k in range(4)} and len(facts) == 6
+    from nla.core.activations import sample_positions
+
+    enc = tiny_tokenizer([d.text for d in docs], truncation=True, max_length=32, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hs = model(**enc, output_hidden_states=True).hidden_states
+    rows = [(j, int(enc["attention_mask"][j].nonzero()[p])) for j, d in enumerate(docs)
+            for p in sample_positions(0, d.doc_id, int(enc["attention_mask"][j].sum()), 2, 1)]
+    for k in range(3):
+        want = np.stack([hs[k + 1][j, t].numpy() for j, t in rows])
+        np.testing.assert_allclose(got[k], want, rtol=1e-6, atol=1e-6)
+    normed = np.stack([hs[4][j, t].numpy() for j, t in rows])
+    assert np.abs(got[3] - normed).max() > 0.1  # not the final norm's output
+    final_norm = model.model.norm(torch.from_numpy(got[3])).detach().numpy()
+    np.testing.assert_allclose(final_norm, normed, rtol=1e-5, atol=1e-5)  # but what the norm is applied to
+
+    with pytest.raises(ValueError, match=r"expected blocks 0\.\.3 of this 4-block subject, found \[4\]"):
+        probe_world_layers(tiny_model_dir("llama"), docs, docs, layers=[4])

@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     pr.add_argument("--preset", default="default", help="world preset: tiny | default (default: default)")
     pr.add_argument("--config", type=Path, default=None, help="world_config YAML (overrides --preset)")
     pr.add_argument("--out", type=Path, default=None, help="world base directory (default: $NLA_CACHE/world)")
-    pr.add_argument("--layers", default=None, help="comma-separated block indices (default: every block but the last)")
+    pr.add_argument("--layers", default=None, help="comma-separated block indices (default: every block)")
     pr.add_argument("--train-docs", type=int, default=1500, help="training stories the probes fit on (default 1500)")
     pr.add_argument("--test-docs", type=int, default=None,
                     help="held-out stories they are scored on (default: 300, or all the world holds out if fewer)")

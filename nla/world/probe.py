@@ -159,11 +159,14 @@ def collect_layer_vectors(
 ) -> tuple[dict[int, np.ndarray], list[list[str]]]:
     """Block-``K`` outputs for every K in ``layers`` at sampled positions, and the facts there.
 
+    The vectors are ``nla.core.activations.blocks_outputs``, what datagen extracts: the raw output of the
+    last block too (HF's ``hidden_states[-1]`` has the final norm applied, so it is not read).
+
     Positions are drawn as in datagen (``nla.core.activations.sample_positions``), so a probe
     sees the same kind of rows the NLA is trained on. Returns ``({K: [N, d]}, facts)``; a list
     given as ``texts_read`` gets each row's text up to and including its token (for ``probe_quotes``).
     """
-    from nla.core.activations import sample_positions
+    from nla.core.activations import blocks_outputs, sample_positions
 
     vecs: dict[int, list[np.ndarray]] = {k: [] for k in layers}
     facts: list[list[str]] = []
@@ -173,7 +176,7 @@ def collect_layer_vectors(
         enc = tokenizer([d.text for d in batch], truncation=True, max_length=max_len, padding=True,
                         return_offsets_mapping=True, return_tensors="pt")
         offsets = enc.pop("offset_mapping")
-        out = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], output_hidden_states=True)
+        out = blocks_outputs(model, enc["input_ids"], enc["attention_mask"], layers)
         for j, doc in enumerate(batch):
             real = enc["attention_mask"][j].nonzero().squeeze(1)  # token indices, whichever side pads
             pos = sample_positions(seed, doc.doc_id, len(real), positions_per_doc, skip_first)
@@ -186,7 +189,7 @@ def collect_layer_vectors(
                 texts_read += [doc.text[: ends[p][1]] for p in pos]
             idx = real[torch.as_tensor(pos)]
             for k in layers:
-                vecs[k].append(out.hidden_states[k + 1][j, idx].float().numpy())
+                vecs[k].append(out[k][j, idx].float().numpy())
     return {k: np.concatenate(v) for k, v in vecs.items()}, facts
 
 
@@ -201,7 +204,7 @@ def probe_world_layers(
     progress: bool = False,
     quote_layers: Sequence[int] | None = None,
 ) -> list[LayerProbe]:
-    """Probe every layer in ``layers`` (default: every block but the last) of a world subject, and the
+    """Probe every layer in ``layers`` (default: every block) of a world subject, and the
     quotation's positions at ``quote_layers`` (default: the same layers; the unit probes cost most of
     the time, so the quickstart asks for its extraction layer only)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -209,10 +212,10 @@ def probe_world_layers(
     tok = AutoTokenizer.from_pretrained(str(subject_dir))
     model = AutoModelForCausalLM.from_pretrained(str(subject_dir), use_safetensors=True)
     n_layers = int(model.config.num_hidden_layers)
-    layers = list(range(n_layers - 1)) if layers is None else list(layers)
-    bad = [k for k in layers if not 0 <= k < n_layers - 1]
+    layers = list(range(n_layers)) if layers is None else list(layers)
+    bad = [k for k in layers if not 0 <= k < n_layers]
     if bad:
-        raise ValueError(f"probe layers: expected blocks 0..{n_layers - 2} of this {n_layers}-block subject, "
+        raise ValueError(f"probe layers: expected blocks 0..{n_layers - 1} of this {n_layers}-block subject, "
                          f"found {bad}")
     kw = dict(positions_per_doc=positions_per_doc, skip_first=skip_first, max_len=max_len, progress=progress)
     quoted = set(layers if quote_layers is None else quote_layers)
