@@ -255,15 +255,16 @@ def test_cli_probe_prints_every_layer_and_writes_json(tiny_world, capsys, tmp_pa
     assert main(["world", "probe", "--preset", "tiny", "--out", str(base), "--train-docs", "120", "--test-docs", "40",
                  "--json", str(js), "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "| 0 |" in out and "| 1 (chosen) |" in out  # tiny: 3 blocks, probe blocks 0..1, extraction layer 1
+    # tiny: 3 blocks, every one probed (the last one's raw output too), extraction layer 1
+    assert "| 0 |" in out and "| 1 (chosen) |" in out and "| 2 |" in out
     data = json.loads(js.read_text())
-    assert [r["layer"] for r in data["layers"]] == [0, 1] and data["default_layer"] == 1
+    assert [r["layer"] for r in data["layers"]] == [0, 1, 2] and data["default_layer"] == 1
     for r in data["layers"]:
         assert 0 <= r["mean_chance"] < 0.2 and 0 <= r["mean_top1"] <= 1
         assert {k["kind"] for k in r["kinds"]} <= {"person", "place", "activity", "object", "mood", "time"}
     # bad input: one line, exit 2
     assert main(["world", "probe", "--preset", "tiny", "--out", str(base), "--layers", "5"]) == 2
-    assert "blocks 0..1" in capsys.readouterr().err
+    assert "blocks 0..2" in capsys.readouterr().err
     assert main(["world", "probe", "--preset", "tiny", "--out", str(base), "--test-docs", "0"]) == 2
 
 
