@@ -422,7 +422,8 @@ def test_the_layers_preset_is_the_default_at_four_blocks_and_1_6x_the_steps():
 
     d, p = PRESETS["default"], PRESETS["layers"]
     assert p.datagen["layers"] == [0, 1, 2, 3] and p.datagen["world_explainer"]["fact_min_prob"] == 0.5
-    assert p.datagen["world_explainer"] == {**d.datagen["world_explainer"], "fact_min_prob": 0.5}
+    # the data explainer as measured against one-block pairs: the default's of then (fact_rate 0.8)
+    assert p.datagen["world_explainer"] == {**d.datagen["world_explainer"], "fact_rate": 0.8, "fact_min_prob": 0.5}
     assert {k: v for k, v in p.datagen.items() if k != "layers"} == {**d.datagen, "world_explainer": p.datagen[
         "world_explainer"]}
     assert (p.ar["max_steps"], p.av["max_steps"], p.rl["steps"]) == (1280, 2400, 160)  # 800, 1500, 100 x 1.6

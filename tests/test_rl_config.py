@@ -156,8 +156,8 @@ def test_quickstart_presets_default_and_full_differ_only_in_the_data_explainer()
                                           **PRESETS[name].datagen))
         w = dg.world_explainer
         explainers[name] = (w.fact_rate, w.min_facts, w.max_facts, w.wrong_rate)
-    # default: each true fact named with probability 0.6 (the count fields unused); full: 3-6 facts
-    assert explainers == {"default": (0.8, 3, 6, 0.1), "full": (None, 3, 6, 0.1)}
+    # default: every true fact named (fact_rate 1.0; the count fields unused); full: 3-6 facts
+    assert explainers == {"default": (1.0, 3, 6, 0.1), "full": (None, 3, 6, 0.1)}
     assert default.rl["steps"] == 100
     parser = build_parser()
     assert parser.parse_args(["quickstart", "--preset", "full"]).preset == "full"
