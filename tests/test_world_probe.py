@@ -110,6 +110,7 @@ def test_vectors_are_the_block_outputs_datagen_reads_the_last_block_included(tin
     import torch
     from transformers import AutoModelForCausalLM
 
+    from nla.core.activations import sample_positions
     from nla.world.generator import generate_documents
     from nla.world.probe import collect_layer_vectors, probe_world_layers
 
@@ -118,8 +119,6 @@ def test_vectors_are_the_block_outputs_datagen_reads_the_last_block_included(tin
     got, facts = collect_layer_vectors(model, tiny_tokenizer, docs, [0, 1, 2, 3], positions_per_doc=2, skip_first=1,
                                        max_len=32)
     assert {k: v.shape for k, v in got.items()} == {k: (6, 32) for k in range(4)} and len(facts) == 6
-    from nla.core.activations import sample_positions
-
     enc = tiny_tokenizer([d.text for d in docs], truncation=True, max_length=32, padding=True, return_tensors="pt")
     with torch.no_grad():
         hs = model(**enc, output_hidden_states=True).hidden_states
