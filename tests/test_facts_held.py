@@ -101,3 +101,142 @@ def test_the_setting_is_checked_and_leaves_older_runs_hashes_alone():
     assert stage_hash(base, "explain") != stage_hash(gated, "explain")
     assert stage_hash(base, "explain") == stage_hash(DatagenConfig.from_dict(
         {"out_dir": "x", "source": "world", "world_explainer": {"fact_min_prob": None}}), "explain")
+
+
+def test_every_own_holds_both_persons_where_the_probe_ranks_both_first():
+    """``every_own`` (the rule of fact_unheld: hedge): a row with two persons holds both when the probe's
+    first two classes are they, one when only one of them is among its first two, none when the top is not
+    its own; single-label rows get the one-label rule's verdict as a list."""
+    people = ["person=alice", "person=bruno", "person=carl"]
+    rng = np.random.default_rng(3)
+    # a probe fitted on three well separated people: dimension 0 alice, 1 bruno, 3 carl
+    centres = {"person=alice": 0, "person=bruno": 1, "person=carl": 3}
+    x, labels = [], []
+    for i in range(60):
+        lab = people[i % 3]
+        v = rng.normal(0, 0.05, D).astype(np.float32)
+        v[2] = 1.0
+        v[centres[lab]] += 1.0
+        x.append(v)
+        labels.append([lab])
+    x = np.stack(x)
+    # rows to read: halfway between alice and bruno (the probe ranks alice and bruno first, in either order)
+    mid = np.zeros(D, np.float32)
+    mid[2], mid[0], mid[1] = 1.0, 0.5, 0.5
+    own = [["person=alice", "person=bruno"], ["person=alice", "person=carl"], ["person=carl", "person=bruno"]]
+    _, both = held_labels(x, labels, [i // 3 for i in range(60)], 0.0, x_other=np.stack([mid] * 3),
+                          labels_other=own, every_own=True)
+    assert both[0] == ["person=alice", "person=bruno"]
+    # alice or bruno is the top one: the row owning carl and one of them holds that one only when it is
+    # the top (carl is third); else nothing
+    top, _ = read_labels(x, labels, np.stack([mid]))
+    assert both[1] == (["person=alice"] if top[0] == "person=alice" else [])
+    assert both[2] == (["person=bruno"] if top[0] == "person=bruno" else [])
+    # the one-label rule on the same rows: the top one only
+    _, single = held_labels(x, labels, [i // 3 for i in range(60)], 0.0, x_other=np.stack([mid] * 3), labels_other=own)
+    assert single[0] == top[0]
+    # single-label rows: the same verdicts, as lists
+    a, _ = held_labels(x, labels, [i // 3 for i in range(60)], 0.5)
+    b, _ = held_labels(x, labels, [i // 3 for i in range(60)], 0.5, every_own=True)
+    assert [[v] if v else [] for v in a] == b
+
+
+def test_fact_unheld_hedge_says_the_unheld_facts_unsure():
+    from nla.datagen.world_grader import WorldGrader
+    from nla.world.explain import parse_hedged_facts
+    from nla.world.facts import Fact
+
+    rng = np.random.default_rng(1)
+    tables = {"av_sft": _table(rng, 20, 4), "ar_sft": _table(rng, 20, 4, start=20), "rl": _table(rng, 10, 4, start=40)}
+    out, _ = add_facts_held(tables, 0.9, every_own=True)
+    explainer = WorldExplainer(0, 3, 6, wrong_rate=0.0, fact_rate=1.0, fact_unheld="hedge")
+    rows = out["rl"].select(["doc_id", "position", "facts", FACTS_HELD]).to_pylist()
+    texts = explainer.explain_batch(rows)
+    hedged_any = 0
+    for row, text in zip(rows, texts, strict=True):
+        said = {str(f) for f in parse_facts(text)}
+        unsure = [str(f) for f in parse_hedged_facts(text)]
+        assert said == set(row[FACTS_HELD]), (text, row)
+        assert sorted(unsure) == sorted(set(row["facts"]) - set(row[FACTS_HELD])), (text, row)  # each once
+        hedged_any += bool(unsure)
+    assert hedged_any >= 0.95 * len(rows)  # the place (noise in the vectors) is said unsure nearly everywhere
+    # without the dataset's settings the oracle names the held facts firmly and says nothing unsure
+    g = WorldGrader()
+    facts = out["rl"].column("facts").to_pylist()
+    firm, unsure = g.oracle_facts(out["rl"], None, facts)
+    assert unsure is None and firm == [[f for f in fs if f in set(h)] for fs, h in
+                                       zip(facts, out["rl"].column(FACTS_HELD).to_pylist(), strict=True)]
+    oracle = g.oracle(["person=alice"], None, 7, hedged=["place=park"])
+    assert parse_facts(oracle) == {Fact("person", "alice")} and parse_hedged_facts(oracle) == [Fact("place", "park")]
+
+
+@pytest.mark.slow
+def test_datagen_hedges_the_unheld_facts_and_the_oracle_reads_the_rule(tmp_path):
+    from nla.datagen.build import load_dataset
+    from nla.datagen.pipeline import run
+    from nla.datagen.world_grader import WorldGrader
+    from nla.world.explain import parse_hedged_facts
+
+    cfg = DatagenConfig.from_yaml("configs/datagen/world_tiny.yaml", {
+        "out_dir": str(tmp_path / "out"), "n_docs": 120,
+        "world_explainer": {"fact_rate": 1.0, "wrong_rate": 0.0, "fact_min_prob": 0.5, "fact_unheld": "hedge"}})
+    run(cfg)
+    n_unsure = 0
+    for name in ("av_sft", "ar_sft"):
+        t, _ = load_dataset(tmp_path / "out" / f"{name}.parquet")
+        for fs, held, text in zip(t.column("facts").to_pylist(), t.column(FACTS_HELD).to_pylist(),
+                                  t.column("explanation").to_pylist(), strict=True):
+            assert {str(f) for f in parse_facts(text)} == set(held), text
+            assert sorted(str(f) for f in parse_hedged_facts(text)) == sorted(set(fs) - set(held)), text
+            n_unsure += len(set(fs) - set(held))
+    assert n_unsure > 0  # a tiny world's vectors do not hold every fact
+    # the oracle of the RL split (eval's rows) reads the rule from the dataset's settings
+    path = tmp_path / "out" / "rl.parquet"
+    rl, _ = load_dataset(path)
+    facts = rl.column("facts").to_pylist()
+    firm, unsure = WorldGrader().oracle_facts(rl, path, facts)
+    held = rl.column(FACTS_HELD).to_pylist()
+    assert firm == [[f for f in fs if f in h] for fs, h in zip(facts, held, strict=True)]
+    assert unsure == [[f for f in fs if f not in h] for fs, h in zip(facts, held, strict=True)]
+
+
+def test_fact_unheld_is_checked():
+    with pytest.raises(ValueError, match=r"world_explainer.fact_unheld: expected one of omit, hedge"):
+        WorldExplainerConfig(fact_min_prob=0.5, fact_unheld="maybe")
+    with pytest.raises(ValueError, match=r"world_explainer.fact_unheld: expected omit unless fact_min_prob is set"):
+        WorldExplainerConfig(fact_unheld="hedge")
+    from nla.datagen.pipeline import stage_hash
+
+    base = DatagenConfig.from_dict({"out_dir": "x", "source": "world", "world_explainer": {"fact_min_prob": 0.5}})
+    omit = DatagenConfig.from_dict({"out_dir": "x", "source": "world",
+                                    "world_explainer": {"fact_min_prob": 0.5, "fact_unheld": "omit"}})
+    hedge = DatagenConfig.from_dict({"out_dir": "x", "source": "world",
+                                     "world_explainer": {"fact_min_prob": 0.5, "fact_unheld": "hedge"}})
+    assert stage_hash(base, "explain") == stage_hash(omit, "explain") != stage_hash(hedge, "explain")
+
+
+def test_fact_gate_below_gates_only_the_kinds_the_vectors_seldom_hold():
+    rng = np.random.default_rng(1)
+    tables = {"av_sft": _table(rng, 20, 4), "ar_sft": _table(rng, 20, 4, start=20), "rl": _table(rng, 10, 4, start=40)}
+    per_row, summary = add_facts_held(tables, 0.0, every_own=True)
+    assert summary["gated"] == ["person", "place"] and summary["gate_below"] is None  # no gate: every kind row by row
+    gated, summary = add_facts_held(tables, 0.0, every_own=True, gate_below=0.7)
+    # the person is in every vector (held on ~all rows: not gated, so held wherever true); the place is noise
+    # (a coin flip between two places: the probe ranks it first on about half the rows: gated)
+    assert summary["probe_share"]["person"] >= 0.95 and 0.3 < summary["probe_share"]["place"] < 0.7
+    assert summary["gated"] == ["place"]
+    for name in tables:
+        facts = gated[name].column("facts").to_pylist()
+        held = gated[name].column(FACTS_HELD).to_pylist()
+        row_rule = per_row[name].column(FACTS_HELD).to_pylist()
+        for fs, h, r in zip(facts, held, row_rule, strict=True):
+            assert [f for f in h if f.startswith("person=")] == [f for f in fs if f.startswith("person=")]
+            assert [f for f in h if f.startswith("place=")] == [f for f in r if f.startswith("place=")]
+    # a gate of 0: no kind is gated, every true fact is held
+    none, summary = add_facts_held(tables, 0.0, every_own=True, gate_below=0.0)
+    assert summary["gated"] == []
+    assert none["rl"].column(FACTS_HELD).to_pylist() == [sorted(fs) for fs in none["rl"].column("facts").to_pylist()]
+    with pytest.raises(ValueError, match=r"world_explainer.fact_gate_below: expected a share in \[0, 1\] or null"):
+        WorldExplainerConfig(fact_min_prob=0.0, fact_gate_below=1.5)
+    with pytest.raises(ValueError, match=r"world_explainer.fact_gate_below: expected null unless fact_min_prob is set"):
+        WorldExplainerConfig(fact_gate_below=0.5)

@@ -117,6 +117,13 @@ def test_the_explorer_marks_each_quoted_unit():
     assert grade_claims('The text ends with "He".', None, NIGHT)["quotation"]["correct"] is True
     assert grade_claims("Hugo is here.", None, NIGHT) == {"quotation": None}
     json.dumps(out)  # what the page receives
+    # a fact said unsure (fact_unheld: hedge) is shown apart, marked with its truth, and is no claim
+    out = grade_claims("Hugo is one of the characters. Perhaps someone has a kite. Perhaps the mood is sad.",
+                       ["person=hugo", "mood=sad", "place=forest"], NIGHT)
+    assert out["claims"] == [{"fact": "person=hugo", "correct": True}]
+    assert out["unsure"] == [{"fact": "object=kite", "correct": False}, {"fact": "mood=sad", "correct": True}]
+    assert out["missed"] == ["place=forest"] and out["precision"] == 1.0 and out["recall"] == 1 / 3
+    assert get_grader("world").claim_truth("Perhaps the mood is sad.", ["mood=sad"]) is None  # no claim: not graded
 
 
 def test_quote_units_cuts_the_quotation_from_the_token_back():
@@ -152,6 +159,8 @@ def test_quote_units_setting_is_checked_and_off_by_default():
     before["world_explainer"].pop("quote_min_prob")
     before["world_explainer"].pop("quote_unheld")
     before["world_explainer"].pop("fact_min_prob")
+    before["world_explainer"].pop("fact_unheld")
+    before["world_explainer"].pop("fact_gate_below")
     before.pop("wiki_explainer")  # a section added later, at its default
     before.pop("layers")  # a setting added later, at its default (one block)
     keys = [k for s in STAGES[: STAGES.index("explain") + 1] for k in _STAGE_FIELDS[s]]

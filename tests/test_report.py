@@ -110,6 +110,12 @@ def test_the_kind_table_shows_the_quotation_beside_its_probe():
                                            "kinds": [{"kind": "place", "top1": 0.9}]}]}
     assert probe_table(old)[0] == "| layer | place | mean top-1 | chance |"
     assert "| quote[0] (quotation) | – | 0.90 | 0.95 | 0.85 | 0.97 |" in kind_table(warm, rl, old)
+    # facts said unsure (fact_unheld: hedge): two columns, the share of rows and how often true
+    rl["rows"][0]["faithfulness"]["hedged"] = {"place": [0.25, 0.4]}
+    lines = kind_table(warm, rl, probe)
+    assert lines[0].endswith("| unsure warm (true) | unsure RL (true) |")
+    assert "| place | 0.90 | 1.00 | 1.00 | 1.00 | 1.00 | – | 0.25 (0.40) |" in lines
+    assert "| quote[0] (quotation) | 0.95 | 0.90 | 0.95 | 0.85 | 0.97 | – | – |" in lines
 
 
 def test_the_report_says_how_often_the_quotation_is_said_unsure(tmp_path):

@@ -4,11 +4,14 @@ import random
 
 import pytest
 
+from nla.core.graders import split_sentences
 from nla.world.explain import (
     FACT_TEMPLATES,
     GENERIC_EXPLANATIONS,
     TextExplainer,
+    degeneracy,
     grade,
+    in_language,
     parse_facts,
     render_facts,
 )
@@ -194,3 +197,30 @@ def test_text_explainer_fact_rate_names_each_fact_on_its_own_draw():
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match="fact_rate"):
             TextExplainer(fact_rate=bad)
+
+
+def test_a_fact_said_unsure_is_in_the_language_and_not_a_claim():
+    from nla.world.explain import hedge, is_hedged, parse_hedged_facts
+
+    assert hedge("Someone has a kite.") == "Perhaps someone has a kite."
+    assert hedge("Maya is one of the characters.") == "Perhaps Maya is one of the characters."  # a name keeps its capital
+    assert is_hedged("perhaps, the mood is sad.") and not is_hedged("Perhapsy the mood is sad.")
+    text = 'The text ends with "He". The story is about Maya. Perhaps someone has a kite. Perhaps the mood is sad.'
+    truth = {Fact("person", "maya"), Fact("object", "kite"), Fact("mood", "happy")}
+    assert parse_facts(text) == {Fact("person", "maya")}
+    assert parse_hedged_facts(text) == [Fact("object", "kite"), Fact("mood", "sad")]
+    g = grade(text, truth)
+    # by hand: one claim, true, of three true facts; the unsure ones are not claims but are recorded
+    assert (g.recall, g.precision, g.n_pred, g.n_correct) == (1 / 3, 1.0, 1, 1)
+    assert g.hedged == {"object": True, "mood": False}
+    assert degeneracy(text).any is False
+    assert not in_language("Perhaps the kite.") and in_language("Perhaps it happens in the night.")
+    # the explainer: the unsure facts in the fixed order of kinds among the firm ones, none twice
+    ex = TextExplainer(seed=0, fact_rate=1.0, wrong_rate=0.0)
+    firm = frozenset({Fact("person", "maya"), Fact("time", "night")})
+    out = ex.explain(firm, 5, hedged=frozenset({Fact("object", "kite"), Fact("time", "night")}))
+    kinds = [next(iter(parse_facts(s) or parse_hedged_facts(s))).kind for s in split_sentences(out)]
+    assert kinds == ["person", "object", "time"]
+    assert parse_facts(out) == firm and parse_hedged_facts(out) == [Fact("object", "kite")]
+    # no unsure facts: the same text as before the setting existed (the RNG stream is unchanged)
+    assert ex.explain(firm, 5) == ex.explain(firm, 5, hedged=frozenset())

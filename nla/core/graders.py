@@ -100,6 +100,13 @@ class DatasetGrader:
     def oracle(self, truth: Sequence[str], quote: str | None, key: int) -> str | None:
         return None
 
+    def oracle_facts(self, table: Any, dataset_path: Path | None, facts: list[Any]
+                     ) -> tuple[list[Any], list[list[str]] | None]:
+        """What the oracle row says of each row's ``facts`` (the table's ground truth): ``(firm, unsure)``,
+        the facts said firmly and, when the data explainer says some unsure, those (passed to ``oracle``
+        as ``hedged``; None: none). The base: every fact firm, as the data explainer names them."""
+        return facts, None
+
     def quotes(self, table: Any, dataset_path: Path | None = None) -> list[str | None]:
         """What the oracle quotes of the text read, per row of ``table`` (the base: nothing, None);
         ``dataset_path``: where the table was read from (its settings may say how much to quote)."""

@@ -150,24 +150,33 @@ def read_labels(x_fit: np.ndarray, labels_fit: Sequence[Sequence[str]], x_read: 
 
 def held_labels(x: np.ndarray, labels: Sequence[Sequence[str]], groups: Sequence[int], min_prob: float,
                 x_other: np.ndarray | None = None, labels_other: Sequence[Sequence[str]] | None = None,
-                folds: int = 2, **kw) -> tuple[list[str | None], list[str | None] | None]:
+                folds: int = 2, every_own: bool = False, **kw
+                ) -> tuple[list[str | list[str] | None], list[str | list[str] | None] | None]:
     """The label each row's vector holds, as a probe of the kind that never saw the row's group says
     (``_label_probs``: a softmax over the labels and "none"): its top label when that is one of the row's
     own and the row's own labels together have probability ``>= min_prob`` (two persons share theirs), else
-    None.
+    None. ``every_own``: instead a list, every own label among the probe's top ``k`` (``k``: how many the
+    row owns; two persons are both held where the probe ranks both first), under the same two conditions
+    (empty where they fail).
     Cross-fitted as ``held_units`` (``x``: the fit rows, each read by the probe of the other folds; ``x_other``:
     read by the probe fitted on all of ``x``). A row without labels of its own holds none."""
     x, fold = np.asarray(x), _folds("held_labels", groups, folds, min_prob)
 
-    def verdicts(classes: list[str | None], prob: np.ndarray, owns: Sequence[Sequence[str]]) -> list[str | None]:
-        out: list[str | None] = []
+    def verdicts(classes: list[str | None], prob: np.ndarray, owns: Sequence[Sequence[str]]
+                 ) -> list[str | list[str] | None]:
+        out: list[str | list[str] | None] = []
         for row, own in zip(prob, owns, strict=True):
             top = classes[int(row.argmax())]
             mass = sum(q for c, q in zip(classes, row, strict=True) if c is not None and c in own)
-            out.append(top if top is not None and top in own and mass >= min_prob else None)
+            ok = top is not None and top in own and mass >= min_prob
+            if every_own:
+                first = {classes[int(i)] for i in np.argsort(-row, kind="stable")[:len(set(own))]}
+                out.append(sorted(lab for lab in set(own) if lab in first) if ok else [])
+            else:
+                out.append(top if ok else None)
         return out
 
-    held: list[str | None] = [None] * len(labels)
+    held: list[str | list[str] | None] = [[] if every_own else None for _ in labels]
     for k in range(folds):
         fit, read = np.flatnonzero(fold != k), np.flatnonzero(fold == k)
         classes, prob = _label_probs(x[fit], [labels[i] for i in fit], x[read], **kw)

@@ -133,6 +133,15 @@ class WorldExplainerConfig:
                                                     "oracle row name only such facts (fitted a block at a time "
                                                     "with layers). null = every true fact may be named. Range: "
                                                     "[0, 1], or null.")
+    fact_unheld: str = option("omit", help="what the explanation says of a true fact fact_min_prob finds the "
+                                           "vector does not hold: omit (not named; one fact a kind is held) or "
+                                           "hedge (said unsure, 'Perhaps someone has a kite.', which the grader "
+                                           "counts as not said; every own fact of a kind the probe ranks first "
+                                           "is held, two persons both). Range: omit, hedge.")
+    fact_gate_below: float | None = option(None, help="with fact_min_prob, gate row by row only a kind the probe "
+                                                      "holds on fewer than this share of the warm-start rows where "
+                                                      "it is true; a kind held more often is named firmly wherever "
+                                                      "true. null = every kind row by row. Range: [0, 1], or null.")
     quote_unheld: str = option("omit", help="what the explanation says of the token read where quote_min_prob "
                                             "finds the vector does not hold it: omit (no quotation) or hedge "
                                             "(the quotation said unsure, 'The text may end with \"...\".', which "
@@ -162,6 +171,19 @@ class WorldExplainerConfig:
                                                or not 0 <= self.fact_min_prob <= 1):
             raise _err(c, "fact_min_prob", "a probability in [0, 1] or null (every true fact may be named)",
                        self.fact_min_prob)
+        if self.fact_gate_below is not None:
+            if isinstance(self.fact_gate_below, bool) or not isinstance(self.fact_gate_below, (int, float)) \
+                    or not 0 <= self.fact_gate_below <= 1:
+                raise _err(c, "fact_gate_below", "a share in [0, 1] or null (gate every kind row by row)",
+                           self.fact_gate_below)
+            if self.fact_min_prob is None:
+                raise _err(c, "fact_gate_below", "null unless fact_min_prob is set (it says which rows are held)",
+                           self.fact_gate_below)
+        if self.fact_unheld not in ("omit", "hedge"):
+            raise _err(c, "fact_unheld", "one of omit, hedge", self.fact_unheld)
+        if self.fact_unheld != "omit" and self.fact_min_prob is None:
+            raise _err(c, "fact_unheld", "omit unless fact_min_prob is set (it says which facts are unheld)",
+                       self.fact_unheld)
         if self.quote_unheld not in ("omit", "hedge"):
             raise _err(c, "quote_unheld", "one of omit, hedge", self.quote_unheld)
         if self.quote_unheld != "omit" and self.quote_min_prob is None:

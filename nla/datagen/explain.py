@@ -47,11 +47,13 @@ class WorldExplainer(Explainer):
     name = "world"
 
     def __init__(self, seed: int, min_facts: int, max_facts: int, wrong_rate: float, word_rate: float = 1.0,
-                 fact_rate: float | None = None, quote_units: int | None = None, quote_unheld: str = "omit") -> None:
+                 fact_rate: float | None = None, quote_units: int | None = None, quote_unheld: str = "omit",
+                 fact_unheld: str = "omit") -> None:
         super().__init__()
         from nla.world import TextExplainer
 
         self.quote_unheld = quote_unheld
+        self.fact_unheld = fact_unheld
 
         self._text = TextExplainer(seed=seed, min_facts=min_facts, max_facts=max_facts, wrong_rate=wrong_rate,
                                    word_rate=word_rate, fact_rate=fact_rate, quote_units=quote_units)
@@ -68,14 +70,18 @@ class WorldExplainer(Explainer):
                     "column; the world explainer needs world activations (source: world)"
                 )
             facts = frozenset(Fact(*s.split("=", 1)) for s in r["facts"])
+            unsure: frozenset = frozenset()
             held = r.get(FACTS_HELD)
             if held is not None:  # fact_min_prob: only the facts the row's vector holds (add_facts_held)
                 held = set(held)
-                facts = frozenset(f for f in facts if f"{f.kind}={f.value}" in held)
+                kept = frozenset(f for f in facts if f"{f.kind}={f.value}" in held)
+                # fact_unheld hedge: the true facts the probe does not read said unsure, not left out
+                unsure = facts - kept if self.fact_unheld == "hedge" else frozenset()
+                facts = kept
             # quote_held False: the probe says the vector does not hold the token read; quote nothing,
             # or say it unsure (quote_unheld: hedge)
             quote = unheld_quote(row_quote(r), r.get(QUOTE_HELD, True) is not False, self.quote_unheld)
-            text = self._text.explain(facts, row_key(r["doc_id"], r["position"]), quote)
+            text = self._text.explain(facts, row_key(r["doc_id"], r["position"]), quote, hedged=unsure)
             if not text or not text.strip():
                 self.drops["world_no_explanation"] += 1
                 out.append(None)
@@ -110,14 +116,20 @@ def by_block(tables: dict[str, pa.Table], fn: Any) -> tuple[dict[str, pa.Table],
 FACTS_HELD = "facts_held"
 
 
-def add_facts_held(tables: dict[str, pa.Table], min_prob: float) -> tuple[dict[str, pa.Table], dict[str, Any]]:
+def add_facts_held(tables: dict[str, pa.Table], min_prob: float, every_own: bool = False,
+                   gate_below: float | None = None) -> tuple[dict[str, pa.Table], dict[str, Any]]:
     """Each table with a ``facts_held`` column: the row's true facts its vector holds, a kind at a time: a
     linear probe of the kind (``nla.core.probing.held_labels``: a softmax over its facts and "none") ranks one
     of the row's own facts first, and the row's own facts of the kind have probability >= ``min_prob``.
     Cross-fitted over the warm-start splits' documents as ``add_quote_held``; the ``rl`` rows read by the probe fitted on all of them. The world explainer then
     names only held facts (``world_explainer.fact_min_prob``): a block that holds little gets a short, true
-    explanation, not a confident wrong one (issue 59). Returns the tables and the share of each kind's
-    rows (where the kind is true) whose fact is held, per split."""
+    explanation, not a confident wrong one (issue 59). ``every_own``: a row's every own fact of a kind the
+    probe ranks among its first (two persons both; ``held_labels``), the rule of ``fact_unheld: hedge``;
+    without it one fact a kind (the rule the layers preset was measured with). ``gate_below``: only a kind
+    the probe holds on fewer than this share of the warm-start rows where it is true is gated row by row; a
+    kind held more often counts as held wherever it is true (``world_explainer.fact_gate_below``). Returns
+    the tables and a summary: the share of each kind's rows (where the kind is true) whose fact is held, per
+    split, and the kinds gated row by row."""
     import numpy as np
 
     from nla.core.probing import held_labels
@@ -137,20 +149,32 @@ def add_facts_held(tables: dict[str, pa.Table], min_prob: float) -> tuple[dict[s
     fit_facts = [f for n in fit for f in facts[n]]
     other_facts = [f for n in others for f in facts[n]]
     share: dict[str, dict[str, float | None]] = {n: {} for n in tables}
+    gated: list[str] = []
+    probe_share: dict[str, float] = {}  # the probe's held share of each kind on the warm-start rows
     for kind in KINDS:
         prefix = f"{kind}="
         labels = [[f for f in fs if f.startswith(prefix)] for fs in fit_facts]
         if sum(bool(lab) for lab in labels) < 2:
             continue  # a kind the splits hardly hold: never said where a probe cannot learn it
-        a, b = held_labels(x, labels, groups, min_prob, x_other=x_other,
-                           labels_other=[[f for f in fs if f.startswith(prefix)] for fs in other_facts]
-                           if x_other is not None else None)
-        for i, h in enumerate(a):
-            if h is not None:
-                held_fit[i].append(h)
-        for i, h in enumerate(b or []):
-            if h is not None:
-                held_other[i].append(h)
+        labels_other = [[f for f in fs if f.startswith(prefix)] for fs in other_facts] if x_other is not None else None
+        a, b = held_labels(x, labels, groups, min_prob, x_other=x_other, labels_other=labels_other,
+                           every_own=every_own)
+        has = [bool(lab) for lab in labels]
+        fit_share = sum(bool(h) for h, t in zip(a, has, strict=True) if t) / max(1, sum(has))
+        probe_share[kind] = round(fit_share, 4)
+        if gate_below is not None and fit_share >= gate_below:
+            # a kind the vectors hold on most rows: its rare misread rows are not gated (measured: gating them
+            # cost recall and precision both, the AV leaving out facts it would have named right)
+            a = [list(lab) for lab in labels]
+            b = [list(lab) for lab in labels_other] if labels_other is not None else None
+        else:
+            gated.append(kind)
+        for rows_held, verdicts in ((held_fit, a), (held_other, b or [])):
+            for i, h in enumerate(verdicts):
+                if isinstance(h, list):
+                    rows_held[i].extend(h)
+                elif h is not None:
+                    rows_held[i].append(h)
     out, start, start_o = dict(tables), 0, 0
     for n in tables:
         k = tables[n].num_rows
@@ -166,7 +190,11 @@ def add_facts_held(tables: dict[str, pa.Table], min_prob: float) -> tuple[dict[s
             share[n][kind] = round(sum(h for h, t in zip(held, has, strict=True) if t) / n_has, 4) if n_has else None
         log.info("explain: the probes read the facts at p >= %.2f: %s of %s's rows where each kind is true",
                  min_prob, share[n], n)
-    return out, {"min_prob": min_prob, "share": share}
+    if gate_below is not None:
+        log.info("explain: the probe holds each kind on %s of the warm-start rows where it is true; gated row by "
+                 "row (< %.2f): %s", probe_share, gate_below, ", ".join(gated) or "none")
+    return out, {"min_prob": min_prob, "share": share, "probe_share": probe_share, "gated": gated,
+                 "gate_below": gate_below}
 
 
 def add_quote_held(tables: dict[str, pa.Table], min_prob: float) -> tuple[dict[str, pa.Table], dict[str, Any]]:
@@ -236,7 +264,7 @@ def add_quote_held(tables: dict[str, pa.Table], min_prob: float) -> tuple[dict[s
 def _world(cfg: DatagenConfig) -> Explainer:
     w = cfg.world_explainer
     return WorldExplainer(cfg.seed, w.min_facts, w.max_facts, w.wrong_rate, w.word_rate, w.fact_rate, w.quote_units,
-                          w.quote_unheld)
+                          w.quote_unheld, w.fact_unheld)
 
 
 _WORD_RE = re.compile(r"[A-Za-z][A-Za-z'-]*")

@@ -15,8 +15,10 @@ from typing import Any
 
 from nla.core.graders import DatasetGrader, split_sentences
 from nla.datagen.config import datagen_config_of
+from nla.datagen.explain import FACTS_HELD
 from nla.world.explain import (
     FACT_TEMPLATES,
+    HEDGE_WORD,
     PHRASINGS,
     QUOTE_HELD,
     QUOTE_RE,
@@ -27,8 +29,11 @@ from nla.world.explain import (
     degeneracy,
     grade,
     grade_quote,
+    hedge,
+    is_hedged,
     oracle_explanation,
     parse_facts,
+    parse_hedged_facts,
     table_quotes,
     unheld_quote,
 )
@@ -75,8 +80,24 @@ class WorldGrader(DatasetGrader):
         return {"repeated": d.repeated_sentence, "broken_quote": d.broken_quote,
                 "outside_language": d.outside_language}
 
-    def oracle(self, truth: Sequence[str], quote: str | None, key: int) -> str:
-        return oracle_explanation(_truth(truth), quote, key)
+    def oracle(self, truth: Sequence[str], quote: str | None, key: int, hedged: Sequence[str] = ()) -> str:
+        return oracle_explanation(_truth(truth), quote, key, _truth(hedged))
+
+    def oracle_facts(self, table: Any, dataset_path: Path | None, facts: list[Any]
+                     ) -> tuple[list[Any], list[list[str]] | None]:
+        """With a ``facts_held`` column (``world_explainer.fact_min_prob``): the held facts firm and, under
+        ``fact_unheld: hedge``, the others unsure, the data explainer's rule; else every fact firm."""
+        if FACTS_HELD not in table.column_names:
+            return facts, None
+        held = [set(h or []) for h in table.column(FACTS_HELD).to_pylist()]
+        firm = [None if fs is None else [f for f in fs if f in h] for fs, h in zip(facts, held, strict=True)]
+        dc = datagen_config_of(dataset_path, "the oracle's facts") if dataset_path is not None else None
+        if dc is None or dc.world_explainer.fact_unheld != "hedge":
+            return firm, None
+        return firm, [[f for f in (fs or []) if f not in h] for fs, h in zip(facts, held, strict=True)]
+
+    def hedged_facts(self, text: str | None) -> list[str]:
+        return [str(f) for f in parse_hedged_facts(text or "")]
 
     def quotes(self, table: Any, dataset_path: Path | None = None) -> list[str | None]:
         """The row's ``text_end`` (``current_word`` in older datasets), cut to the dataset's
@@ -133,7 +154,12 @@ class WorldGrader(DatasetGrader):
 
     def paraphrase(self, claim: str, rng: Any) -> str | None:
         """The same fact in another of its kind's phrasings (the same surface word), or None for a
-        sentence outside the fact phrasings (the quotation, a generic remark, free text)."""
+        sentence outside the fact phrasings (the quotation, a generic remark, free text). A fact said
+        unsure (``Perhaps …``) stays unsure in its new phrasing."""
+        if is_hedged(claim):
+            rest = claim.strip()[len(HEDGE_WORD):].strip()
+            new = self.paraphrase(rest[:1].upper() + rest[1:], rng)
+            return None if new is None else hedge(new)
         for kind, i, pattern in PHRASINGS:
             m = pattern.match(claim.strip())
             if m:
@@ -210,6 +236,8 @@ class WorldGrader(DatasetGrader):
                                      word_rate=w.word_rate, fact_rate=w.fact_rate, quote_units=w.quote_units)
         explainer = TextExplainer(seed=seed, **kw)
         words = self.quotes(table, dataset_path)
-        return [explainer.explain(frozenset(_truth(fs)), row_key(doc, pos), word)
-                for fs, doc, pos, word in zip(table.column("facts").to_pylist(), table.column("doc_id").to_pylist(),
-                                              table.column("position").to_pylist(), words, strict=True)]
+        firm, unsure = self.oracle_facts(table, dataset_path, table.column("facts").to_pylist())
+        unsure = unsure or [[] for _ in firm]
+        return [explainer.explain(frozenset(_truth(fs)), row_key(doc, pos), word, hedged=frozenset(_truth(h)))
+                for fs, h, doc, pos, word in zip(firm, unsure, table.column("doc_id").to_pylist(),
+                                                 table.column("position").to_pylist(), words, strict=True)]

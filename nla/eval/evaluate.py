@@ -197,8 +197,8 @@ class EvalReport:
                     f"{r.name}: " + ", ".join(f"{k} {n} ({p:.2f})" for k, (n, p) in r.faithfulness.said.items())
                     for r in counted) + "."]
             unsure = [r for r in kinds if r.faithfulness.hedged]
-            if unsure:  # wiki_explainer.unheld: hedge: claims said with "may", not counted in the table
-                lines += ["", "Said unsure (\"may\", counted as not said above): " + "; ".join(
+            if unsure:  # wiki_explainer.unheld / world_explainer.fact_unheld hedge: not counted in the table
+                lines += ["", "Said unsure (\"may\", \"Perhaps\"; counted as not said above): " + "; ".join(
                     f"{r.name}: " + ", ".join(f"{k} on {s:.2f} of rows, true on {t:.2f} of them"
                                               for k, (s, t) in r.faithfulness.hedged.items()) for r in unsure) + "."]
         lines += quote_table(self.rows)
@@ -414,12 +414,11 @@ def _text_rows(ev: _Eval, text_explainer_baseline: bool) -> tuple[list[str] | No
         ev.read("text explainer → AR", te, failure_rate=0.0)
     words = ev.grader.quotes(ev.table, ev.path) if ev.grader is not None and ev.facts is not None else None
     if words is not None:
-        facts = ev.facts
-        if "facts_held" in cols:  # world_explainer.fact_min_prob: the oracle names what the data names
-            facts = [[f for f in (fs or []) if f in set(h or [])]
-                     for fs, h in zip(facts, ev.table.column("facts_held").to_pylist(), strict=True)]
-        oracle = [ev.grader.oracle(list(fs or []), w, int(r))
-                  for fs, w, r in zip(facts, words, ev.dataset_rows, strict=True)]
+        # the oracle names what the data explainer names (world_explainer.fact_min_prob: the held facts
+        # firmly, fact_unheld hedge: the others unsure)
+        facts, unsure = ev.grader.oracle_facts(ev.table, ev.path, ev.facts)
+        oracle = [ev.grader.oracle(list(fs or []), w, int(r), **({"hedged": unsure[i]} if unsure and unsure[i] else {}))
+                  for i, (fs, w, r) in enumerate(zip(facts, words, ev.dataset_rows, strict=True))]
         if all(o is not None for o in oracle):
             ev.read(ROW_ORACLE, oracle)
     return reference, te

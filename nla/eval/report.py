@@ -107,13 +107,23 @@ def kind_table(warm: dict[str, Any], after: dict[str, Any], probe: dict[str, Any
     top1 = {k["kind"]: k["top1"] for k in at[0]["kinds"]} if at else {}
     order = list(top1) if top1 else []  # the probe's order (the dataset's own), then any other kind
     kinds = [k for k in order if k in bw or k in ba] + sorted((set(bw) | set(ba)) - set(order))
-    lines = ["| kind | probe top-1 | recall warm | precision warm | recall RL | precision RL |",
-             "|---|---|---|---|---|---|"]
+    # facts said unsure (world_explainer.fact_unheld / wiki_explainer.unheld hedge): not in recall or
+    # precision; the share of rows saying the kind unsure, and how often that is true anyway
+    uw, ua = rt_w.get("hedged") or {}, rt_a.get("hedged") or {}
+    unsure = bool(uw or ua)
+
+    def _u(h: Any) -> str:
+        return "–" if not h else f"{_f(h[0], 2)} ({_f(h[1], 2)})"
+
+    lines = ["| kind | probe top-1 | recall warm | precision warm | recall RL | precision RL |"
+             + (" unsure warm (true) | unsure RL (true) |" if unsure else ""),
+             "|---|---|---|---|---|---|" + ("---|---|" if unsure else "")]
     for k in kinds:
         w, a = bw.get(k) or (None, None), ba.get(k) or (None, None)
         if k in NO_RECALL_KINDS:
             w, a = (None, w[1]), (None, a[1])
-        lines.append(f"| {k} | {_f(top1.get(k), 2)} | {_f(w[0], 2)} | {_f(w[1], 2)} | {_f(a[0], 2)} | {_f(a[1], 2)} |")
+        lines.append(f"| {k} | {_f(top1.get(k), 2)} | {_f(w[0], 2)} | {_f(w[1], 2)} | {_f(a[0], 2)} | {_f(a[1], 2)} |"
+                     + (f" {_u(uw.get(k))} | {_u(ua.get(k))} |" if unsure else ""))
     # the quotation's positions the language quotes, beside what the unit probe reads there (issue 57)
     qw = ((rt_w.get("quote") or {}).get("by_position")) or {}
     qa = ((rt_a.get("quote") or {}).get("by_position")) or {}
@@ -123,7 +133,7 @@ def kind_table(warm: dict[str, Any], after: dict[str, Any], probe: dict[str, Any
         if w[1] is None and a[1] is None and not (w[0] or a[0]):
             continue  # a position the language does not quote (no claim there, nothing recalled)
         lines.append(f"| {q} (quotation) | {_f(qprobe.get(q), 2)} | {_f(w[0], 2)} | {_f(w[1], 2)} | {_f(a[0], 2)} | "
-                     f"{_f(a[1], 2)} |")
+                     f"{_f(a[1], 2)} |" + (" – | – |" if unsure else ""))
     return lines
 
 
@@ -446,7 +456,10 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
                and not blocks else
                "Recall and precision of the claims of each kind over every block's rows (each block beside its own "
                "probe: \"By block\" below)." if blocks else
-               "Recall and precision of the claims of each kind (no probe was run: the truth is the rows' own)."), "",
+               "Recall and precision of the claims of each kind (no probe was run: the truth is the rows' own).")
+             + (" A fact said unsure (`Perhaps …`, `may`) is no claim: not in recall or precision; the unsure "
+                "columns give the share of rows that say the kind so, and how often it is true all the same."
+                if "unsure" in kinds[0] else ""), "",
               *kinds, ""] if kinds else []),
           *(["### By block", "",
              f"One pair reads blocks {', '.join(map(str, blocks))} (`datagen.layers`), each row's block named in "

@@ -85,36 +85,74 @@ GENERIC_EXPLANATIONS: tuple[str, ...] = (
 )
 
 
-def render_fact(fact: Fact, rng: random.Random) -> str:
+# A fact said unsure starts with this word (``hedge``): ``Perhaps someone has a kite.`` The grader counts it
+# as not said (``parse_facts`` skips it; ``Grade.hedged`` records whether it is true anyway), as it does a
+# quotation said unsure (``Hedged``). No surface word is "perhaps".
+HEDGE_WORD = "Perhaps"
+
+
+def hedge(sentence: str) -> str:
+    """``sentence`` (a fact phrasing) said unsure: ``Perhaps`` before it, its first letter lowered unless it
+    starts with a name (``{w} is one of the characters.`` keeps its capital)."""
+    first = sentence.split(" ", 1)[0].rstrip(".,").lower()
+    keep = SURFACE_INDEX.get(first) is not None and SURFACE_INDEX[first].kind == "person"
+    return f"{HEDGE_WORD} {sentence if keep else sentence[:1].lower() + sentence[1:]}"
+
+
+def is_hedged(sentence: str) -> bool:
+    """Is ``sentence`` said unsure (its first word ``Perhaps``, any case)?"""
+    return sentence.lstrip().split(" ", 1)[0].rstrip(",").lower() == HEDGE_WORD.lower()
+
+
+def render_fact(fact: Fact, rng: random.Random, hedged: bool = False) -> str:
     w = fact.value.capitalize() if fact.kind == "person" else fact.value
-    return rng.choice(FACT_TEMPLATES[fact.kind]).format(w=w)
+    text = rng.choice(FACT_TEMPLATES[fact.kind]).format(w=w)
+    return hedge(text) if hedged else text
 
 
 _KIND_ORDER = {k: i for i, k in enumerate(KINDS)}  # person, place, activity, object, mood, time
 
 
-def render_facts(facts: Iterable[Fact], rng: random.Random) -> str:
+def render_facts(facts: Iterable[Fact], rng: random.Random, hedged: Iterable[Fact] = ()) -> str:
     """English sentences naming each fact once, with random phrasing, in a fixed order of kinds
     (who, where, doing what, holding what, feeling how, when).
 
     The fixed order is what a careful describer would use, and it lets a verbalizer decoding
     greedily go through the kinds one by one instead of stopping after the likeliest few
     (measured: with shuffled order the warm-start AV named no activity or object at all).
-    An empty set renders a generic sentence that parses to no facts.
+    An empty set renders a generic sentence that parses to no facts. ``hedged``: facts said unsure
+    (``hedge``), in the same order of kinds among the others (a fact in both is said firmly).
     """
-    ordered = sorted(facts, key=lambda f: (_KIND_ORDER[f.kind], f.value))
+    firm = set(facts)
+    ordered = sorted(firm | set(hedged), key=lambda f: (_KIND_ORDER[f.kind], f.value))
     if not ordered:
         return rng.choice(GENERIC_EXPLANATIONS)
-    return " ".join(render_fact(f, rng) for f in ordered)
+    return " ".join(render_fact(f, rng, hedged=f not in firm) for f in ordered)
 
 
 _QUOTED = re.compile(r'"[^"]*"')
 
 
+def _facts_in(text: str) -> set[Fact]:
+    return {SURFACE_INDEX[w] for w, _, _ in words_with_spans(text) if w in SURFACE_INDEX}
+
+
 def parse_facts(text: str) -> set[Fact]:
-    """Every fact named anywhere in ``text`` (any surface word, any case or order), quotations excepted."""
+    """Every fact named anywhere in ``text`` (any surface word, any case or order), quotations and
+    sentences said unsure (``is_hedged``) excepted."""
     claims = _QUOTED.sub(" ", text)
-    return {SURFACE_INDEX[w] for w, _, _ in words_with_spans(claims) if w in SURFACE_INDEX}
+    if HEDGE_WORD.lower() in claims.lower():
+        claims = " ".join(s for s in split_sentences(claims) if not is_hedged(s))
+    return _facts_in(claims)
+
+
+def parse_hedged_facts(text: str) -> list[Fact]:
+    """The facts ``text`` names in sentences said unsure (``Perhaps …``), in order (quotations excepted)."""
+    claims = _QUOTED.sub(" ", text)
+    if HEDGE_WORD.lower() not in claims.lower():
+        return []
+    return [SURFACE_INDEX[w] for s in split_sentences(claims) if is_hedged(s)
+            for w, _, _ in words_with_spans(s) if w in SURFACE_INDEX]
 
 
 def render_text_end(quote: str) -> str:
@@ -282,6 +320,9 @@ PHRASINGS = tuple((k, i, _template_regex(t, k)) for k, ts in FACT_TEMPLATES.item
 
 def in_language(sentence: str) -> bool:
     """Is ``sentence`` one the explainer could have written (any phrasing, any surface word)?"""
+    if is_hedged(sentence):  # a fact phrasing said unsure (hedge): "Perhaps" and a space, then the phrasing
+        rest = sentence.lstrip()[len(HEDGE_WORD):]
+        return rest.startswith(" ") and any(p.match(rest[1:]) for _, _, p in PHRASINGS)
     return (bool(QUOTE_RE.match(sentence)) or sentence in GENERIC_EXPLANATIONS
             or any(p.match(sentence) for _, _, p in PHRASINGS))
 
@@ -316,12 +357,13 @@ def degeneracy(text: str | None) -> Degeneracy:
     return Degeneracy(has_repeated_sentence(sentences), broken, outside)
 
 
-def oracle_explanation(facts: Iterable[Fact], quote: str | None, key: int) -> str:
+def oracle_explanation(facts: Iterable[Fact], quote: str | None, key: int, hedged: Iterable[Fact] = ()) -> str:
     """Every true fact and the quoted end of the text (``quote``), nothing else: the most faithful explanation the
     language can say (phrasing drawn from an RNG keyed on ``key``). Read by an AR it gives the
-    ceiling of the round trip for explanations that only say true things."""
+    ceiling of the round trip for explanations that only say true things. ``hedged``: true facts said
+    unsure (``world_explainer.fact_unheld: hedge``), as the data explainer says them."""
     rng = random.Random(f"nla-oracle:{key}")
-    text = render_facts(facts, rng)
+    text = render_facts(facts, rng, hedged)
     if quote and quote.strip():
         text = render_text_end(quote) + " " + text
     return text
@@ -332,6 +374,8 @@ class Grade:
     """Fact-level faithfulness of one explanation (conventions in the module docstring).
 
     ``by_kind[kind] = (recall, precision)`` for each kind present in truth or prediction.
+    ``hedged[kind]``: for each kind the text names only unsure (``Perhaps …``; not counted above),
+    whether the first such fact is true (``nla.core.graders.faithfulness`` reports the share).
     """
 
     recall: float
@@ -340,6 +384,7 @@ class Grade:
     n_true: int
     n_correct: int
     by_kind: dict[str, tuple[float, float]]
+    hedged: dict[str, bool] | None = None
 
     @property
     def f1(self) -> float:
@@ -369,7 +414,10 @@ def grade(text: str, truth: Iterable[Fact]) -> Grade:
         if p or t:
             r, pr, _ = _recall_precision(p, t)
             by_kind[kind] = (r, pr)
-    return Grade(recall, precision, len(pred), len(truth), n_correct, by_kind)
+    hedged: dict[str, bool] = {}
+    for f in parse_hedged_facts(text):
+        hedged.setdefault(f.kind, f in truth)
+    return Grade(recall, precision, len(pred), len(truth), n_correct, by_kind, hedged or None)
 
 
 class TextExplainer:
@@ -430,14 +478,18 @@ class TextExplainer:
             chosen.append(rng.choice(wrong))
         return chosen, rng
 
-    def explain(self, facts: frozenset[Fact], key: int, quote: str | None = None) -> str:
+    def explain(self, facts: frozenset[Fact], key: int, quote: str | None = None,
+                hedged: frozenset[Fact] = frozenset()) -> str:
+        """``facts``: the true facts it may name firmly; ``hedged``: true facts it says unsure
+        (``Perhaps …``, every one of them: the vector may not hold them; ``world_explainer.fact_unheld``)."""
         chosen, rng = self.choose(facts, key)
-        if not facts:
+        hedged = frozenset(hedged) - frozenset(chosen)
+        if not facts and not hedged:
             # Nothing revealed yet: a generic remark, plus the occasional wrong guess.
             generic = rng.choice(GENERIC_EXPLANATIONS)
             text = generic if not chosen else generic + " " + render_facts(chosen, rng)
         else:
-            text = render_facts(chosen, rng)
+            text = render_facts(chosen, rng, hedged)
         # A separate stream, so adding the quotation never changes which facts a row names.
         word_rng = random.Random(f"nla-explainer-word:{self.seed}:{key}")
         quote = cut_quote(quote, self.quote_units)
