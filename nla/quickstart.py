@@ -194,9 +194,17 @@ PRESETS: dict[str, QuickstartPreset] = {
         # firm quotation is right on 0.999 / 0.998 / 0.983 of the rows that have one (37-50 % of rows)
         # over three seeds, against 0.884 / 0.868 / 0.897 for an always-firm one, FVE 0.804 +- 0.023
         # against 0.810 +- 0.024 (issue 57; BENCHMARKS.md, "Keeping RL from trading the quotation away").
+        # A kind the vectors hold on fewer than half of its rows (a linear probe of the kind, fitted on
+        # other documents, ranks the row's own fact first: fact_min_prob 0, the rank alone) is said firmly
+        # only where the probe ranks it first, elsewhere unsure ("Perhaps someone has a kite.", graded as
+        # not said): seed 2's block 2 holds which object a story has on 0.37 of rows, and the AV named
+        # one wherever one was true, wrongly on two rows of three. Every kind gated so (no
+        # fact_gate_below) cost seed 0 recall and precision of the mood (0.92 -> 0.88; issue 57;
+        # BENCHMARKS.md, "Facts the vector does not hold said unsure").
         datagen=dict(n_docs=4000, max_len=128,
                      world_explainer=dict(fact_rate=1.0, wrong_rate=0.1, quote_units=1, quote_min_prob=0.9,
-                                          quote_unheld="hedge"),
+                                          quote_unheld="hedge", fact_min_prob=0.0, fact_unheld="hedge",
+                                          fact_gate_below=0.5),
                      **_DATAGEN_COMMON),
         # The AR bounds what any explanation can reach (the eval's oracle row); the AV was
         # under-trained at 500 steps (round trip 0.521 -> 0.709 at 1000, with the 3-6 fact explainer).
@@ -204,11 +212,12 @@ PRESETS: dict[str, QuickstartPreset] = {
         # Reading a kind from the one injected vector is learnt in a sudden drop of the loss whose
         # step varies with the world: at 1,000 steps and lr 1e-3 seed 2's AV read the place at 0.46
         # (teacher-forced, probe 1.00) and RL then dropped it; at 1,500 steps and lr 2e-3 it reads
-        # it at 0.98 (issue 25; dev/LOG.md, "The warm-started AV under-trained").
+        # it at 0.98 (issue 25; dev/LOG.md, "The warm-started AV under-trained"). At 2,000 steps seed 0's
+        # AV names the activity on 0.90 of the rows where it holds, against 0.89 at 1,500 (issue 57).
         # The injected vector's norm: 32, not sqrt(d_model) = 11.3. Over three seeds FVE after RL
         # 0.735 +- 0.020 against 0.680 +- 0.029, recall 0.930 against 0.885, every seed better (issue 47;
         # BENCHMARKS.md). A number in the AV's sidecar, so the published client reads it.
-        av=dict(max_steps=1500, eval_every=500, save_every=1500, smoke_num=3, smoke_max_new_tokens=48,
+        av=dict(max_steps=2000, eval_every=500, save_every=2000, smoke_num=3, smoke_max_new_tokens=48,
                 injection_scale=32.0, **{**_AV_COMMON, "lr": 2e-3}),
         # RL settings and what each did: dev/LOG.md ("RL that keeps explanations true").
         rl=_rl_preset(steps=100, prompts=16, lr=3e-4, ar_lr=3e-4, eval_every=25, eval_max_rows=64, save_every=100),
@@ -239,9 +248,10 @@ PRESETS["full"] = dataclasses.replace(
 PRESETS["layers"] = dataclasses.replace(
     PRESETS["default"],
     datagen={**PRESETS["default"].datagen, "layers": [0, 1, 2, 3],
-             # fact_rate 0.8: the data explainer as measured against one-block pairs (the default's was 0.8 then)
+             # fact_rate 0.8: the data explainer as measured against one-block pairs (the default's was 0.8
+             # then); an unheld fact left out, one a kind (fact_unheld omit), as measured
              "world_explainer": {**PRESETS["default"].datagen["world_explainer"], "fact_rate": 0.8,
-                                 "fact_min_prob": 0.5}},
+                                 "fact_min_prob": 0.5, "fact_unheld": "omit", "fact_gate_below": None}},
     ar={**PRESETS["default"].ar, "max_steps": 1280, "eval_every": 640, "save_every": 1280},
     av={**PRESETS["default"].av, "max_steps": 2400, "eval_every": 800, "save_every": 2400},
     rl={**PRESETS["default"].rl, "steps": 160, "checkpointing": dict(save_every=160, keep_last=1)},

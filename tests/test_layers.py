@@ -422,11 +422,14 @@ def test_the_layers_preset_is_the_default_at_four_blocks_and_1_6x_the_steps():
 
     d, p = PRESETS["default"], PRESETS["layers"]
     assert p.datagen["layers"] == [0, 1, 2, 3] and p.datagen["world_explainer"]["fact_min_prob"] == 0.5
-    # the data explainer as measured against one-block pairs: the default's of then (fact_rate 0.8)
-    assert p.datagen["world_explainer"] == {**d.datagen["world_explainer"], "fact_rate": 0.8, "fact_min_prob": 0.5}
+    # the data explainer as measured against one-block pairs: the default's of then (fact_rate 0.8, an
+    # unheld fact left out)
+    assert p.datagen["world_explainer"] == {**d.datagen["world_explainer"], "fact_rate": 0.8, "fact_min_prob": 0.5,
+                                            "fact_unheld": "omit", "fact_gate_below": None}
     assert {k: v for k, v in p.datagen.items() if k != "layers"} == {**d.datagen, "world_explainer": p.datagen[
         "world_explainer"]}
-    assert (p.ar["max_steps"], p.av["max_steps"], p.rl["steps"]) == (1280, 2400, 160)  # 800, 1500, 100 x 1.6
+    # 800, 1500 (the default's AV then), 100 x 1.6
+    assert (p.ar["max_steps"], p.av["max_steps"], p.rl["steps"]) == (1280, 2400, 160)
     assert {k: v for k, v in p.av.items() if k not in ("max_steps", "eval_every", "save_every")} == \
         {k: v for k, v in d.av.items() if k not in ("max_steps", "eval_every", "save_every")}
 

@@ -160,7 +160,7 @@ def test_a_cross_model_pair_warm_starts_longer_and_the_default_is_unchanged():
 
     default = PRESETS["default"]
     ar, av = default.warm_start_settings(None)
-    assert ar == default.ar and av == default.av and (ar["max_steps"], av["max_steps"]) == (800, 1500)
+    assert ar == default.ar and av == default.av and (ar["max_steps"], av["max_steps"]) == (800, 2000)
     ar, av = default.warm_start_settings("default-d64")
     assert (ar["max_steps"], ar["save_every"], av["max_steps"], av["save_every"]) == (2400, 2400, 3000, 3000)
     assert av["lr"] == 2e-3 and ar["lr"] == default.ar["lr"]  # only the lengths change

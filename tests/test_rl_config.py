@@ -155,9 +155,11 @@ def test_quickstart_presets_default_and_full_differ_only_in_the_data_explainer()
         dg = DatagenConfig.from_dict(dict(out_dir="x", source="world", world_preset="default", explainer="world",
                                           **PRESETS[name].datagen))
         w = dg.world_explainer
-        explainers[name] = (w.fact_rate, w.min_facts, w.max_facts, w.wrong_rate)
-    # default: every true fact named (fact_rate 1.0; the count fields unused); full: 3-6 facts
-    assert explainers == {"default": (1.0, 3, 6, 0.1), "full": (None, 3, 6, 0.1)}
+        explainers[name] = (w.fact_rate, w.min_facts, w.max_facts, w.wrong_rate, w.fact_min_prob, w.fact_unheld,
+                            w.fact_gate_below)
+    # default: every true fact named (fact_rate 1.0; the count fields unused); a kind held on < half its rows
+    # firm where a probe ranks it first, else unsure; full: 3-6 facts, every one firm
+    assert explainers == {"default": (1.0, 3, 6, 0.1, 0.0, "hedge", 0.5), "full": (None, 3, 6, 0.1, None, "omit", None)}
     assert default.rl["steps"] == 100
     parser = build_parser()
     assert parser.parse_args(["quickstart", "--preset", "full"]).preset == "full"
