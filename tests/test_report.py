@@ -82,6 +82,19 @@ def test_report_warns_of_a_kind_the_warm_start_does_not_read(tmp_path, caplog):
     assert any("does not read place, activity" in r.message for r in caplog.records)
     head = json.loads((tmp_path / "report.json").read_text())["headline"]
     assert head["unread_kinds_warmstart"] == {"place": [0.13, 0.13], "activity": [0.37, 0.34]}
+    # a kind the probe reads on fewer than half the rows is not in the vector: noted, not warned about
+    probe = {"default_layer": 2, "layers": [{"layer": 2, "mean_top1": 0.6, "mean_chance": 0.1, "kinds": [
+        {"kind": "place", "top1": 0.29}, {"kind": "activity", "top1": 0.94}, {"kind": "person", "top1": 1.0},
+        {"kind": "time", "top1": 1.0}]}]}
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="nla.eval.report"):
+        md = write_report(tmp_path, preset="x", stages=[], configs={}, world={}, warm_eval=warm, rl_eval=rl,
+                          ar_info={}, av_info={}, rl_info={}, probe=probe).read_text()
+    assert "- **activity**: recall 0.37, on shuffled vectors 0.34" in md and "- **place**" not in md
+    assert ("The warm-started AV names place no more truly than from shuffled vectors, and the vectors hold "
+            "little of it: a linear probe reads it on 0.29 of rows at this layer") in md
+    assert [r.message for r in caplog.records if "does not read" in r.message][0].startswith(
+        "the warm-started AV does not read activity (")
     # every kind read: no warning
     warm["rows"][2]["faithfulness"]["by_kind"] = {k: [0.0, 0.0] for k in ("place", "person", "activity", "time")}
     clean = write_report(tmp_path, preset="x", stages=[], configs={}, world={}, warm_eval=warm, rl_eval=rl,
