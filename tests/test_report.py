@@ -151,3 +151,36 @@ def test_the_report_says_how_often_the_quotation_is_said_unsure(tmp_path):
     plain = _eval(0.5, 0.5, 0.8, 0.0)
     plain["rows"][0]["faithfulness"]["quote"] = {"said": 1.0, "by_position": {"quote[0]": [1.0, 1.0]}}
     assert not any("unsure" in line for line in quote_table(plain, plain))
+
+
+def test_a_kind_said_unsure_and_read_is_noted_not_warned_about(tmp_path, caplog):
+    # SmolLM2's warm-start (session 13's run, AMD): topic, next token and position said unsure on every row
+    # (recall 0: "may" is not said), the unsure values true on 0.33 / 0.18 / 0.50, from shuffled vectors on
+    # 0.18 / 0.02 / 0.50: topic and next read (0.15 and 0.16 above the margin 0.05), position not (0.00)
+    warm, rl = _eval(0.37, 0.37, 0.1, 0.0), _eval(0.36, 0.37, 0.1, 0.0)
+    zero = {"topic": [0.0, 1.0], "next": [0.0, 1.0], "position": [0.0, 1.0]}
+    warm["rows"][0]["faithfulness"]["by_kind"] = dict(zero)
+    warm["rows"][2]["faithfulness"]["by_kind"] = dict(zero)
+    warm["rows"][0]["faithfulness"]["hedged"] = {"topic": [1.0, 0.33], "next": [1.0, 0.18], "position": [0.98, 0.50]}
+    warm["rows"][2]["faithfulness"]["hedged"] = {"topic": [1.0, 0.18], "next": [1.0, 0.02], "position": [0.98, 0.50]}
+    from nla.eval.report import hedged_read_kinds
+
+    assert hedged_read_kinds(warm, ["topic", "next", "position"]) == {"topic": [1.0, 0.33, 0.18],
+                                                                     "next": [1.0, 0.18, 0.02]}
+    # said unsure on fewer than half the rows: a kind not said, whatever is true of it
+    half = {**warm, "rows": [dict(r) for r in warm["rows"]]}
+    half["rows"][0] = {**warm["rows"][0], "faithfulness": {**warm["rows"][0]["faithfulness"],
+                                                           "hedged": {"topic": [0.49, 0.9]}}}
+    assert hedged_read_kinds(half, ["topic"]) == {}
+    with caplog.at_level("WARNING", logger="nla.eval.report"):
+        md = write_report(tmp_path, preset="x", stages=[], configs={}, world={}, warm_eval=warm, rl_eval=rl,
+                          ar_info={}, av_info={}, rl_info={}).read_text()
+    assert "- **position**: recall 0.00, on shuffled vectors 0.00" in md and "- **topic**" not in md
+    assert ('The warm-started AV says topic, next unsure on most rows ("may": not counted as said), as its data '
+            "does where a probe does not hold them, and reads them all the same: true on topic 0.33 of the rows "
+            "that say it unsure, 0.18 from shuffled vectors; next 0.18 of the rows that say it unsure, 0.02 from "
+            "shuffled vectors.") in md
+    assert [r.message for r in caplog.records if "does not read" in r.message][0].startswith(
+        "the warm-started AV does not read position (")
+    head = json.loads((tmp_path / "report.json").read_text())["headline"]
+    assert head["unsure_read_kinds_warmstart"] == {"topic": [1.0, 0.33, 0.18], "next": [1.0, 0.18, 0.02]}
