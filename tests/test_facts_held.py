@@ -240,3 +240,48 @@ def test_fact_gate_below_gates_only_the_kinds_the_vectors_seldom_hold():
         WorldExplainerConfig(fact_min_prob=0.0, fact_gate_below=1.5)
     with pytest.raises(ValueError, match=r"world_explainer.fact_gate_below: expected null unless fact_min_prob is set"):
         WorldExplainerConfig(fact_gate_below=0.5)
+
+
+def test_fact_omit_below_leaves_out_the_unheld_facts_of_a_kind_the_block_seldom_holds():
+    from nla.datagen.explain import FACTS_UNSURE
+    from nla.world.explain import parse_hedged_facts
+
+    rng = np.random.default_rng(1)
+    tables = {"av_sft": _table(rng, 20, 4), "ar_sft": _table(rng, 20, 4, start=20), "rl": _table(rng, 10, 4, start=40)}
+    plain, summary = add_facts_held(tables, 0.9, every_own=True)
+    assert FACTS_UNSURE not in plain["rl"].column_names and "omitted" in summary and summary["omitted"] is None
+    # the person is held on ~all rows, the place (noise) on few at p 0.9: at 0.5 the place's unheld facts are
+    # left out, the person's said unsure
+    out, summary = add_facts_held(tables, 0.9, every_own=True, omit_below=0.5)
+    assert summary["probe_share"]["person"] >= 0.9 and summary["probe_share"]["place"] < 0.5
+    assert summary["omitted"] == ["place"] and summary["omit_below"] == 0.5
+    n_person_unsure = 0
+    for name in tables:
+        assert out[name].column(FACTS_HELD).to_pylist() == plain[name].column(FACTS_HELD).to_pylist()
+        for fs, held, unsure in zip(out[name].column("facts").to_pylist(), out[name].column(FACTS_HELD).to_pylist(),
+                                    out[name].column(FACTS_UNSURE).to_pylist(), strict=True):
+            assert unsure == sorted(f for f in fs if f not in held and f.startswith("person="))
+            n_person_unsure += len(unsure)
+    # the explainer says the held facts firmly, the listed ones unsure, and nothing of the place where unheld
+    explainer = WorldExplainer(0, 3, 6, wrong_rate=0.0, fact_rate=1.0, fact_unheld="hedge")
+    rows = out["rl"].select(["doc_id", "position", "facts", FACTS_HELD, FACTS_UNSURE]).to_pylist()
+    for row, text in zip(rows, explainer.explain_batch(rows), strict=True):
+        assert {str(f) for f in parse_facts(text)} == set(row[FACTS_HELD]), (text, row)
+        assert sorted(str(f) for f in parse_hedged_facts(text)) == row[FACTS_UNSURE], (text, row)
+    # a share of 0: every kind's unheld facts said unsure, as without the setting
+    every, summary = add_facts_held(tables, 0.9, every_own=True, omit_below=0.0)
+    assert summary["omitted"] == []
+    assert every["rl"].column(FACTS_UNSURE).to_pylist() == [
+        sorted(set(fs) - set(h)) for fs, h in zip(plain["rl"].column("facts").to_pylist(),
+                                                  plain["rl"].column(FACTS_HELD).to_pylist(), strict=True)]
+    with pytest.raises(ValueError, match=r"world_explainer.fact_omit_below: expected a share in \[0, 1\] or null"):
+        WorldExplainerConfig(fact_min_prob=0.0, fact_unheld="hedge", fact_omit_below=2)
+    with pytest.raises(ValueError, match=r"world_explainer.fact_omit_below: expected null unless fact_unheld is hedge"):
+        WorldExplainerConfig(fact_min_prob=0.0, fact_omit_below=0.5)
+    from nla.datagen.pipeline import stage_hash
+
+    base = DatagenConfig.from_dict({"out_dir": "x", "source": "world",
+                                    "world_explainer": {"fact_min_prob": 0.5, "fact_unheld": "hedge"}})
+    omit = DatagenConfig.from_dict({"out_dir": "x", "source": "world", "world_explainer": {
+        "fact_min_prob": 0.5, "fact_unheld": "hedge", "fact_omit_below": 0.5}})
+    assert stage_hash(base, "explain") != stage_hash(omit, "explain")

@@ -142,6 +142,12 @@ class WorldExplainerConfig:
                                                       "holds on fewer than this share of the warm-start rows where "
                                                       "it is true; a kind held more often is named firmly wherever "
                                                       "true. null = every kind row by row. Range: [0, 1], or null.")
+    fact_omit_below: float | None = option(None, help="with fact_unheld hedge, a kind the probe holds on fewer "
+                                                      "than this share of the warm-start rows where it is true (at "
+                                                      "the row's block) is left out where the row's vector does not "
+                                                      "hold it, not said unsure: a block that holds little of a kind "
+                                                      "says nothing of it there. null = every unheld fact said "
+                                                      "unsure. Range: [0, 1], or null.")
     quote_unheld: str = option("omit", help="what the explanation says of the token read where quote_min_prob "
                                             "finds the vector does not hold it: omit (no quotation) or hedge "
                                             "(the quotation said unsure, 'The text may end with \"...\".', which "
@@ -179,6 +185,14 @@ class WorldExplainerConfig:
             if self.fact_min_prob is None:
                 raise _err(c, "fact_gate_below", "null unless fact_min_prob is set (it says which rows are held)",
                            self.fact_gate_below)
+        if self.fact_omit_below is not None:
+            if isinstance(self.fact_omit_below, bool) or not isinstance(self.fact_omit_below, (int, float)) \
+                    or not 0 <= self.fact_omit_below <= 1:
+                raise _err(c, "fact_omit_below", "a share in [0, 1] or null (every unheld fact said unsure)",
+                           self.fact_omit_below)
+            if self.fact_unheld != "hedge":
+                raise _err(c, "fact_omit_below", "null unless fact_unheld is hedge (it chooses which unheld facts are "
+                           "said unsure)", self.fact_omit_below)
         if self.fact_unheld not in ("omit", "hedge"):
             raise _err(c, "fact_unheld", "one of omit, hedge", self.fact_unheld)
         if self.fact_unheld != "omit" and self.fact_min_prob is None:

@@ -75,8 +75,11 @@ class WorldExplainer(Explainer):
             if held is not None:  # fact_min_prob: only the facts the row's vector holds (add_facts_held)
                 held = set(held)
                 kept = frozenset(f for f in facts if f"{f.kind}={f.value}" in held)
-                # fact_unheld hedge: the true facts the probe does not read said unsure, not left out
+                # fact_unheld hedge: the true facts the probe does not read said unsure, not left out (with
+                # fact_omit_below only those of the kinds the row's block holds on enough rows: facts_unsure)
                 unsure = facts - kept if self.fact_unheld == "hedge" else frozenset()
+                if unsure and r.get(FACTS_UNSURE) is not None:
+                    unsure = frozenset(f for f in unsure if f"{f.kind}={f.value}" in set(r[FACTS_UNSURE]))
                 facts = kept
             # quote_held False: the probe says the vector does not hold the token read; quote nothing,
             # or say it unsure (quote_unheld: hedge)
@@ -114,10 +117,14 @@ def by_block(tables: dict[str, pa.Table], fn: Any) -> tuple[dict[str, pa.Table],
 
 
 FACTS_HELD = "facts_held"
+# the row's true facts said unsure (world_explainer.fact_omit_below): the unheld facts of the kinds its block holds
+# on enough rows; without the column every unheld fact is said unsure (fact_unheld hedge)
+FACTS_UNSURE = "facts_unsure"
 
 
 def add_facts_held(tables: dict[str, pa.Table], min_prob: float, every_own: bool = False,
-                   gate_below: float | None = None) -> tuple[dict[str, pa.Table], dict[str, Any]]:
+                   gate_below: float | None = None, omit_below: float | None = None
+                   ) -> tuple[dict[str, pa.Table], dict[str, Any]]:
     """Each table with a ``facts_held`` column: the row's true facts its vector holds, a kind at a time: a
     linear probe of the kind (``nla.core.probing.held_labels``: a softmax over its facts and "none") ranks one
     of the row's own facts first, and the row's own facts of the kind have probability >= ``min_prob``.
@@ -127,9 +134,12 @@ def add_facts_held(tables: dict[str, pa.Table], min_prob: float, every_own: bool
     probe ranks among its first (two persons both; ``held_labels``), the rule of ``fact_unheld: hedge``;
     without it one fact a kind (the rule the layers preset was measured with). ``gate_below``: only a kind
     the probe holds on fewer than this share of the warm-start rows where it is true is gated row by row; a
-    kind held more often counts as held wherever it is true (``world_explainer.fact_gate_below``). Returns
-    the tables and a summary: the share of each kind's rows (where the kind is true) whose fact is held, per
-    split, and the kinds gated row by row."""
+    kind held more often counts as held wherever it is true (``world_explainer.fact_gate_below``).
+    ``omit_below``: also a ``facts_unsure`` column, the row's true facts not held of the kinds the probe holds
+    on at least this share of those rows (said unsure; the other unheld facts are left out:
+    ``world_explainer.fact_omit_below``). Returns the tables and a summary: the share of each kind's rows
+    (where the kind is true) whose fact is held, per split, the kinds gated row by row and the kinds whose
+    unheld facts are left out."""
     import numpy as np
 
     from nla.core.probing import held_labels
@@ -175,6 +185,9 @@ def add_facts_held(tables: dict[str, pa.Table], min_prob: float, every_own: bool
                     rows_held[i].extend(h)
                 elif h is not None:
                     rows_held[i].append(h)
+    # the kinds said unsure where unheld (omit_below): those the probe holds on enough rows; a kind it never
+    # learnt (too few rows) is in none, so its facts are left out as they always were
+    unsure_kinds = None if omit_below is None else {k for k, v in probe_share.items() if v >= omit_below}
     out, start, start_o = dict(tables), 0, 0
     for n in tables:
         k = tables[n].num_rows
@@ -183,6 +196,10 @@ def add_facts_held(tables: dict[str, pa.Table], min_prob: float, every_own: bool
         else:
             rows, start_o = held_other[start_o:start_o + k], start_o + k
         out[n] = tables[n].append_column(FACTS_HELD, pa.array([sorted(r) for r in rows], pa.list_(pa.string())))
+        if unsure_kinds is not None:
+            unsure = [sorted(f for f in fs if f not in r and f.partition("=")[0] in unsure_kinds)
+                      for fs, r in zip(facts[n], rows, strict=True)]
+            out[n] = out[n].append_column(FACTS_UNSURE, pa.array(unsure, pa.list_(pa.string())))
         for kind in KINDS:
             has = [any(f.startswith(f"{kind}=") for f in fs) for fs in facts[n]]
             held = [any(f.startswith(f"{kind}=") for f in r) for r in rows]
@@ -193,8 +210,12 @@ def add_facts_held(tables: dict[str, pa.Table], min_prob: float, every_own: bool
     if gate_below is not None:
         log.info("explain: the probe holds each kind on %s of the warm-start rows where it is true; gated row by "
                  "row (< %.2f): %s", probe_share, gate_below, ", ".join(gated) or "none")
+    if unsure_kinds is not None:
+        log.info("explain: unheld facts said unsure for %s; left out for the kinds held on fewer than %.2f of rows",
+                 ", ".join(sorted(unsure_kinds)) or "no kind", omit_below)
     return out, {"min_prob": min_prob, "share": share, "probe_share": probe_share, "gated": gated,
-                 "gate_below": gate_below}
+                 "gate_below": gate_below, "omit_below": omit_below,
+                 "omitted": None if unsure_kinds is None else sorted(set(probe_share) - unsure_kinds)}
 
 
 def add_quote_held(tables: dict[str, pa.Table], min_prob: float) -> tuple[dict[str, pa.Table], dict[str, Any]]:

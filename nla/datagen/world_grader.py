@@ -15,7 +15,7 @@ from typing import Any
 
 from nla.core.graders import DatasetGrader, split_sentences
 from nla.datagen.config import datagen_config_of
-from nla.datagen.explain import FACTS_HELD
+from nla.datagen.explain import FACTS_HELD, FACTS_UNSURE
 from nla.world.explain import (
     FACT_TEMPLATES,
     HEDGE_WORD,
@@ -94,6 +94,8 @@ class WorldGrader(DatasetGrader):
         dc = datagen_config_of(dataset_path, "the oracle's facts") if dataset_path is not None else None
         if dc is None or dc.world_explainer.fact_unheld != "hedge":
             return firm, None
+        if FACTS_UNSURE in table.column_names:  # fact_omit_below: only these said unsure, the rest left out
+            return firm, [list(u or []) for u in table.column(FACTS_UNSURE).to_pylist()]
         return firm, [[f for f in (fs or []) if f not in h] for fs, h in zip(facts, held, strict=True)]
 
     def hedged_facts(self, text: str | None) -> list[str]:
