@@ -79,7 +79,8 @@ class WorldExplainer(Explainer):
                 # fact_omit_below only those of the kinds the row's block holds on enough rows: facts_unsure)
                 unsure = facts - kept if self.fact_unheld == "hedge" else frozenset()
                 if unsure and r.get(FACTS_UNSURE) is not None:
-                    unsure = frozenset(f for f in unsure if f"{f.kind}={f.value}" in set(r[FACTS_UNSURE]))
+                    listed = set(r[FACTS_UNSURE])
+                    unsure = frozenset(f for f in unsure if f"{f.kind}={f.value}" in listed)
                 facts = kept
             # quote_held False: the probe says the vector does not hold the token read; quote nothing,
             # or say it unsure (quote_unheld: hedge)
