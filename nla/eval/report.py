@@ -217,8 +217,7 @@ def hedged_read_kinds(warm: dict[str, Any], kinds: list[str], margin: float = UN
     warm-start round trip says unsure (``faithfulness.hedged``) on at least ``UNSURE_MOST`` of rows, true at
     least ``margin`` more often than the same AV's on shuffled vectors: a kind read, said unsure."""
     rows = _rows(warm)
-    rt = ((rows.get(ROUND_TRIP) or {}).get("faithfulness") or {}).get("hedged") or {}
-    sh = ((rows.get(SHUFFLED) or {}).get("faithfulness") or {}).get("hedged") or {}
+    rt, sh = _faith(rows.get(ROUND_TRIP), "hedged") or {}, _faith(rows.get(SHUFFLED), "hedged") or {}
     out = {}
     for k in kinds:
         if k in rt and k in sh and None not in (rt[k][0], rt[k][1], sh[k][1]) and rt[k][0] >= UNSURE_MOST \
@@ -427,8 +426,8 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
     # a kind the probe reads on fewer than UNREAD_PROBE_MIN of rows at the extraction layer is not in the
     # vector to read: no warm-start would name it, so it is noted, not warned about (seed 2's object, 0.29)
     probe_top1 = headline.get("probe_by_kind") or {}
-    absent = {k: v for k, v in headline["unread_kinds_warmstart"].items()
-              if probe_top1.get(k) is not None and probe_top1[k] < UNREAD_PROBE_MIN}
+    absent = [k for k in headline["unread_kinds_warmstart"]
+              if probe_top1.get(k) is not None and probe_top1[k] < UNREAD_PROBE_MIN]
     # a kind the AV says unsure on most rows (its data said it firmly only where a probe holds it) and whose
     # unsure values are truer than from shuffled vectors is read, not missed: retraining would not make it firm
     # (SmolLM2's topic: said unsure on every row, true on 0.33 against 0.18 from shuffled vectors)
