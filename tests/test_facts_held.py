@@ -285,3 +285,25 @@ def test_fact_omit_below_leaves_out_the_unheld_facts_of_a_kind_the_block_seldom_
     omit = DatagenConfig.from_dict({"out_dir": "x", "source": "world", "world_explainer": {
         "fact_min_prob": 0.5, "fact_unheld": "hedge", "fact_omit_below": 0.5}})
     assert stage_hash(base, "explain") != stage_hash(omit, "explain")
+
+
+def test_fact_every_own_chooses_the_rule_apart_from_fact_unheld():
+    """``fact_every_own`` (issue 59: the second person at blocks 1-3 under omit's one-fact rule): null follows
+    fact_unheld (hedge: every own fact; omit: one a kind), true or false chooses; null leaves older hashes."""
+    from nla.datagen.pipeline import stage_hash
+
+    assert not WorldExplainerConfig(fact_min_prob=0.5).every_own
+    assert WorldExplainerConfig(fact_min_prob=0.5, fact_unheld="hedge").every_own
+    assert WorldExplainerConfig(fact_min_prob=0.5, fact_every_own=True).every_own
+    assert not WorldExplainerConfig(fact_min_prob=0.5, fact_unheld="hedge", fact_every_own=False).every_own
+    with pytest.raises(ValueError, match=r"world_explainer.fact_every_own: expected true, false or null"):
+        WorldExplainerConfig(fact_min_prob=0.5, fact_every_own="yes")
+    with pytest.raises(ValueError, match=r"world_explainer.fact_every_own: expected null unless fact_min_prob is set"):
+        WorldExplainerConfig(fact_every_own=True)
+
+    def cfg(**w):
+        return DatagenConfig.from_dict({"out_dir": "x", "source": "world",
+                                        "world_explainer": {"fact_min_prob": 0.5, **w}})
+
+    assert stage_hash(cfg(), "explain") == stage_hash(cfg(fact_every_own=None), "explain")
+    assert stage_hash(cfg(), "explain") != stage_hash(cfg(fact_every_own=True), "explain")

@@ -148,6 +148,10 @@ class WorldExplainerConfig:
                                                       "hold it, not said unsure: a block that holds little of a kind "
                                                       "says nothing of it there. null = every unheld fact said "
                                                       "unsure. Range: [0, 1], or null.")
+    fact_every_own: bool | None = option(None, help="with fact_min_prob, a row holds every own fact of a kind the "
+                                                    "probe ranks among its first (two persons both), not only the "
+                                                    "one it ranks first. null = as fact_unheld says (hedge: every "
+                                                    "own; omit: one fact a kind). Range: true, false, or null.")
     quote_unheld: str = option("omit", help="what the explanation says of the token read where quote_min_prob "
                                             "finds the vector does not hold it: omit (no quotation) or hedge "
                                             "(the quotation said unsure, 'The text may end with \"...\".', which "
@@ -193,11 +197,23 @@ class WorldExplainerConfig:
             if self.fact_unheld != "hedge":
                 raise _err(c, "fact_omit_below", "null unless fact_unheld is hedge (it chooses which unheld facts are "
                            "said unsure)", self.fact_omit_below)
+        if self.fact_every_own is not None:
+            if not isinstance(self.fact_every_own, bool):
+                raise _err(c, "fact_every_own", "true, false or null (as fact_unheld says)", self.fact_every_own)
+            if self.fact_min_prob is None:
+                raise _err(c, "fact_every_own", "null unless fact_min_prob is set (it says which facts are held)",
+                           self.fact_every_own)
         if self.fact_unheld not in ("omit", "hedge"):
             raise _err(c, "fact_unheld", "one of omit, hedge", self.fact_unheld)
         if self.fact_unheld != "omit" and self.fact_min_prob is None:
             raise _err(c, "fact_unheld", "omit unless fact_min_prob is set (it says which facts are unheld)",
                        self.fact_unheld)
+
+    @property
+    def every_own(self) -> bool:
+        """Whether a row holds every own fact of a kind the probe ranks first (``fact_every_own``, else the
+        rule of ``fact_unheld``)."""
+        return self.fact_unheld == "hedge" if self.fact_every_own is None else self.fact_every_own
         if self.quote_unheld not in ("omit", "hedge"):
             raise _err(c, "quote_unheld", "one of omit, hedge", self.quote_unheld)
         if self.quote_unheld != "omit" and self.quote_min_prob is None:

@@ -71,7 +71,7 @@ def stage_hash(cfg: DatagenConfig, stage: str) -> str:
     # a setting at its default leaves the hash of data written before it was a setting
     for key, default in (("quote_units", None), ("quote_min_prob", None), ("quote_unheld", "omit"),
                          ("fact_min_prob", None), ("fact_unheld", "omit"), ("fact_gate_below", None),
-                         ("fact_omit_below", None)):
+                         ("fact_omit_below", None), ("fact_every_own", None)):
         if d["world_explainer"].get(key) == default:
             d["world_explainer"] = {k: v for k, v in d["world_explainer"].items() if k != key}
     if d["wiki_explainer"] == dataclasses.asdict(WikiExplainerConfig()):
@@ -191,7 +191,7 @@ def _explain(res: Resolved, out: Path) -> dict[str, Any]:
 
                 w = res.cfg.world_explainer
                 tables, summary["facts_held"] = by_block(
-                    tables, lambda t: add_facts_held(t, fact_prob, w.fact_unheld == "hedge", w.fact_gate_below,
+                    tables, lambda t: add_facts_held(t, fact_prob, w.every_own, w.fact_gate_below,
                                                     w.fact_omit_below))
         # the RL split keeps its flag for the oracle row and the text explainer of eval (not explained)
         write_parquet_atomic(tables.pop("rl"), out / "explained" / "rl.parquet")
