@@ -208,12 +208,6 @@ class WorldExplainerConfig:
         if self.fact_unheld != "omit" and self.fact_min_prob is None:
             raise _err(c, "fact_unheld", "omit unless fact_min_prob is set (it says which facts are unheld)",
                        self.fact_unheld)
-
-    @property
-    def every_own(self) -> bool:
-        """Whether a row holds every own fact of a kind the probe ranks first (``fact_every_own``, else the
-        rule of ``fact_unheld``)."""
-        return self.fact_unheld == "hedge" if self.fact_every_own is None else self.fact_every_own
         if self.quote_unheld not in ("omit", "hedge"):
             raise _err(c, "quote_unheld", "one of omit, hedge", self.quote_unheld)
         if self.quote_unheld != "omit" and self.quote_min_prob is None:
@@ -225,6 +219,12 @@ class WorldExplainerConfig:
             raise _err(c, "max_facts", f"an integer >= min_facts ({self.min_facts})", self.max_facts)
         if not isinstance(self.wrong_rate, (int, float)) or not 0 <= self.wrong_rate <= 1:
             raise _err(c, "wrong_rate", "a number in [0, 1]", self.wrong_rate)
+
+    @property
+    def every_own(self) -> bool:
+        """Whether a row holds every own fact of a kind the probe ranks first (``fact_every_own``, else the
+        rule of ``fact_unheld``)."""
+        return self.fact_unheld == "hedge" if self.fact_every_own is None else self.fact_every_own
 
 
 @dataclass(frozen=True)
