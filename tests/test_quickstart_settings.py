@@ -87,3 +87,18 @@ def test_the_cli_passes_settings_to_the_run_and_gives_it_its_own_directory(monke
     assert seen["out"].name == "quickstart-default" and seen["label"] == "default"  # no --set: as before
     assert main(["quickstart", "--set", "av.max_steps"]) == 2
     assert "expected STAGE.KEY=VALUE" in capsys.readouterr().err
+
+
+def test_autocast_sets_the_three_training_stages_and_a_later_set_wins(monkeypatch, tmp_path, capsys):
+    seen = {}
+
+    def stages(out, p, label, *args):
+        seen.update(preset=p, label=label)
+        raise ValueError("stopped here")
+
+    monkeypatch.setattr(qs, "_run_stages", stages)
+    monkeypatch.chdir(tmp_path)
+    assert main(["quickstart", "--autocast", "bfloat16", "--set", "rl.autocast=null"]) == 2
+    p = seen["preset"]
+    assert (p.ar["autocast"], p.av["autocast"], p.rl["autocast"]) == ("bfloat16", "bfloat16", None)
+    assert seen["label"] == "default with ar.autocast=bfloat16 av.autocast=bfloat16 rl.autocast=bfloat16 rl.autocast=null"

@@ -56,6 +56,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "field (world, eval_fraction, eval_max_rows, max_new_tokens), e.g. --set av.max_steps=1000 "
                         "--set rl.steps=50; the value is read as YAML; the run gets its own default --out and "
                         "its report names the settings")
+    p.add_argument("--autocast", default=None, choices=["bfloat16"],
+                   help="mixed precision for the AR and AV warm-starts and RL: their forwards' matmuls in bf16 "
+                        "under torch.autocast, weights, heads and losses in fp32 (nla.util.precision; the same as "
+                        "--set ar.autocast=bfloat16 --set av.autocast=bfloat16 --set rl.autocast=bfloat16). "
+                        "Needs a CPU with AVX512_BF16 or AMX (or a GPU); that CPU kind's own numbers")
     p.add_argument("--overwrite", action="store_true",
                    help="run again a stage that finished in --out with another config (other --threads, seed or "
                         "CPU code paths), replacing it and the stages after it; without it such a stage is refused")
@@ -94,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
     from nla.quickstart import run_quickstart
     from nla.util.validation import check_output_path
 
+    if args.autocast:  # first: a later --set of one stage wins
+        args.settings = [f"{stage}.autocast={args.autocast}" for stage in ("ar", "av", "rl")] + args.settings
     default_out = (f"runs/quickstart-{args.preset}" + (f"-pair-{args.pair_world}" if args.pair_world else "")
                    + ("-av" if args.pair_world and args.pair_roles == "av" else "")
                    + _adapter_suffix(args.injection_adapter, args.pair_world)

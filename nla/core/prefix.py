@@ -45,8 +45,10 @@ def take_rows(x: Tensor, rows: Tensor) -> Tensor:
     """
     if x.shape[0] == 0 or len(rows) == 0:
         return x[rows]
-    sel = torch.nn.functional.one_hot(rows, x.shape[0]).to(x.dtype)  # [r, n]
-    return (sel @ x.reshape(x.shape[0], -1)).reshape(len(rows), *x.shape[1:])
+    # a selection, exact in x's dtype: never the lower precision of an autocast region (rl.autocast)
+    with torch.autocast(x.device.type, enabled=False):
+        sel = torch.nn.functional.one_hot(rows, x.shape[0]).to(x.dtype)  # [r, n]
+        return (sel @ x.reshape(x.shape[0], -1)).reshape(len(rows), *x.shape[1:])
 
 
 def cache_rows(cache: Any, rows: Tensor) -> Any:

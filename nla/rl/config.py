@@ -272,7 +272,8 @@ class RewardConfig:
     step0_guard_tol: float | None = option(None, help="at step 0, refuse to start when the AR's padded reward "
                                                       "path and its training layout disagree by more than this "
                                                       "relative MSE difference; null = STEP0_GUARD_TOL at the "
-                                                      "run's dtype (1e-4 fp32, 1e-2 fp16, 5e-2 bf16). Range: a "
+                                                      "run's dtype (1e-4 fp32, 1e-2 fp16, 5e-2 bf16; autocast's "
+                                                      "where set). Range: a "
                                                       "positive finite number, or null.")
     format_penalty: float = option(0.0, help="subtracted from the reward of a completed explanation that the "
                                              "format_checks grader flags as degenerate; without it RL learns to "
@@ -447,6 +448,16 @@ class RLConfig(RunConfig):
         check_threads("RLConfig.threads", self.threads)
         if self.dtype not in _DTYPES:
             _bad("dtype", " | ".join(_DTYPES), self.dtype)
+        from nla.util.precision import AUTOCAST_DTYPES
+
+        if self.autocast is not None and self.autocast not in AUTOCAST_DTYPES:
+            _bad("autocast", f"null or one of {list(AUTOCAST_DTYPES)}", self.autocast)
+        if self.autocast is not None and self.dtype != "float32":
+            _bad("autocast", f"null with dtype {self.dtype!r} (autocast runs bf16 matmuls over fp32 weights: set "
+                 "dtype: float32 or autocast: null)", self.autocast)
+        if self.autocast is not None and self.backend.name != "local":
+            _bad("autocast", f"null with backend.name {self.backend.name!r} (autocast runs the roles of this "
+                 "process: set backend.name: local or autocast: null)", self.autocast)
         ro, opt = self.rollout, self.optimiser
         est = ADVANTAGE_ESTIMATORS[self.loss.advantage]
         if est.needs_groups and ro.n_samples_per_prompt < 2:

@@ -57,10 +57,12 @@ from nla.train.checkpoint import (
     seed_everything,
 )
 from nla.train.data import DataCursor
+from nla.train.device import resolve_device
 from nla.train.health import StuckRunMonitor, check_finite_loss
 from nla.train.rundir import write_input_fingerprints
 from nla.util.checkpoint_files import atomic_dir
 from nla.util.metrics import MetricsLogger
+from nla.util.precision import autocast, keep_heads_fp32, prepare_autocast
 from nla.util.threads import adapt_threads, apply_threads
 
 logger = logging.getLogger(__name__)
@@ -465,7 +467,7 @@ def rl_step(groups: WorkerGroups, cfg: RLConfig, data: RLData, cursor: DataCurso
     train, everything, m = collect_rollout(groups, cfg, data, cursor, service)
     if guard:
         tol = cfg.reward.step0_guard_tol
-        m["step0_guard_diff"] = step0_guard(groups, everything, STEP0_GUARD_TOL[cfg.dtype] if tol is None else tol,
+        m["step0_guard_diff"] = step0_guard(groups, everything, STEP0_GUARD_TOL[cfg.autocast or cfg.dtype] if tol is None else tol,
                                             data)
     m.update(rollout_metrics(everything, baseline))
     m.update(grade_facts(everything, data.facts, data.grader))
@@ -506,6 +508,12 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
     owns_groups = groups is None
     if groups is None:
         groups = build_groups(cfg, ckpt / "av" if ckpt else None, ckpt / "ar" if ckpt else None)
+    # rl.autocast: the step's forwards in bf16, the heads in fp32 (nla.util.precision)
+    amp_device = resolve_device(cfg.device)
+    prepare_autocast(cfg.autocast, amp_device, "RLConfig.autocast")
+    if cfg.autocast is not None:
+        for model in (groups.policy.model, groups.reference.model, groups.rollout.model, groups.reconstructor.ar):
+            keep_heads_fp32(model)
     # Building the groups may draw from the RNG (local backends initialise heads in-process,
     # remote ones do not): re-seed so a seeded run samples the same tokens on any backend.
     seed_everything(cfg.seed)
@@ -536,8 +544,9 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
         while step < stop:
             adapt_threads()
             t0 = time.perf_counter()
-            m = rl_step(groups, cfg, data, cursor, service, replay, step, baseline,
-                        guard=step == 0 and ckpt is None)
+            with autocast(amp_device, cfg.autocast):
+                m = rl_step(groups, cfg, data, cursor, service, replay, step, baseline,
+                            guard=step == 0 and ckpt is None)
             if m.get("ar_rows", 0) > 0:
                 check_finite_loss("rl (AR update)", step + 1, {"loss": m["ar_loss"]},
                                   f"reconstructor.lr={cfg.ar_lr_value:g}", last_ckpt)

@@ -99,6 +99,12 @@ class RunConfig:
     device: str = option("auto", help="where the models run: auto (cuda when available, else cpu), cpu, "
                                       "cuda or cuda:i.")
     dtype: str = option("float32", help="the models' parameter dtype: float32, bfloat16 or float16.")
+    autocast: str | None = option(None, help="mixed precision: the training forwards' matmuls in this dtype under "
+                                             "torch.autocast, the weights, optimiser state, heads and losses in "
+                                             "fp32 (nla.util.precision). On a CPU it needs bf16 instructions "
+                                             "(AVX512_BF16 or AMX) and gives that CPU kind's own numbers; "
+                                             "evaluation stays fp32. null = fp32 throughout. Range: null or "
+                                             "bfloat16 (with dtype float32).")
     threads: int | str | None = option(None, help="torch CPU threads of this process, fixed for the run "
                                                   "(nla.util.threads); on Ray each actor gets a share of half "
                                                   "the cores; null = $OMP_NUM_THREADS, else every core; "
@@ -197,6 +203,13 @@ class _TrainBase(RunConfig):
             _bad("keep_last", "an integer >= 0 (0 keeps all)", self.keep_last)
         if self.dtype not in _DEVICES_DTYPES:
             _bad("dtype", f"one of {list(_DEVICES_DTYPES)}", self.dtype)
+        from nla.util.precision import AUTOCAST_DTYPES
+
+        if self.autocast is not None and self.autocast not in AUTOCAST_DTYPES:
+            _bad("autocast", f"null or one of {list(AUTOCAST_DTYPES)}", self.autocast)
+        if self.autocast is not None and self.dtype != "float32":
+            _bad("autocast", f"null with dtype {self.dtype!r} (autocast runs bf16 matmuls over fp32 weights: set "
+                 "dtype: float32 or autocast: null)", self.autocast)
         if not isinstance(self.seed, int):
             _bad("seed", "an integer", self.seed)
         check_threads("config field 'threads'", self.threads)

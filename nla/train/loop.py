@@ -39,6 +39,7 @@ from nla.train.optim import (
 )
 from nla.train.rundir import write_input_fingerprints
 from nla.util.checkpoint_files import atomic_dir
+from nla.util.precision import autocast, keep_heads_fp32, prepare_autocast
 from nla.util.threads import adapt_threads
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,10 @@ def run_training_loop(cfg: Any, spec: LoopSpec) -> TrainResult:
     sched = warmup_cosine(opt, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
     warn_if_lr_far(cfg.lr, cfg.batch_size)
     device = next(model.parameters()).device
+    amp = getattr(cfg, "autocast", None)
+    prepare_autocast(amp, device, f"{spec.name}.autocast")
+    if amp is not None:
+        keep_heads_fp32(model)
     check_micro_batch_memory(f"train {spec.name}", model, cfg.micro, cfg.max_length, device)
     cursor = DataCursor(n=spec.n_train, seed=cfg.seed)
     step, skipped = 0, 0
@@ -137,7 +142,8 @@ def run_training_loop(cfg: Any, spec: LoopSpec) -> TrainResult:
             sums: dict[str, float] = {}
             total_loss = 0.0
             for sl, w in micro_batches(len(idx), cfg.micro):
-                loss, m = spec.micro_loss(idx[sl])
+                with autocast(device, amp):  # the forward only: backward follows its dtypes
+                    loss, m = spec.micro_loss(idx[sl])
                 (loss * w).backward()
                 total_loss += float(loss.detach()) * w
                 for k, v in m.items():

@@ -1,0 +1,123 @@
+"""Mixed precision: matmuls in bf16 under ``torch.autocast``, weights, optimiser state and losses in fp32.
+
+A training stage or RL run with ``autocast: bfloat16`` runs its forwards under ``torch.autocast``
+(PyTorch's own mixed precision: linear layers and attention in bf16, norms, softmaxes and the
+residual stream in fp32; the backward follows the forward's dtypes). nla adds the NLA-specific
+parts torch cannot know:
+
+- **the heads stay fp32** (``keep_heads_fp32``): the AV's LM head (its logits feed log-probs, the
+  KL to the reference and the SFT loss; bf16 logits of 10 are off by 0.04) and the AR's value head
+  (its prediction is the reward);
+- **the CPU's bf16 kernels**: on a CPU torch's bf16 matmuls are oneDNN's, which nla's CPU pin caps
+  at AVX2 (``nla.util.numerics``), where bf16 is emulated: measured 19x slower than fp32 on an AMD
+  EPYC. ``prepare_autocast`` lifts that cap (the pin's own value only; a value the user set stays)
+  before the first bf16 op, and refuses a CPU without bf16 instructions (AVX512_BF16 or AMX), where
+  bf16 is slower than fp32 whatever the cap.
+
+What it buys depends on the model: SmolLM2-135M's SFT steps ran 2.0-2.4x faster on an AMD EPYC
+(Zen 5, AVX512_BF16), the default world's 1M-parameter RL step not at all (its step is bound by
+small ops, not matmuls; BENCHMARKS.md, "Mixed precision on the CPU"). The numbers it gives are that
+CPU kind's own: bf16 kernels differ by instruction set, so the pin's promise (the same numbers on
+every x86 machine) does not hold under it, and the same seed may differ from the fp32 run's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["AUTOCAST_DTYPES", "autocast", "bf16_native", "keep_heads_fp32",
+           "prepare_autocast"]
+
+logger = logging.getLogger(__name__)
+
+AUTOCAST_DTYPES = ("bfloat16",)
+# CPU flags of native bf16 arithmetic (/proc/cpuinfo): AVX-512's dot product, or AMX's tiles
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+ONEDNN_VAR = "ONEDNN_MAX_CPU_ISA"
+
+
+def bf16_native(flags: set[str] | None = None) -> bool:
+    """Whether this CPU has bf16 instructions (``BF16_FLAGS``); ``flags``: the CPU's (default: read)."""
+    from nla.util.numerics import _cpu_flags
+
+    return any(f in (_cpu_flags() if flags is None else flags) for f in BF16_FLAGS)
+
+
+def prepare_autocast(name: str | None, device: torch.device, field: str = "autocast",
+                     flags: set[str] | None = None) -> None:
+    """Before a stage's first bf16 op: on a CPU, refuse one without bf16 instructions, and lift the CPU
+    pin's cap on oneDNN (module docstring). Nothing for ``None`` or a GPU."""
+    if name is None or device.type != "cpu":
+        return
+    if not bf16_native(flags):
+        raise ValueError(
+            f"{field}: {name} runs emulated on this CPU (no {' or '.join(BF16_FLAGS)} in its flags), slower than "
+            f"float32: set {field}: null, or run on a CPU with AVX512_BF16 or AMX, or a GPU")
+    from nla.util.numerics import pins
+
+    pinned = {p.var: p.value for p in pins()}.get(ONEDNN_VAR)
+    if os.environ.get(ONEDNN_VAR) == pinned:  # the pin's cap, not the user's: bf16 needs oneDNN's widest path
+        os.environ[ONEDNN_VAR] = "ALL"
+        logger.info("%s: %s lifted to ALL for bf16 matmuls (oneDNN reads it at its first bf16 op)", field,
+                    ONEDNN_VAR)
+
+
+@contextlib.contextmanager
+def autocast(device: torch.device, name: str | None) -> Iterator[None]:
+    """``torch.autocast`` to ``name`` on ``device``'s type; nothing for None."""
+    if name is None:
+        yield
+        return
+    with torch.autocast(device.type, dtype=getattr(torch, name)):
+        yield
+
+
+def _heads(model: nn.Module) -> list[nn.Module]:
+    heads = []
+    value_head = getattr(model, "value_head", None)
+    if isinstance(value_head, nn.Module):
+        heads.append(value_head)
+    get = getattr(model, "get_output_embeddings", None)
+    out = get() if callable(get) else None
+    if isinstance(out, nn.Module):
+        heads.append(out)
+    return heads
+
+
+def keep_heads_fp32(model: nn.Module) -> int:
+    """Make ``model``'s heads (an AR's ``value_head``, a causal LM's output embeddings) run in fp32 inside
+    an autocast region: hooks that switch autocast off for the head and feed it fp32 input. Outside
+    autocast they do nothing. Idempotent; returns the number of heads hooked now."""
+    n = 0
+    for head in _heads(model):
+        if getattr(head, "_nla_fp32_head", False):
+            continue
+        states: list[tuple[str, contextlib.AbstractContextManager] | None] = []
+
+        def before(_m: nn.Module, args: tuple, _states=states) -> tuple | None:
+            x = args[0] if args else None
+            dev = x.device.type if torch.is_tensor(x) else "cpu"
+            if not torch.is_autocast_enabled(dev):
+                _states.append(None)
+                return None
+            ctx = torch.autocast(dev, enabled=False)
+            ctx.__enter__()
+            _states.append((dev, ctx))
+            return (x.float(), *args[1:]) if torch.is_tensor(x) and x.is_floating_point() else None
+
+        def after(_m: nn.Module, _args: tuple, _out: object, _states=states) -> None:
+            top = _states.pop() if _states else None
+            if top is not None:
+                top[1].__exit__(None, None, None)
+
+        head.register_forward_pre_hook(before)
+        head.register_forward_hook(after, always_call=True)
+        head._nla_fp32_head = True
+        n += 1
+    return n

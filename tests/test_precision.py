@@ -1,0 +1,150 @@
+"""Mixed precision (``autocast: bfloat16``, nla.util.precision): the settings, the CPU check, the oneDNN
+cap, the fp32 heads and the exact row selection under autocast."""
+
+import pytest
+import torch
+from conftest import build_tiny_model
+
+from nla.core.prefix import take_rows
+from nla.rl.config import RLConfig
+from nla.train.config import ARTrainConfig, AVTrainConfig
+from nla.util import precision
+from nla.util.numerics import pins
+
+CPU = torch.device("cpu")
+
+
+def test_the_setting_is_checked_and_names_the_field():
+    assert ARTrainConfig(dataset="x").autocast is None
+    assert AVTrainConfig(dataset="x", autocast="bfloat16").autocast == "bfloat16"
+    with pytest.raises(ValueError, match=r"'autocast': expected null or one of \['bfloat16'\], found 'float16'"):
+        ARTrainConfig(dataset="x", autocast="float16")
+    with pytest.raises(ValueError, match=r"'autocast': expected null with dtype 'bfloat16' .*set dtype: float32"):
+        AVTrainConfig(dataset="x", dtype="bfloat16", autocast="bfloat16")
+    base = dict(av="a", ar="b", dataset="c", out_dir="o")
+    assert RLConfig.from_dict({**base, "autocast": "bfloat16"}).autocast == "bfloat16"
+    with pytest.raises(ValueError, match=r"RLConfig.autocast: expected null or one of \['bfloat16'\], found 'fp8'"):
+        RLConfig.from_dict({**base, "autocast": "fp8"})
+    with pytest.raises(ValueError, match=r"RLConfig.autocast: expected null with backend.name 'ray'"):
+        RLConfig.from_dict({**base, "autocast": "bfloat16", "backend": {"name": "ray"}})
+
+
+def test_a_cpu_without_bf16_instructions_is_refused(monkeypatch):
+    with pytest.raises(ValueError, match=r"av.autocast: bfloat16 runs emulated on this CPU \(no avx512_bf16 or "
+                                         r"amx_bf16 in its flags\), slower than float32: set av.autocast: null"):
+        precision.prepare_autocast("bfloat16", CPU, "av.autocast", flags={"avx2", "avx512f"})
+    precision.prepare_autocast(None, CPU, flags={"avx2"})  # off: nothing checked
+    precision.prepare_autocast("bfloat16", torch.device("cuda"), flags={"avx2"})  # a GPU: not the CPU's business
+    assert precision.bf16_native({"avx512_bf16"}) and precision.bf16_native({"amx_bf16", "avx2"})
+    assert not precision.bf16_native({"avx512f", "avx512_vnni"})
+
+
+def test_the_pins_onednn_cap_is_lifted_and_a_users_value_kept(monkeypatch):
+    pinned = {p.var: p.value for p in pins(vendor="AuthenticAMD")}.get("ONEDNN_MAX_CPU_ISA")
+    if pinned is None:
+        pytest.skip("the CPU pin does not apply on this machine")
+    monkeypatch.setattr(precision, "pins", lambda: pins(vendor="AuthenticAMD"), raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", pinned)
+    precision.prepare_autocast("bfloat16", CPU, flags={"avx512_bf16"})
+    import os
+
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "ALL"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")  # the user's own choice
+    precision.prepare_autocast("bfloat16", CPU, flags={"avx512_bf16"})
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
+
+
+def test_heads_run_fp32_under_autocast_and_change_nothing_outside(tiny_tokenizer):
+    plain = build_tiny_model("llama", tiny_tokenizer)
+    hooked = build_tiny_model("llama", tiny_tokenizer)
+    assert precision.keep_heads_fp32(hooked) == 1 and precision.keep_heads_fp32(hooked) == 0  # idempotent
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.equal(plain(input_ids=ids).logits, hooked(input_ids=ids).logits)  # no autocast: the same bits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert plain(input_ids=ids).logits.dtype == torch.bfloat16
+            logits = hooked(input_ids=ids).logits
+            assert logits.dtype == torch.float32
+            assert torch.is_autocast_enabled("cpu")  # the head's region closed again
+            # the head's input is the bf16-matmul hidden state; the head itself is the fp32 one
+            h = hooked.model(input_ids=ids).last_hidden_state
+            with torch.autocast("cpu", enabled=False):
+                assert torch.equal(logits, torch.nn.functional.linear(h.float(), hooked.lm_head.weight))
+    head = hooked.get_output_embeddings()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError):
+            head(torch.zeros(2, 3))  # a wrong width: the head raises
+        assert torch.is_autocast_enabled("cpu")  # and autocast is on again after it
+
+
+def test_the_ars_value_head_runs_fp32(tiny_tokenizer):
+    from nla.core.reconstructor import Reconstructor
+
+    base = build_tiny_model("llama", tiny_tokenizer)
+    ar = Reconstructor(base.model, tokenizer=tiny_tokenizer)
+    assert precision.keep_heads_fp32(ar) == 1
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ar.value_head(torch.randn(2, base.config.hidden_size).bfloat16())
+    assert out.dtype == torch.float32
+
+
+def test_take_rows_is_an_exact_selection_under_autocast():
+    x = torch.randn(3, 5, 7)
+    rows = torch.tensor([0, 0, 2, 1, 2])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = take_rows(x, rows)
+    assert got.dtype == torch.float32 and torch.equal(got, x[rows])  # a bf16 matmul would round x
+
+
+@pytest.mark.parametrize("role", ["ar", "av"])
+def test_a_warm_start_trains_under_autocast_near_its_fp32_run(tmp_path, monkeypatch, role):
+    """A warm-start with ``autocast: bfloat16``: the first step's loss (the same weights, bf16 matmuls) is
+    within 2 % of the fp32 run's and not the same bits; every step's loss is finite; the saved weights are
+    fp32."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from train_helpers import dataset_sidecar, write_av_dataset
+
+    from nla.core.arch import load_tokenizer
+    from nla.core.sidecar import write_sidecar
+    from nla.datagen.io import vectors_to_arrow
+    from nla.train.ar import train_ar
+    from nla.train.av import train_av
+    from nla.util.metrics import read_metrics
+    from nla.world import build_world
+
+    monkeypatch.setattr(precision, "bf16_native", lambda flags=None: True)  # emulated where absent: slow, not wrong
+    import os
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL"))
+    base = build_world("tiny", progress=False).subject_dir
+    side = dataset_sidecar(load_tokenizer(base), base, 64, 1, injection_scale=8.0)
+    rng = np.random.default_rng(0)
+    vec = rng.normal(size=(32, 64)).astype(np.float32)
+    texts = [f"the {w} is happy" for w in ["cat", "dog", "bird", "fish"] * 8]
+    if role == "av":
+        ds = write_av_dataset(tmp_path / "av.parquet", side, vec, texts)
+    else:
+        ds = tmp_path / "ar.parquet"
+        pq.write_table(pa.table({"activation_vector": vectors_to_arrow(vec), "doc_id": pa.array(range(32), pa.int64()),
+                                 "prompt": pa.array([side.ar_text(t) for t in texts]),
+                                 "explanation": pa.array(texts)}), ds)
+        write_sidecar(ds, side)
+    kw = dict(dataset=str(ds), max_steps=3, batch_size=8, lr=1e-3, warmup_steps=1, log_every=1, eval_every=3,
+              save_every=3, eval_fraction=0.25, tensorboard=False, progress=False, threads=1)
+    runs = {}
+    for amp in (None, "bfloat16"):
+        out = tmp_path / f"{role}_{amp}"
+        if role == "av":
+            res = train_av(AVTrainConfig(out_dir=str(out), smoke_num=1, smoke_max_new_tokens=4, autocast=amp, **kw))
+        else:
+            res = train_ar(ARTrainConfig(out_dir=str(out), autocast=amp, **kw))
+        runs[amp] = [r["loss"] for r in read_metrics(out / f"{role}.jsonl") if "loss" in r]
+        from safetensors import safe_open
+
+        with safe_open(str(next(res.checkpoint_dir.glob("*.safetensors"))), "pt") as f:
+            assert all(f.get_tensor(k).dtype == torch.float32 for k in f.keys())
+    fp, bf = runs[None], runs["bfloat16"]
+    assert len(bf) == 3 and all(np.isfinite(bf))
+    assert bf[0] != fp[0] and abs(bf[0] - fp[0]) < 0.02 * abs(fp[0])
