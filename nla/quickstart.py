@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from nla.util.numerics import cpu_paths
+from nla.util.precision import onednn_setting
 
 logger = logging.getLogger(__name__)
 
@@ -414,7 +415,11 @@ def _hash(obj: Any) -> str:
     # the numeric libraries run (nla.util.numerics): a stage done on other paths is done again.
     if isinstance(obj, dict) and "progress" in obj:
         obj = {k: v for k, v in obj.items() if k != "progress"}
-    blob = {"config": obj, "cpu_paths": cpu_paths()}
+    paths = cpu_paths()
+    # oneDNN's cap as this stage runs it (a stage with autocast lifts it; the stages after it keep their key)
+    isa = onednn_setting(obj.get("autocast") if isinstance(obj, dict) else None)
+    paths["onednn"] = f"{isa} (set)" if isa.strip() else "by CPU"
+    blob = {"config": obj, "cpu_paths": paths}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

@@ -40,10 +40,10 @@ def test_a_cpu_without_bf16_instructions_is_refused(monkeypatch):
 
 
 def test_the_pins_onednn_cap_is_lifted_and_a_users_value_kept(monkeypatch):
-    pinned = {p.var: p.value for p in pins(vendor="AuthenticAMD")}.get("ONEDNN_MAX_CPU_ISA")
+    pinned = {p.var: p.value for p in pins()}.get("ONEDNN_MAX_CPU_ISA")
     if pinned is None:
         pytest.skip("the CPU pin does not apply on this machine")
-    monkeypatch.setattr(precision, "pins", lambda: pins(vendor="AuthenticAMD"), raising=False)
+    monkeypatch.setattr(precision, "_BEFORE_LIFT", None)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", pinned)
     precision.prepare_autocast("bfloat16", CPU, flags={"avx512_bf16"})
     import os
@@ -118,6 +118,7 @@ def test_a_warm_start_trains_under_autocast_near_its_fp32_run(tmp_path, monkeypa
     import os
 
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL"))
+    monkeypatch.setattr(precision, "_BEFORE_LIFT", precision._BEFORE_LIFT)
     base = build_world("tiny", progress=False).subject_dir
     side = dataset_sidecar(load_tokenizer(base), base, 64, 1, injection_scale=8.0)
     rng = np.random.default_rng(0)
@@ -148,3 +149,25 @@ def test_a_warm_start_trains_under_autocast_near_its_fp32_run(tmp_path, monkeypa
     fp, bf = runs[None], runs["bfloat16"]
     assert len(bf) == 3 and all(np.isfinite(bf))
     assert bf[0] != fp[0] and abs(bf[0] - fp[0]) < 0.02 * abs(fp[0])
+
+
+def test_a_stages_cache_key_does_not_move_when_an_earlier_stage_lifted_the_cap(monkeypatch):
+    """The quickstart keys each stage on the CPU paths it runs (``nla.quickstart._hash``). A stage with
+    autocast lifts oneDNN's cap for the rest of the process, so a resumed run (the bf16 stage cached, not
+    run) would see another cap than the first run did: each stage's key reads the cap it runs with."""
+    from nla import quickstart as qs
+
+    pinned = {p.var: p.value for p in pins()}.get("ONEDNN_MAX_CPU_ISA")
+    if pinned is None:
+        pytest.skip("the CPU pin does not apply on this machine")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", pinned)
+    monkeypatch.setattr(precision, "_BEFORE_LIFT", None)
+    fp32, bf16 = {"max_steps": 5}, {"max_steps": 5, "autocast": "bfloat16"}
+    assert precision.onednn_setting(None) == pinned and precision.onednn_setting("bfloat16") == "ALL"
+    before = qs._hash(fp32), qs._hash(bf16)
+    precision.prepare_autocast("bfloat16", CPU, flags={"avx512_bf16"})
+    import os
+
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "ALL"
+    assert (qs._hash(fp32), qs._hash(bf16)) == before and before[0] != before[1]
+    assert precision.onednn_setting(None) == pinned

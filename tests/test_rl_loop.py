@@ -680,6 +680,7 @@ def test_autocast_runs_the_step_in_bf16_with_the_heads_in_fp32(pair, tmp_path, m
 
     monkeypatch.setattr(precision, "bf16_native", lambda flags=None: True)  # emulated where absent: slow, not wrong
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL"))  # restored after
+    monkeypatch.setattr(precision, "_BEFORE_LIFT", precision._BEFORE_LIFT)
     dtypes = []
     groups = build_groups(_cfg(pair, tmp_path / "bf16", steps=2, autocast="bfloat16"))
     groups.policy.model.get_output_embeddings().register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["AUTOCAST_DTYPES", "autocast", "bf16_native", "keep_heads_fp32",
+__all__ = ["AUTOCAST_DTYPES", "autocast", "bf16_native", "keep_heads_fp32", "onednn_setting",
            "prepare_autocast"]
 
 logger = logging.getLogger(__name__)
@@ -59,13 +59,30 @@ def prepare_autocast(name: str | None, device: torch.device, field: str = "autoc
         raise ValueError(
             f"{field}: {name} runs emulated on this CPU (no {' or '.join(BF16_FLAGS)} in its flags), slower than "
             f"float32: set {field}: null, or run on a CPU with AVX512_BF16 or AMX, or a GPU")
-    from nla.util.numerics import pins
-
-    pinned = {p.var: p.value for p in pins()}.get(ONEDNN_VAR)
-    if os.environ.get(ONEDNN_VAR) == pinned:  # the pin's cap, not the user's: bf16 needs oneDNN's widest path
+    global _BEFORE_LIFT
+    if os.environ.get(ONEDNN_VAR) == _pinned_onednn():  # the pin's cap, not the user's: bf16 needs oneDNN's widest
+        _BEFORE_LIFT = os.environ[ONEDNN_VAR]
         os.environ[ONEDNN_VAR] = "ALL"
         logger.info("%s: %s lifted to ALL for bf16 matmuls (oneDNN reads it at its first bf16 op)", field,
                     ONEDNN_VAR)
+
+
+def _pinned_onednn() -> str | None:
+    from nla.util.numerics import pins
+
+    return {p.var: p.value for p in pins()}.get(ONEDNN_VAR)
+
+
+# ONEDNN_MAX_CPU_ISA as it was before prepare_autocast lifted it in this process (None: never lifted)
+_BEFORE_LIFT: str | None = None
+
+
+def onednn_setting(name: str | None) -> str:
+    """The ``ONEDNN_MAX_CPU_ISA`` a stage runs with, whatever ran before it in this process (a cache key:
+    ``nla.quickstart``): with autocast ``name``, the value ``prepare_autocast`` gives it; without, the value
+    before any lift. "" where it is unset."""
+    before = os.environ.get(ONEDNN_VAR, "") if _BEFORE_LIFT is None else _BEFORE_LIFT
+    return "ALL" if name is not None and before == _pinned_onednn() else before
 
 
 @contextlib.contextmanager
