@@ -178,6 +178,11 @@ def trl_grpo_steps(cfg: RLConfig, steps: int, threads: int) -> tuple[float, floa
     tok = load_tokenizer(cfg.av)
     messages = load_sidecar(Path(cfg.av) / SIDECAR_NAME).av_messages()
     noise = torch.Generator().manual_seed(0)
+    # autocast: TRL's own mixed precision (accelerate's bf16: torch.autocast on the CPU), with oneDNN's cap
+    # lifted as nla lifts it, so both trainers run the same bf16 kernels
+    from nla.util.precision import prepare_autocast
+
+    prepare_autocast(cfg.autocast, torch.device("cpu"), "autocast")
 
     def reward(prompts, completions, **_kw):  # ignores the text, like the stock loop's
         return torch.randn(len(completions), generator=noise).tolist()
@@ -193,7 +198,7 @@ def trl_grpo_steps(cfg: RLConfig, steps: int, threads: int) -> tuple[float, floa
             self.times.append(time.perf_counter() - self.t0)
 
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench_trl_"), max_steps=steps + 1, use_cpu=True, bf16=False,
+        output_dir=tempfile.mkdtemp(prefix="bench_trl_"), max_steps=steps + 1, use_cpu=True, bf16=cfg.autocast == "bfloat16",
         per_device_train_batch_size=op.micro_batch_size, gradient_accumulation_steps=N // op.micro_batch_size,
         num_generations=G, max_completion_length=ro.max_response_len, temperature=ro.temperature, top_p=ro.top_p,
         top_k=0, beta=lo.kl_coef, epsilon=lo.eps_low, epsilon_high=lo.eps_high, loss_type="dapo",
