@@ -134,11 +134,11 @@ def main() -> None:
 
     import torch
 
-    from nla.util.numerics import _cpuinfo_field
+    from nla.util.numerics import cpuinfo_field
     from nla.util.precision import bf16_native, prepare_autocast
 
     torch.set_num_threads(args.threads)
-    cpu = _cpuinfo_field("model name")
+    cpu = cpuinfo_field("model name")
     print(f"CPU: {cpu}; bf16 instructions: {bf16_native()}; threads {args.threads}")
     if not args.pinned:
         try:

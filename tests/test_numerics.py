@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import PINNED_BY_HAND, numpy_avx512_targets
 
-from nla.util.numerics import ENV_VAR, _cpu_flags, cpu_kernels, mkl_branch, pinned_environment
+from nla.util.numerics import ENV_VAR, cpu_flags, cpu_kernels, mkl_branch, pinned_environment
 
-HAS_AVX2 = platform.machine().lower() in ("x86_64", "amd64") and "avx2" in _cpu_flags()
+HAS_AVX2 = platform.machine().lower() in ("x86_64", "amd64") and "avx2" in cpu_flags()
 
 
 def pinned_capability(env, machine, flags):
@@ -36,8 +36,8 @@ def test_pinned_capability_cases():
 def test_cpu_flags_read_from_cpuinfo(tmp_path):
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu sse2 avx2 fma\nbugs\t\t: x\n")
-    assert _cpu_flags(str(info)) == {"fpu", "sse2", "avx2", "fma"}
-    assert _cpu_flags(str(tmp_path / "absent")) == set()
+    assert cpu_flags(str(info)) == {"fpu", "sse2", "avx2", "fma"}
+    assert cpu_flags(str(tmp_path / "absent")) == set()
 
 
 def _kernels_in_child(env_value: str | None, first: str = "import nla, torch") -> str:

@@ -100,7 +100,7 @@ class LibraryPin:
     value: str
 
 
-def _cpuinfo_field(name: str, cpuinfo: str = "/proc/cpuinfo") -> str:
+def cpuinfo_field(name: str, cpuinfo: str = "/proc/cpuinfo") -> str:
     """The first ``name : value`` of /proc/cpuinfo (Linux), "" where it cannot be read."""
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as fh:
@@ -114,7 +114,7 @@ def _cpuinfo_field(name: str, cpuinfo: str = "/proc/cpuinfo") -> str:
 
 def _cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
     """The CPU's vendor id (``GenuineIntel``, ``AuthenticAMD``, ...), empty where it cannot be read."""
-    return _cpuinfo_field("vendor_id", cpuinfo)
+    return cpuinfo_field("vendor_id", cpuinfo)
 
 
 def mkl_branch(mode: str | None = None, vendor: str | None = None) -> str:
@@ -140,9 +140,9 @@ def pins(mode: str | None = None, vendor: str | None = None) -> tuple[LibraryPin
     ) if p.value)
 
 
-def _cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
     """The CPU's feature flags (Linux), empty where they cannot be read."""
-    return set(_cpuinfo_field("flags", cpuinfo).split())
+    return set(cpuinfo_field("flags", cpuinfo).split())
 
 
 def pin_applies(machine: str | None = None, flags: set[str] | None = None) -> bool:
@@ -150,7 +150,7 @@ def pin_applies(machine: str | None = None, flags: set[str] | None = None) -> bo
     machine = (platform.machine() if machine is None else machine).lower()
     if machine not in ("x86_64", "amd64"):
         return False
-    return "avx2" in (_cpu_flags() if flags is None else flags)
+    return "avx2" in (cpu_flags() if flags is None else flags)
 
 
 def _opted_out(env: dict[str, str] | os._Environ) -> bool:

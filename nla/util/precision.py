@@ -44,9 +44,9 @@ ONEDNN_VAR = "ONEDNN_MAX_CPU_ISA"
 
 def bf16_native(flags: set[str] | None = None) -> bool:
     """Whether this CPU has bf16 instructions (``BF16_FLAGS``); ``flags``: the CPU's (default: read)."""
-    from nla.util.numerics import _cpu_flags
+    from nla.util.numerics import cpu_flags
 
-    return any(f in (_cpu_flags() if flags is None else flags) for f in BF16_FLAGS)
+    return any(f in (cpu_flags() if flags is None else flags) for f in BF16_FLAGS)
 
 
 def prepare_autocast(name: str | None, device: torch.device, field: str = "autocast",
