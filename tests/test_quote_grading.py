@@ -162,6 +162,7 @@ def test_quote_units_setting_is_checked_and_off_by_default():
     before["world_explainer"].pop("fact_unheld")
     before["world_explainer"].pop("fact_gate_below")
     before["world_explainer"].pop("fact_omit_below")
+    before["world_explainer"].pop("fact_every_own")
     before.pop("wiki_explainer")  # a section added later, at its default
     before.pop("layers")  # a setting added later, at its default (one block)
     keys = [k for s in STAGES[: STAGES.index("explain") + 1] for k in _STAGE_FIELDS[s]]

@@ -671,7 +671,7 @@ def test_the_adam_eps_tolerance_passes_an_isolated_move_and_fails_a_wrong_update
 
 def test_autocast_runs_the_step_in_bf16_with_the_heads_in_fp32(pair, tmp_path, monkeypatch):
     """``autocast: bfloat16`` (nla.util.precision): the policy's log-probs, the AR's predictions and the
-    rewards stay fp32 while the step's matmuls run in bf16. Measured against the fp32 run of the same
+    rewards stay fp32 while the step's matmuls run in bf16; a second run of the seed repeats the first. Measured against the fp32 run of the same
     seed: the step-0 guard differs by more than fp32's 1e-4 (bf16 matmuls ran) and passes bf16's 5e-2, and
     the first rollout's reward mean is within 0.05 of fp32's (bf16 rounding, not another computation)."""
     import os
@@ -685,7 +685,16 @@ def test_autocast_runs_the_step_in_bf16_with_the_heads_in_fp32(pair, tmp_path, m
     groups = build_groups(_cfg(pair, tmp_path / "bf16", steps=2, autocast="bfloat16"))
     groups.policy.model.get_output_embeddings().register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
     run_rl(_cfg(pair, tmp_path / "bf16", steps=2, autocast="bfloat16"), groups=groups)
+    run_rl(_cfg(pair, tmp_path / "bf16_again", steps=2, autocast="bfloat16"))
     run_rl(_cfg(pair, tmp_path / "fp32", steps=2))
+    # the same seed under autocast: the same numbers, and the same weights, bit for bit (one thread here)
+    again = [r for r in read_metrics(tmp_path / "bf16_again" / "rl.jsonl") if "reward_mean" in r]
+    first = [r for r in read_metrics(tmp_path / "bf16" / "rl.jsonl") if "reward_mean" in r]
+    for ra, rb in zip(first, again, strict=True):
+        assert {k: v for k, v in ra.items() if not k.startswith("time")} == \
+            {k: v for k, v in rb.items() if not k.startswith("time")}
+    wa, wb = load_file_weights(tmp_path / "bf16"), load_file_weights(tmp_path / "bf16_again")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
     bf, fp = ([r for r in read_metrics(tmp_path / d / "rl.jsonl") if "reward_mean" in r] for d in ("bf16", "fp32"))
     assert dtypes and set(dtypes) == {torch.float32}
     assert 1e-4 < bf[0]["step0_guard_diff"] < 5e-2 and fp[0]["step0_guard_diff"] < 1e-4

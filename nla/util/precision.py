@@ -9,12 +9,12 @@ parts torch cannot know:
   KL to the reference and the SFT loss; bf16 logits of 10 are off by 0.04) and the AR's value head
   (its prediction is the reward);
 - **the CPU's bf16 kernels**: on a CPU torch's bf16 matmuls are oneDNN's, which nla's CPU pin caps
-  at AVX2 (``nla.util.numerics``), where bf16 is emulated: measured 19x slower than fp32 on an AMD
-  EPYC. ``prepare_autocast`` lifts that cap (the pin's own value only; a value the user set stays)
+  at AVX2 (``nla.util.numerics``), where bf16 is emulated: its matmuls ran at 0.01-0.03x fp32's rate on an
+  AMD EPYC. ``prepare_autocast`` lifts that cap (the pin's own value only; a value the user set stays)
   before the first bf16 op, and refuses a CPU without bf16 instructions (AVX512_BF16 or AMX), where
   bf16 is slower than fp32 whatever the cap.
 
-What it buys depends on the model: SmolLM2-135M's SFT steps ran 2.0-2.4x faster on an AMD EPYC
+What it buys depends on the model: SmolLM2-135M's SFT steps ran 1.9-2.2x faster on an AMD EPYC
 (Zen 5, AVX512_BF16), the default world's 1M-parameter RL step not at all (its step is bound by
 small ops, not matmuls; BENCHMARKS.md, "Mixed precision on the CPU"). The numbers it gives are that
 CPU kind's own: bf16 kernels differ by instruction set, so the pin's promise (the same numbers on
