@@ -115,7 +115,7 @@ def keep_heads_fp32(model: nn.Module) -> int:
     for head in _heads(model):
         if getattr(head, "_nla_fp32_head", False):
             continue
-        states: list[tuple[str, contextlib.AbstractContextManager] | None] = []
+        states: list[torch.autocast | None] = []  # a stack: the region each call of the head opened
 
         def before(_m: nn.Module, args: tuple, _states=states) -> tuple | None:
             x = args[0] if args else None
@@ -125,13 +125,13 @@ def keep_heads_fp32(model: nn.Module) -> int:
                 return None
             ctx = torch.autocast(dev, enabled=False)
             ctx.__enter__()
-            _states.append((dev, ctx))
+            _states.append(ctx)
             return (x.float(), *args[1:]) if torch.is_tensor(x) and x.is_floating_point() else None
 
         def after(_m: nn.Module, _args: tuple, _out: object, _states=states) -> None:
-            top = _states.pop() if _states else None
-            if top is not None:
-                top[1].__exit__(None, None, None)
+            ctx = _states.pop() if _states else None
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
 
         head.register_forward_pre_hook(before)
         head.register_forward_hook(after, always_call=True)
