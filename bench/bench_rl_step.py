@@ -204,6 +204,9 @@ def trl_grpo_steps(cfg: RLConfig, steps: int, threads: int) -> tuple[float, floa
         top_k=0, beta=lo.kl_coef, epsilon=lo.eps_low, epsilon_high=lo.eps_high, loss_type="dapo",
         learning_rate=op.lr, lr_scheduler_type="constant", weight_decay=op.weight_decay,
         max_grad_norm=op.max_grad_norm, report_to=[], logging_steps=1, save_strategy="no", shuffle_dataset=False,
+        # nla's ``adamw``: torch's default (the per-parameter loop on a CPU) or the fused kernel, which is
+        # transformers' default; named here so both trainers run the same optimiser
+        optim="adamw_torch_fused" if cfg.adamw == "fused" else "adamw_torch",
         disable_tqdm=True, dataloader_num_workers=0, seed=cfg.seed)
     model = AutoModelForCausalLM.from_pretrained(cfg.av, dtype=torch.float32)
     timer = StepTimer()

@@ -21,7 +21,9 @@ generation: the reward and the reference log-probs) and the update (the rest of 
 
     python -m bench.bench_rl_vs_trl --run RUN [--threads 1 2] [--pairs 2] [--steps 4] [--json OUT]
 
-With ``--set autocast=bfloat16`` both run mixed precision: nla its ``autocast`` (nla.util.precision), TRL
+Both run the same AdamW: torch's default loop (TRL ``optim="adamw_torch"``), or with ``--set adamw=fused`` the
+fused kernel (``"adamw_torch_fused"``, transformers' own default, which the runs before 2026-12-07 gave TRL
+while nla ran the loop). With ``--set autocast=bfloat16`` both run mixed precision: nla its ``autocast`` (nla.util.precision), TRL
 ``GRPOConfig(bf16=True)`` (accelerate's autocast), each with oneDNN's cap lifted.
 
 Needs TRL (``pip install -e '.[bench]'``; Python >= 3.11).

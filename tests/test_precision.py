@@ -23,6 +23,10 @@ def test_the_setting_is_checked_and_names_the_field():
         AVTrainConfig(dataset="x", dtype="bfloat16", autocast="bfloat16")
     base = dict(av="a", ar="b", dataset="c", out_dir="o")
     assert RLConfig.from_dict({**base, "autocast": "bfloat16"}).autocast == "bfloat16"
+    # the same check for the optimiser's setting (tests/test_train_common holds its math)
+    assert ARTrainConfig(dataset="x").adamw == "default" and RLConfig.from_dict(base).adamw == "default"
+    with pytest.raises(ValueError, match=r"'adamw': expected one of \['default', 'fused'\], found 'sgd'"):
+        AVTrainConfig(dataset="x", adamw="sgd")
     with pytest.raises(ValueError, match=r"RLConfig.autocast: expected null or one of \['bfloat16'\], found 'fp8'"):
         RLConfig.from_dict({**base, "autocast": "fp8"})
     with pytest.raises(ValueError, match=r"RLConfig.autocast: expected null with backend.name 'ray'"):

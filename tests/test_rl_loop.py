@@ -700,3 +700,20 @@ def test_autocast_runs_the_step_in_bf16_with_the_heads_in_fp32(pair, tmp_path, m
     assert 1e-4 < bf[0]["step0_guard_diff"] < 5e-2 and fp[0]["step0_guard_diff"] < 1e-4
     assert abs(bf[0]["reward_mean"] - fp[0]["reward_mean"]) < 0.05
     assert all(np.isfinite(r["reward_mean"]) and np.isfinite(r["ar_loss"]) for r in bf)
+
+
+def test_adamw_setting_reaches_every_trained_role(pair, tmp_path):
+    """``adamw``: torch's default (a per-parameter loop on a CPU: tests/test_train_common) unless fused is
+    asked for, for the policy and the AR alike. A fused run's first rollout is the default run's (the
+    weights are the same until the first step), its second within float rounding of it."""
+    plain = build_groups(_cfg(pair, tmp_path / "default", steps=2))
+    fused = build_groups(_cfg(pair, tmp_path / "fused", steps=2, adamw="fused"))
+    for g, on in ((plain, False), (fused, True)):
+        assert bool(g.policy.opt.defaults["fused"]) is on and bool(g.reconstructor.opt.defaults["fused"]) is on
+    run_rl(_cfg(pair, tmp_path / "default", steps=2), groups=plain)
+    run_rl(_cfg(pair, tmp_path / "fused", steps=2, adamw="fused"), groups=fused)
+    a, b = ([r for r in read_metrics(tmp_path / d / "rl.jsonl") if "reward_mean" in r] for d in ("default", "fused"))
+    assert a[0]["reward_mean"] == b[0]["reward_mean"] and a[0]["policy_loss"] == b[0]["policy_loss"]
+    assert b[1]["reward_mean"] == pytest.approx(a[1]["reward_mean"], abs=1e-3)
+    with pytest.raises(ValueError, match=r"RLConfig.adamw: expected one of \['default', 'fused'\], found 'adam'"):
+        _cfg(pair, tmp_path, adamw="adam")

@@ -142,6 +142,26 @@ def test_ray_matches_local_rewards_and_losses(pair, tmp_path):  # noqa: F811
             _same_tensors(st, whole["optimizer"]["state"][k])
 
 
+@pytest.mark.ray
+@pytest.mark.slow
+def test_fused_adamw_on_sharded_ranks_matches_local(pair, tmp_path):  # noqa: F811
+    """``adamw: fused`` on FSDP2-sharded ranks (each steps its shard with the fused kernel): the local
+    run's rewards, losses and weights, bit for bit, as the default optimiser gives above."""
+    from safetensors.torch import load_file
+
+    from nla.rl.backend import build_groups
+
+    local = tmp_path / "local"
+    cfg_local = _cfg(pair, local, steps=3, checkpointing=dict(save_every=3), adamw="fused")
+    run_rl(cfg_local, groups=build_groups(cfg_local))
+    res = run_rl(_cfg(pair, tmp_path / "ray", steps=3, checkpointing=dict(save_every=3), adamw="fused",
+                      backend=dict(name="ray", num_policy_workers=2, num_reconstructor_workers=2)))
+    _same_steps(local, tmp_path / "ray", 3)
+    for role in ("av", "ar"):
+        _same_tensors(load_file(str(local / "checkpoints" / res.checkpoint_dir.name / role / "model.safetensors")),
+                      load_file(str(res.checkpoint_dir / role / "model.safetensors")))
+
+
 # ----------------------------------------------------------------------------- live AR, failures, cleanup
 @pytest.mark.ray
 @pytest.mark.slow

@@ -233,3 +233,72 @@ def test_build_optimizer_lr_scales_of_one_and_bad_values():
         build_optimizer(model, lr=0.1, lr_scales={"adapter": 2.0})
     with pytest.raises(ValueError, match="params must be a module"):
         build_optimizer(list(model.parameters()), lr=0.1, lr_scales={"1": 2.0})
+
+
+def _adamw_reference(p0: torch.Tensor, grads: list[torch.Tensor], lr: float, wd: float,
+                     betas=(0.9, 0.999), eps=1e-8) -> torch.Tensor:
+    """AdamW written out (Loshchilov & Hutter, torch's bias-corrected form) in float64."""
+    p, m, v = p0.double().clone(), torch.zeros_like(p0, dtype=torch.float64), torch.zeros_like(p0, dtype=torch.float64)
+    b1, b2 = betas
+    for t, g in enumerate(grads, start=1):
+        g = g.double()
+        p = p * (1 - lr * wd)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        p = p - lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps)
+    return p
+
+
+def _run_adamw(impl: str | None, steps: int = 5) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """A two-group model (``lr_scales``) stepped on fixed gradients; ``impl`` None: torch's per-parameter loop."""
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("body", torch.nn.Linear(7, 5))
+    model.add_module("head", torch.nn.Linear(5, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    grads = [[torch.randn(p.shape, generator=g) for p in model.parameters()] for _ in range(steps)]
+    if impl is None:
+        opt = torch.optim.AdamW([{"params": list(model.body.parameters())},
+                                 {"params": list(model.head.parameters()), "lr": 0.03}],
+                                lr=0.01, weight_decay=0.1, foreach=False)
+    else:
+        opt = build_optimizer(model, lr=0.01, weight_decay=0.1, lr_scales={"head": 3.0}, impl=impl)
+    for step in grads:
+        for p, gr in zip(model.parameters(), step, strict=True):
+            p.grad = gr.clone()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], grads
+
+
+def test_adamw_impls_against_a_written_out_adamw():
+    """``default`` (torch's choice: on a CPU the per-parameter loop, what nla ran before ``adamw`` existed)
+    gives the very bits of ``foreach=False``; both impls agree with AdamW written out, to float rounding."""
+    loop, grads = _run_adamw(None)
+    default, _ = _run_adamw("default")
+    fused, _ = _run_adamw("fused")
+    assert all(torch.equal(a, b) for a, b in zip(loop, default, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(loop, fused, strict=True))  # another kernel, its own bits
+    g = torch.Generator().manual_seed(0)
+    starts = [torch.randn(p.shape, generator=g) for p in loop]  # the same draws as _run_adamw's
+    for i, (p0, got_loop, got_fused) in enumerate(zip(starts, loop, fused, strict=True)):
+        lr = 0.03 if i >= 2 else 0.01  # the head's group at 3x
+        want = _adamw_reference(p0, [step[i] for step in grads], lr=lr, wd=0.1)
+        torch.testing.assert_close(got_loop.double(), want, rtol=0, atol=1e-6)
+        torch.testing.assert_close(got_fused.double(), want, rtol=0, atol=1e-6)
+
+
+def test_adamw_state_moves_between_impls_and_bad_impl():
+    """A checkpoint's optimizer state written under one impl resumes under the other (same format)."""
+    model = torch.nn.Linear(4, 2)
+    a = build_optimizer(model, lr=0.1)
+    model(torch.ones(1, 4)).sum().backward()
+    a.step()
+    b = build_optimizer(model, lr=0.1, impl="fused")
+    b.load_state_dict(a.state_dict())
+    b.step()
+    assert b.defaults["fused"] is True and not a.defaults["fused"]
+    assert int(b.state[model.weight]["step"]) == 2
+    with pytest.raises(ValueError, match=r"impl must be one of \['default', 'fused'\], found 'sgd'"):
+        build_optimizer(model, lr=0.1, impl="sgd")

@@ -455,6 +455,10 @@ class RLConfig(RunConfig):
         if self.autocast is not None and self.dtype != "float32":
             _bad("autocast", f"null with dtype {self.dtype!r} (autocast runs bf16 matmuls over fp32 weights: set "
                  "dtype: float32 or autocast: null)", self.autocast)
+        from nla.train.optim import ADAMW_IMPLS
+
+        if self.adamw not in ADAMW_IMPLS:
+            _bad("adamw", f"one of {list(ADAMW_IMPLS)}", self.adamw)
         if self.autocast is not None and self.backend.name != "local":
             _bad("autocast", f"null with backend.name {self.backend.name!r} (autocast runs the roles of this "
                  "process: set backend.name: local or autocast: null)", self.autocast)

@@ -110,7 +110,7 @@ def run_training_loop(cfg: Any, spec: LoopSpec) -> TrainResult:
     out = Path(cfg.out_dir)
     root = checkpoints_root(out)
     model = spec.model
-    opt = build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas, spec.lr_scales)
+    opt = build_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas, spec.lr_scales, impl=cfg.adamw)
     sched = warmup_cosine(opt, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
     warn_if_lr_far(cfg.lr, cfg.batch_size)
     device = next(model.parameters()).device

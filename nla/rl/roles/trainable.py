@@ -31,11 +31,12 @@ class OptimSettings:
     warmup_steps: int
     total_steps: int
     max_grad_norm: float
+    impl: str = "default"  # how torch runs AdamW (nla.train.optim.ADAMW_IMPLS; the run's ``adamw``)
 
     @classmethod
     def _of(cls, cfg: RLConfig, lr: float, total_steps: int) -> OptimSettings:
         o = cfg.optimiser
-        return cls(lr, o.weight_decay, o.warmup_steps, total_steps, o.max_grad_norm)
+        return cls(lr, o.weight_decay, o.warmup_steps, total_steps, o.max_grad_norm, cfg.adamw)
 
     @classmethod
     def for_policy(cls, cfg: RLConfig) -> OptimSettings:
@@ -56,7 +57,7 @@ class Trainable:
 
     def _setup_optim(self, module: nn.Module, optim: OptimSettings, dp: DataParallel) -> None:
         self._module, self.dp = module, dp
-        self.opt = build_optimizer(module, optim.lr, optim.weight_decay)
+        self.opt = build_optimizer(module, optim.lr, optim.weight_decay, impl=optim.impl)
         total = optim.total_steps
         self.sched = warmup_cosine(self.opt, optim.warmup_steps, total, min_lr_ratio=1.0) if total > 0 else None
         self.max_grad_norm = optim.max_grad_norm
