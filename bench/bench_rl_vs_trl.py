@@ -13,7 +13,10 @@ two alternates from pair to pair (nla first, then TRL first, ...). A pair's rati
 within the pair; the summary gives every pair's ratio and their median. The first optimiser step
 of every process is a warm-up and is not counted.
 
-Printed per trainer: seconds per step, samples/s, response tokens/s (each trainer's own responses:
+Printed per pair: each trainer's matmul work per response token (``work_model``: the models' sizes and
+the token counts measured), their ratio (what the tokens/s ratio would be at equal matmul rates: the
+bound the issue's target meets at this prompt length and response length), and each trainer's achieved
+GFLOP/s. Printed per trainer: seconds per step, samples/s, response tokens/s (each trainer's own responses:
 TRL's AV writes without its vector, so its lengths differ), and the split of the step:
 nla's ``time_generate / time_reward / time_policy / time_ar`` from its metrics; TRL's generation
 (``GRPOTrainer._generate``), the rest of its rollout (``_generate_and_score_completions`` less the
@@ -58,7 +61,8 @@ def child_nla(args: argparse.Namespace) -> dict:
     mean_len = statistics.mean(r["response_len"] for r in rows)
     phases = {k[5:]: statistics.median(r[k] for r in rows) for k in ("time_generate", "time_reward", "time_policy",
                                                                      "time_ar")}
-    return dict(step_s=step_s, samples=n, mean_len=mean_len, phases=phases, steps=len(rows))
+    ar_rows = statistics.mean(r.get("ar_rows", n) for r in rows)  # the AR update's rows (with replay)
+    return dict(step_s=step_s, samples=n, mean_len=mean_len, phases=phases, steps=len(rows), ar_rows=ar_rows)
 
 
 def child_trl(args: argparse.Namespace) -> dict:
@@ -109,6 +113,64 @@ def run_child(which: str, args: argparse.Namespace, threads: int) -> dict:
     return res
 
 
+def _numels(checkpoint: str) -> dict[str, int]:
+    """Tensor name -> element count of a checkpoint's ``model.safetensors`` (its header only)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(checkpoint) / "model.safetensors"), "pt") as f:
+        return {k: f.get_slice(k).get_shape()[0] * max(1, _prod(f.get_slice(k).get_shape()[1:])) for k in f.keys()}
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= int(x)
+    return out
+
+
+def work_model(args: argparse.Namespace, nla: dict, trl: dict) -> dict:
+    """Each trainer's matmul work per step (GFLOP), from the models' sizes and the token counts measured.
+
+    Forward work is 2 x parameters x tokens (attention's score products left out: at these lengths a few
+    per cent), a backward twice the forward. Both trainers: generation (1 forward), the reference (1) and
+    the policy (forward + backward: 3), the LM head at response positions only. TRL runs every sample's
+    prompt (P tokens) through all five; nla runs a group's prompt once (``nla.rl.kernels``) and adds the
+    AR's work: forward + backward on ``ar_rows`` rows (the rollout's and the replayed), each the AR's
+    prompt template around the explanation; the rollout rows' reward forward is that forward (the
+    reward window, ``FusedRewardWindow``, the default of a local AR without dropout). So
+    ``trl_gflop_per_token / nla_gflop_per_token`` is the tokens/s ratio the two would reach at the
+    same matmul rate; the achieved rates (GFLOP/s) say how far each is from it.
+    """
+    from bench.bench_rl_step import bench_config
+    from nla.core.arch import load_tokenizer
+    from nla.core.sidecar import SIDECAR_NAME, load_sidecar
+    from nla.core.token_ids import canonical_av_prompt_ids
+
+    cfg = bench_config(args, tempfile.mkdtemp(prefix="bench_rl_vs_trl_"))
+    av, ar = _numels(cfg.av), _numels(cfg.ar)
+    embed = next(v for k, v in av.items() if k.endswith("embed_tokens.weight"))
+    head = av.get("lm_head.weight", embed)  # tied: the embedding is the head
+    body_av = sum(av.values()) - embed - av.get("lm_head.weight", 0)
+    body_ar = sum(v for k, v in ar.items() if not k.endswith("embed_tokens.weight"))
+    tok = load_tokenizer(cfg.av)
+    side = load_sidecar(Path(cfg.av) / SIDECAR_NAME)
+    P = len(canonical_av_prompt_ids(tok, side.av_messages()))
+    ar_side = load_sidecar(Path(cfg.ar) / SIDECAR_NAME)
+    ar_template = len(load_tokenizer(cfg.ar)(ar_side.ar_text(""))["input_ids"])
+    B, N = cfg.rollout.rollout_batch_size, nla["samples"]
+    Rn, Rt = nla["mean_len"], trl["mean_len"]
+    A = ar_template + Rn
+    ar_rows = nla.get("ar_rows", N)
+    nla_w = 2e-9 * (body_av * 5 * (B * P + N * Rn) + head * 5 * N * Rn + body_ar * 3 * ar_rows * A)
+    trl_w = 2e-9 * (body_av * 5 * N * (P + Rt) + head * 5 * N * Rt)
+    out = dict(prompt_tokens=P, ar_tokens=A, ar_rows=ar_rows, body_params=body_av, head_params=head,
+               ar_body_params=body_ar, nla_gflop=nla_w, trl_gflop=trl_w,
+               nla_mflop_per_token=1e3 * nla_w / (N * Rn), trl_mflop_per_token=1e3 * trl_w / (N * Rt),
+               nla_gflops=nla_w / nla["step_s"], trl_gflops=trl_w / trl["step_s"])
+    out["work_ratio"] = out["trl_mflop_per_token"] / out["nla_mflop_per_token"]
+    return out
+
+
 def describe(name: str, r: dict) -> str:
     sps = r["samples"] / r["step_s"]
     parts = ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items())
@@ -157,8 +219,13 @@ def main() -> None:
                   f"{t_ratio:.2f}x")
             print(describe("nla", a))
             print(describe("TRL", b))
+            w = work_model(args, a, b)
+            print(f"  work per response token (matmuls): nla {w['nla_mflop_per_token']:.0f} MFLOP (AR's included), "
+                  f"TRL {w['trl_mflop_per_token']:.0f}: {w['work_ratio']:.2f}x, the tokens/s ratio at equal matmul "
+                  f"rates; achieved nla {w['nla_gflops']:.0f}, TRL {w['trl_gflops']:.0f} GFLOP/s (prompt "
+                  f"{w['prompt_tokens']} tokens, AR rows {w['ar_rows']:.0f} of {w['ar_tokens']:.0f} tokens)")
             report["pairs"].append(dict(threads=threads, order=order, nla=a, trl=b, samples_ratio=s_ratio,
-                                        tokens_ratio=t_ratio))
+                                        tokens_ratio=t_ratio, work=w))
         s_med = statistics.median(r[0] for r in ratios)
         t_med = statistics.median(r[1] for r in ratios)
         print(f" {threads} thread(s): nla / TRL samples/s {', '.join(f'{r[0]:.2f}' for r in ratios)} (median "
