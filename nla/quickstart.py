@@ -596,6 +596,17 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
             if refused:
                 raise QuickstartError(f"datagen.layers: {p.datagen['layers']}: a pair for several blocks is not built "
                                       f"for {why}; drop one, or give one block: datagen.layer_index=K")
+    # A stage under autocast needs oneDNN's bf16 kernels, which torch settles at the process's first matmul
+    # under the cap then in force: lift the pin's cap now, before the world and datagen run any (their fp32
+    # numbers and cache keys do not change: nla.util.precision.lift_onednn_cap), and refuse a CPU without
+    # bf16 instructions before hours of datagen rather than after
+    for name in ("ar", "av", "rl"):
+        stage = getattr(p, name)
+        if stage.get("autocast") is not None:
+            from nla.train.device import resolve_device
+            from nla.util.precision import prepare_autocast
+
+            prepare_autocast(stage["autocast"], resolve_device(stage.get("device", "auto")), f"{name}.autocast")
     # One count for every stage, fixed for the run (unless "auto" was asked for): the same seed gives
     # the same numbers whatever else the machine runs.
     threads = threads if threads == AUTO else resolve_threads(threads)

@@ -14,6 +14,13 @@ from nla.util.numerics import pins
 CPU = torch.device("cpu")
 
 
+def _kernels_not_asked(monkeypatch) -> None:
+    """The pytest process ran matmuls under the pin's cap long before this test, so torch settled that
+    oneDNN has no bf16 kernels here (``lift_onednn_cap``): this test's bf16 matmuls run on the reference
+    kernel, slow but not wrong, and ``check_bf16_kernels`` (tested in a fresh process below) is told so."""
+    monkeypatch.setattr(precision, "bf16_kernels_ready", lambda: None)
+
+
 def test_the_setting_is_checked_and_names_the_field():
     assert ARTrainConfig(dataset="x").autocast is None
     assert AVTrainConfig(dataset="x", autocast="bfloat16").autocast == "bfloat16"
@@ -49,6 +56,7 @@ def test_the_pins_onednn_cap_is_lifted_and_a_users_value_kept(monkeypatch):
         pytest.skip("the CPU pin does not apply on this machine")
     monkeypatch.setattr(precision, "_BEFORE_LIFT", None)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", pinned)
+    _kernels_not_asked(monkeypatch)
     precision.prepare_autocast("bfloat16", CPU, flags={"avx512_bf16"})
     import os
 
@@ -119,6 +127,7 @@ def test_a_warm_start_trains_under_autocast_near_its_fp32_run(tmp_path, monkeypa
     from nla.world import build_world
 
     monkeypatch.setattr(precision, "bf16_native", lambda flags=None: True)  # emulated where absent: slow, not wrong
+    _kernels_not_asked(monkeypatch)
     import os
 
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL"))
@@ -169,9 +178,84 @@ def test_a_stages_cache_key_does_not_move_when_an_earlier_stage_lifted_the_cap(m
     fp32, bf16 = {"max_steps": 5}, {"max_steps": 5, "autocast": "bfloat16"}
     assert precision.onednn_setting(None) == pinned and precision.onednn_setting("bfloat16") == "ALL"
     before = qs._hash(fp32), qs._hash(bf16)
+    _kernels_not_asked(monkeypatch)
     precision.prepare_autocast("bfloat16", CPU, flags={"avx512_bf16"})
     import os
 
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "ALL"
     assert (qs._hash(fp32), qs._hash(bf16)) == before and before[0] != before[1]
     assert precision.onednn_setting(None) == pinned
+
+
+_FRESH = """
+import os, sys, torch
+import nla  # the CPU pin: ONEDNN_MAX_CPU_ISA=AVX2
+from nla.util import precision
+if sys.argv[1] == "late":  # a matmul before the lift settles torch's bf16 kernels under the cap
+    torch.nn.Linear(8, 8)(torch.randn(2, 8)).sum()
+try:
+    precision.prepare_autocast("bfloat16", torch.device("cpu"), "ar.autocast")
+except RuntimeError as err:
+    print("REFUSED", err)
+    raise SystemExit(0)
+print("READY", precision.bf16_kernels_ready(), os.environ["ONEDNN_MAX_CPU_ISA"])
+"""
+
+
+@pytest.mark.parametrize("when", ["first", "late"])
+def test_a_process_whose_first_matmul_ran_under_the_cap_is_refused(when):
+    """On a CPU with bf16 instructions torch settles at a process's first matmul whether oneDNN has bf16
+    kernels, under the cap as it is then: lifted first, they are there; lifted after a matmul, bf16 would
+    run on the reference kernel (~300x slower, BENCHMARKS "Mixed precision on the CPU") and the stage is
+    refused with what to do. Each case in a fresh process (this one settled long ago)."""
+    import subprocess
+    import sys
+
+    if not precision.bf16_native():
+        pytest.skip("this CPU has no bf16 instructions (autocast is refused before the kernels matter)")
+    if {p.var: p.value for p in pins()}.get("ONEDNN_MAX_CPU_ISA") is None:
+        pytest.skip("the CPU pin does not cap oneDNN on this machine")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
+    out = subprocess.run([sys.executable, "-c", _FRESH, when], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    if when == "first":
+        assert "READY True ALL" in out.stdout
+    else:
+        assert "REFUSED ar.autocast: this process ran a matmul before ONEDNN_MAX_CPU_ISA was lifted" in out.stdout
+        assert "run the autocast stage in a fresh process" in out.stdout
+
+
+_FP32 = """
+import os, sys, torch
+import nla  # the CPU pin: ONEDNN_MAX_CPU_ISA=AVX2
+if sys.argv[1] == "ALL":
+    os.environ["ONEDNN_MAX_CPU_ISA"] = "ALL"  # as lift_onednn_cap leaves it, before the first matmul
+torch.set_num_threads(1)
+from transformers import AutoModelForCausalLM
+from nla.world import build_world
+model = AutoModelForCausalLM.from_pretrained(build_world("tiny", progress=False).subject_dir, dtype=torch.float32)
+ids = torch.arange(2 * 24).reshape(2, 24) % model.config.vocab_size
+out = model(ids, output_hidden_states=True)
+out.logits.logsumexp(-1).mean().backward()
+torch.save([out.hidden_states[1], out.logits, *(p.grad for p in model.parameters())], sys.argv[2])
+"""
+
+
+def test_fp32_work_gives_the_same_bits_with_the_cap_lifted(tmp_path):
+    """Why the stages before an autocast one keep their numbers and cache keys when the quickstart lifts the
+    cap at its start: an fp32 forward and backward of the world's tiny subject, each in a fresh process,
+    under the pin's cap and lifted, give the same hidden states, logits and gradients bit for bit."""
+    import subprocess
+    import sys
+
+    if {p.var: p.value for p in pins()}.get("ONEDNN_MAX_CPU_ISA") is None:
+        pytest.skip("the CPU pin does not cap oneDNN on this machine")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
+    got = []
+    for cap in ("pinned", "ALL"):
+        path = tmp_path / f"{cap}.pt"
+        out = subprocess.run([sys.executable, "-c", _FP32, cap, str(path)], capture_output=True, text=True, env=env,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        got.append(torch.load(path))
+    assert len(got[0]) > 3 and all(torch.equal(a, b) for a, b in zip(*got, strict=True))

@@ -90,15 +90,23 @@ def test_the_cli_passes_settings_to_the_run_and_gives_it_its_own_directory(monke
 
 
 def test_autocast_sets_the_three_training_stages_and_a_later_set_wins(monkeypatch, tmp_path, capsys):
-    seen = {}
+    """``--autocast`` sets the three stages; a later ``--set`` of one wins; and every stage with autocast is
+    prepared (the CPU checked, the pin's oneDNN cap lifted) before the first stage runs: torch settles its
+    bf16 kernels at the process's first matmul (nla.util.precision.lift_onednn_cap)."""
+    from nla.util import precision
+
+    seen, prepared = {}, []
 
     def stages(out, p, label, *args):
-        seen.update(preset=p, label=label)
+        seen.update(preset=p, label=label, prepared_before=list(prepared))
         raise ValueError("stopped here")
 
     monkeypatch.setattr(qs, "_run_stages", stages)
+    monkeypatch.setattr(precision, "prepare_autocast", lambda name, device, field="autocast", flags=None:
+                        prepared.append((name, device.type, field)))
     monkeypatch.chdir(tmp_path)
     assert main(["quickstart", "--autocast", "bfloat16", "--set", "rl.autocast=null"]) == 2
     p = seen["preset"]
     assert (p.ar["autocast"], p.av["autocast"], p.rl["autocast"]) == ("bfloat16", "bfloat16", None)
+    assert seen["prepared_before"] == [("bfloat16", "cpu", "ar.autocast"), ("bfloat16", "cpu", "av.autocast")]
     assert seen["label"] == "default with ar.autocast=bfloat16 av.autocast=bfloat16 rl.autocast=bfloat16 rl.autocast=null"

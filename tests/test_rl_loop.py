@@ -679,6 +679,9 @@ def test_autocast_runs_the_step_in_bf16_with_the_heads_in_fp32(pair, tmp_path, m
     from nla.util import precision
 
     monkeypatch.setattr(precision, "bf16_native", lambda flags=None: True)  # emulated where absent: slow, not wrong
+    # this process settled its bf16 kernels under the pin's cap at an earlier test's matmul: the reference
+    # kernel, slow but not wrong (the refusal itself: tests/test_precision.py, in a fresh process)
+    monkeypatch.setattr(precision, "bf16_kernels_ready", lambda: None)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL"))  # restored after
     monkeypatch.setattr(precision, "_BEFORE_LIFT", precision._BEFORE_LIFT)
     dtypes = []

@@ -505,12 +505,13 @@ def run_rl(cfg: RLConfig, *, resume: bool = False, groups: WorkerGroups | None =
     ckpt = latest_rl_checkpoint(out) if resume else None
     if resume and ckpt is None:
         raise FileNotFoundError(f"--resume: no RL checkpoint under {root}; run without --resume to start fresh")
+    # rl.autocast: the step's forwards in bf16, the heads in fp32 (nla.util.precision); prepared before the
+    # roles are built, ahead of any matmul of theirs (torch settles its bf16 kernels at the first one)
+    amp_device = resolve_device(cfg.device)
+    prepare_autocast(cfg.autocast, amp_device, "RLConfig.autocast")
     owns_groups = groups is None
     if groups is None:
         groups = build_groups(cfg, ckpt / "av" if ckpt else None, ckpt / "ar" if ckpt else None)
-    # rl.autocast: the step's forwards in bf16, the heads in fp32 (nla.util.precision)
-    amp_device = resolve_device(cfg.device)
-    prepare_autocast(cfg.autocast, amp_device, "RLConfig.autocast")
     if cfg.autocast is not None:
         for model in (groups.policy.model, groups.reference.model, groups.rollout.model, groups.reconstructor.ar):
             keep_heads_fp32(model)

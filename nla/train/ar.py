@@ -39,6 +39,7 @@ from nla.train.config import ARTrainConfig
 from nla.train.device import resolve_device, resolve_dtype
 from nla.train.loop import LoopSpec, TrainResult, run_training_loop
 from nla.util.checkpoint_files import check_model_source
+from nla.util.precision import prepare_autocast
 from nla.util.threads import apply_threads
 
 logger = logging.getLogger(__name__)
@@ -208,6 +209,8 @@ def _fit_cross_model_head(model: Reconstructor, tok: Any, texts: list[str], gold
 
 def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
     """Warm-start the reconstructor on ``cfg.dataset`` (``ar_sft.parquet``). See module docstring."""
+    # autocast: lift the CPU pin's oneDNN cap before this process's first matmul (nla.util.precision)
+    prepare_autocast(cfg.autocast, resolve_device(cfg.device), "ar.autocast")
     seed_everything(cfg.seed)
     side, base = resolve_sidecar_and_base(cfg)
     side.need_ar("AR training")

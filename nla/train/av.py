@@ -51,6 +51,7 @@ from nla.train.config import AVTrainConfig
 from nla.train.device import resolve_device, resolve_dtype
 from nla.train.loop import LoopSpec, TrainResult, run_training_loop
 from nla.util.checkpoint_files import check_checkpoint
+from nla.util.precision import prepare_autocast
 from nla.util.threads import apply_threads
 
 logger = logging.getLogger(__name__)
@@ -345,6 +346,8 @@ def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
     """Warm-start the verbalizer on ``cfg.dataset`` (``av_sft.parquet``). See module docstring."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # autocast: lift the CPU pin's oneDNN cap before this process's first matmul (nla.util.precision)
+    prepare_autocast(cfg.autocast, resolve_device(cfg.device), "av.autocast")
     seed_everything(cfg.seed)
     side, base = resolve_sidecar_and_base(cfg)
     side = _resolve_injection(cfg, side)

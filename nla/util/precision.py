@@ -10,9 +10,10 @@ parts torch cannot know:
   (its prediction is the reward);
 - **the CPU's bf16 kernels**: on a CPU torch's bf16 matmuls are oneDNN's, which nla's CPU pin caps
   at AVX2 (``nla.util.numerics``), where bf16 is emulated: its matmuls ran at 0.01-0.03x fp32's rate on an
-  AMD EPYC. ``prepare_autocast`` lifts that cap (the pin's own value only; a value the user set stays)
-  before the first bf16 op, and refuses a CPU without bf16 instructions (AVX512_BF16 or AMX), where
-  bf16 is slower than fp32 whatever the cap.
+  AMD EPYC. ``prepare_autocast`` lifts that cap (the pin's own value only; a value the user set stays),
+  refuses a CPU without bf16 instructions (AVX512_BF16 or AMX), where bf16 is slower than fp32
+  whatever the cap, and refuses a process whose first matmul ran under the cap (``lift_onednn_cap``:
+  torch settles its bf16 kernels then); the runs that use autocast lift the cap at their start.
 
 What it buys depends on the model: SmolLM2-135M's SFT steps ran 1.9-2.2x faster on an AMD EPYC
 (Zen 5, AVX512_BF16), the default world's 1M-parameter RL step not at all (its step is bound by
@@ -31,8 +32,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["AUTOCAST_DTYPES", "autocast", "bf16_native", "keep_heads_fp32", "onednn_setting",
-           "prepare_autocast"]
+__all__ = ["AUTOCAST_DTYPES", "autocast", "bf16_kernels_ready", "bf16_native", "check_bf16_kernels",
+           "keep_heads_fp32", "lift_onednn_cap", "onednn_setting", "prepare_autocast"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +60,54 @@ def prepare_autocast(name: str | None, device: torch.device, field: str = "autoc
         raise ValueError(
             f"{field}: {name} runs emulated on this CPU (no {' or '.join(BF16_FLAGS)} in its flags), slower than "
             f"float32: set {field}: null, or run on a CPU with AVX512_BF16 or AMX, or a GPU")
+    lift_onednn_cap(field)
+    check_bf16_kernels(field, flags)
+
+
+def lift_onednn_cap(field: str = "autocast") -> None:
+    """Lift the CPU pin's ``ONEDNN_MAX_CPU_ISA=AVX2`` to ``ALL`` (a value the user set stays), so that bf16
+    matmuls get oneDNN's bf16 kernels. Idempotent.
+
+    It must come before the process's first matmul of any dtype: torch decides once per process, at
+    its first matmul (fp32 included) or bf16 check, whether oneDNN has bf16 kernels, reading the cap as
+    it is then; decided under the pin's AVX2 cap, every bf16 matmul after it runs on torch's reference
+    kernel, about 300x slower (measured: 3 against 937 GFLOP/s on an AMD EPYC). So a run that will use
+    autocast lifts the cap at its start (``nla.quickstart.run_quickstart`` before its first stage,
+    ``nla.rl.loop.run_rl`` before building its roles), and ``check_bf16_kernels`` refuses a process
+    where it came too late. fp32 work does not read the cap (measured: SmolLM2-135M's fp32 forward and
+    backward gave the same bits under either; the world's tiny subject is held to it by
+    tests/test_precision.py), so the stages before an autocast one keep their numbers and their
+    cache keys (``onednn_setting``)."""
     global _BEFORE_LIFT
     if os.environ.get(ONEDNN_VAR) == _pinned_onednn():  # the pin's cap, not the user's: bf16 needs oneDNN's widest
         _BEFORE_LIFT = os.environ[ONEDNN_VAR]
         os.environ[ONEDNN_VAR] = "ALL"
-        logger.info("%s: %s lifted to ALL for bf16 matmuls (oneDNN reads it at its first bf16 op)", field,
+        logger.info("%s: %s lifted to ALL for bf16 matmuls (torch reads it at the process's first matmul)", field,
                     ONEDNN_VAR)
+
+
+def bf16_kernels_ready() -> bool | None:
+    """Whether torch will run bf16 matmuls on oneDNN's bf16 kernels in this process (None: this torch has
+    no way to ask). Asking fixes the answer for the process, as a matmul does (``lift_onednn_cap``)."""
+    ask = getattr(getattr(torch.ops, "mkldnn", None), "_is_mkldnn_bf16_supported", None)
+    return None if ask is None else bool(ask())
+
+
+def check_bf16_kernels(field: str = "autocast", flags: set[str] | None = None) -> None:
+    """Refuse to go on where this CPU has bf16 instructions but torch has already settled, under the pin's
+    cap, that oneDNN has no bf16 kernels (``lift_onednn_cap``): every bf16 matmul would run ~300x slower.
+    ``flags``: the CPU's (default: read); a CPU without bf16 instructions is ``prepare_autocast``'s to refuse."""
+    from nla.util.numerics import cpu_flags
+
+    if not any(f in (cpu_flags() if flags is None else flags) for f in BF16_FLAGS):
+        return
+    if bf16_kernels_ready() is False:
+        raise RuntimeError(
+            f"{field}: this process ran a matmul before {ONEDNN_VAR} was lifted from the CPU pin's "
+            f"{_BEFORE_LIFT or _pinned_onednn()}, so torch runs bf16 matmuls on its reference kernel (about 300x "
+            "slower than oneDNN's bf16 kernels): run the autocast stage in a fresh process (nla train, nla rl "
+            f"and nla quickstart --autocast lift the cap first), or start it with {ONEDNN_VAR}=ALL, or set "
+            f"{field}: null")
 
 
 def _pinned_onednn() -> str | None:
