@@ -41,21 +41,16 @@ def param_sets() -> dict[str, list]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from bench.bench_autocast import smollm2_av_and_ar
     from nla.world import build_world
 
     sets = {"world AV": _params(AutoModelForCausalLM.from_pretrained(build_world("default", progress=False).subject_dir,
                                                                      dtype=torch.float32))}
-    try:
-        from nla.datagen.real_sources import smollm2_dir
-
-        d = smollm2_dir()
-    except Exception as e:  # the wheel is not installed: make smollm2
-        print(f"SmolLM2 skipped: {e}")
+    models = smollm2_av_and_ar()
+    if models is None:
         return sets
-    av = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    av, ar = models
     sets["smollm2 AV"] = _params(av)
-    ar = av.model
-    ar.layers = ar.layers[:10]
     sets["smollm2 AR"] = _params(ar)
     return sets
 

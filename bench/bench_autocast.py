@@ -61,12 +61,16 @@ def part_matmul(pinned: bool) -> list[dict]:
     return rows
 
 
-def part_sft(repeat: int) -> dict | None:
+SMOLLM2_AR_BLOCKS = 10  # the smollm2 preset's AR reads block 10
+
+
+def smollm2_av_and_ar():
+    """SmolLM2-135M in fp32 as the smollm2 preset's AV (the whole model) and AR body (its first
+    ``SMOLLM2_AR_BLOCKS`` blocks), two separate copies; None where the wheel is not installed."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from nla.datagen.real_sources import smollm2_dir
-    from nla.util.precision import keep_heads_fp32
 
     try:
         d = smollm2_dir()
@@ -75,7 +79,19 @@ def part_sft(repeat: int) -> dict | None:
         return None
     av = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     ar = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).model
-    ar.layers = ar.layers[:10]  # the preset's AR reads block 10
+    ar.layers = ar.layers[:SMOLLM2_AR_BLOCKS]
+    return av, ar
+
+
+def part_sft(repeat: int) -> dict | None:
+    import torch
+
+    from nla.util.precision import keep_heads_fp32
+
+    models = smollm2_av_and_ar()
+    if models is None:
+        return None
+    av, ar = models
     keep_heads_fp32(av)
     torch.manual_seed(0)
     ids = torch.randint(100, 40000, (16, 70))
