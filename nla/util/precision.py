@@ -97,9 +97,7 @@ def check_bf16_kernels(field: str = "autocast", flags: set[str] | None = None) -
     """Refuse to go on where this CPU has bf16 instructions but torch has already settled, under the pin's
     cap, that oneDNN has no bf16 kernels (``lift_onednn_cap``): every bf16 matmul would run ~300x slower.
     ``flags``: the CPU's (default: read); a CPU without bf16 instructions is ``prepare_autocast``'s to refuse."""
-    from nla.util.numerics import cpu_flags
-
-    if not any(f in (cpu_flags() if flags is None else flags) for f in BF16_FLAGS):
+    if not bf16_native(flags):
         return
     if bf16_kernels_ready() is False:
         raise RuntimeError(
