@@ -274,14 +274,19 @@ _REAL_TRAIN = dict(warmup_steps=10, min_lr_ratio=0.1, max_grad_norm=1.0, log_eve
 PRESETS["smollm2"] = QuickstartPreset(
     world="tiny",  # unused: source wikipedia has no world
     source="wikipedia",
-    # The topic, the next token and the position are said firmly only where a linear probe reads them
-    # at p >= 0.9 (28-31 %, 11-14 %, 39-44 % of rows), else "may": ungated, the AV said a wrong topic on
-    # two rows of three; gated, it says every one of them unsure and a firm claim is never false
-    # (BENCHMARKS.md, "The preset rebalanced"). The quotation stays firm (right on 0.71: the AV reads the
-    # token better than the probe, which holds it at p 0.9 on 40 % of rows).
+    # Every claim is said firmly only where a linear probe, fitted on other articles, reads it from the
+    # vector at p >= 0.9, else "may" (graded as not said): the topic, the next token and the position on
+    # 28-31 %, 11-14 %, 39-44 % of rows (ungated, the AV said a wrong topic on two rows of three; gated, it
+    # says every one of them unsure: BENCHMARKS.md, "The preset rebalanced"), the quotation of the token
+    # read on 41-42 %. Always firm, the quotation was wrong on 0.23-0.29 of rows (right on 0.71-0.77, seeds
+    # 0 and 1); gated, a firm quotation is right on 0.96 of the rows that say one, at the same round trip
+    # (0.363 against 0.360 on seed 0; "The quotation said firmly only where a probe reads it"), as the
+    # world's default gates its quotation (issue 57). What it costs: the quotation firm and right on 0.42
+    # of all rows, not 0.77 (issue 56 asks >= 0.80 of rows and precision >= 0.90; the vector allows one).
     datagen=dict(n_docs=1500, max_len=64, positions_per_doc=8, skip_first=1, batch_size=16, layer_index=10,
                  injection_char="§", center=True, split_fractions=[0.4, 0.4, 0.2],
-                 wiki_explainer=dict(topic_min_prob=0.9, next_min_prob=0.9, position_min_prob=0.9)),
+                 wiki_explainer=dict(quote_min_prob=0.9, topic_min_prob=0.9, next_min_prob=0.9,
+                                     position_min_prob=0.9)),
     # The AR bounds every explanation (the oracle): read on the gold explanations of held-out articles it
     # reached FVE 0.29 at 300 steps, 0.45 at 400, 0.51 at 600, 0.57 at 1,200 (dev/experiments/smollm2_curve.py);
     # with 500 steps the pair reached 0.75 of an oracle of 0.35, so the AR gets 1,200 (the time from the AV's
