@@ -242,10 +242,13 @@ PRESETS["full"] = dataclasses.replace(
 # "layers": one pair for blocks 0-3 of the default world (issue 59), each row's block named in its AV prompt
 # and AR text (nla.core.templates.LAYERED_*). A fact is named only where a probe of its kind, fitted at the
 # row's block on other documents, holds it at p >= 0.5 (world_explainer.fact_min_prob): block 0 holds little,
-# and its explanations say little rather than guess. The AR's, the AV's and RL's steps are 1.6x the default's.
+# and its explanations say little rather than guess. The AR's, the AV's and RL's steps are 1.6x a one-block pair's
+# as measured against (800 / 1,500 / 100; the default's AV has 2,000 since).
 # On seed 0, against one-block pairs with the same rule, FVE after RL is within 0.031 at every block (-0.031,
 # -0.010, +0.005, +0.043 at blocks 0-3) in 0.54x their combined time (BENCHMARKS.md, "One-block pairs at every
-# block"); opt-in until that holds on three seeds at <= 0.4x the time. No suite (it reads one block).
+# block"); on the AMD EPYC in one session -0.026 / -0.009 / -0.010 / -0.015 in 0.55x, and with the AV's and RL's
+# steps of one pair 0.06-0.09 under in 0.39x ("Against one-block pairs on the same CPU"). Opt-in until it holds
+# on three seeds at <= 0.4x the time. No suite (it reads one block).
 PRESETS["layers"] = dataclasses.replace(
     PRESETS["default"],
     datagen={**PRESETS["default"].datagen, "layers": [0, 1, 2, 3],
