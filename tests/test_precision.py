@@ -259,3 +259,68 @@ def test_fp32_work_gives_the_same_bits_with_the_cap_lifted(tmp_path):
         assert out.returncode == 0, out.stderr[-2000:]
         got.append(torch.load(path))
     assert len(got[0]) > 3 and all(torch.equal(a, b) for a, b in zip(*got, strict=True))
+
+
+_BF16_AV = """
+import sys
+sys.path.insert(0, sys.argv[2])  # the tests' helpers
+import numpy as np
+from nla.core.arch import load_tokenizer
+from nla.train.av import train_av
+from nla.train.config import AVTrainConfig
+from nla.world import build_world
+from train_helpers import dataset_sidecar, explanations, write_av_dataset
+base = build_world("tiny", progress=False).subject_dir
+side = dataset_sidecar(load_tokenizer(base), base, 64, 1, injection_scale=8.0)
+vec = np.random.default_rng(0).normal(size=(32, 64)).astype(np.float32)
+ds = write_av_dataset(sys.argv[1] + "/av.parquet", side, vec, explanations(32))
+res = train_av(AVTrainConfig(dataset=str(ds), out_dir=sys.argv[1] + "/av", max_steps=4, batch_size=8, lr=1e-3,
+                             warmup_steps=1, log_every=1, eval_every=4, save_every=4, eval_fraction=0.25,
+                             tensorboard=False, progress=False, threads=2, smoke_num=1, smoke_max_new_tokens=4,
+                             autocast="bfloat16"))
+print("CKPT", next(res.checkpoint_dir.glob("*.safetensors")))
+"""
+
+
+@pytest.mark.slow
+def test_a_bf16_warm_start_gives_the_same_bits_beside_a_busy_process(tmp_path):
+    """The same seed gives the same numbers whatever else the machine runs, under ``autocast: bfloat16`` too:
+    an AV warm-start (4 steps, 2 threads, bf16 matmuls on oneDNN's bf16 kernels) in a fresh process alone,
+    and again beside a process that takes every cycle it leaves (nice 19, as tests/test_determinism.py's),
+    saves the same weights bit for bit. Where the CPU has no bf16 instructions autocast is refused
+    (above), so there is nothing to compare."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from nla.world import build_world
+
+    if not precision.bf16_native():
+        pytest.skip("this CPU has no bf16 instructions: autocast is refused there")
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
+    helpers = str(Path(__file__).resolve().parent)
+    weights = []
+    for name in ("alone", "beside"):
+        out_dir = tmp_path / name
+        out_dir.mkdir()
+        busy = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"]) if name == "beside" \
+            else None
+        try:
+            out = subprocess.run([sys.executable, "-c", _BF16_AV, str(out_dir), helpers], capture_output=True,
+                                 text=True, env=env, timeout=600)
+        finally:
+            if busy is not None:
+                busy.kill()
+                busy.wait()
+        assert out.returncode == 0, out.stderr[-3000:]
+        weights.append(load_file(out.stdout.split("CKPT ")[-1].strip()))
+    alone, beside = weights
+    assert alone.keys() == beside.keys() and len(alone) > 3
+    start = load_file(str(next(Path(build_world("tiny", progress=False).subject_dir).glob("*.safetensors"))))
+    moved = [k for k in alone if k in start and not torch.equal(alone[k], start[k])]
+    assert moved  # the warm-start trained: the comparison is of weights bf16 steps changed
+    differ = [k for k in alone if not torch.equal(alone[k], beside[k])]
+    assert not differ, f"{len(differ)} of {len(alone)} tensors differ beside a busy process, e.g. {differ[:3]}"
