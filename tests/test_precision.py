@@ -265,11 +265,17 @@ _BF16_AV = """
 import sys
 sys.path.insert(0, sys.argv[2])  # the tests' helpers
 import numpy as np
+import torch
 from nla.core.arch import load_tokenizer
 from nla.train.av import train_av
 from nla.train.config import AVTrainConfig
+from nla.util import precision
 from nla.world import build_world
 from train_helpers import dataset_sidecar, explanations, write_av_dataset
+# before any matmul: a cached world built at another thread count is built again here (nla.world.build),
+# and a matmul before the lift would leave bf16 on torch's reference kernel (train_av would refuse)
+precision.prepare_autocast("bfloat16", torch.device("cpu"), "av.autocast")
+torch.set_num_threads(2)
 base = build_world("tiny", progress=False).subject_dir
 side = dataset_sidecar(load_tokenizer(base), base, 64, 1, injection_scale=8.0)
 vec = np.random.default_rng(0).normal(size=(32, 64)).astype(np.float32)
