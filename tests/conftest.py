@@ -9,6 +9,8 @@ rebuilds a qwen2-typed directory's tokenizer from its vocab and breaks this word
 
 from __future__ import annotations
 
+import contextlib
+
 # isort: off
 import nla  # noqa: F401  (first: its CPU pin must precede torch's and NumPy's first use; nla.util.numerics)
 # isort: on
@@ -151,6 +153,21 @@ def user_environment() -> dict[str, str]:
 
     ours = {p.var: p.value for p in pins()}
     return {k: v for k, v in os.environ.items() if ours.get(k) != v}
+
+
+@contextlib.contextmanager
+def busy_process(nice: int | None = 19):
+    """A competing process that spins for the block's duration. At ``nice`` 19 it takes every cycle the code
+    under test leaves idle (and shows as busy CPU time in /proc/stat) without slowing it several-fold."""
+    import subprocess
+    import sys
+
+    spin = subprocess.Popen(([] if nice is None else ["nice", "-n", str(nice)]) + [sys.executable, "-c", "while True: pass"])
+    try:
+        yield spin
+    finally:
+        spin.kill()
+        spin.wait()
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PINNED_BY_HAND, numpy_avx512_targets, user_environment
+from conftest import PINNED_BY_HAND, busy_process, numpy_avx512_targets, user_environment
 
 pytestmark = pytest.mark.slow
 
@@ -67,13 +67,9 @@ def test_tiny_quickstart_is_identical_beside_a_busy_process(tiny_quickstart_run,
     # runs its widest path in A and differs on a CPU whose widest path is not AVX2 (issue 61).
     by_hand = {**PINNED_BY_HAND, "NPY_DISABLE_CPU_FEATURES": numpy_avx512_targets()}
     env = {**user_environment(), **by_hand, "NLA_CACHE": str(tmp_path / "cache")}
-    busy = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"])
-    try:
+    with busy_process():
         proc = subprocess.run([sys.executable, "-m", "nla.cli", "quickstart", "--preset", "tiny", "--out", str(out),
                                "--no-progress"], env=env, capture_output=True, text=True, timeout=900)
-    finally:
-        busy.kill()
-        busy.wait()
     assert proc.returncode == 0, proc.stderr[-3000:]
     a = metrics(json.loads((Path(tiny_quickstart_run) / "report.json").read_text()))
     b = metrics(json.loads((out / "report.json").read_text()))

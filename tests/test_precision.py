@@ -3,7 +3,7 @@ cap, the fp32 heads and the exact row selection under autocast."""
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import build_tiny_model, busy_process
 
 from nla.core.prefix import take_rows
 from nla.rl.config import RLConfig
@@ -295,6 +295,7 @@ def test_a_bf16_warm_start_gives_the_same_bits_beside_a_busy_process(tmp_path):
     and again beside a process that takes every cycle it leaves (nice 19, as tests/test_determinism.py's),
     saves the same weights bit for bit. Where the CPU has no bf16 instructions autocast is refused
     (above), so there is nothing to compare."""
+    import contextlib
     import os
     import subprocess
     import sys
@@ -312,15 +313,9 @@ def test_a_bf16_warm_start_gives_the_same_bits_beside_a_busy_process(tmp_path):
     for name in ("alone", "beside"):
         out_dir = tmp_path / name
         out_dir.mkdir()
-        busy = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"]) if name == "beside" \
-            else None
-        try:
+        with busy_process() if name == "beside" else contextlib.nullcontext():
             out = subprocess.run([sys.executable, "-c", _BF16_AV, str(out_dir), helpers], capture_output=True,
                                  text=True, env=env, timeout=600)
-        finally:
-            if busy is not None:
-                busy.kill()
-                busy.wait()
         assert out.returncode == 0, out.stderr[-3000:]
         weights.append(load_file(out.stdout.split("CKPT ")[-1].strip()))
     alone, beside = weights

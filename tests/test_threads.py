@@ -251,9 +251,9 @@ def test_apply_threads_adapts_only_when_auto_is_asked_for(restore_threads, monke
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/stat"), reason="needs Linux /proc/stat")
 def test_governor_sees_a_real_busy_process(restore_threads):
     """A real competing process that spins on one core: the governor leaves that core to it."""
-    import subprocess
-    import sys
     import time
+
+    from conftest import busy_process
 
     from nla.util.threads import ThreadGovernor, available_cores, read_cpu_seconds
 
@@ -261,13 +261,9 @@ def test_governor_sees_a_real_busy_process(restore_threads):
     assert busy0 > 0 and own0 > 0
     cores = available_cores()
     g = ThreadGovernor(interval=1.0)
-    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
+    with busy_process(nice=None):
         time.sleep(1.2)
         n = g.tick()
-    finally:
-        spin.kill()
-        spin.wait()
     assert len(g.decisions) == 1
     others, decided = g.decisions[0]
     assert others >= 0.7  # the spinning process alone keeps about one core busy
