@@ -128,6 +128,67 @@ def test_a_cached_build_from_other_cpu_paths_is_built_again(tmp_path, caplog):
         assert sorted(p.name for p in tmp_path.iterdir()) == [first.root.name]
 
 
+def test_a_build_under_the_lifted_onednn_cap_is_the_cached_one(tmp_path, monkeypatch):
+    """A run with autocast lifts oneDNN's cap before its first stage (nla.util.precision); its world, fp32
+    work that does not read the cap (below), is the build cached under the pin's cap, not built again."""
+    first = build_world(MICRO, out=tmp_path, progress=False)
+    summary = first.root / "summary.json"
+    data = json.loads(summary.read_text())
+    data["cpu_paths"] = {**data["cpu_paths"], "onednn": "ALL (set)"}
+    summary.write_text(json.dumps(data))
+
+    def no_rebuild(*a, **k):
+        raise AssertionError("cached world was rebuilt")
+
+    monkeypatch.setattr(build_mod, "_build_into", no_rebuild)
+    assert build_world(MICRO, out=tmp_path, progress=False).from_cache
+
+
+_BUILD_UNDER = """
+import os, sys
+import nla  # the CPU pin, oneDNN's cap included
+if sys.argv[1] == "ALL":
+    os.environ["ONEDNN_MAX_CPU_ISA"] = "ALL"  # as lift_onednn_cap leaves it, before the first matmul
+import torch
+torch.set_num_threads(1)
+sys.path.insert(0, sys.argv[3])
+from test_world_build import MICRO
+from nla.world.build import build_world
+print("ROOT", build_world(MICRO, out=sys.argv[2], progress=False).root)
+"""
+
+
+def test_a_world_built_under_either_onednn_cap_is_the_same_bytes(tmp_path):
+    """Why a world's cache ignores oneDNN's cap (``nla.world.build._bits_key``): the same world built in two
+    fresh processes, one under the pin's cap and one with it lifted, writes the same weights, tokenizer and
+    losses byte for byte."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from nla.util.numerics import pins
+
+    if {p.var: p.value for p in pins()}.get("ONEDNN_MAX_CPU_ISA") is None:
+        pytest.skip("the CPU pin does not cap oneDNN on this machine")
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
+    roots = []
+    for cap in ("pinned", "ALL"):
+        out = subprocess.run([sys.executable, "-c", _BUILD_UNDER, cap, str(tmp_path / cap), str(Path(__file__).parent)],
+                             capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        roots.append(Path(out.stdout.split("ROOT ")[1].strip()))
+    summaries = [json.loads((r / "summary.json").read_text()) for r in roots]
+    assert summaries[0]["cpu_paths"]["onednn"] != summaries[1]["cpu_paths"]["onednn"] == "ALL (set)"
+    for key in ("train_losses", "heldout_loss", "final_train_loss", "final_state_loss"):
+        assert summaries[0][key] == summaries[1][key], key
+    files = sorted(p.relative_to(roots[0]) for p in roots[0].rglob("*") if p.is_file() and p.suffix != ".png"
+                   and p.name != "summary.json")
+    assert Path("subject/model.safetensors") in files
+    for rel in files:
+        assert (roots[0] / rel).read_bytes() == (roots[1] / rel).read_bytes(), rel
+
+
 def test_concurrent_build_of_the_same_config_uses_the_finished_one(tmp_path, monkeypatch):
     """Two processes build the same world at once: the one that finishes second keeps the first
     one's build (same config, same result) instead of failing on the rename."""

@@ -253,6 +253,14 @@ def load_world(root: str | Path) -> WorldArtifacts:
     )
 
 
+def _bits_key(paths: dict[str, str] | None) -> dict[str, str] | None:
+    """The recorded CPU paths a world's bits depend on: all but oneDNN's cap. A world is fp32 work, which
+    does not read the cap (tests/test_world_build.py builds one under the pin's cap and lifted, in fresh
+    processes, byte for byte the same), and a run with autocast lifts it before its first stage
+    (``nla.util.precision.lift_onednn_cap``): keyed on it, such a run would build its cached world again."""
+    return None if paths is None else {k: v for k, v in paths.items() if k != "onednn"}
+
+
 def build_world(
     preset_or_config: str | WorldConfig,
     out: str | Path | None = None,
@@ -268,13 +276,13 @@ def build_world(
 
         built_with, here = cached.summary.get("cpu_paths"), cpu_paths()
         threads_then, threads = cached.summary.get("torch_threads"), torch.get_num_threads()
-        if built_with == here and threads_then == threads:
+        if _bits_key(built_with) == _bits_key(here) and threads_then == threads:
             logger.info("world %s: using cached build %s", config.name, root)
             return cached
         # Other CPU code paths, or another thread count, give other bits (nla.util.numerics,
         # nla.util.threads); a build from before the paths were all recorded may have run any, so it
         # is built again too.
-        if built_with != here:
+        if _bits_key(built_with) != _bits_key(here):
             logger.warning("world %s: the cached build %s ran %s CPU paths, this process runs %s; building it again",
                            config.name, root, describe_cpu_paths(built_with) if built_with else "unrecorded",
                            describe_cpu_paths(here))
