@@ -369,27 +369,30 @@ class NLAClient:
         check_provenance([Provenance.of(f"the dataset {path}", side), *self.provenance()],
                          allow=self.allow_mixed_provenance, context="dataset")
 
-    def to_pair_space(self, raw: Any) -> Any:
+    def to_pair_space(self, raw: Any, layer: Any = None) -> Any:
         """The subject's raw block outputs ([..., d], a tensor or an array) as this pair reads them:
-        minus the ``vector_offset`` its sidecars record (a pair trained on centred vectors), unchanged
-        otherwise. ``verbalize`` and ``score`` take vectors in the pair's space, as its datasets hold
-        them; call this first on vectors taken from the subject. The AV and the AR must agree."""
+        minus the ``vector_offset`` its sidecars record (a pair trained on centred vectors), or for a pair
+        of several blocks centred a block at a time minus each vector's block's ``layer_offsets`` entry
+        (``layer``: one block for all, or one a vector, as ``verbalize`` takes it); unchanged otherwise.
+        ``verbalize`` and ``score`` take vectors in the pair's space, as its datasets hold them; call this
+        first on vectors taken from the subject. The AV and the AR must agree."""
         side = self._offset_sidecar()
-        return raw if side is None else side.to_pair_space(raw)
+        return raw if side is None else side.to_pair_space(raw, layer)
 
-    def from_pair_space(self, vectors: Any) -> Any:
+    def from_pair_space(self, vectors: Any, layer: Any = None) -> Any:
         """The inverse of ``to_pair_space``: vectors in the pair's space (an AR's reading, a dataset's
         vector) as the subject's raw block outputs, e.g. to patch them into the subject."""
         side = self._offset_sidecar()
-        return vectors if side is None else side.from_pair_space(vectors)
+        return vectors if side is None else side.from_pair_space(vectors, layer)
 
     def _offset_sidecar(self) -> Any:
-        """The sidecar whose ``vector_offset`` this pair applies; the AV's and the AR's must agree."""
-        offsets = {tuple(s.vector_offset) if s.vector_offset is not None else None
+        """The sidecar whose offsets this pair applies; the AV's and the AR's must agree."""
+        offsets = {(s.vector_offset, None if s.layer_offsets is None else tuple(sorted(s.layer_offsets.items())))
                    for s in (self.av_sidecar, self.ar_sidecar) if s is not None}
         if len(offsets) > 1:
-            raise ValueError("the AV's and the AR's sidecars record different extraction.vector_offset values (one "
-                             "pair centred on two means); use a pair trained on the same dataset")
+            raise ValueError("the AV's and the AR's sidecars record different extraction.vector_offset or "
+                             "extraction.layer_offsets values (one pair centred on two means); use a pair trained "
+                             "on the same dataset")
         return self.av_sidecar or self.ar_sidecar
 
     def provenance(self) -> list[Provenance]:

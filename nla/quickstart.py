@@ -593,10 +593,9 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
         label = f"{preset} with {settings_label(settings)}"
     p.check(label)
     if p.datagen.get("layers") is not None:
-        # one pair for several blocks (issue 59): measured on the world with the local backend and a same-model
-        # pair of the subject's own width; refused by name where it is not built or not measured
+        # one pair for several blocks (issue 59): measured on the world and SmolLM2 with the local backend and a
+        # same-model pair of the subject's own width; refused by name where it is not built or not measured
         unbuilt = [
-            (p.real, "a real subject (its vectors are centred on one block's mean; datagen refuses center with layers)"),
             (pair_world is not None, f"--pair-world {pair_world} (a cross-model pair is measured at one block only)"),
             (injection_adapter != "none", f"--injection-adapter {injection_adapter} (measured at one block only)"),
             (backend == "ray", "--backend ray (the Ray backend takes one block; the local one takes several)")]

@@ -109,14 +109,78 @@ def test_the_settings_are_checked_by_name(tmp_path, tiny_model_dir):
             _cfg(tmp_path, model, layers=layers)
     with pytest.raises(ValueError, match=r"DatagenConfig.layer_index: expected null or the deepest of layers \(1"):
         _cfg(tmp_path, model, layers=[0, 1], layer_index=0)
-    with pytest.raises(ValueError, match="DatagenConfig.center: expected false when layers is set"):
-        _cfg(tmp_path, model, layers=[0, 1], center=True)
+    assert _cfg(tmp_path, model, layers=[0, 1], center=True).center  # one offset a block (below)
     assert _cfg(tmp_path, model, layers=[0, 1], layer_index=1).layers == (0, 1)
     # a block the model has not: refused before any document is read
     from nla.datagen.io import DatagenError
 
     with pytest.raises(DatagenError, match=r"layer_index 7 is out of range: the model has 4 decoder blocks, valid range 0..3"):
         run(_cfg(tmp_path / "bad", model, layers=[0, 7]))
+
+
+def test_centred_a_block_at_a_time_each_blocks_rows_lose_their_own_mean(tmp_path, tiny_model_dir):
+    """center with several blocks: each block's rows are centred on the mean of that block's training rows
+    (av_sft + ar_sft; float64 mean stored float32), recorded per block as extraction.layer_offsets; derived
+    here from the same run uncentred."""
+    model = tiny_model_dir("llama")
+    run(_cfg(tmp_path / "raw", model, layers=[0, 1]))
+    run(_cfg(tmp_path / "cen", model, layers=[0, 1], center=True))
+    raw = {n: load_dataset(tmp_path / "raw" / "out" / f"{n}.parquet")[0] for n in ("av_sft", "ar_sft", "rl")}
+    blocks = {n: np.asarray(t.column("activation_layer").to_pylist()) for n, t in raw.items()}
+    want = {k: np.concatenate([read_vectors(raw[n])[blocks[n] == k] for n in ("av_sft", "ar_sft")]).astype(
+        np.float64).mean(0).astype(np.float32) for k in (0, 1)}
+    assert not np.allclose(want[0], want[1])  # the blocks' means differ: one offset for all would leave some
+    for n in ("av_sft", "ar_sft", "rl"):
+        tab, side = load_dataset(tmp_path / "cen" / "out" / f"{n}.parquet")
+        assert side.vector_offset is None and sorted(side.layer_offsets) == [0, 1]
+        for k in (0, 1):
+            np.testing.assert_array_equal(np.asarray(side.layer_offsets[k], np.float32), want[k])
+        assert tab.column("activation_layer").to_pylist() == blocks[n].tolist()
+        np.testing.assert_array_equal(read_vectors(tab), read_vectors(raw[n]) - np.stack([want[k] for k in blocks[n]]))
+        # the sidecar maps raw vectors to these, a block a row
+        np.testing.assert_array_equal(side.to_pair_space(read_vectors(raw[n]), layer=blocks[n].tolist()),
+                                      read_vectors(tab))
+    doc = yaml.safe_load((tmp_path / "cen" / "out" / "rl.parquet.nla_meta.yaml").read_text())
+    assert sorted(doc["extraction"]["layer_offsets"]) == [0, 1] and "vector_offset" not in doc["extraction"]
+
+
+def test_a_block_at_a_time_offsets_are_applied_a_row_at_a_time_and_checked():
+    import torch
+
+    side = _layered_sidecar(layer_offsets={0: [1.0, 2.0, 0.0, 0.0], 2: [-1.0, 0.5, 0.0, 4.0]})
+    assert side.centred and not _layered_sidecar().centred
+    raw = np.ones((2, 4), np.float32)
+    # by hand: row 0 minus block 0's offset, row 1 minus block 2's
+    assert side.to_pair_space(raw, layer=[0, 2]).tolist() == [[0.0, -1.0, 1.0, 1.0], [2.0, 0.5, 1.0, -3.0]]
+    assert side.to_pair_space(raw, layer=np.array([2, 2])).tolist() == [[2.0, 0.5, 1.0, -3.0]] * 2
+    assert side.to_pair_space(torch.full((4,), 3.0), layer=2).tolist() == [4.0, 2.5, 3.0, -1.0]
+    assert side.from_pair_space(side.to_pair_space(raw, layer=[2, 0]), layer=[2, 0]).tolist() == raw.tolist()
+    assert _layered_sidecar().to_pair_space(raw, layer=[0, 2]) is raw  # not centred: unchanged
+    for layer, message in ((None, r"to_pair_space: this pair reads several blocks \(\[0, 2\], extraction.layers\)"),
+                           (1, r"to_pair_space: block 1 is not one this pair was trained on"),
+                           ([0, 1], r"to_pair_space: block 1 is not one this pair was trained on"),
+                           ([0], r"to_pair_space: layer gives 1 blocks for 2 vector\(s\); give one block for every "
+                                 r"vector, or one block for all")):
+        with pytest.raises(SidecarError, match=message):
+            side.to_pair_space(raw, layer=layer)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(layer_offsets={0: [0.0] * 4}), r"layer_offsets \(extraction.layer_offsets\): expected an offset for each "
+                                         r"block of \[0, 2\], found \[0\]"),
+    (dict(layer_offsets={0: [0.0] * 4, 2: [0.0] * 3}), r"NLAConfig.layer_offsets\[2\] \(extraction.layer_offsets.2\): "
+                                                       r"expected 4 numbers \(d_model\), found 3"),
+    (dict(layer_offsets={0: [0.0] * 4, 2: [0.0, float("inf"), 0.0, 0.0]}), r"entry 1 is inf; expected finite"),
+    (dict(layer_offsets={0: [0.0] * 4, 2: [0.0] * 4}, vector_offset=[0.0] * 4),
+     r"one offset a block, or vector_offset, one for every row; found both"),
+])
+def test_the_block_offsets_are_checked(kw, message):
+    with pytest.raises(ValueError, match=message):
+        _layered_sidecar(**kw)
+    with pytest.raises(ValueError, match=r"NLAConfig.layer_offsets \(extraction.layer_offsets\): recorded only with "
+                                         r"extraction.layers"):
+        NLAConfig(kind="nla_model", role="ar", d_model=4, layer_index=3, critic_suffix_ids=(5,),
+                  ar_template="Explanation: {explanation}\nSummary vector:", layer_offsets={3: [0.0] * 4})
 
 
 def _layered_sidecar(**kw) -> NLAConfig:
@@ -159,10 +223,11 @@ def test_the_sidecars_blocks_are_checked(kw, message):
 
 
 def test_the_blocks_round_trip_through_the_sidecar_file(tmp_path):
-    side = _layered_sidecar(layer_norms={0: 1.5, 2: 30.25})
+    side = _layered_sidecar(layer_norms={0: 1.5, 2: 30.25}, layer_offsets={0: [1, 2, 3, 4], 2: [0.5, 0, 0, -1]})
     write_sidecar(tmp_path, side)
     assert load_sidecar(tmp_path) == side.replace(mse_scale=2.0)  # written as the number: sqrt(d_model 4)
     assert load_sidecar(tmp_path).layer_norms == {0: 1.5, 2: 30.25}
+    assert load_sidecar(tmp_path).layer_offsets == {0: (1.0, 2.0, 3.0, 4.0), 2: (0.5, 0.0, 0.0, -1.0)}
 
 
 def test_by_block_runs_each_blocks_rows_alone_and_keeps_the_row_order():
@@ -191,7 +256,7 @@ def test_both_warm_starts_train_on_rows_of_several_blocks(tmp_path, tiny_model_d
     from nla.train.av import train_av
     from nla.train.config import ARTrainConfig, AVTrainConfig
 
-    run(_cfg(tmp_path, tiny_model_dir("llama"), layers=[0, 1]))
+    run(_cfg(tmp_path, tiny_model_dir("llama"), layers=[0, 1], center=True))  # one offset a block
     dg = tmp_path / "out"
     common = dict(warmup_steps=0, max_steps=1, eval_every=1, save_every=1, batch_size=4, threads=1, progress=False,
                   tensorboard=False)
@@ -199,9 +264,11 @@ def test_both_warm_starts_train_on_rows_of_several_blocks(tmp_path, tiny_model_d
                                 max_length=80, shuffle_sentences=True, **common))
     av = train_av(AVTrainConfig(dataset=str(dg / "av_sft.parquet"), out_dir=str(tmp_path / "av"), lr=1e-4,
                                 max_length=128, smoke_num=1, **common))
+    offsets = load_sidecar(dg / "rl.parquet").layer_offsets
     for ckpt, role in ((ar.checkpoint_dir, "ar"), (av.checkpoint_dir, "av")):
         side = load_sidecar(ckpt)
         assert (side.role, side.layers, side.layer_index) == (role, (0, 1), 1)
+        assert side.layer_offsets == offsets and sorted(offsets) == [0, 1]  # every checkpoint carries them
     from nla.core import arch
     from nla.core.reconstructor import Reconstructor
 
@@ -290,6 +357,13 @@ def test_both_warm_starts_train_on_rows_of_several_blocks(tmp_path, tiny_model_d
                           (lambda: client.score(texts, vecs, layer=[0, 1, True]), r"layer: expected block numbers")):
         with pytest.raises(NLAClientError, match=message):
             call()
+    # a subject's raw vectors into the pair's space and back, each minus / plus its block's offset
+    raw = torch.ones(3, vecs.shape[1])
+    want_space = raw - torch.tensor([offsets[1], offsets[0], offsets[1]])
+    torch.testing.assert_close(client.to_pair_space(raw, layer=[1, 0, 1]), want_space, rtol=0, atol=0)
+    torch.testing.assert_close(client.from_pair_space(want_space, layer=[1, 0, 1]), raw)
+    with pytest.raises(SidecarError, match=r"to_pair_space: this pair reads several blocks"):
+        client.to_pair_space(raw)
     verbs = client.verbalize(vecs, layer=[1, 0, 1], max_new_tokens=4)
     assert [v.row for v in verbs] == [0, 1, 2]
     # nla eval reports each block against its own baseline
@@ -354,7 +428,8 @@ def test_both_warm_starts_train_on_rows_of_several_blocks(tmp_path, tiny_model_d
     ids = torch.tensor([inp.ids])
     texts = {}
     for k in (0, 1):
-        vec = ex.client.to_pair_space(block_outputs(ex.model, ids, torch.ones_like(ids), k)[0].float())[1:2]
+        # the block's output minus the block's own offset (the data was centred a block at a time)
+        vec = block_outputs(ex.model, ids, torch.ones_like(ids), k)[0].float()[1:2] - torch.tensor(offsets[k])
         torch.testing.assert_close(ex.activations(inp, k)[1:2], vec, rtol=0, atol=0)
         got = ex.explain(inp, positions=[1], layer=k, max_new_tokens=4)[0]
         want = ex.client.verbalize(vec, layer=k, max_new_tokens=4)[0]
@@ -404,11 +479,7 @@ def test_the_quickstart_refuses_several_blocks_where_they_are_not_built(tmp_path
     from nla.quickstart import QuickstartError, run_quickstart
 
     layers = ["datagen.layers=[0, 1, 2, 3]"]
-    with pytest.raises(ValueError, match=r"DatagenConfig.center: expected false when layers is set"):
-        run_quickstart("smollm2", tmp_path / "run", settings=["datagen.layers=[8, 10]"])  # the preset centres
-    real = ["datagen.layers=[8, 10]", "datagen.center=false"]
-    for kw, why in ((dict(preset="smollm2", settings=real), "a real subject"),
-                    (dict(preset="default", settings=layers, pair_world="default-d64"), "--pair-world default-d64"),
+    for kw, why in ((dict(preset="default", settings=layers, pair_world="default-d64"), "--pair-world default-d64"),
                     (dict(preset="default", settings=layers, injection_adapter="affine"), "--injection-adapter affine"),
                     (dict(preset="layers", backend="ray"), "--backend ray")):
         with pytest.raises(QuickstartError, match=r"datagen\.layers: \[.*\]: a pair for several blocks is not built "

@@ -208,6 +208,47 @@ def test_real_rows_claims_by_hand_and_the_subjects_next_token(tmp_path):
 
 
 @needs_real
+def test_a_real_subjects_rows_of_two_blocks_are_centred_and_gated_a_block_at_a_time(tmp_path):
+    """A pair for several blocks of SmolLM2 (issue 59): datagen reads blocks 3 and 5 in one pass, fits the
+    quotation's probe at each block on its own rows, and centres each block on its own training rows'
+    mean (extraction.layer_offsets), derived here from the activations."""
+    from nla.core.sidecar import load_sidecar
+    from nla.datagen.config import DatagenConfig
+    from nla.datagen.io import read_vectors
+    from nla.datagen.pipeline import run as run_datagen
+
+    dg = tmp_path / "datagen"
+    summary = run_datagen(DatagenConfig.from_dict(dict(
+        out_dir=str(dg), source="wikipedia", explainer="wiki", n_docs=12, max_len=24, positions_per_doc=4,
+        skip_first=1, batch_size=6, layers=[3, 5], injection_char="§", center=True, threads=2,
+        wiki_explainer=dict(quote_min_prob=0.9))))
+    assert summary["extract"]["rows"] == 12 * 4 * 2
+    assert sorted(summary["explain"]["claims_held"]["by_block"]) == [3, 5]  # a probe a block
+    side = load_sidecar(dg / "rl.parquet")
+    assert (side.layers, side.vector_offset, sorted(side.layer_offsets)) == ((3, 5), None, [3, 5])
+    raw = pq.read_table(dg / "activations.parquet")
+    key = {(d, p, k): i for i, (d, p, k) in enumerate(zip(raw.column("doc_id").to_pylist(),
+                                                          raw.column("position").to_pylist(),
+                                                          raw.column("activation_layer").to_pylist(), strict=True))}
+
+    def raw_of(tab):
+        rows = zip(tab.column("doc_id").to_pylist(), tab.column("position").to_pylist(),
+                   tab.column("activation_layer").to_pylist(), strict=True)
+        return read_vectors(raw)[[key[r] for r in rows]]
+
+    train = [pq.read_table(dg / "splits" / f"{n}.parquet") for n in ("av_sft", "ar_sft")]
+    for k in (3, 5):
+        v = np.concatenate([raw_of(t)[np.asarray(t.column("activation_layer").to_pylist()) == k] for t in train])
+        np.testing.assert_array_equal(np.asarray(side.layer_offsets[k], np.float32),
+                                      v.astype(np.float64).mean(0).astype(np.float32))
+    rl_tab = pq.read_table(dg / "rl.parquet")
+    blocks = rl_tab.column("activation_layer").to_pylist()
+    np.testing.assert_array_equal(read_vectors(rl_tab), side.to_pair_space(raw_of(rl_tab), layer=blocks))
+    prompts = {k: p[-1]["content"] for p, k in zip(rl_tab.column("prompt").to_pylist(), blocks, strict=True)}
+    assert prompts[3] == prompts[5].replace("block 5", "block 3") != prompts[5]
+
+
+@needs_real
 @pytest.mark.slow
 def test_the_real_path_at_ci_size(tmp_path):
     """extract -> explain -> build (centred) -> one step of each trainer -> eval, on SmolLM2 and Wikipedia."""

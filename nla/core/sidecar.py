@@ -95,6 +95,10 @@ class NLAConfig:
     layer_norms: per block of ``layers``, the median norm of the training rows' raw vectors
         (``extraction.layer_norms``; the scales differ by block, and the injection and the metric
         rescale every vector, so this is a record, not a setting).
+    layer_offsets: per block of ``layers``, the vector subtracted from that block's raw outputs
+        (``extraction.layer_offsets``, nla's key: the mean of the block's training rows for a ``center:
+        true`` dataset of several blocks, whose blocks' means differ); ``to_pair_space`` applies each
+        row's block's. Never with ``vector_offset``.
 
     The AV fields come all together or not at all, the AR fields likewise. Role "av" needs the AV
     fields, role "ar" the AR fields, a dataset both; a model sidecar without a role needs one set.
@@ -121,6 +125,7 @@ class NLAConfig:
     vector_offset: tuple[float, ...] | None = field(default=None, hash=False)
     layers: tuple[int, ...] | None = None
     layer_norms: dict | None = field(default=None, hash=False)
+    layer_offsets: dict | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -172,9 +177,10 @@ class NLAConfig:
     def _check_layers(self) -> None:
         layers = self.layers
         if layers is None:
-            if self.layer_norms is not None:
-                raise ValueError("NLAConfig.layer_norms (extraction.layer_norms): recorded only with "
-                                 "extraction.layers; found it without")
+            for name in ("layer_norms", "layer_offsets"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"NLAConfig.{name} (extraction.{name}): recorded only with "
+                                     "extraction.layers; found it without")
             return
         if isinstance(layers, (str, bytes, Mapping)) or not isinstance(layers, Sequence):
             raise ValueError(f"NLAConfig.layers (extraction.layers): expected a list of blocks, found {layers!r}")
@@ -228,48 +234,83 @@ class NLAConfig:
         return template.replace("{layer}", str(layer).zfill(len(str(self.layers[-1]))))
 
     def _check_offset(self) -> None:
-        off = self.vector_offset
-        if off is None:
+        if self.vector_offset is not None:
+            object.__setattr__(self, "vector_offset", self._offset_numbers(self.vector_offset, "vector_offset"))
+        offsets = self.layer_offsets
+        if offsets is None:
             return
+        if self.vector_offset is not None:
+            raise ValueError("NLAConfig.layer_offsets (extraction.layer_offsets): one offset a block, or "
+                             "vector_offset, one for every row; found both")
+        if not isinstance(offsets, Mapping) or sorted(int(k) for k in offsets) != list(self.layers):
+            keys = sorted(offsets) if isinstance(offsets, Mapping) else type(offsets).__name__
+            raise ValueError(f"NLAConfig.layer_offsets (extraction.layer_offsets): expected an offset for each block "
+                             f"of {list(self.layers)}, found {keys}")
+        object.__setattr__(self, "layer_offsets", {
+            int(k): self._offset_numbers(v, f"layer_offsets[{k}]") for k, v in sorted(offsets.items(), key=lambda kv: int(kv[0]))})
+
+    def _offset_numbers(self, off: Any, name: str) -> tuple[float, ...]:
+        key = name.replace("[", ".").rstrip("]")
         if isinstance(off, (str, bytes, Mapping)) or not isinstance(off, Sequence):
-            raise ValueError(f"NLAConfig.vector_offset (extraction.vector_offset): expected a list of {self.d_model} "
-                             f"numbers, found {type(off).__name__}")
+            raise ValueError(f"NLAConfig.{name} (extraction.{key}): expected a list of {self.d_model} numbers, found "
+                             f"{type(off).__name__}")
         off = tuple(off)
         if len(off) != self.d_model:
-            raise ValueError(f"NLAConfig.vector_offset (extraction.vector_offset): expected {self.d_model} numbers "
-                             f"(d_model), found {len(off)}")
+            raise ValueError(f"NLAConfig.{name} (extraction.{key}): expected {self.d_model} numbers (d_model), found "
+                             f"{len(off)}")
         bad = [i for i, v in enumerate(off) if isinstance(v, bool) or not isinstance(v, (int, float))
                or not math.isfinite(v)]
         if bad:
-            raise ValueError(f"NLAConfig.vector_offset (extraction.vector_offset): entry {bad[0]} is "
-                             f"{off[bad[0]]!r}; expected finite numbers")
-        object.__setattr__(self, "vector_offset", tuple(float(v) for v in off))
+            raise ValueError(f"NLAConfig.{name} (extraction.{key}): entry {bad[0]} is {off[bad[0]]!r}; expected finite "
+                             "numbers")
+        return tuple(float(v) for v in off)
 
-    def to_pair_space(self, raw: Any) -> Any:
+    @property
+    def centred(self) -> bool:
+        """True when the pair reads its vectors minus an offset (``vector_offset`` or ``layer_offsets``)."""
+        return self.vector_offset is not None or self.layer_offsets is not None
+
+    def _offsets_for(self, like: Any, layer: Any, purpose: str) -> Any:
+        """The offsets to subtract from ``like`` ([..., d_model], a tensor or an array) in its type, dtype and
+        device: ``vector_offset``, or per row the ``layer_offsets`` entry of its block (``layer``: one block
+        for every row, or a sequence of blocks, one per row of ``like``'s first dimension). None: no offset."""
+        import numpy as np
+
+        if self.layer_offsets is None:
+            if self.vector_offset is None:
+                return None
+            off = np.asarray(self.vector_offset, dtype=np.float64)
+        elif layer is None or isinstance(layer, (int, np.integer)):
+            off = np.asarray(self.layer_offsets[self.check_layer(None if layer is None else int(layer), purpose)])
+        else:
+            blocks = [int(k) if isinstance(k, (int, np.integer)) and not isinstance(k, bool) else k for k in layer]
+            rows = like.shape[0] if like.ndim > 1 else None
+            if rows != len(blocks):
+                raise SidecarError(f"{purpose}: layer gives {len(blocks)} blocks for {rows if rows is not None else 'one'} "
+                                   f"vector(s); give one block for every vector, or one block for all")
+            table = {k: np.asarray(v) for k, v in self.layer_offsets.items()}
+            off = np.stack([table[self.check_layer(k, purpose)] for k in blocks]) if blocks else np.zeros(
+                (0, self.d_model))
+            off = off.reshape(off.shape[:1] + (1,) * (like.ndim - 2) + off.shape[1:])
+        if isinstance(like, np.ndarray):
+            return off.astype(like.dtype)
+        import torch
+
+        return torch.as_tensor(off, dtype=like.dtype, device=like.device)
+
+    def to_pair_space(self, raw: Any, layer: Any = None) -> Any:
         """The subject's raw block outputs ([..., d_model], a tensor or an array) as the pair reads
-        them: minus ``vector_offset`` when the sidecar records one, unchanged otherwise."""
-        if self.vector_offset is None:
-            return raw
-        import numpy as np
+        them: minus ``vector_offset`` when the sidecar records one, minus each row's block's
+        ``layer_offsets`` entry for a pair of several blocks centred a block at a time (``layer``: the
+        block of every row, or one block a row), unchanged otherwise."""
+        off = self._offsets_for(raw, layer, "to_pair_space")
+        return raw if off is None else raw - off
 
-        if isinstance(raw, np.ndarray):
-            return raw - np.asarray(self.vector_offset, dtype=raw.dtype)
-        import torch
-
-        return raw - torch.tensor(self.vector_offset, dtype=raw.dtype, device=raw.device)
-
-    def from_pair_space(self, vectors: Any) -> Any:
+    def from_pair_space(self, vectors: Any, layer: Any = None) -> Any:
         """The inverse of ``to_pair_space``: vectors as the pair reads them back in the subject's raw
-        space (plus ``vector_offset``; unchanged when the sidecar records none)."""
-        if self.vector_offset is None:
-            return vectors
-        import numpy as np
-
-        if isinstance(vectors, np.ndarray):
-            return vectors + np.asarray(self.vector_offset, dtype=vectors.dtype)
-        import torch
-
-        return vectors + torch.tensor(self.vector_offset, dtype=vectors.dtype, device=vectors.device)
+        space (plus the offset; unchanged when the sidecar records none)."""
+        off = self._offsets_for(vectors, layer, "from_pair_space")
+        return vectors if off is None else vectors + off
 
     def _check_own_model(self) -> None:
         w = self.model_width
@@ -605,6 +646,7 @@ def load_sidecar(path: str | os.PathLike) -> NLAConfig:
             vector_offset=opt(("extraction", "vector_offset")),
             layers=opt(("extraction", "layers")),
             layer_norms=opt(("extraction", "layer_norms")),
+            layer_offsets=opt(("extraction", "layer_offsets")),
         )
     except SidecarError:
         raise
@@ -684,6 +726,8 @@ def sidecar_document(cfg: NLAConfig, **provenance: Any) -> dict:
         extraction["layers"] = list(cfg.layers)
         if cfg.layer_norms is not None:
             extraction["layer_norms"] = {int(k): float(v) for k, v in sorted(cfg.layer_norms.items())}
+        if cfg.layer_offsets is not None:
+            extraction["layer_offsets"] = {int(k): list(v) for k, v in sorted(cfg.layer_offsets.items())}
     doc["extraction"] = extraction
     tokens: dict[str, Any] = {}
     templates: dict[str, Any] = {}

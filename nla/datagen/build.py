@@ -157,13 +157,13 @@ def _write_with_sidecar(table: pa.Table, path: Path, cfg: Any, **provenance: Any
 
 
 def _offset(table: pa.Table, offset: np.ndarray) -> pa.Table:
-    """``table`` with ``offset`` subtracted from every row's vector (float32)."""
+    """``table`` with ``offset`` ([d], or [rows, d]: one a row) subtracted from every row's vector (float32)."""
     from nla.datagen.io import vectors_to_arrow
 
     if not table.num_rows:
         return table
     idx = table.column_names.index("activation_vector")
-    vectors = read_vectors(table) - offset[None, :]
+    vectors = read_vectors(table) - (offset if offset.ndim == 2 else offset[None, :])
     return table.set_column(idx, "activation_vector", vectors_to_arrow(vectors.astype(np.float32)))
 
 
@@ -193,7 +193,8 @@ def build_datasets(
     """Write the training parquets for the splits present in `splits` (av_sft, ar_sft, rl).
 
     center: subtract the mean vector of the av_sft and ar_sft rows (float64 mean, stored float32)
-    from every split's vectors and record it as the sidecars' ``vector_offset``.
+    from every split's vectors and record it as the sidecars' ``vector_offset``; with several blocks,
+    each block's own mean from its rows, recorded as ``layer_offsets``.
     grader: the ``nla.core.graders`` name written into each parquet's metadata (None: none written).
     layer_index a list of blocks: rows of several blocks (``activation_layer``), each row's prompts
     naming its block; the sidecars record the blocks and their training rows' median norms.
@@ -203,10 +204,7 @@ def build_datasets(
         injection_scale=injection_scale, mse_scale=mse_scale,
     )  # fmt: skip
     if cfg.layers is not None:
-        if center:
-            raise DatagenError("build: center with several blocks (one offset a block) is not built yet; set "
-                               "center: false")
-        norms = {}
+        norms, offsets = {}, {}
         train = [n for n in ("av_sft", "ar_sft") if n in splits and splits[n].num_rows]
         vectors = np.concatenate([read_vectors(splits[n]) for n in train]) if train else np.zeros((0, cfg.d_model))
         blocks = np.asarray([k for n in train for k in _row_layers(splits[n])])
@@ -216,9 +214,16 @@ def build_datasets(
                 raise DatagenError(f"build: no training rows (av_sft, ar_sft) of block {k}; every block of "
                                    f"{list(cfg.layers)} needs some")
             norms[k] = float(f"{np.median(np.linalg.norm(v.astype(np.float64), axis=1)):.6g}")
+            offsets[k] = v.astype(np.float64).mean(axis=0).astype(np.float32)
         cfg = cfg.replace(layer_norms=norms)
         log.info("build: blocks %s, median norms %s", list(cfg.layers), norms)
-    if center:
+        if center:  # one offset a block: a block's rows are centred on their own mean, not on all blocks'
+            cfg = cfg.replace(layer_offsets={k: tuple(o.tolist()) for k, o in offsets.items()})
+            splits = {n: _offset(t, np.stack([offsets[k] for k in _row_layers(t)])) if t.num_rows else t
+                      for n, t in splits.items()}
+            log.info("build: vectors centred a block at a time on its training rows' mean (norms %s; recorded as "
+                     "layer_offsets)", {k: round(float(np.linalg.norm(o)), 2) for k, o in offsets.items()})
+    elif center:
         train = [read_vectors(splits[n]) for n in ("av_sft", "ar_sft") if n in splits and splits[n].num_rows]
         if not train:
             raise DatagenError("build: center needs rows in av_sft or ar_sft (their mean is the offset); found none")

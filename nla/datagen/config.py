@@ -352,7 +352,8 @@ class DatagenConfig:
                                       "row at build, and record it in the sidecars (extraction.vector_offset), so "
                                       "the pair reads what differs between vectors when one direction is shared "
                                       "by all (a real model's massive dimensions); every reader then subtracts "
-                                      "it from the subject's raw vectors (docs/serve.md).")
+                                      "it from the subject's raw vectors (docs/serve.md). With layers, each "
+                                      "block's own mean from its rows (extraction.layer_offsets).")
     shuffled_baseline: bool = option(True, help="also write a copy of each SFT set with the vectors permuted "
                                                 "(the \"is the vector used at all?\" baseline).")
 
@@ -439,9 +440,6 @@ class DatagenConfig:
         if self.layer_index is not None and self.layer_index != layers[-1]:
             raise _err(c, "layer_index", f"null or the deepest of layers ({layers[-1]}: the AR keeps blocks "
                        f"0..{layers[-1]}) when layers is set", self.layer_index)
-        if self.center:
-            raise _err(c, "center", "false when layers is set (one offset a block is not built yet; "
-                       "issue 59)", self.center)
 
     @property
     def layered(self) -> bool:

@@ -303,14 +303,15 @@ class Explorer:
 
     def activations(self, inp: TextInput, layer: int | None = None) -> torch.Tensor:
         """Activations [T, d] (fp32, CPU) as the pair reads them: the output of block K (``layer``, checked
-        by ``block``) at every token, as datagen extracts them, minus the sidecars' ``vector_offset`` when
-        the pair was trained on centred vectors (``NLAClient.to_pair_space``)."""
+        by ``block``) at every token, as datagen extracts them, minus the sidecars' offset (the block's, for a pair
+        of several blocks centred a block at a time) when the pair was trained on centred vectors
+        (``NLAClient.to_pair_space``)."""
         block = self.block(layer)
         device = next(self.model.parameters()).device
         ids = torch.tensor([inp.ids], device=device)
         with self._lock:
             hidden = block_outputs(self.model, ids, torch.ones_like(ids), block)
-        return self.client.to_pair_space(hidden[0].float().cpu())
+        return self.client.to_pair_space(hidden[0].float().cpu(), self._pair_layer(block))
 
     def explain(self, inp: TextInput, positions: Sequence[int] | None = None, *, n_samples: int = 0,
                 max_new_tokens: int | None = None, temperature: float = 1.0, seed: int = 0,

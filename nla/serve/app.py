@@ -194,8 +194,9 @@ class NLAService:
             "injection_adapter": side.injection_adapter is not None, "layer_index": side.layer_index,
             # a pair of several blocks: /verbalize and /score need each vector's block ('layer')
             "layers": None if side.layers is None else list(side.layers),
-            # a pair trained on centred vectors: a client subtracts extraction.vector_offset from raw vectors first
-            "centred": side.vector_offset is not None,
+            # a pair trained on centred vectors: a client subtracts extraction.vector_offset (a pair of several
+            # blocks: extraction.layer_offsets, the vector's block's) from raw vectors first
+            "centred": side.centred,
             "eos_token_id": self.eos_id, "has_ar": self.client.ar is not None,
             "limits": self.limits.to_dict(), "batching": self.batcher.stats(),
         }
