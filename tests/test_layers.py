@@ -153,6 +153,9 @@ def test_a_block_at_a_time_offsets_are_applied_a_row_at_a_time_and_checked():
     # by hand: row 0 minus block 0's offset, row 1 minus block 2's
     assert side.to_pair_space(raw, layer=[0, 2]).tolist() == [[0.0, -1.0, 1.0, 1.0], [2.0, 0.5, 1.0, -3.0]]
     assert side.to_pair_space(raw, layer=np.array([2, 2])).tolist() == [[2.0, 0.5, 1.0, -3.0]] * 2
+    assert side.to_pair_space(torch.from_numpy(raw), layer=torch.tensor([2, 0])).tolist() == [
+        [2.0, 0.5, 1.0, -3.0], [0.0, -1.0, 1.0, 1.0]]
+    assert side.to_pair_space(raw[0], layer=np.int64(0)).tolist() == [0.0, -1.0, 1.0, 1.0]
     assert side.to_pair_space(torch.full((4,), 3.0), layer=2).tolist() == [4.0, 2.5, 3.0, -1.0]
     assert side.from_pair_space(side.to_pair_space(raw, layer=[2, 0]), layer=[2, 0]).tolist() == raw.tolist()
     assert _layered_sidecar().to_pair_space(raw, layer=[0, 2]) is raw  # not centred: unchanged
@@ -574,6 +577,7 @@ def test_the_quickstart_runs_a_pair_for_two_blocks_and_reports_each(tiny_quickst
         assert b["probe_by_kind"] == {p["kind"]: p["top1"] for p in probe[int(k)]["kinds"]}
     md = (out / "report.md").read_text()
     assert "### By block" in md and "| block | rows | probe mean top-1 |" in md
+    assert "the probe: a linear probe of each kind at that block on held-out stories" in md  # the world's probe ran
     assert "Not run: the explanation suite reads one block, and this pair reads 2 (issue 59)." in md
     (last,) = sorted((out / "rl" / "checkpoints").glob("step_*"))
     for role in ("av", "ar"):

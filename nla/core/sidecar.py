@@ -276,14 +276,16 @@ class NLAConfig:
         for every row, or a sequence of blocks, one per row of ``like``'s first dimension). None: no offset."""
         import numpy as np
 
+        if hasattr(layer, "tolist"):  # a NumPy or torch integer, or an array of them: plain ints
+            layer = layer.tolist()
         if self.layer_offsets is None:
             if self.vector_offset is None:
                 return None
             off = np.asarray(self.vector_offset, dtype=np.float64)
-        elif layer is None or isinstance(layer, (int, np.integer)):
-            off = np.asarray(self.layer_offsets[self.check_layer(None if layer is None else int(layer), purpose)])
+        elif layer is None or isinstance(layer, int):
+            off = np.asarray(self.layer_offsets[self.check_layer(layer, purpose)])
         else:
-            blocks = [int(k) if isinstance(k, (int, np.integer)) and not isinstance(k, bool) else k for k in layer]
+            blocks = list(layer)
             rows = like.shape[0] if like.ndim > 1 else None
             if rows != len(blocks):
                 raise SidecarError(f"{purpose}: layer gives {len(blocks)} blocks for {rows if rows is not None else 'one'} "
