@@ -505,8 +505,11 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
              f"One pair reads blocks {', '.join(map(str, blocks))} (`datagen.layers`), each row's block named in "
              "its prompt. FVE of each block's rows against that block's own baseline (the mean of its normalised "
              "golds); recall / precision of its rows; the claimed facts true: precision over the facts claimed (a "
-             "row that claims nothing is not counted); the probe: a linear probe of each kind at that block on "
-             "held-out stories (`nla world probe`), the most a faithful verbalizer could name there.", "",
+             "row that claims nothing is not counted); "
+             + ("the probe: a linear probe of each kind at that block on held-out stories (`nla world probe`), the "
+                "most a faithful verbalizer could name there." if any(b["probe_by_kind"] for b in blocks.values()) else
+                "no probe column: no world probe was run (a real subject's claims are said firmly only where a probe "
+                "fitted at the row's block reads them, in the data)."), "",
              *block_tables(blocks), ""] if blocks else []),
           *(["### The quotation of the text's end (AV → AR round trip)", "",
              "Each quoted word or mark is a claim about the text at its position from the end (quote[0] = the "
