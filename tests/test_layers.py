@@ -582,3 +582,41 @@ def test_the_quickstart_runs_a_pair_for_two_blocks_and_reports_each(tiny_quickst
     (last,) = sorted((out / "rl" / "checkpoints").glob("step_*"))
     for role in ("av", "ar"):
         assert load_sidecar(last / role).layers == (0, 1)
+    # dev/experiments/layers_cost.py on this run against the shared one-block run: each stage's seconds are the
+    # runs' own, and the pair's AV prompt is longer than the one-block's by exactly its block clause's tokens
+    from transformers import AutoTokenizer
+
+    from dev.experiments import layers_cost
+
+    for d in (out, tiny_quickstart_run):
+        assert layers_cost.stage_seconds(d) == {
+            s: json.loads((d / f"{s}.stage_done.json").read_text())["seconds"] for s in ("datagen", "ar", "av", "rl")}
+    pair, one = layers_cost.av_tokens(out, 20), layers_cost.av_tokens(tiny_quickstart_run, 20)
+    tok = AutoTokenizer.from_pretrained(str(last / "av"))
+    clause = len(tok(" of block 0", add_special_tokens=False)["input_ids"])  # the world's BPE splits at spaces
+    assert clause > 1 and pair["prompt"] - one["prompt"] == clause
+    assert (pair["steps"], one["steps"]) == (10, 400) and pair["padded"] >= pair["row"] and one["padded"] >= one["row"]
+    assert layers_cost.rl_split(out)["steps"] == 2
+    layers_cost.main([str(out), str(tiny_quickstart_run), "--batches", "5"])
+    # dev/experiments/ar_exits.py's readers before training: a head a block (identity) on the deep reading is nla's
+    # AR; read after a row's own block, a row of the deepest block is read as nla's AR reads it, another is not
+    import torch
+
+    from dev.experiments import ar_exits
+
+    cfg = yaml.safe_load((sorted((out / "ar" / "checkpoints").glob("step_*"))[-1] / "train_config.yaml").read_text())
+    data = out / "datagen" / "ar_sft.parquet"
+    tab = read_parquet(data)
+    texts, blocks = tab.column("prompt").to_pylist(), np.asarray(tab.column("activation_layer").to_pylist())
+    rows = np.concatenate([np.flatnonzero(blocks == 0)[:6], np.flatnonzero(blocks == 1)[:6]])
+    with torch.no_grad():
+        deep, exits, heads = (ar_exits.reader(v, load_sidecar(data), cfg, texts, blocks, [0, 1])[2](rows)
+                              for v in ("deep", "exits", "heads"))
+    top = torch.from_numpy(blocks[rows] == 1)
+    torch.testing.assert_close(heads, deep, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(exits[top], deep[top], rtol=1e-4, atol=1e-5)
+    assert (exits[~top] - deep[~top]).abs().max() > 0.1
+    ar_exits.main([str(out), "--out", str(tmp_path / "arx"), "--steps", "2", "--eval-every", "1"])
+    got = json.loads((tmp_path / "arx" / "ar_exits.json").read_text())
+    assert [len(got["variants"][v]["curve"]) for v in ("deep", "exits")] == [2, 2] and got["exits_block_work"] == 0.75
+    assert all(set(c["fve_by_block"]) == {"0", "1"} for v in got["variants"].values() for c in v["curve"])
