@@ -599,7 +599,8 @@ def test_the_quickstart_runs_a_pair_for_two_blocks_and_reports_each(tiny_quickst
     assert layers_cost.rl_split(out)["steps"] == 2
     layers_cost.main([str(out), str(tiny_quickstart_run), "--batches", "5"])
     # dev/experiments/ar_exits.py's readers before training: a head a block (identity) on the deep reading is nla's
-    # AR; read after a row's own block, a row of the deepest block is read as nla's AR reads it, another is not
+    # AR; read after a row's own block, a row of the deepest block is read as nla's AR reads it, another is not;
+    # the shallowest block read after the next one (here the deepest) is nla's AR too
     import torch
 
     from dev.experiments import ar_exits
@@ -610,13 +611,15 @@ def test_the_quickstart_runs_a_pair_for_two_blocks_and_reports_each(tiny_quickst
     texts, blocks = tab.column("prompt").to_pylist(), np.asarray(tab.column("activation_layer").to_pylist())
     rows = np.concatenate([np.flatnonzero(blocks == 0)[:6], np.flatnonzero(blocks == 1)[:6]])
     with torch.no_grad():
-        deep, exits, heads = (ar_exits.reader(v, load_sidecar(data), cfg, texts, blocks, [0, 1])[2](rows)
-                              for v in ("deep", "exits", "heads"))
+        deep, exits, heads, exits2 = (ar_exits.reader(v, load_sidecar(data), cfg, texts, blocks, [0, 1])[2](rows)
+                                      for v in ("deep", "exits", "heads", "exits2"))
     top = torch.from_numpy(blocks[rows] == 1)
     torch.testing.assert_close(heads, deep, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(exits2, deep, rtol=1e-4, atol=1e-5)  # block 0's rows read after block 1: the deepest
     torch.testing.assert_close(exits[top], deep[top], rtol=1e-4, atol=1e-5)
     assert (exits[~top] - deep[~top]).abs().max() > 0.1
     ar_exits.main([str(out), "--out", str(tmp_path / "arx"), "--steps", "2", "--eval-every", "1"])
     got = json.loads((tmp_path / "arx" / "ar_exits.json").read_text())
     assert [len(got["variants"][v]["curve"]) for v in ("deep", "exits")] == [2, 2] and got["exits_block_work"] == 0.75
+    assert got["exits2_block_work"] == 1.0
     assert all(set(c["fve_by_block"]) == {"0", "1"} for v in got["variants"].values() for c in v["curve"])

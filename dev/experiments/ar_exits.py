@@ -11,7 +11,8 @@ steps and learning rate for each variant:
   identity-initialised): four one-block ARs sharing their blocks' weights. Its rows need blocks 0..k only,
   so in work it is sum(k + 1) / (rows x (K + 1)) of ``deep``'s blocks (printed; this script runs every
   block on every row, it measures the reading, not the time);
-- ``heads``: ``deep``'s reading (every row after block K) through a head of the row's own block.
+- ``heads``: ``deep``'s reading (every row after block K) through a head of the row's own block;
+- ``exits2``: ``exits``, the shallowest block's rows read after the next block (two hops of attention, not one).
 
 Both read the run's own layered AR texts ("Block k. Explanation: ..."), the training rows with their sentences
 shuffled where the run's AR was (``shuffle_sentences``). Held out: the AR's own eval split
@@ -71,7 +72,8 @@ def reader(variant: str, side, cfg: dict, texts: list[str], blocks: np.ndarray, 
         for j, k in enumerate(layers):
             sel = torch.from_numpy(blocks[idx] == k)
             if sel.any():
-                read = captured[max(layers) if variant == "heads" else k]
+                at = {"heads": max(layers), "exits2": layers[min(1, len(layers) - 1)] if k == layers[0] else k}
+                read = captured[at.get(variant, k)]
                 out[sel] = heads[j](read[rows[sel], last[sel]])
         return out
 
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("run", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=1280)
-    ap.add_argument("--variants", nargs="+", default=["deep", "exits"], choices=["deep", "exits", "heads"])
+    ap.add_argument("--variants", nargs="+", default=["deep", "exits"], choices=["deep", "exits", "heads", "exits2"])
     ap.add_argument("--eval-every", type=int, default=320)
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -161,9 +163,12 @@ def main(argv: list[str] | None = None) -> None:
     scale = side.mse_scale_value()
     layers = sorted(side.layers)
     work = float(np.mean(blocks[tr] + 1) / (max(layers) + 1))
-    print(f"{len(tr)} train / {len(ev)} eval rows; blocks {layers}; the exits' work in blocks: {work:.3f} of deep's")
+    work2 = float(np.mean(np.where(blocks[tr] == layers[0], layers[min(1, len(layers) - 1)], blocks[tr]) + 1)
+                  / (max(layers) + 1))
+    print(f"{len(tr)} train / {len(ev)} eval rows; blocks {layers}; the block work of exits / exits2: {work:.3f} / "
+          f"{work2:.3f} of deep's")
     results: dict[str, object] = {"run": str(a.run), "steps": a.steps, "train_rows": len(tr), "eval_rows": len(ev),
-                                  "exits_block_work": work, "variants": {}}
+                                  "exits_block_work": work, "exits2_block_work": work2, "variants": {}}
     data = {"texts": texts, "blocks": blocks, "vecs": vecs, "tr": tr, "ev": ev, "scale": scale, "layers": layers}
     for variant in a.variants:
         results["variants"][variant] = train_variant(variant, side, cfg, data, a.steps, a.eval_every)
