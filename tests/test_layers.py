@@ -618,7 +618,11 @@ def test_the_quickstart_runs_a_pair_for_two_blocks_and_reports_each(tiny_quickst
     torch.testing.assert_close(exits2, deep, rtol=1e-4, atol=1e-5)  # block 0's rows read after block 1: the deepest
     torch.testing.assert_close(exits[top], deep[top], rtol=1e-4, atol=1e-5)
     assert (exits[~top] - deep[~top]).abs().max() > 0.1
-    ar_exits.main([str(out), "--out", str(tmp_path / "arx"), "--steps", "2", "--eval-every", "1"])
+    threads = torch.get_num_threads()
+    try:  # the script sets the run's thread count, as its own process would; later tests keep theirs
+        ar_exits.main([str(out), "--out", str(tmp_path / "arx"), "--steps", "2", "--eval-every", "1"])
+    finally:
+        torch.set_num_threads(threads)
     got = json.loads((tmp_path / "arx" / "ar_exits.json").read_text())
     assert [len(got["variants"][v]["curve"]) for v in ("deep", "exits")] == [2, 2] and got["exits_block_work"] == 0.75
     assert got["exits2_block_work"] == 1.0
