@@ -48,6 +48,8 @@ def reader(variant: str, side, cfg: dict, texts: list[str], blocks: np.ndarray, 
     heads = nn.ModuleList([nn.Linear(d, d, bias=False) for _ in layers])
     for h in heads:
         nn.init.eye_(h.weight)
+    # the blocks' outputs by forward hooks kept for the whole run: nla.core.activations.blocks_outputs does the
+    # same for extraction, but under inference_mode and stopping at the deepest block, so no gradient reaches them
     captured: dict[int, torch.Tensor] = {}
     dec = arch.decoder_layers(ar.base)
 
