@@ -240,25 +240,30 @@ PRESETS["full"] = dataclasses.replace(
     datagen={**PRESETS["default"].datagen, "world_explainer": dict(min_facts=3, max_facts=6, wrong_rate=0.1)})
 
 # "layers": one pair for blocks 0-3 of the default world (issue 59), each row's block named in its AV prompt
-# and AR text (nla.core.templates.LAYERED_*). A fact is named only where a probe of its kind, fitted at the
+# and AR text (WORLD_LAYERED_* below). A fact is named only where a probe of its kind, fitted at the
 # row's block on other documents, holds it at p >= 0.5 (world_explainer.fact_min_prob): block 0 holds little,
 # and its explanations say little rather than guess. The AR's, the AV's and RL's steps are 1.6x a one-block pair's
 # as measured against (800 / 1,500 / 100; the default's AV has 2,000 since).
-# On seed 0, against one-block pairs with the same rule, FVE after RL is within 0.031 at every block (-0.031,
+# With the library's LAYERED_* prompts (the preset's until session 20): on seed 0, against one-block pairs with the same rule, FVE after RL is within 0.031 at every block (-0.031,
 # -0.010, +0.005, +0.043 at blocks 0-3) in 0.54x their combined time (BENCHMARKS.md, "One-block pairs at every
 # block"); on the AMD EPYC in one session -0.026 / -0.009 / -0.010 / -0.015 in 0.55x, and with the AV's and RL's
 # steps of one pair 0.06-0.09 under in 0.39x ("Against one-block pairs on the same CPU"). Over seeds 0-2 its recall is
 # the one-block pairs' at every block and its FVE 0.033 / 0.026 / 0.027 / 0.004 under on the mean, within 0.03 at
 # every block on seed 0 only ("Against one-block pairs over three seeds"). At twice a pair's steps (0.62x the time)
 # it is within 0.03 at every block on seeds 0 and 1 and at three of four on seed 2; its stages cost 0.49-0.84x the
-# one-block pairs' at 0.40x their steps ("Where the pair's time goes, and the pair at twice a pair's steps"). With
-# the block named in two of the world tokenizer's tokens (datagen av_template / ar_template with a bare {layer};
-# the library's LAYERED_* take 7 and 8) it is closer to the one-block pairs on the mean at every block, within 0.03
-# at every block on seeds 0 and 1, at 0.90x this preset's time (same section): measured, not yet the setting here.
+# one-block pairs' at 0.40x their steps ("Where the pair's time goes, and the pair at twice a pair's steps").
+# Since session 21 each row's block is named in two of the world tokenizer's tokens (WORLD_LAYERED_*: a bare
+# {layer}; the library's LAYERED_* take 7 and 8, " of block 0" / "Block 0. ", the tokenizer having no "block"):
+# over seeds 0-2 closer to the one-block pairs on the mean at every block (-0.031 / -0.018 / -0.014 / +0.007
+# against -0.033 / -0.026 / -0.027 / -0.004), within 0.03 at every block on seeds 0 and 1, at 0.90x the time of
+# the 7-and-8-token prompts in one session and 0.47x the four pairs' (same section, "The block named in two tokens").
 # Opt-in until it holds on three seeds at <= 0.4x the time. No suite (it reads one block).
+WORLD_LAYERED_AV_TEMPLATE = "Explain the hidden state <<{injection_char}>> {layer} in a few short sentences."
+WORLD_LAYERED_AR_TEMPLATE = "{layer} Explanation: {explanation}\nSummary vector:"
 PRESETS["layers"] = dataclasses.replace(
     PRESETS["default"],
     datagen={**PRESETS["default"].datagen, "layers": [0, 1, 2, 3],
+             "av_template": WORLD_LAYERED_AV_TEMPLATE, "ar_template": WORLD_LAYERED_AR_TEMPLATE,
              # fact_rate 0.8: the data explainer as measured against one-block pairs (the default's was 0.8
              # then); an unheld fact left out, one a kind (fact_unheld omit), as measured
              "world_explainer": {**PRESETS["default"].datagen["world_explainer"], "fact_rate": 0.8,

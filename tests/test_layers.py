@@ -500,8 +500,12 @@ def test_the_layers_preset_is_the_default_at_four_blocks_and_1_6x_the_steps():
     # unheld fact left out)
     assert p.datagen["world_explainer"] == {**d.datagen["world_explainer"], "fact_rate": 0.8, "fact_min_prob": 0.5,
                                             "fact_unheld": "omit", "fact_gate_below": None}
-    assert {k: v for k, v in p.datagen.items() if k != "layers"} == {**d.datagen, "world_explainer": p.datagen[
-        "world_explainer"]}
+    assert {k: v for k, v in p.datagen.items() if k not in ("layers", "av_template", "ar_template")} == \
+        {**d.datagen, "world_explainer": p.datagen["world_explainer"]}
+    # each row's block named as a bare number (measured: 2 of the world tokenizer's tokens, not 7 and 8)
+    assert p.datagen["av_template"] == "Explain the hidden state <<{injection_char}>> {layer} in a few short sentences."
+    assert p.datagen["ar_template"] == "{layer} Explanation: {explanation}\nSummary vector:"
+    assert "av_template" not in d.datagen and "ar_template" not in d.datagen
     # 800, 1500 (the default's AV then), 100 x 1.6
     assert (p.ar["max_steps"], p.av["max_steps"], p.rl["steps"]) == (1280, 2400, 160)
     assert {k: v for k, v in p.av.items() if k not in ("max_steps", "eval_every", "save_every")} == \
