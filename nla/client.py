@@ -556,7 +556,8 @@ class NLAClient:
                 enc = tokenize_ar_texts(self.ar_tokenizer, [side.ar_text(t, layer=k) for t, k in
                                                             zip(texts[s : s + batch_size], blocks[s : s + batch_size],
                                                                 strict=True)], self.max_length)
-                preds.append(self.ar.predict(enc["input_ids"].to(device), enc["attention_mask"].to(device))
+                kw = {} if getattr(self.ar, "exits", None) is None else {"blocks": blocks[s : s + batch_size]}
+                preds.append(self.ar.predict(enc["input_ids"].to(device), enc["attention_mask"].to(device), **kw)
                              .float().cpu())
         finally:
             self.ar.train(was)

@@ -459,6 +459,21 @@ def test_a_block_is_written_zero_padded_to_the_deepest_ones_digits():
     assert _layered_sidecar().ar_text("x", layer=2) == "Block 2. Explanation: x\nSummary vector:"
 
 
+def test_an_ar_text_names_its_block_back():
+    """``ar_text_layer`` inverts ``ar_text``: an AR reading each row at its own block takes the block from it."""
+    side = _layered_sidecar(layers=(3, 10))
+    assert [side.ar_text_layer(side.ar_text(e, layer=k)) for e, k in
+            (("x", 3), ("Block 10. Explanation: y", 10), ("", 3))] == [3, 10, 3]
+    world = _layered_sidecar(ar_template="{layer} Explanation: {explanation}\nSummary vector:", layers=(0, 1, 2, 3))
+    assert world.ar_text_layer("2 Explanation: Bob has a kite.\nSummary vector:") == 2
+    with pytest.raises(ValueError, match=r"ar_text_layer: 'Block 3. Explanation: x\\nSummary vector:' is no block's AR "
+                                         r"text of this pair \(template .*, blocks \[3, 10\]\); give texts made by"):
+        side.ar_text_layer("Block 3. Explanation: x\nSummary vector:")  # 03, zero-padded, is block 3's
+    with pytest.raises(ValueError, match="this pair reads one block"):
+        _layered_sidecar(layers=None, layer_index=2, ar_template="Explanation: {explanation}\nSummary vector:"
+                         ).ar_text_layer("Explanation: x\nSummary vector:")
+
+
 def test_claims_true_counts_the_facts_claimed_not_the_rows_that_claim_nothing():
     """Per-row precision charges a row that claims nothing where something holds 0; the by-block table's
     claims_true is the share of claimed facts that are true (derived by hand)."""
@@ -558,7 +573,7 @@ def test_the_quickstart_runs_a_pair_for_two_blocks_and_reports_each(tiny_quickst
     for name in ("world.stage_done.json", "probe.stage_done.json", "probe.json"):
         shutil.copy(tiny_quickstart_run / name, out / name)
     short = {f"{role}.{k}": 10 for role in ("ar", "av") for k in ("max_steps", "eval_every", "save_every")}
-    settings = ["datagen.layers=[0, 1]", "datagen.n_docs=200", "ar.warmup_steps=0", "av.warmup_steps=0",
+    settings = ["datagen.layers=[0, 1]", "datagen.n_docs=200", "ar.exits=true", "ar.warmup_steps=0", "av.warmup_steps=0",
                 "av.smoke_num=0", "rl.steps=2", "rl.eval_every=2", "rl.checkpointing.save_every=2",
                 "rl.rollout.rollout_batch_size=2", "rl.rollout.n_samples_per_prompt=2", "rl.optimiser.micro_batch_size=4",
                 "eval_max_rows=8", *(f"{k}={v}" for k, v in short.items())]
@@ -586,6 +601,21 @@ def test_the_quickstart_runs_a_pair_for_two_blocks_and_reports_each(tiny_quickst
     (last,) = sorted((out / "rl" / "checkpoints").glob("step_*"))
     for role in ("av", "ar"):
         assert load_sidecar(last / role).layers == (0, 1)
+    # ar.exits: the warm-start AR and RL's read each row at its own block (both after block 1 here, the
+    # shallowest's exit), a head a block; RL trained both heads on its rows
+    import torch
+    from safetensors import safe_open
+
+    from nla.core.reconstructor import EXIT_HEADS_FILE
+
+    (warm,) = sorted((out / "ar" / "checkpoints").glob("step_*"))
+    heads = {}
+    for where in (warm, last / "ar"):
+        with safe_open(str(where / EXIT_HEADS_FILE), framework="pt") as f:
+            assert json.loads(f.metadata()["read_after"]) == {"0": 1, "1": 1}
+            heads[where] = {k: f.get_tensor(k) for k in f.keys()}
+    assert all(not torch.equal(heads[warm][k], heads[last / "ar"][k]) for k in ("0", "1"))
+    assert not torch.equal(heads[warm]["0"], heads[warm]["1"])
     # dev/experiments/layers_cost.py on this run against the shared one-block run: each stage's seconds are the
     # runs' own, and the pair's AV prompt is longer than the one-block's by exactly its block clause's tokens
     from transformers import AutoTokenizer

@@ -18,6 +18,7 @@ Departures from a plain ``AutoModel`` forward:
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import re
@@ -39,6 +40,14 @@ from nla.util.checkpoint_files import check_checkpoint
 logger = logging.getLogger(__name__)
 
 VALUE_HEAD_FILE = "value_head.safetensors"
+# A pair of several blocks whose AR reads each row at its own block (``Reconstructor.exits``): a head a block,
+# keys the blocks, the file's metadata the block each is read after (nla's file; without it the AR reads every
+# row after its deepest block through ``value_head``).
+EXIT_HEADS_FILE = "exit_heads.safetensors"
+# Rows of a shallower block are read after this block: read after block 0, the last token has gathered the
+# explanation through one attention layer only. Measured on the world's layers preset (seeds 0-2, AR warm-start,
+# dev/experiments/ar_exits.py): block 0 read after block 1 beats it read after block 0 and after block 3.
+EXIT_MIN_BLOCK = 1
 
 
 def last_token_index(attention_mask: Tensor) -> Tensor:
@@ -83,13 +92,14 @@ def tokenize_ar_texts(tokenizer: Any, texts: list[str], max_length: int, padding
 
 
 def reconstruction_loss(ar: nn.Module, input_ids: Tensor, attention_mask: Tensor, gold: Tensor,
-                        scale: float | None) -> tuple[Tensor, Tensor]:
+                        scale: float | None, blocks: Any = None) -> tuple[Tensor, Tensor]:
     """The AR's training loss: mean ``mse_nrm`` of its prediction [B, d] against RAW ``gold`` [B, d].
 
     Returns ``(loss, pred)``. The one definition used by the warm-start (``nla.train.ar``)
-    and the online RL update on both backends.
+    and the online RL update on both backends. ``blocks``: each row's block, for an AR with ``exits``.
     """
-    pred = ar.predict(input_ids, attention_mask)
+    pred = ar.predict(input_ids, attention_mask) if blocks is None else ar.predict(input_ids, attention_mask,
+                                                                                     blocks=blocks)
     return mse_nrm(pred, gold.to(pred.device), scale).mean(), pred
 
 
@@ -116,6 +126,32 @@ class _BlockInput(Exception):  # noqa: N818 (a control-flow signal, not an error
 def _capture_block_input(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     if getattr(_CAPTURE, "block", None) is module:
         raise _BlockInput(args[0] if args else kwargs["hidden_states"], kwargs)
+
+
+def _keep_block_output(module: nn.Module, args: tuple, output: Any) -> None:
+    kept = getattr(_CAPTURE, "outputs", None)
+    if kept is not None and module in kept:
+        kept[module] = output[0] if isinstance(output, tuple) else output
+
+
+def _output_hooked(block: nn.Module) -> None:
+    """Register the output-keeping hook on ``block`` once (acts only for the thread that set ``_CAPTURE.outputs``)."""
+    if getattr(block, "_nla_output_hook", False):
+        return
+    with _HOOK_LOCK:
+        if not getattr(block, "_nla_output_hook", False):
+            block.register_forward_hook(_keep_block_output)
+            block._nla_output_hook = True
+
+
+def _rows_of(value: Any, rows: Tensor, batch: int) -> Any:
+    """``value`` (a block's keyword argument) cut to ``rows`` of its ``batch``: tensors of two or more dims whose
+    first is the batch (masks, position ids, rotary tables), tuples of them; anything else as it is."""
+    if isinstance(value, Tensor):
+        return value[rows] if value.ndim >= 2 and value.shape[0] == batch and batch > 1 else value
+    if isinstance(value, tuple):
+        return tuple(_rows_of(v, rows, batch) for v in value)
+    return value
 
 
 def _capture_hooked(block: nn.Module) -> None:
@@ -162,6 +198,10 @@ class Reconstructor(nn.Module):
             with torch.no_grad():
                 value_head.weight.copy_(adapter_init(d, out).to(value_head.weight.dtype))
         self.value_head = value_head
+        # a pair of several blocks reading each row at its own block (set_exits): block -> the block it is read
+        # after, and a head a block (ModuleDict keys: the blocks as strings)
+        self.exits: dict[int, int] | None = None
+        self.exit_heads: nn.ModuleDict | None = None
         self.tokenizer = tokenizer
         self.sidecar = sidecar
         norm_name = arch.final_norm_name(base)
@@ -222,19 +262,145 @@ class Reconstructor(nn.Module):
         hidden = out.last_hidden_state
         return self.value_head(hidden.to(self.value_head.weight.dtype))
 
-    def predict(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    def predict(self, input_ids: Tensor, attention_mask: Tensor | None = None, blocks: Any = None) -> Tensor:
         """Prediction [B, d] at each row's last real token.
 
         For ``LAST_BLOCK_MODEL_TYPES`` the last block runs its query, attention output and MLP
         at that token only (``_predict_last_block``); other models run ``forward`` and read it.
+        ``blocks``: each row's block, for an AR with ``exits`` (each row read after its block's exit
+        through its block's head: ``_predict_exits``); ignored by an AR without.
         """
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
+        if self.exits is not None:
+            return self._predict_exits(input_ids, attention_mask, self._exit_rows(blocks, input_ids.shape[0]))
         if self.last_block_fast:
             return self._predict_last_block(input_ids, attention_mask)
         values = self(input_ids, attention_mask)
         idx = last_token_index(attention_mask)
         return values[torch.arange(values.shape[0], device=values.device), idx]
+
+    def set_exits(self, layers: Any, min_block: int = EXIT_MIN_BLOCK) -> dict[int, int]:
+        """Read each row at its own block: a row of block k after block ``max(k, min_block)`` (at most K) through a
+        head of block k's own, each a copy of ``value_head`` (the identity for a same-model AR: "the residual
+        stream after the block is the prediction", what a one-block pair's AR starts from). ``layers``: the
+        pair's blocks (``extraction.layers``), the deepest K. Returns the map block -> block read after.
+
+        Rows read before block K need blocks 0..their exit only: ``_predict_exits`` runs each row that far.
+        """
+        blocks = [int(k) for k in layers]
+        K = self.layer_index
+        if len(blocks) < 2 or blocks != sorted(set(blocks)) or blocks[-1] != K or blocks[0] < 0:
+            raise ValueError(f"exits: expected the pair's blocks in increasing order, the deepest this AR's K = {K}, "
+                             f"found {blocks}; give extraction.layers of the dataset the AR reads")
+        self.exits = {k: min(max(k, int(min_block)), K) for k in blocks}
+        heads = {}
+        for k in blocks:
+            h = nn.Linear(self.value_head.in_features, self.value_head.out_features, bias=False,
+                          dtype=self.value_head.weight.dtype, device=self.value_head.weight.device)
+            with torch.no_grad():
+                h.weight.copy_(self.value_head.weight)
+            heads[str(k)] = h
+        self.exit_heads = nn.ModuleDict(heads)
+        return dict(self.exits)
+
+    def _exit_rows(self, blocks: Any, n: int) -> Tensor:
+        if blocks is None:
+            raise ValueError(f"blocks: this AR reads each row at its own block (exits {self.exits}) and needs each "
+                             "row's block; pass blocks=[...] (one of the pair's blocks a row)")
+        b = torch.as_tensor(blocks).reshape(-1).long().cpu()
+        if b.numel() != n:
+            raise ValueError(f"blocks: expected one block a row ({n} rows), found {b.numel()}")
+        bad = sorted({int(k) for k in b.tolist()} - set(self.exits))
+        if bad:
+            raise ValueError(f"blocks: block(s) {bad} are not ones this AR reads (its blocks: {sorted(self.exits)})")
+        return b
+
+    def _predict_exits(self, input_ids: Tensor, attention_mask: Tensor, blocks: Tensor) -> Tensor:
+        """``predict`` of an AR with ``exits``: row i read after block ``exits[blocks[i]]`` at its last real token,
+        through ``exit_heads[blocks[i]]``.
+
+        Where ``last_block_fast`` holds for every block (Llama/Qwen2, no sliding window), blocks run one by one
+        from block 0's input on the rows still going (a row stops at its exit, read there at its last token only,
+        as ``_predict_last_block`` does); other models run the whole forward and read the blocks' outputs (forward
+        hooks). Tests hold the two to each other and to a plain forward read at each block.
+        """
+        B = input_ids.shape[0]
+        exit_of = torch.tensor([self.exits[int(k)] for k in blocks.tolist()])
+        dec = arch.decoder_layers(self.base)
+        idx = last_token_index(attention_mask)
+        position_ids = (attention_mask.long().cumsum(1) - 1).clamp_min(0)
+        features: list[tuple[Tensor, Tensor]] = []  # (rows, their read features)
+        if self._exits_stepwise:
+            first = dec[0]
+            _capture_hooked(first)
+            _CAPTURE.block = first
+            try:
+                self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False)
+                raise RuntimeError("Reconstructor: the base forward never reached its first block")
+            except _BlockInput as got:
+                x = got.hidden_states  # block 0's input
+                kw = {k: v for k, v in got.kwargs.items() if k != "hidden_states"}
+            finally:
+                _CAPTURE.block = None
+            going = torch.arange(B)
+            for r, block in enumerate(dec):
+                here = exit_of[going] == r
+                if here.any():
+                    rows = going[here].to(x.device)
+                    sub = {k: _rows_of(v, rows, B) for k, v in kw.items()}
+                    features.append((going[here], self._block_at_last(block, x[here.to(x.device)], sub,
+                                                                      attention_mask[rows])))
+                on = exit_of[going] > r
+                if not on.any():
+                    break
+                rows = going[on].to(x.device)
+                sub = {k: _rows_of(v, rows, B) for k, v in kw.items()}
+                out = block(x[on.to(x.device)], **sub)
+                x, going = (out[0] if isinstance(out, tuple) else out), going[on]
+        else:
+            wanted = sorted(set(exit_of.tolist()))
+            for r in wanted:
+                _output_hooked(dec[r])
+            _CAPTURE.outputs = {dec[r]: None for r in wanted}
+            try:
+                self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False)
+                kept = _CAPTURE.outputs
+            finally:
+                _CAPTURE.outputs = None
+            for r in wanted:
+                rows = (exit_of == r).nonzero().reshape(-1)
+                h = kept[dec[r]]
+                dev = rows.to(h.device)
+                features.append((rows, h[dev, idx[dev]]))
+        order = torch.cat([rows for rows, _ in features])
+        feats = torch.cat([f for _, f in features])
+        feats = feats[torch.argsort(order).to(feats.device)]  # back to the rows' order
+        head_dtype = self.value_head.weight.dtype
+        out = None
+        for k in sorted(set(blocks.tolist())):
+            sel = (blocks == k).nonzero().reshape(-1).to(feats.device)
+            pred = self.exit_heads[str(k)](feats[sel].to(head_dtype))
+            if out is None:
+                out = pred.new_zeros(B, pred.shape[-1])
+            out = out.index_put((sel,), pred)
+        return out
+
+    @property
+    def _exits_stepwise(self) -> bool:
+        """Whether ``_predict_exits`` may run the blocks one by one from block 0's input (the kwargs the model
+        gives block 0 are every block's, and ``_block_at_last`` knows the blocks)."""
+        if getattr(self.config, "model_type", None) not in LAST_BLOCK_MODEL_TYPES:
+            return False
+        if getattr(self.config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+            return False
+        dropout = self.training and float(getattr(self.config, "attention_dropout", 0.0) or 0.0) > 0
+        dec = arch.decoder_layers(self.base)
+        return not dropout and not arch.is_sharded(self.base) and all(
+            getattr(b, "self_attn", None) is not None and getattr(b.self_attn, "sliding_window", None) is None
+            and not arch.is_sharded(b) for b in dec)
 
     @property
     def last_block_fast(self) -> bool:
@@ -260,8 +426,6 @@ class Reconstructor(nn.Module):
         stops at the last block's input (a pre-hook that acts for this thread only), so other
         threads may run any forward on the same AR meanwhile.
         """
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         last = arch.decoder_layers(self.base)[-1]
         _capture_hooked(last)
         position_ids = (attention_mask.long().cumsum(1) - 1).clamp_min(0)
@@ -273,13 +437,23 @@ class Reconstructor(nn.Module):
             x, captured = got.hidden_states, got.kwargs  # block K's input
         finally:
             _CAPTURE.block = None
+        r = self._block_at_last(last, x, captured, attention_mask)
+        return self.value_head(r.to(self.value_head.weight.dtype))
+
+    @staticmethod
+    def _block_at_last(block: nn.Module, x: Tensor, captured: dict[str, Any], attention_mask: Tensor) -> Tensor:
+        """``block``'s output [B, d] at each row's last real token, from its input ``x`` [B, T, d] and the keyword
+        arguments the model gives it (``captured``: its rotary tables): keys and values at every position, the
+        query, attention output and MLP at that token only (Llama/Qwen2 blocks)."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
         cos, sin = captured["position_embeddings"]  # [B or 1, T, head_dim]
         B, T, _ = x.shape
         rows = torch.arange(B, device=x.device)
         idx = last_token_index(attention_mask)
-        attn = last.self_attn
+        attn = block.self_attn
         hd = attn.head_dim
-        h = last.input_layernorm(x)
+        h = block.input_layernorm(x)
         q = attn.q_proj(h[rows, idx][:, None]).view(B, 1, -1, hd).transpose(1, 2)  # [B, heads, 1, hd]
         k = attn.k_proj(h).view(B, T, -1, hd).transpose(1, 2)  # [B, kv_heads, T, hd]
         v = attn.v_proj(h).view(B, T, -1, hd).transpose(1, 2)
@@ -292,8 +466,8 @@ class Reconstructor(nn.Module):
         keep = attention_mask.bool()[:, None, None, :]
         a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=attn.scaling)
         r = x[rows, idx][:, None] + attn.o_proj(a.transpose(1, 2).reshape(B, 1, -1))
-        r = r + last.mlp(last.post_attention_layernorm(r))
-        return self.value_head(r[:, 0].to(self.value_head.weight.dtype))
+        r = r + block.mlp(block.post_attention_layernorm(r))
+        return r[:, 0]
 
     @torch.no_grad()
     def read_features(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
@@ -331,13 +505,20 @@ class Reconstructor(nn.Module):
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
+            exits = {} if self.exits is None else {str(k): f"exit_heads.{k}.weight" for k in self.exits}
             if state_dict is None:
                 base_state, head = None, self.value_head.weight
+                own = dict(self.named_parameters())
+                heads = {k: own[name] for k, name in exits.items()}
             else:
                 base_state = {k.removeprefix("base."): v for k, v in state_dict.items() if k.startswith("base.")}
                 head = state_dict["value_head.weight"]
+                heads = {k: state_dict[name] for k, name in exits.items()}
             self.base.save_pretrained(tmp, state_dict=base_state, safe_serialization=True)
             save_file({"weight": head.detach().cpu().contiguous()}, str(tmp / VALUE_HEAD_FILE))
+            if heads:  # the metadata: the block each head's rows are read after
+                save_file({k: w.detach().cpu().contiguous() for k, w in heads.items()}, str(tmp / EXIT_HEADS_FILE),
+                          metadata={"read_after": json.dumps({str(k): int(r) for k, r in self.exits.items()})})
             if self.tokenizer is not None:
                 arch.save_tokenizer(self.tokenizer, tmp)
             meta = sidecar if sidecar is not None else self.sidecar
@@ -353,8 +534,17 @@ class Reconstructor(nn.Module):
     @torch.no_grad()
     def load_head(self, directory: str | os.PathLike) -> None:
         """Set the head from a checkpoint's ``VALUE_HEAD_FILE`` (a LoRA run resumes as its base's
-        body + the saved adapter + this head)."""
+        body + the saved adapter + this head), and its exits' heads where it has ``EXIT_HEADS_FILE``."""
         self.value_head.weight.copy_(load_file(str(Path(directory) / VALUE_HEAD_FILE))["weight"])
+        exits = Path(directory) / EXIT_HEADS_FILE
+        if exits.is_file():
+            read_after, weights = _load_exit_heads(exits)
+            if self.exits is None:
+                self.set_exits(sorted(read_after))
+            if self.exits != read_after:
+                raise ValueError(f"{exits}: its heads are read after {read_after}, this AR's after {self.exits}")
+            for k, w in weights.items():
+                self.exit_heads[str(k)].weight.copy_(w)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, **load_kwargs: Any) -> Reconstructor:
@@ -389,7 +579,44 @@ class Reconstructor(nn.Module):
                 f"{sidecar.layer_index + 1} blocks, but config.json has {n_blocks}; the checkpoint is inconsistent, "
                 "re-save it (or fix ar.num_hidden_layers in nla_meta.yaml to K)"
             )
-        return cls(inner, value_head=head, tokenizer=_maybe_tokenizer(path), sidecar=sidecar)
+        ar = cls(inner, value_head=head, tokenizer=_maybe_tokenizer(path), sidecar=sidecar)
+        exits = path / EXIT_HEADS_FILE
+        if exits.is_file():
+            read_after, weights = _load_exit_heads(exits)
+            blocks = sorted(read_after)
+            if sidecar is not None and sidecar.layers is not None and list(sidecar.layers) != blocks:
+                raise ValueError(f"{exits}: heads for blocks {blocks}, but the sidecar's extraction.layers are "
+                                 f"{list(sidecar.layers)}; the checkpoint is inconsistent")
+            ar.exits = read_after
+            heads = {}
+            for k, w in weights.items():
+                if tuple(w.shape) != tuple(weight.shape):
+                    raise ValueError(f"{exits}: block {k}'s head has shape {tuple(w.shape)}, expected "
+                                     f"{tuple(weight.shape)} (value_head's)")
+                h = nn.Linear(d, out, bias=False, dtype=w.dtype)
+                with torch.no_grad():
+                    h.weight.copy_(w)
+                heads[str(k)] = h
+            ar.exit_heads = nn.ModuleDict(heads)
+        return ar
+
+
+def _load_exit_heads(file: Path) -> tuple[dict[int, int], dict[int, Tensor]]:
+    """``EXIT_HEADS_FILE``'s map block -> block read after, and its heads' weights a block, checked."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        meta = f.metadata() or {}
+        weights = {int(k): f.get_tensor(k) for k in f.keys()}
+    try:
+        read_after = {int(k): int(v) for k, v in json.loads(meta["read_after"]).items()}
+    except (KeyError, ValueError, TypeError, AttributeError):
+        raise ValueError(f"{file}: no readable 'read_after' metadata (expected a JSON map block -> block); "
+                         "re-save the AR with Reconstructor.save_pretrained") from None
+    if sorted(read_after) != sorted(weights) or any(r < k for k, r in read_after.items()):
+        raise ValueError(f"{file}: heads for blocks {sorted(weights)}, read after {read_after}: expected one head a "
+                         "block, each read after a block at or past its own")
+    return dict(sorted(read_after.items())), weights
 
 
 def _check_layer(layer_index: int, total: int) -> None:

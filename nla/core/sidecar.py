@@ -429,6 +429,24 @@ class NLAConfig:
         self.need_ar("the AR text")
         return self._fill_layer(self.ar_template, layer, "the AR text").format(explanation=explanation)
 
+    def ar_text_layer(self, text: str) -> int:
+        """The block an AR text of this pair of several blocks names: the one ``k`` of ``layers`` whose
+        ``ar_text(..., layer=k)`` begins and ends as ``text`` does (the inverse of :meth:`ar_text`; an AR
+        reading each row at its own block takes it from the texts it is given)."""
+        if self.layers is None:
+            raise ValueError("ar_text_layer: this pair reads one block (no extraction.layers); its AR texts name none")
+        self.need_ar("the AR text's block")
+        found = []
+        for k in self.layers:
+            head, _, tail = self.ar_text("\x00", layer=k).partition("\x00")
+            if len(text) >= len(head) + len(tail) and text.startswith(head) and text.endswith(tail):
+                found.append(k)
+        if len(found) != 1:
+            raise ValueError(f"ar_text_layer: {text[:80]!r} is {'no' if not found else 'more than one'} block's AR text "
+                             f"of this pair (template {self.ar_template!r}, blocks {list(self.layers)}); give texts "
+                             "made by NLAConfig.ar_text(explanation, layer=k)")
+        return found[0]
+
     def replace(self, **kw: Any) -> NLAConfig:
         return dataclasses.replace(self, **kw)
 

@@ -171,7 +171,8 @@ def _lora_reconstructor(cfg: RLConfig, ar_dir: str | Path, dtype: torch.dtype) -
     ar = Reconstructor.from_pretrained(cfg.ar, dtype=dtype)
     resume = Path(ar_dir).resolve() != Path(cfg.ar).resolve()
     try:
-        apply_lora(ar, replace(cfg.lora.settings(), r=cfg.reconstructor.lora_r), train=[ar.value_head],
+        heads = [ar.value_head, *([] if ar.exits is None else ar.exit_heads.values())]
+        apply_lora(ar, replace(cfg.lora.settings(), r=cfg.reconstructor.lora_r), train=heads,
                    adapter_dir=adapter_dir_for(ar_dir) if resume else None)
     except ValueError as err:
         raise RLSetupError(str(err).replace("lora.target_modules", "lora.target_modules (the AR's)")) from None

@@ -150,6 +150,13 @@ def _shuffled_prompts(table: Any, side: NLAConfig, cfg: ARTrainConfig) -> list[s
             for e, d, p, k in zip(explanations, rows, positions, blocks, strict=True)]
 
 
+def _blocks_column(table: Any, dataset: str) -> np.ndarray:
+    if "activation_layer" not in table.column_names:
+        raise ARTrainError(f"exits: dataset {dataset} has no activation_layer column (each row's block, which an AR "
+                           "reading each row at its own block needs); rebuild it with nla datagen for several layers")
+    return np.asarray(table.column("activation_layer").to_pylist(), dtype=np.int64)
+
+
 def resolve_sidecar_and_base(cfg: Any) -> tuple[NLAConfig, str]:
     side = resolve_sidecar(cfg.sidecar, None, cfg.dataset)
     base = cfg.base_model or side.base_model
@@ -203,6 +210,10 @@ def _fit_cross_model_head(model: Reconstructor, tok: Any, texts: list[str], gold
         enc = tokenize_ar_texts(tok, [texts[i] for i in idx[s : s + cfg.micro]], cfg.max_length)
         feats.append(model.read_features(enc["input_ids"].to(device), enc["attention_mask"].to(device)).float().cpu())
     mse = model.fit_head(torch.cat(feats), gold[torch.from_numpy(idx)], scale)
+    if model.exits is not None:  # each block's head starts as the fit (of block K's features)
+        with torch.no_grad():
+            for h in model.exit_heads.values():
+                h.weight.copy_(model.value_head.weight)
     logger.info("AR: cross-model head fitted by ridge regression on %d rows: fve_nrm %.4f before training",
                 len(idx), 1.0 - mse / baseline)
 
@@ -229,8 +240,18 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
         model = Reconstructor.from_base(base, layer, out_dim=side.d_model if own is not None else None)
         if resume_from is not None:  # LoRA resumes as base + the saved adapter; the head trains in full
             model.load_head(resume_from)
+    if cfg.exits and model.exits is None:  # (a resumed AR has them already)
+        if side.layers is None:
+            raise ARTrainError(f"exits: dataset {cfg.dataset} is for one block ({side.layer_index}); an AR reads each "
+                               "row at its own block only for a pair of several (extraction.layers): set exits: false")
+        model.set_exits(side.layers)
+        logger.info("AR: each row read at its own block: block -> read after %s", model.exits)
+    elif model.exits is not None and not cfg.exits:
+        raise ARTrainError(f"exits: the checkpoint resumed from ({resume_from}) reads each row at its own block; "
+                           "set exits: true to go on training it")
     if lora.enabled:
-        apply_sft_lora(model, lora, resume_from, train=[model.value_head])
+        apply_sft_lora(model, lora, resume_from,
+                       train=[model.value_head, *([] if model.exits is None else model.exit_heads.values())])
     if model.tokenizer is None:
         raise ARTrainError(f"base_model: no tokenizer files in {base}; save the tokenizer beside the model")
     width = arch.hidden_size(model.config)
@@ -251,6 +272,9 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
     if cfg.shuffle_sentences:
         texts = _shuffled_prompts(train_tab, side, cfg)
     eval_texts = _text_column(eval_tab, "prompt", cfg.eval_dataset or cfg.dataset)
+    # each row's block, for an AR reading each row at its own block (its text names it too)
+    blocks = None if model.exits is None else _blocks_column(train_tab, cfg.dataset)
+    eval_blocks = None if model.exits is None else _blocks_column(eval_tab, cfg.eval_dataset or cfg.dataset)
     gold_all = torch.from_numpy(np.ascontiguousarray(train_vec))
     try:
         baselines = check_spread(gold_all, scale, f"dataset {cfg.dataset}")
@@ -268,7 +292,8 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
             check_ar_suffix(enc["input_ids"], enc["attention_mask"], checked_ar_suffix(side, tok), idx)
             checked["suffix"] = True
         loss, pred = reconstruction_loss(model, enc["input_ids"].to(device), enc["attention_mask"].to(device),
-                                         gold_all[torch.from_numpy(idx)], scale)
+                                         gold_all[torch.from_numpy(idx)], scale,
+                                         None if blocks is None else blocks[idx])
         return loss, {
             "fve_nrm": 1.0 - float(loss.detach()) / baselines.raw_mean,
             "pred_norm": float(pred.detach().float().norm(dim=-1).mean()),
@@ -283,7 +308,9 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
         preds = []
         for s in range(0, n, cfg.micro):
             enc = tokenize_ar_texts(tok, eval_texts[s : min(s + cfg.micro, n)], cfg.max_length)
-            preds.append(model.predict(enc["input_ids"].to(device), enc["attention_mask"].to(device)).float().cpu())
+            kw = {} if eval_blocks is None else {"blocks": eval_blocks[s : min(s + cfg.micro, n)]}
+            preds.append(model.predict(enc["input_ids"].to(device), enc["attention_mask"].to(device), **kw)
+                         .float().cpu())
         pred = torch.cat(preds)
         gold = torch.from_numpy(np.ascontiguousarray(eval_vec[:n]))
         out["eval_mse"] = float(mse_nrm(pred, gold, scale).mean())

@@ -253,9 +253,17 @@ class ARTrainConfig(_TrainBase):
                                                  "keyed on the seed and the row, so a resumed run reads the same "
                                                  "texts), so the AR learns what the claims say, not where they "
                                                  "stand; evaluation reads the texts as written.")
+    exits: bool = option(False, help="a pair of several blocks (extraction.layers) only: read each row at its own "
+                                     "block, a row of block k after block max(k, 1) through a head of block k's "
+                                     "own (nla.core.reconstructor.Reconstructor.set_exits; its rows skip the "
+                                     "blocks past their exit), not every row after the deepest block through one "
+                                     "head. The checkpoint holds the heads (exit_heads.safetensors) and RL, the "
+                                     "client and nla eval read them.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.exits, bool):
+            _bad("exits", "true or false", self.exits)
         if self.layer_index is not None and (not isinstance(self.layer_index, int) or self.layer_index < 0):
             _bad("layer_index", "an integer >= 0 or null (take it from the sidecar)", self.layer_index)
         if not isinstance(self.shuffle_sentences, bool):

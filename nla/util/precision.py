@@ -141,6 +141,9 @@ def _heads(model: nn.Module) -> list[nn.Module]:
     value_head = getattr(model, "value_head", None)
     if isinstance(value_head, nn.Module):
         heads.append(value_head)
+    exit_heads = getattr(model, "exit_heads", None)  # an AR reading each row at its own block: a head a block
+    if isinstance(exit_heads, nn.ModuleDict):
+        heads.extend(exit_heads.values())
     get = getattr(model, "get_output_embeddings", None)
     out = get() if callable(get) else None
     if isinstance(out, nn.Module):

@@ -124,9 +124,9 @@ class FusedRewardWindow(RewardWindow):
         was = ar.training
         ar.train()
         try:
-            enc = worker.encode(explanations, "left")
+            ids, mask, kw = worker.read(explanations, "left")
             with torch.enable_grad():
-                pred = ar.predict(enc["input_ids"].to(worker.device), enc["attention_mask"].to(worker.device))
+                pred = ar.predict(ids, mask, **kw)
                 per_row = mse_nrm(pred, gold.to(pred.device), worker.scale)  # reconstruction_loss's terms
                 per_row.sum().backward()
         finally:
@@ -214,6 +214,15 @@ class ReconstructorWorker(Trainable):
         texts = list(explanations) if self.sidecar.layers is not None else [self.sidecar.ar_text(e) for e in explanations]
         return tokenize_ar_texts(self.tokenizer, texts, self.max_length, padding_side)
 
+    def read(self, explanations: list[str], padding_side: str = "right") -> tuple[Tensor, Tensor, dict[str, Any]]:
+        """``encode``'s ids and mask on the AR's device, and ``predict``'s keyword arguments: each row's block
+        for an AR reading each row at its own block (``Reconstructor.exits``), from the AR text that names it."""
+        enc = self.encode(explanations, padding_side)
+        kw: dict[str, Any] = {}
+        if getattr(self.ar, "exits", None) is not None:
+            kw["blocks"] = [self.sidecar.ar_text_layer(t) for t in explanations]
+        return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device), kw
+
     @torch.no_grad()
     def predict(self, explanations: list[str], padding_side: str = "left") -> Tensor:
         """AR predictions [n, d] (fp32, CPU) for explanation texts, in one padded batch.
@@ -224,8 +233,8 @@ class ReconstructorWorker(Trainable):
         was = self.ar.training
         self.ar.eval()
         try:
-            enc = self.encode(explanations, padding_side)
-            pred = self.ar.predict(enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device))
+            ids, mask, kw = self.read(explanations, padding_side)
+            pred = self.ar.predict(ids, mask, **kw)
         finally:
             self.ar.train(was)
         return pred.float().cpu()
@@ -256,7 +265,8 @@ class ReconstructorWorker(Trainable):
             if rows:
                 out[rows] = self.window.mse_rows(self, [exps[i] for i in rows], gold[rows])
             else:  # a dummy forward, so FSDP's all-gathers pair with the other ranks'
-                self.window.mse_rows(self, [""], torch.ones(1, gold.shape[1]))
+                dummy = "" if self.sidecar.layers is None else self.sidecar.ar_text("", layer=self.sidecar.layers[-1])
+                self.window.mse_rows(self, [dummy], torch.ones(1, gold.shape[1]))
         self.window.scored(items)
         return out
 
@@ -305,9 +315,8 @@ class ReconstructorWorker(Trainable):
         # (Windows covering every row leave nothing to run, on every rank alike.)
         chunks = rank_micro_batches(dp, mine, n - done, self.micro_batch_size) if done < n else ()
         for idx, real in chunks:
-            enc = self.encode([explanations[i] for i in idx.tolist()], "right")
-            loss, _ = reconstruction_loss(self.ar, enc["input_ids"].to(self.device),
-                                          enc["attention_mask"].to(self.device), golds[idx], self.scale)
+            ids, mask, kw = self.read([explanations[i] for i in idx.tolist()], "right")
+            loss, _ = reconstruction_loss(self.ar, ids, mask, golds[idx], self.scale, **kw)
             w = len(idx) / n if real else 0.0
             (loss * (w * dp.grad_scale)).backward()
             total += float(loss.detach()) * w
