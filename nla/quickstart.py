@@ -482,6 +482,17 @@ def _cached_stage(out: Path, name: str, config: dict[str, Any]) -> dict[str, Any
     return rec
 
 
+def stale_upstream(rec: dict[str, Any], upstream: dict[str, str], fresh: set[str]) -> list[str]:
+    """The stages a finished stage reads (``upstream``: name -> config hash now) that ran again after it: those
+    run in this invocation (``fresh``), and those whose config hash differs from the one its marker recorded
+    (``upstream`` in the marker; a marker written before it was recorded has only the first check)."""
+    stale = [n for n in upstream if n in fresh]
+    was = rec.get("upstream")
+    if isinstance(was, dict):
+        stale += [n for n, h in upstream.items() if n not in stale and was.get(n) != h]
+    return stale
+
+
 def _mark_stage(out: Path, name: str, config: dict[str, Any], info: dict[str, Any]) -> None:
     (out / f"{name}.stage_done.json").write_text(
         json.dumps({"config_hash": _hash(config), "config": config, **info}, indent=2, default=str))
@@ -674,12 +685,22 @@ def _run_stages(out: Path, p: QuickstartPreset, preset: str, thr: dict[str, Any]
 
     stages: list[StageRecord] = []
     configs: dict[str, Any] = {}
+    fresh: set[str] = set()  # the stages run (not taken from a marker) in this invocation
     report_cleared = False
 
-    def stage(name: str, config: dict[str, Any], fn) -> dict[str, Any]:
+    def stage(name: str, config: dict[str, Any], fn, needs: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Run ``name`` or take it from its marker. ``needs``: the earlier stages whose outputs it reads at paths
+        its config names, not their configs: a stage of those that ran again (a changed setting and --overwrite)
+        makes it run again even where its own config is the same."""
         nonlocal report_cleared
         configs[name] = config
+        upstream = {n: _hash(configs[n]) for n in needs if n in configs}
         cached = _cached_stage(out, name, config)
+        behind = [] if cached is None else stale_upstream(cached, upstream, fresh)
+        if behind:
+            logger.info("[%s] finished before, but the %s stage ran again since: running it again", name,
+                        " and ".join(behind))
+            cached = None
         if cached is not None:
             logger.info("[%s] cached (it took %.1f s); %s", name, float(cached.get("seconds", 0.0)),
                         out / f"{name}.stage_done.json")
@@ -707,7 +728,9 @@ def _run_stages(out: Path, p: QuickstartPreset, preset: str, thr: dict[str, Any]
         t0 = time.perf_counter()
         info = fn()
         info["seconds"] = time.perf_counter() - t0
-        _mark_stage(out, name, config, info)
+        _mark_stage(out, name, config, {**info, "upstream": upstream} if upstream else info)
+        if not info.get("from_cache"):
+            fresh.add(name)
         # A world reused from the shared cache reports the time its build took.
         from_cache = bool(info.get("from_cache"))
         stages.append(StageRecord(name, info.get("build_seconds", info["seconds"]) if from_cache else info["seconds"],
@@ -748,10 +771,10 @@ def _run_stages(out: Path, p: QuickstartPreset, preset: str, thr: dict[str, Any]
     ar_settings, av_settings = p.warm_start_settings(pair_world, pair_roles)
     ar_cfg = dict(dataset=str(datagen / "ar_sft.parquet"), out_dir=str(out / "ar"), progress=progress, **ar_settings,
                   **sd, **ar_pair, **thr)
-    ar_info = stage("ar", ar_cfg, lambda: train_stage(train_ar, ARTrainConfig(**ar_cfg)))
+    ar_info = stage("ar", ar_cfg, lambda: train_stage(train_ar, ARTrainConfig(**ar_cfg)), needs=("datagen",))
     av_cfg = dict(dataset=str(datagen / "av_sft.parquet"), out_dir=str(out / "av"), progress=progress,
                   **{**av_settings, **pair}, **sd, **thr)  # pair settings (--injection-scale ...) over the preset's
-    av_info = stage("av", av_cfg, lambda: train_stage(train_av, AVTrainConfig(**av_cfg)))
+    av_info = stage("av", av_cfg, lambda: train_stage(train_av, AVTrainConfig(**av_cfg)), needs=("datagen",))
     # 4. eval of the warm-started pair
     ev_kw = dict(max_rows=p.eval_max_rows, max_new_tokens=p.max_new_tokens)
     # The warm-start AR is the frozen reader of both evaluations (the same AR as the live one here).
@@ -768,7 +791,7 @@ def _run_stages(out: Path, p: QuickstartPreset, preset: str, thr: dict[str, Any]
     rl_cfg = dict(av=av_info["checkpoint"], ar=ar_info["checkpoint"], dataset=str(rl_train),
                   eval_dataset=str(eval_ds), out_dir=str(out / "rl"), progress=progress, **rl,
                   backend=dict(name=backend), **sd, **thr)
-    rl_info = stage("rl", rl_cfg, lambda: rl_stage(run_rl, RLConfig.from_dict(rl_cfg)))
+    rl_info = stage("rl", rl_cfg, lambda: rl_stage(run_rl, RLConfig.from_dict(rl_cfg)), needs=("datagen", "ar", "av"))
     # 6. eval after RL
     after = stage("eval_rl", {"av": rl_info["av"], "ar": rl_info["ar"], "frozen_ar": frozen, "dataset": str(eval_ds),
                               "made_by": [_hash(configs["ar"]), _hash(configs["av"]), _hash(configs["rl"])], **ev_kw,

@@ -132,3 +132,19 @@ def test_settings_the_quickstart_makes_itself_are_refused_before_any_stage(tmp_p
         assert not out.exists()  # refused before the world stage
     for preset in PRESETS.values():  # the presets themselves set none of them
         preset.check("preset")
+
+
+def test_a_stage_runs_again_when_a_stage_it_reads_ran_again():
+    """``--set ar.exits=true --overwrite`` on a finished run reran the AR and then took RL from its marker: RL's
+    config names the AR's path, not its settings, so the RL'd pair was the old AR's. A stage now records the
+    config hashes of the stages it reads and runs again where one ran since."""
+    from nla.quickstart import stale_upstream
+
+    now = {"datagen": "d1", "ar": "a2", "av": "v1"}
+    # ran in this invocation: stale, whatever the marker says (a marker written before markers recorded it)
+    assert stale_upstream({"config_hash": "r"}, now, fresh={"ar"}) == ["ar"]
+    assert stale_upstream({"config_hash": "r"}, now, fresh=set()) == []
+    # the marker's record against the stages' configs now (a run interrupted between the AR and RL)
+    assert stale_upstream({"upstream": {"datagen": "d1", "ar": "a1", "av": "v1"}}, now, fresh=set()) == ["ar"]
+    assert stale_upstream({"upstream": dict(now)}, now, fresh=set()) == []
+    assert stale_upstream({"upstream": {"datagen": "d0", "ar": "a1", "av": "v1"}}, now, fresh={"ar"}) == ["ar", "datagen"]
