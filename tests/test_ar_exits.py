@@ -125,3 +125,110 @@ def test_exits_checkpoint_round_trip_and_errors(tiny_model_dir, tiny_tokenizer, 
     with pytest.raises(ValueError, match=r"exits: expected the pair's blocks in increasing order, the deepest this "
                                          r"AR's K = 3, found \[0, 2\]"):
         fresh.set_exits([0, 2])
+
+
+def test_a_pair_whose_ar_reads_each_row_at_its_block_trains_runs_rl_and_is_read_by_the_client(tmp_path, tiny_model_dir):
+    """ar.exits end to end on a tiny pair for blocks 0 and 2: the warm-start writes the heads (block 0 read after
+    block 1, block 2 after 2), RL reads each row's block from its AR text (both paddings agree at step 0) and trains
+    every head it has rows of, the client reads the RL'd AR as predict does, and resuming without exits is refused."""
+    from test_layers import _cfg
+
+    from nla.client import NLAClient
+    from nla.core.sidecar import load_sidecar
+    from nla.datagen.io import read_parquet, read_vectors
+    from nla.datagen.pipeline import run
+    from nla.rl.config import RLConfig
+    from nla.rl.loop import run_rl
+    from nla.train.ar import ARTrainError, train_ar
+    from nla.train.config import ARTrainConfig
+
+    run(_cfg(tmp_path, tiny_model_dir("llama"), layers=[0, 2]))
+    dg = tmp_path / "out"
+    common = dict(warmup_steps=0, eval_every=1, save_every=1, batch_size=4, threads=1, progress=False,
+                  tensorboard=False, lr=1e-3, max_length=80)
+    ar = train_ar(ARTrainConfig(dataset=str(dg / "ar_sft.parquet"), out_dir=str(tmp_path / "ar"), max_steps=1,
+                                exits=True, **common))
+    warm = Reconstructor.from_pretrained(ar.checkpoint_dir)
+    assert warm.exits == {0: 1, 2: 2} and ar.metrics["eval_fve"] == ar.metrics["eval_fve"]  # evaluated, a number
+    with pytest.raises(ARTrainError, match=r"exits: the checkpoint resumed from .* reads each row at its own block; "
+                                           r"set exits: true to go on training it"):
+        train_ar(ARTrainConfig(dataset=str(dg / "ar_sft.parquet"), out_dir=str(tmp_path / "ar"), max_steps=2, **common),
+                 resume=True)
+    one = tmp_path / "one"
+    run(_cfg(one, tiny_model_dir("llama"), layer_index=2))
+    with pytest.raises(ARTrainError, match=r"exits: dataset .* is for one block \(2\); an AR reads each row at its own "
+                                           r"block only for a pair of several"):
+        train_ar(ARTrainConfig(dataset=str(one / "out" / "ar_sft.parquet"), out_dir=str(tmp_path / "ar1"), max_steps=1,
+                               exits=True, **common))
+    from nla.train.av import train_av
+    from nla.train.config import AVTrainConfig
+
+    av = train_av(AVTrainConfig(dataset=str(dg / "av_sft.parquet"), out_dir=str(tmp_path / "av"), max_steps=1,
+                                smoke_num=0, **{**common, "max_length": 128}))
+    rl = run_rl(RLConfig.from_dict(dict(
+        av=str(av.checkpoint_dir), ar=str(ar.checkpoint_dir), dataset=str(dg / "rl.parquet"), out_dir=str(tmp_path / "rl"),
+        steps=1, eval_every=1, eval_max_rows=4, threads=1, progress=False,
+        rollout=dict(rollout_batch_size=2, n_samples_per_prompt=2, max_response_len=8),
+        optimiser=dict(lr=1e-5, micro_batch_size=4),
+        reconstructor=dict(replay_dataset=str(dg / "ar_sft.parquet"), replay_fraction=0.5, lr=1e-2),
+        checkpointing=dict(save_every=1, keep_last=1))))
+    assert rl.metrics["step0_guard_diff"] < 1e-4  # the AR texts' blocks, read through both paddings
+    after = Reconstructor.from_pretrained(rl.checkpoint_dir / "ar").eval()
+    assert after.exits == {0: 1, 2: 2}
+    tab = read_parquet(dg / "ar_sft.parquet")
+    texts, blocks = tab.column("explanation").to_pylist()[:6], tab.column("activation_layer").to_pylist()[:6]
+    assert sorted(set(blocks)) == [0, 2]
+    client = NLAClient(str(rl.checkpoint_dir / "av"), str(rl.checkpoint_dir / "ar"))
+    side = load_sidecar(rl.checkpoint_dir / "ar")
+    enc = tokenize_ar_texts(after.tokenizer, [side.ar_text(t, layer=k) for t, k in zip(texts, blocks)], 80)
+    with torch.no_grad():
+        want = after.predict(enc["input_ids"], enc["attention_mask"], blocks=blocks)
+    torch.testing.assert_close(client.reconstruct(texts, layer=blocks), want, rtol=1e-5, atol=1e-5)
+    vectors = torch.from_numpy(read_vectors(tab)[:6].copy())
+    assert client.score(texts, vectors, layer=blocks).mse_nrm.shape == (6,)
+
+
+def test_the_rl_worker_reads_each_rows_block_from_its_ar_text_fused_or_plain(tiny_model_dir):
+    """The AR role of a pair whose AR has exits: rewards are ``predict`` with each AR text's block, the fused
+    window's update equals the plain one, and each head is trained on its block's rows only."""
+    import copy
+
+    from train_helpers import dataset_sidecar
+
+    from nla.core.arch import load_tokenizer
+    from nla.core.templates import LAYERED_AR_TEMPLATE, LAYERED_AV_TEMPLATE
+    from nla.core.vectors import mse_nrm
+    from nla.rl.roles import OptimSettings, ReconstructorWorker
+
+    base = tiny_model_dir("llama")
+    tok = load_tokenizer(base)
+    ar = Reconstructor.from_base(base, 3, tokenizer=tok)
+    ar.set_exits([0, 1, 2, 3])
+    side = dataset_sidecar(tok, base, d_model=ar.config.hidden_size, layer_index=3).replace(
+        layers=(0, 1, 2, 3), av_template=LAYERED_AV_TEMPLATE, ar_template=LAYERED_AR_TEMPLATE)
+    optim = OptimSettings(lr=1e-2, weight_decay=0.0, warmup_steps=0, total_steps=10, max_grad_norm=1e9)
+    plain = ReconstructorWorker(ar, tok, side, optim, max_length=64, micro_batch_size=3, device=torch.device("cpu"))
+    fused = copy.deepcopy(plain)
+    fused.fuse_reward = True
+    blocks = [0, 1, 0, 2, 1, 0]  # none of block 3
+    texts = [side.ar_text(t, layer=k) for t, k in zip(TEXTS + ["cat"], blocks, strict=True)]
+    golds = torch.randn(6, ar.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 3
+    with torch.no_grad():
+        enc = tokenize_ar_texts(tok, texts, 64, "left")
+        want = mse_nrm(ar.eval().predict(enc["input_ids"], enc["attention_mask"], blocks=blocks), golds,
+                       plain.scale)
+    items = list(zip(texts, golds, strict=True))
+    r_plain = plain.mse_batch(items)
+    fused.begin_rollout()
+    r_fused = fused.mse_batch(items)
+    torch.testing.assert_close(r_plain, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(r_fused, r_plain)
+    before = {k: h.weight.detach().clone() for k, h in plain.ar.exit_heads.items()}
+    m_plain, m_fused = plain.update(texts, golds), fused.update(texts, golds)
+    assert m_fused["ar_loss"] == pytest.approx(m_plain["ar_loss"], rel=1e-5)
+    for k in ("0", "1", "2"):
+        assert not torch.equal(plain.ar.exit_heads[k].weight, before[k])
+        torch.testing.assert_close(fused.ar.exit_heads[k].weight, plain.ar.exit_heads[k].weight, rtol=1e-4, atol=1e-6)
+    assert torch.equal(plain.ar.exit_heads["3"].weight, before["3"])  # no row of block 3
+    with pytest.raises(ValueError, match=r"ar_text_layer: 'Explanation: cat' is no block's AR text of this pair"):
+        plain.mse_batch([("Explanation: cat", golds[0])])
