@@ -180,7 +180,8 @@ def test_a_pair_whose_ar_reads_each_row_at_its_block_trains_runs_rl_and_is_read_
     assert sorted(set(blocks)) == [0, 2]
     client = NLAClient(str(rl.checkpoint_dir / "av"), str(rl.checkpoint_dir / "ar"))
     side = load_sidecar(rl.checkpoint_dir / "ar")
-    enc = tokenize_ar_texts(after.tokenizer, [side.ar_text(t, layer=k) for t, k in zip(texts, blocks)], 80)
+    enc = tokenize_ar_texts(after.tokenizer, [side.ar_text(t, layer=k) for t, k in zip(texts, blocks, strict=True)],
+                            80)
     with torch.no_grad():
         want = after.predict(enc["input_ids"], enc["attention_mask"], blocks=blocks)
     torch.testing.assert_close(client.reconstruct(texts, layer=blocks), want, rtol=1e-5, atol=1e-5)
