@@ -257,7 +257,12 @@ PRESETS["full"] = dataclasses.replace(
 # over seeds 0-2 closer to the one-block pairs on the mean at every block (-0.031 / -0.018 / -0.014 / +0.007
 # against -0.033 / -0.026 / -0.027 / -0.004), within 0.03 at every block on seeds 0 and 1, at 0.90x the time of
 # the 7-and-8-token prompts in one session and 0.47x the four pairs' (same section, "The block named in two tokens").
-# Opt-in until it holds on three seeds at <= 0.4x the time. No suite (it reads one block).
+# Since session 21 its AR reads each row at its own block (ar.exits: block 0's rows after block 1, each other
+# block's after itself, a head a block): over seeds 0-2 +0.011 to +0.032 FVE after RL at every block and seed
+# against the deep AR, -0.012 / +0.004 / +0.001 / +0.022 against the one-block pairs on the mean, within 0.03 at
+# every block on seeds 0 and 1 (seed 2's block 0 at -0.041), at 0.97x the training time; the recall the same,
+# block 0's claims true 0.01-0.02 less often (BENCHMARKS.md, "The AR read at each row's own block").
+# Opt-in until it holds at <= 0.4x the time. No suite (it reads one block).
 WORLD_LAYERED_AV_TEMPLATE = "Explain the hidden state <<{injection_char}>> {layer} in a few short sentences."
 WORLD_LAYERED_AR_TEMPLATE = "{layer} Explanation: {explanation}\nSummary vector:"
 PRESETS["layers"] = dataclasses.replace(
@@ -268,7 +273,7 @@ PRESETS["layers"] = dataclasses.replace(
              # then); an unheld fact left out, one a kind (fact_unheld omit), as measured
              "world_explainer": {**PRESETS["default"].datagen["world_explainer"], "fact_rate": 0.8,
                                  "fact_min_prob": 0.5, "fact_unheld": "omit", "fact_gate_below": None}},
-    ar={**PRESETS["default"].ar, "max_steps": 1280, "eval_every": 640, "save_every": 1280},
+    ar={**PRESETS["default"].ar, "max_steps": 1280, "eval_every": 640, "save_every": 1280, "exits": True},
     av={**PRESETS["default"].av, "max_steps": 2400, "eval_every": 800, "save_every": 2400},
     rl={**PRESETS["default"].rl, "steps": 160, "checkpointing": dict(save_every=160, keep_last=1)},
     cross_model={},

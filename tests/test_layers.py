@@ -523,6 +523,10 @@ def test_the_layers_preset_is_the_default_at_four_blocks_and_1_6x_the_steps():
     assert "av_template" not in d.datagen and "ar_template" not in d.datagen
     # 800, 1500 (the default's AV then), 100 x 1.6
     assert (p.ar["max_steps"], p.av["max_steps"], p.rl["steps"]) == (1280, 2400, 160)
+    # its AR reads each row at its own block (measured on three seeds); otherwise the default's AR
+    assert p.ar["exits"] is True and "exits" not in d.ar
+    assert {k: v for k, v in p.ar.items() if k not in ("max_steps", "eval_every", "save_every", "exits")} == \
+        {k: v for k, v in d.ar.items() if k not in ("max_steps", "eval_every", "save_every")}
     assert {k: v for k, v in p.av.items() if k not in ("max_steps", "eval_every", "save_every")} == \
         {k: v for k, v in d.av.items() if k not in ("max_steps", "eval_every", "save_every")}
 
