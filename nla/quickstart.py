@@ -620,6 +620,18 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
         p = with_settings(p, settings)
         label = f"{preset} with {settings_label(settings)}"
     p.check(label)
+    if p.datagen.get("layers") is None:
+        # settings only a pair of several blocks takes (a one-block pair made from the layers preset), refused
+        # before the world is built, not at the stage that reads them
+        several = [f"{k}: {v!r} (names the block with {{layer}})" for k, v in
+                   (("datagen.av_template", p.datagen.get("av_template")),
+                    ("datagen.ar_template", p.datagen.get("ar_template"))) if isinstance(v, str) and "{layer}" in v]
+        several += ["ar.exits: true (reads each row at its own block)"] if p.ar.get("exits") else []
+        if several:
+            resets = " ".join(f"--set {w.split(':')[0]}={'false' if w.startswith('ar.exits') else 'null'}"
+                              for w in several)
+            raise QuickstartError(f"{label}: a pair for one block (datagen.layers null) with settings for several: "
+                                  f"{'; '.join(several)}; reset them ({resets}) or give datagen.layers")
     if p.datagen.get("layers") is not None:
         # one pair for several blocks (issue 59): measured on the world and SmolLM2 with the local backend and a
         # same-model pair of the subject's own width; refused by name where it is not built or not measured

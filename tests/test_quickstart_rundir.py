@@ -148,3 +148,23 @@ def test_a_stage_runs_again_when_a_stage_it_reads_ran_again():
     assert stale_upstream({"upstream": {"datagen": "d1", "ar": "a1", "av": "v1"}}, now, fresh=set()) == ["ar"]
     assert stale_upstream({"upstream": dict(now)}, now, fresh=set()) == []
     assert stale_upstream({"upstream": {"datagen": "d0", "ar": "a1", "av": "v1"}}, now, fresh={"ar"}) == ["ar", "datagen"]
+
+
+def test_a_one_block_pair_from_the_layers_preset_names_the_settings_to_reset(tmp_path, capsys):
+    """The layers preset's prompts name the block and its AR reads each row at its block: a one-block pair made
+    from it (datagen.layers=null, the measure's one-block pairs) is refused before the world is built, each
+    setting named with the --set that resets it; with them reset it passes the check."""
+    out = tmp_path / "qs"
+    code, lines = _cli(capsys, "quickstart", "--preset", "layers", "--out", out, "--no-progress", "--set",
+                       "datagen.layers=null", "--set", "datagen.layer_index=2")
+    assert code == 2
+    (err,) = [ln for ln in lines if ln.startswith("nla quickstart: error: ")]
+    assert "a pair for one block (datagen.layers null) with settings for several: datagen.av_template: " in err
+    assert "ar.exits: true (reads each row at its own block); reset them (--set datagen.av_template=null --set " \
+           "datagen.ar_template=null --set ar.exits=false) or give datagen.layers" in err
+    assert not out.exists() or not any(out.iterdir())  # nothing built
+    from nla.quickstart import with_settings
+
+    p = with_settings(PRESETS["layers"], ["datagen.layers=null", "datagen.layer_index=2", "datagen.av_template=null",
+                                          "datagen.ar_template=null", "ar.exits=false"])
+    assert p.datagen["av_template"] is None and p.ar["exits"] is False
