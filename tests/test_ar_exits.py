@@ -233,3 +233,13 @@ def test_the_rl_worker_reads_each_rows_block_from_its_ar_text_fused_or_plain(tin
     assert torch.equal(plain.ar.exit_heads["3"].weight, before["3"])  # no row of block 3
     with pytest.raises(ValueError, match=r"ar_text_layer: 'Explanation: cat' is no block's AR text of this pair"):
         plain.mse_batch([("Explanation: cat", golds[0])])
+
+
+def test_the_exits_step_benchmark_runs_both_readings_on_one_batch(tiny_model_dir, single_thread):
+    """bench/bench_ar_exits.py's measure on a tiny Llama (its timing is the benchmark's, not asserted)."""
+    from bench.bench_ar_exits import measure
+
+    r = measure(str(tiny_model_dir("llama")), [0, 1, 2, 3], batch=8, lengths=(5, 12), repeat=2)
+    assert r["exits"] == {0: 1, 1: 1, 2: 2, 3: 3} and r["blocks_kept"] == 4 and r["batch"] == 8
+    assert 5 <= r["padded_length"] <= 12 and set(r["seconds"]) == {"deep", "exits"}
+    assert r["exits_over_deep"] == r["seconds"]["exits"] / r["seconds"]["deep"] > 0
