@@ -390,17 +390,11 @@ class Reconstructor(nn.Module):
 
     @property
     def _exits_stepwise(self) -> bool:
-        """Whether ``_predict_exits`` may run the blocks one by one from block 0's input (the kwargs the model
-        gives block 0 are every block's, and ``_block_at_last`` knows the blocks)."""
-        if getattr(self.config, "model_type", None) not in LAST_BLOCK_MODEL_TYPES:
-            return False
-        if getattr(self.config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
-            return False
-        dropout = self.training and float(getattr(self.config, "attention_dropout", 0.0) or 0.0) > 0
-        dec = arch.decoder_layers(self.base)
-        return not dropout and not arch.is_sharded(self.base) and all(
+        """Whether ``_predict_exits`` may run the blocks one by one from block 0's input: what ``last_block_fast``
+        asks of the last block, of every block (the kwargs the model gives block 0 are then every block's)."""
+        return self.last_block_fast and all(
             getattr(b, "self_attn", None) is not None and getattr(b.self_attn, "sliding_window", None) is None
-            and not arch.is_sharded(b) for b in dec)
+            and not arch.is_sharded(b) for b in arch.decoder_layers(self.base))
 
     @property
     def last_block_fast(self) -> bool:
@@ -538,13 +532,25 @@ class Reconstructor(nn.Module):
         self.value_head.weight.copy_(load_file(str(Path(directory) / VALUE_HEAD_FILE))["weight"])
         exits = Path(directory) / EXIT_HEADS_FILE
         if exits.is_file():
-            read_after, weights = _load_exit_heads(exits)
-            if self.exits is None:
-                self.set_exits(sorted(read_after))
-            if self.exits != read_after:
-                raise ValueError(f"{exits}: its heads are read after {read_after}, this AR's after {self.exits}")
-            for k, w in weights.items():
-                self.exit_heads[str(k)].weight.copy_(w)
+            self._install_exits(exits)
+
+    def _install_exits(self, file: Path) -> None:
+        """Set ``exits`` and ``exit_heads`` from ``file`` (``EXIT_HEADS_FILE``); an AR that has exits already
+        must read its rows where the file's heads do."""
+        read_after, weights = _load_exit_heads(file)
+        if self.exits is not None and self.exits != read_after:
+            raise ValueError(f"{file}: its heads are read after {read_after}, this AR's after {self.exits}")
+        w0 = self.value_head.weight
+        heads = {}
+        for k, w in weights.items():
+            if tuple(w.shape) != tuple(w0.shape):
+                raise ValueError(f"{file}: block {k}'s head has shape {tuple(w.shape)}, expected {tuple(w0.shape)} "
+                                 "(value_head's)")
+            h = nn.Linear(w0.shape[1], w0.shape[0], bias=False, dtype=w.dtype, device=w0.device)
+            with torch.no_grad():
+                h.weight.copy_(w)
+            heads[str(k)] = h
+        self.exits, self.exit_heads = read_after, nn.ModuleDict(heads)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, **load_kwargs: Any) -> Reconstructor:
@@ -582,22 +588,10 @@ class Reconstructor(nn.Module):
         ar = cls(inner, value_head=head, tokenizer=_maybe_tokenizer(path), sidecar=sidecar)
         exits = path / EXIT_HEADS_FILE
         if exits.is_file():
-            read_after, weights = _load_exit_heads(exits)
-            blocks = sorted(read_after)
-            if sidecar is not None and sidecar.layers is not None and list(sidecar.layers) != blocks:
-                raise ValueError(f"{exits}: heads for blocks {blocks}, but the sidecar's extraction.layers are "
-                                 f"{list(sidecar.layers)}; the checkpoint is inconsistent")
-            ar.exits = read_after
-            heads = {}
-            for k, w in weights.items():
-                if tuple(w.shape) != tuple(weight.shape):
-                    raise ValueError(f"{exits}: block {k}'s head has shape {tuple(w.shape)}, expected "
-                                     f"{tuple(weight.shape)} (value_head's)")
-                h = nn.Linear(d, out, bias=False, dtype=w.dtype)
-                with torch.no_grad():
-                    h.weight.copy_(w)
-                heads[str(k)] = h
-            ar.exit_heads = nn.ModuleDict(heads)
+            ar._install_exits(exits)
+            if sidecar is not None and sidecar.layers is not None and list(sidecar.layers) != sorted(ar.exits):
+                raise ValueError(f"{exits}: heads for blocks {sorted(ar.exits)}, but the sidecar's extraction.layers "
+                                 f"are {list(sidecar.layers)}; the checkpoint is inconsistent")
         return ar
 
 
