@@ -179,6 +179,77 @@ def test_data_cursor_epochs_and_resume():
         DataCursor(n=6, seed=0).load_state_dict(c.state_dict())
 
 
+def test_a_cursor_of_one_group_batches_reads_each_groups_whole_batches_once_an_epoch():
+    groups = np.array([0] * 10 + [1] * 7 + [2] * 3)  # batches of 3: group 0 gives 3 (1 row left), 1 gives 2, 2 gives 1
+    c = DataCursor(n=20, seed=4, groups=groups, batch=3)
+    epoch0 = [c.next_indices(3) for _ in range(6)]
+    assert (c.epoch, c.position) == (1, 0)  # 6 whole batches make the epoch: the 2 rows left sit it out
+    for b in epoch0:
+        assert len(set(groups[b].tolist())) == 1
+    assert sorted(int(groups[b[0]]) for b in epoch0) == [0, 0, 0, 1, 1, 2]
+    seen = np.concatenate(epoch0)
+    assert len(set(seen.tolist())) == 18 and set(range(17, 20)) <= set(seen.tolist())
+    # each group's rows in the epoch are its permutation's first whole batches, drawn as the docstring says
+    rng = np.random.default_rng([4, 0])
+    firsts = {g: rng.permutation(np.flatnonzero(groups == g)) for g in (0, 1, 2)}
+    for g, rows in firsts.items():
+        mine = np.concatenate([b for b in epoch0 if groups[b[0]] == g])
+        assert sorted(mine.tolist()) == sorted(rows[: len(rows) // 3 * 3].tolist())
+    # resumed from its state it reads on exactly as it would have; a plain cursor's state is refused, and back
+    straight = DataCursor(n=20, seed=4, groups=groups, batch=3)
+    for _ in range(8):
+        straight.next_indices(3)
+    resumed = DataCursor(n=20, seed=4, groups=groups, batch=3)
+    c.next_indices(3), c.next_indices(3)
+    resumed.load_state_dict(c.state_dict())
+    np.testing.assert_array_equal(resumed.next_indices(3), straight.next_indices(3))
+    with pytest.raises(ValueError, match=r"saved reading batches of one layer \(3 rows\), this run reads batches "
+                                         r"mixing the layers; resume with the same batches_by_layer"):
+        DataCursor(n=20, seed=4).load_state_dict(c.state_dict())
+    with pytest.raises(ValueError, match=r"saved reading batches mixing the layers, this run reads batches of one"):
+        resumed.load_state_dict(DataCursor(n=20, seed=4).state_dict())
+    assert "group_batch" not in DataCursor(n=20, seed=4).state_dict()  # a plain cursor's state is as before
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(groups=np.zeros(3), batch=2), r"3 group labels for 5 rows"),
+    (dict(groups=np.zeros(5), batch=0), r"batch must be >= 1 with groups, found 0"),
+    (dict(groups=np.array([0, 0, 1, 1, 2]), batch=3), r"no group has a whole batch of 3 rows \(groups \{0: 2, 1: 2, 2: 1\}\)"),
+])
+def test_a_cursor_of_one_group_batches_is_checked(kw, message):
+    with pytest.raises(ValueError, match=message):
+        DataCursor(n=5, seed=0, **kw)
+
+
+def test_a_cursor_of_one_group_batches_is_read_a_batch_at_a_time():
+    c = DataCursor(n=6, seed=0, groups=np.zeros(6), batch=3)
+    with pytest.raises(ValueError, match=r"one-group batches of 3 rows was asked for 4"):
+        c.next_indices(4)
+
+
+def test_the_training_loop_reads_one_layers_rows_a_step_when_given_the_rows_layers(tmp_path):
+    from nla.train.config import ARTrainConfig
+    from nla.train.loop import LoopSpec, run_training_loop
+
+    layers = np.array([0, 1, 2, 3] * 10)
+    model = torch.nn.Linear(2, 1)
+    x = torch.randn(40, 2)
+    seen: list[np.ndarray] = []
+
+    def micro_loss(idx):
+        seen.append(idx.copy())
+        return model(x[torch.from_numpy(idx)]).pow(2).mean(), {}
+
+    cfg = ARTrainConfig(dataset="unused.parquet", out_dir=str(tmp_path), max_steps=7, batch_size=4, micro_batch_size=2,
+                        warmup_steps=0, eval_every=7, save_every=7, progress=False, tensorboard=False, threads=1)
+    spec = LoopSpec(name="t", model=model, n_train=40, micro_loss=micro_loss, evaluate=lambda step: {},
+                    save_model=lambda d, step: {}, plot_keys=["loss"], train_groups=layers)
+    run_training_loop(cfg, spec)
+    steps = [np.concatenate(seen[i:i + 2]) for i in range(0, len(seen), 2)]  # two micro-batches a step
+    assert len(steps) == 7 and all(len(set(layers[s].tolist())) == 1 for s in steps)
+    assert len({int(layers[s[0]]) for s in steps}) > 1  # and the steps' layers vary
+
+
 def test_atomic_dir_names_a_failed_save_and_keeps_the_old_checkpoint(tmp_path):
     from nla.util.checkpoint_files import CheckpointSaveError
 
