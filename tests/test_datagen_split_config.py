@@ -21,38 +21,6 @@ def test_split_counts_disjoint_deterministic():
     assert any(not np.array_equal(a[k], c[k]) for k in a)
 
 
-def test_a_warm_start_share_keeps_the_first_of_each_warm_start_split_and_every_rl_document():
-    ids = np.arange(100)  # 40 / 40 / 20 documents; a share of 0.4 keeps round(0.4 * 40) = 16 of each warm start
-    whole = split_doc_ids(ids, (0.4, 0.4, 0.2), seed=3)
-    part = split_doc_ids(ids, (0.4, 0.4, 0.2), seed=3, warm_start_share=0.4)
-    assert [len(part[k]) for k in ("av_sft", "ar_sft", "rl")] == [16, 16, 20]
-    assert np.array_equal(part["rl"], whole["rl"])  # the held-out documents do not move
-    # the first 16 of each split in the seeded order (split_doc_ids' own permutation, as the plain split cuts it)
-    perm = np.random.default_rng([3, 0x5B117]).permutation(ids)
-    assert np.array_equal(part["av_sft"], np.sort(perm[:16])) and np.array_equal(part["ar_sft"], np.sort(perm[40:56]))
-    assert set(part["av_sft"]) < set(whole["av_sft"]) and set(part["ar_sft"]) < set(whole["ar_sft"])
-    # a tiny split keeps one document, not none
-    tiny = split_doc_ids(np.arange(5), (0.2, 0.2, 0.6), seed=0, warm_start_share=0.1)
-    assert [len(tiny[k]) for k in ("av_sft", "ar_sft", "rl")] == [1, 1, 3]
-    t = pa.table({"doc_id": np.repeat(ids, 2)})
-    assert [p.num_rows for p in split_table(t, (0.4, 0.4, 0.2), 3, 0.4).values()] == [32, 32, 40]
-
-
-@pytest.mark.parametrize("share", [0, -0.5, 1.5, True, "half"])
-def test_a_warm_start_share_outside_0_to_1_is_refused_by_name(share):
-    with pytest.raises(ValueError, match=r"DatagenConfig.warm_start_share: expected a number in \(0, 1\]"):
-        DatagenConfig(warm_start_share=share)
-
-
-def test_the_warm_start_share_moves_the_split_stages_hash_only_when_it_is_not_1():
-    from nla.datagen.pipeline import stage_hash
-
-    base = DatagenConfig()
-    assert stage_hash(DatagenConfig(warm_start_share=1.0), "split") == stage_hash(base, "split")
-    assert stage_hash(DatagenConfig(warm_start_share=0.4), "split") != stage_hash(base, "split")
-    assert stage_hash(DatagenConfig(warm_start_share=0.4), "extract") == stage_hash(base, "extract")
-
-
 def test_split_table_keeps_documents_whole():
     doc = np.repeat(np.arange(7), 3)
     t = pa.table({"doc_id": doc, "position": np.tile([1, 2, 3], 7)})

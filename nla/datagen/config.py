@@ -323,10 +323,6 @@ class DatagenConfig:
                                                                               "is in one split only); a list or "
                                                                               "{av_sft, ar_sft, rl}. Range: "
                                                                               "three numbers >= 0 summing to 1.")
-    warm_start_share: float = option(1.0, help="share of av_sft's and ar_sft's documents kept (the first of the "
-                                               "split's seeded order; the rest are in no split), rl's all kept: a "
-                                               "pair for several layers that trains fewer steps a layer than a "
-                                               "one-layer pair needs as few rows a layer. Range: (0, 1].")
     # explain
     explainer: str = option("world", help="what writes the SFT explanations (EXPLAINERS): world (the world's "
                                           "imperfect TextExplainer over the true facts; source=world only), "
@@ -417,9 +413,6 @@ class DatagenConfig:
             or abs(sum(fr) - 1.0) > 1e-6
         ):
             raise _err(c, "split_fractions", f"three numbers >= 0 for {SPLITS} summing to 1", fr)
-        ws = self.warm_start_share
-        if isinstance(ws, bool) or not isinstance(ws, (int, float)) or not 0.0 < ws <= 1.0:
-            raise _err(c, "warm_start_share", "a number in (0, 1] (1 keeps every warm-start document)", ws)
         if not isinstance(self.injection_char, str) or len(self.injection_char) != 1:
             raise _err(c, "injection_char", "a single character", self.injection_char)
         _check_scale(c, "injection_scale", self.injection_scale)

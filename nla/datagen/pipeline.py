@@ -45,7 +45,7 @@ _STAGE_FIELDS = {
     "extract": ("source", "world_preset", "world_seed", "n_docs", "doc_start_id", "corpus_path", "text_column", "model_dir",
                 "layer_index", "layers", "positions_per_doc", "skip_first", "seed", "batch_size", "max_len",
                 "batches_per_shard", "bad_vectors"),
-    "split": ("split_fractions", "warm_start_share"),
+    "split": ("split_fractions",),
     "explain": ("explainer", "world_explainer", "wiki_explainer", "provider"),
     "build": ("av_template", "ar_template", "injection_char", "injection_scale", "mse_scale", "shuffled_baseline",
               "center"),
@@ -78,8 +78,6 @@ def stage_hash(cfg: DatagenConfig, stage: str) -> str:
         del d["wiki_explainer"]
     if d["layers"] is None:
         del d["layers"]
-    if d["warm_start_share"] == 1.0:
-        del d["warm_start_share"]
     keys: list[str] = []
     for s in STAGES[: STAGES.index(stage) + 1]:
         keys += _STAGE_FIELDS[s]
@@ -157,8 +155,7 @@ def _split(res: Resolved, out: Path) -> dict[str, Any]:
     from nla.datagen.io import write_parquet_atomic
     from nla.datagen.split import split_table
 
-    parts = split_table(read_parquet(out / "activations.parquet"), res.cfg.split_fractions, res.cfg.seed,
-                        res.cfg.warm_start_share)
+    parts = split_table(read_parquet(out / "activations.parquet"), res.cfg.split_fractions, res.cfg.seed)
     summary = {}
     for name, t in parts.items():
         write_parquet_atomic(t, out / "splits" / f"{name}.parquet")

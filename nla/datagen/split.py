@@ -23,13 +23,9 @@ _SPLIT_SALT = 0x5B117
 
 
 def split_doc_ids(
-    doc_ids: Sequence[int] | np.ndarray, fractions: Sequence[float], seed: int, warm_start_share: float = 1.0
+    doc_ids: Sequence[int] | np.ndarray, fractions: Sequence[float], seed: int
 ) -> dict[str, np.ndarray]:
-    """Map split name -> sorted doc ids. Counts are round(f * n) for the first two splits, the rest to rl.
-
-    ``warm_start_share`` < 1 keeps the first round(share * count) of av_sft's and ar_sft's documents in the
-    seeded order (at least one of a split that has any) and leaves the others out of every split; rl's
-    documents are the same for any share, so its held-out rows are those of a run that keeps them all."""
+    """Map split name -> sorted doc ids. Counts are round(f * n) for the first two splits, the rest to rl."""
     if len(fractions) != len(SPLITS):
         raise DatagenError(
             f"split fractions: expected {len(SPLITS)} values for {SPLITS}, found {list(fractions)}"
@@ -42,19 +38,15 @@ def split_doc_ids(
     n_av = int(round(fractions[0] * n))
     n_ar = min(int(round(fractions[1] * n)), n - n_av)
     cuts = {"av_sft": perm[:n_av], "ar_sft": perm[n_av : n_av + n_ar], "rl": perm[n_av + n_ar :]}
-    if warm_start_share < 1.0:
-        for name in ("av_sft", "ar_sft"):
-            cuts[name] = cuts[name][: max(min(1, len(cuts[name])), int(round(warm_start_share * len(cuts[name]))))]
     for name, frac in zip(SPLITS, fractions, strict=True):
         if frac > 0 and len(cuts[name]) == 0:
             log.warning("split %s gets 0 of %d documents (fraction %.3g); use more documents", name, n, frac)
     return {k: np.sort(v) for k, v in cuts.items()}
 
 
-def split_table(table: pa.Table, fractions: Sequence[float], seed: int,
-                warm_start_share: float = 1.0) -> dict[str, pa.Table]:
+def split_table(table: pa.Table, fractions: Sequence[float], seed: int) -> dict[str, pa.Table]:
     """Partition rows by their `doc_id` (see `split_doc_ids`); row order within a split is kept."""
     if "doc_id" not in table.column_names:
         raise DatagenError(f"split: column 'doc_id' missing; found {table.column_names}")
-    ids = split_doc_ids(table.column("doc_id").to_numpy(), fractions, seed, warm_start_share)
+    ids = split_doc_ids(table.column("doc_id").to_numpy(), fractions, seed)
     return {name: table.filter(pc.is_in(table.column("doc_id"), pa.array(v))) for name, v in ids.items()}

@@ -36,7 +36,6 @@ from nla.core.vectors import check_spread, fve, mse_nrm
 from nla.datagen.io import read_parquet, read_vectors
 from nla.train.checkpoint import find_resume_checkpoint, seed_everything
 from nla.train.config import ARTrainConfig
-from nla.train.data import layer_column
 from nla.train.device import resolve_device, resolve_dtype
 from nla.train.loop import LoopSpec, TrainResult, run_training_loop
 from nla.util.checkpoint_files import check_model_source
@@ -151,11 +150,11 @@ def _shuffled_prompts(table: Any, side: NLAConfig, cfg: ARTrainConfig) -> list[s
             for e, d, p, k in zip(explanations, rows, positions, blocks, strict=True)]
 
 
-def _layers(table: Any, dataset: str, setting: str) -> np.ndarray:
-    try:
-        return layer_column(table, dataset, setting)
-    except ValueError as err:
-        raise ARTrainError(str(err)) from None
+def _blocks_column(table: Any, dataset: str) -> np.ndarray:
+    if "activation_layer" not in table.column_names:
+        raise ARTrainError(f"exits: dataset {dataset} has no activation_layer column (each row's block, which an AR "
+                           "reading each row at its own block needs); rebuild it with nla datagen for several layers")
+    return np.asarray(table.column("activation_layer").to_pylist(), dtype=np.int64)
 
 
 def resolve_sidecar_and_base(cfg: Any) -> tuple[NLAConfig, str]:
@@ -274,8 +273,8 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
         texts = _shuffled_prompts(train_tab, side, cfg)
     eval_texts = _text_column(eval_tab, "prompt", cfg.eval_dataset or cfg.dataset)
     # each row's block, for an AR reading each row at its own block (its text names it too)
-    blocks = None if model.exits is None else _layers(train_tab, cfg.dataset, "exits")
-    eval_blocks = None if model.exits is None else _layers(eval_tab, cfg.eval_dataset or cfg.dataset, "exits")
+    blocks = None if model.exits is None else _blocks_column(train_tab, cfg.dataset)
+    eval_blocks = None if model.exits is None else _blocks_column(eval_tab, cfg.eval_dataset or cfg.dataset)
     gold_all = torch.from_numpy(np.ascontiguousarray(train_vec))
     try:
         baselines = check_spread(gold_all, scale, f"dataset {cfg.dataset}")
@@ -329,6 +328,5 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
 
     spec = LoopSpec(name="ar", model=model, n_train=len(texts), micro_loss=micro_loss, evaluate=evaluate,
                     save_model=save_model, plot_keys=["loss", "fve_nrm", "eval_fve", "pred_norm"],
-                    resume_from=resume_from,
-                    train_groups=_layers(train_tab, cfg.dataset, "batches_by_layer") if cfg.batches_by_layer else None)
+                    resume_from=resume_from)
     return run_training_loop(cfg, spec)

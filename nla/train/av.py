@@ -48,7 +48,6 @@ from nla.core.vectors import resolve_scale
 from nla.train.ar import load_split, own_model, resolve_sidecar_and_base
 from nla.train.checkpoint import find_resume_checkpoint, seed_everything
 from nla.train.config import AVTrainConfig
-from nla.train.data import layer_column
 from nla.train.device import resolve_device, resolve_dtype
 from nla.train.loop import LoopSpec, TrainResult, run_training_loop
 from nla.util.checkpoint_files import check_checkpoint
@@ -87,13 +86,6 @@ def prompt_messages(raw: Any, injection_char: str) -> list[dict[str, str]]:
     if not isinstance(raw, list) or not all(isinstance(m, dict) and "content" in m for m in raw):
         raise AVTrainError(f"prompt: expected a list of chat messages {{role, content}}, found {raw!r}")
     return [{"role": m["role"], "content": m["content"].replace(AV_PLACEHOLDER, injection_char)} for m in raw]
-
-
-def _layers(table: Any, dataset: str) -> np.ndarray:
-    try:
-        return layer_column(table, dataset, "batches_by_layer")
-    except ValueError as err:
-        raise AVTrainError(str(err)) from None
 
 
 def build_examples(tokenizer: Any, prompts: list[Any], responses: list[str], injection_char: str,
@@ -490,8 +482,7 @@ def train_av(cfg: AVTrainConfig, *, resume: bool = False) -> TrainResult:
     spec = LoopSpec(name="av", model=model, n_train=len(train_ex), micro_loss=micro_loss, evaluate=evaluate,
                     save_model=save_model, plot_keys=["loss", "eval_loss", "eval_loss_shuffled", "eval_vector_gap"],
                     resume_from=resume_from,
-                    lr_scales=None if adapter is None else {ADAPTER_ATTR: cfg.injection_adapter_lr_scale},
-                    train_groups=_layers(train_tab, cfg.dataset) if cfg.batches_by_layer else None)
+                    lr_scales=None if adapter is None else {ADAPTER_ATTR: cfg.injection_adapter_lr_scale})
     try:
         return run_training_loop(cfg, spec)
     finally:

@@ -137,10 +137,6 @@ class _TrainBase(RunConfig):
     max_steps: int = option(100, help="optimiser steps in the whole run; the LR schedule spans them. Range: an "
                                       "integer >= 1.")
     batch_size: int = option(32, help="rows per optimiser step. Range: an integer >= 1.")
-    batches_by_layer: bool = option(False, help="each optimiser step's rows from one layer, for a dataset of "
-                                                "several (extraction.layers): a batch pads to its layer's lengths "
-                                                "as a one-layer pair's does; a layer's rows short of a whole batch "
-                                                "sit an epoch out. false = batches mix the layers.")
     micro_batch_size: int | None = option(None, help="rows per forward; gradients accumulate over the "
                                                      "micro-batches of a step (the same step for any split); "
                                                      "null = batch_size. Range: 1..batch_size, or null.")

@@ -82,7 +82,6 @@ class LoopSpec:
     plot_keys: list[str]
     resume_from: Path | None = None
     lr_scales: dict[str, float] | None = None  # build_optimizer's: submodules trained at lr x factor
-    train_groups: np.ndarray | None = None  # each training row's layer when a step reads one layer's rows
 
 
 @contextlib.contextmanager
@@ -120,8 +119,7 @@ def run_training_loop(cfg: Any, spec: LoopSpec) -> TrainResult:
     if amp is not None:
         keep_heads_fp32(model)
     check_micro_batch_memory(f"train {spec.name}", model, cfg.micro, cfg.max_length, device)
-    cursor = DataCursor(n=spec.n_train, seed=cfg.seed, groups=spec.train_groups,
-                        batch=cfg.batch_size if spec.train_groups is not None else 0)
+    cursor = DataCursor(n=spec.n_train, seed=cfg.seed)
     step, skipped = 0, 0
     if spec.resume_from is not None:
         state = load_training_state(spec.resume_from)
