@@ -262,6 +262,8 @@ PRESETS["full"] = dataclasses.replace(
 # against the deep AR, -0.012 / +0.004 / +0.001 / +0.022 against the one-block pairs on the mean, within 0.03 at
 # every block on seeds 0 and 1 (seed 2's block 0 at -0.041), at 0.97x the training time; the recall the same,
 # block 0's claims true 0.01-0.02 less often (BENCHMARKS.md, "The AR read at each row's own block").
+# Timed against the four one-block pairs on one CPU in one session (Zen 4, seed 0): 0.47x their training time, its
+# stages 0.41-0.80x at 0.40x their steps (BENCHMARKS.md, "The pair's time against four one-block pairs on the Zen 4").
 # Opt-in until it holds at <= 0.4x the time. No suite (it reads one block).
 WORLD_LAYERED_AV_TEMPLATE = "Explain the hidden state <<{injection_char}>> {layer} in a few short sentences."
 WORLD_LAYERED_AR_TEMPLATE = "{layer} Explanation: {explanation}\nSummary vector:"
