@@ -266,7 +266,8 @@ PRESETS["full"] = dataclasses.replace(
 # stages 0.41-0.80x at 0.40x their steps (BENCHMARKS.md, "The pair's time against four one-block pairs on the Zen 4").
 # At AR 1,000, AV 2,000 and RL 120 steps it takes 0.38-0.40x their time, within 0.03 of them at every block on seeds 0
 # and 1 (seed 2: blocks 1 and 3), 0.01-0.03 under these steps' pooled FVE (BENCHMARKS.md, "the four one-block
-# pairs' time: within 0.03 on two seeds of three"): these steps are kept for the better pair. Opt-in. No suite (it reads one block).
+# pairs' time: within 0.03 on two seeds of three"): these steps are kept for the better pair. Opt-in. No suite (it
+# reads one block).
 WORLD_LAYERED_AV_TEMPLATE = "Explain the hidden state <<{injection_char}>> {layer} in a few short sentences."
 WORLD_LAYERED_AR_TEMPLATE = "{layer} Explanation: {explanation}\nSummary vector:"
 PRESETS["layers"] = dataclasses.replace(
