@@ -239,35 +239,18 @@ PRESETS["full"] = dataclasses.replace(
     PRESETS["default"],
     datagen={**PRESETS["default"].datagen, "world_explainer": dict(min_facts=3, max_facts=6, wrong_rate=0.1)})
 
-# "layers": one pair for blocks 0-3 of the default world (issue 59), each row's block named in its AV prompt
-# and AR text (WORLD_LAYERED_* below). A fact is named only where a probe of its kind, fitted at the
-# row's block on other documents, holds it at p >= 0.5 (world_explainer.fact_min_prob): block 0 holds little,
-# and its explanations say little rather than guess. The AR's, the AV's and RL's steps are 1.6x a one-block pair's
-# as measured against (800 / 1,500 / 100; the default's AV has 2,000 since).
-# With the library's LAYERED_* prompts (the preset's until session 20): on seed 0, against one-block pairs with the same rule, FVE after RL is within 0.031 at every block (-0.031,
-# -0.010, +0.005, +0.043 at blocks 0-3) in 0.54x their combined time (BENCHMARKS.md, "One-block pairs at every
-# block"); on the AMD EPYC in one session -0.026 / -0.009 / -0.010 / -0.015 in 0.55x, and with the AV's and RL's
-# steps of one pair 0.06-0.09 under in 0.39x ("Against one-block pairs on the same CPU"). Over seeds 0-2 its recall is
-# the one-block pairs' at every block and its FVE 0.033 / 0.026 / 0.027 / 0.004 under on the mean, within 0.03 at
-# every block on seed 0 only ("Against one-block pairs over three seeds"). At twice a pair's steps (0.62x the time)
-# it is within 0.03 at every block on seeds 0 and 1 and at three of four on seed 2; its stages cost 0.49-0.84x the
-# one-block pairs' at 0.40x their steps ("Where the pair's time goes, and the pair at twice a pair's steps").
-# Since session 21 each row's block is named in two of the world tokenizer's tokens (WORLD_LAYERED_*: a bare
-# {layer}; the library's LAYERED_* take 7 and 8, " of block 0" / "Block 0. ", the tokenizer having no "block"):
-# over seeds 0-2 closer to the one-block pairs on the mean at every block (-0.031 / -0.018 / -0.014 / +0.007
-# against -0.033 / -0.026 / -0.027 / -0.004), within 0.03 at every block on seeds 0 and 1, at 0.90x the time of
-# the 7-and-8-token prompts in one session and 0.47x the four pairs' (same section, "The block named in two tokens").
-# Since session 21 its AR reads each row at its own block (ar.exits: block 0's rows after block 1, each other
-# block's after itself, a head a block): over seeds 0-2 +0.011 to +0.032 FVE after RL at every block and seed
-# against the deep AR, -0.012 / +0.004 / +0.001 / +0.022 against the one-block pairs on the mean, within 0.03 at
-# every block on seeds 0 and 1 (seed 2's block 0 at -0.041), at 0.97x the training time; the recall the same,
-# block 0's claims true 0.01-0.02 less often (BENCHMARKS.md, "The AR read at each row's own block").
-# Timed against the four one-block pairs on one CPU in one session (Zen 4, seed 0): 0.47x their training time, its
-# stages 0.41-0.80x at 0.40x their steps (BENCHMARKS.md, "The pair's time against four one-block pairs on the Zen 4").
-# At AR 1,000, AV 2,000 and RL 120 steps it takes 0.38-0.40x their time, within 0.03 of them at every block on seeds 0
-# and 1 (seed 2: blocks 1 and 3), 0.01-0.03 under these steps' pooled FVE (BENCHMARKS.md, "the four one-block
-# pairs' time: within 0.03 on two seeds of three"): these steps are kept for the better pair. Opt-in. No suite (it
-# reads one block).
+# "layers": one pair for blocks 0-3 of the default world (issue 59). Each row's block is named in its AV prompt and
+# AR text as a bare number (WORLD_LAYERED_*: two of the world tokenizer's tokens; the library's LAYERED_* take 7 and 8,
+# the tokenizer having no "block"), and its AR reads each row at its own block (ar.exits). A fact is named only where a
+# probe of its kind, fitted at the row's block on other documents, holds it at p >= 0.5 (world_explainer.fact_min_prob):
+# block 0 holds little, and its explanations say little rather than guess. Steps: 1.6x a one-block pair's (800 / 1,500
+# / 100). Over seeds 0-2, against one-block pairs with the same data rule: FVE after RL -0.012 / +0.004 / +0.001 /
+# +0.022 at blocks 0-3 on the mean, within 0.03 at every block on seeds 0 and 1, the same recall (BENCHMARKS.md, "The AR
+# read at each row's own block"), in 0.47x their training time timed on one CPU ("The pair's time against four
+# one-block pairs on the Zen 4"). At AR 1,000, AV 2,000 and RL 120 steps it takes 0.38-0.40x, within 0.03 on seeds 0
+# and 1, 0.01-0.03 under these steps' pooled FVE ("the four one-block pairs' time: within 0.03 on two seeds of
+# three"): these steps are kept for the better pair. The history of the setting is in dev/LOG.md. Opt-in. No suite
+# (it reads one block).
 WORLD_LAYERED_AV_TEMPLATE = "Explain the hidden state <<{injection_char}>> {layer} in a few short sentences."
 WORLD_LAYERED_AR_TEMPLATE = "{layer} Explanation: {explanation}\nSummary vector:"
 PRESETS["layers"] = dataclasses.replace(
@@ -628,15 +611,15 @@ def run_quickstart(preset: str = "default", out: str | Path = "runs/quickstart",
     if p.datagen.get("layers") is None:
         # settings only a pair of several blocks takes (a one-block pair made from the layers preset), refused
         # before the world is built, not at the stage that reads them
-        several = [f"{k}: {v!r} (names the block with {{layer}})" for k, v in
+        several = [(k, f"{v!r} (names the block with {{layer}})", "null") for k, v in
                    (("datagen.av_template", p.datagen.get("av_template")),
                     ("datagen.ar_template", p.datagen.get("ar_template"))) if isinstance(v, str) and "{layer}" in v]
-        several += ["ar.exits: true (reads each row at its own block)"] if p.ar.get("exits") else []
+        several += [("ar.exits", "true (reads each row at its own block)", "false")] if p.ar.get("exits") else []
         if several:
-            resets = " ".join(f"--set {w.split(':')[0]}={'false' if w.startswith('ar.exits') else 'null'}"
-                              for w in several)
+            named = "; ".join(f"{k}: {why}" for k, why, _ in several)
+            resets = " ".join(f"--set {k}={reset}" for k, _, reset in several)
             raise QuickstartError(f"{label}: a pair for one block (datagen.layers null) with settings for several: "
-                                  f"{'; '.join(several)}; reset them ({resets}) or give datagen.layers")
+                                  f"{named}; reset them ({resets}) or give datagen.layers")
     if p.datagen.get("layers") is not None:
         # one pair for several blocks (issue 59): measured on the world and SmolLM2 with the local backend and a
         # same-model pair of the subject's own width; refused by name where it is not built or not measured
