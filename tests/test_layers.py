@@ -533,30 +533,50 @@ def test_the_layers_preset_is_the_default_at_four_blocks_and_1_6x_the_steps():
 
 def test_block_tables_set_each_blocks_figures_beside_its_probe():
     from nla.eval.evaluate import ROW_ORACLE, ROW_ROUND_TRIP
-    from nla.eval.report import block_summary, block_tables
+    from nla.eval.report import block_summary, block_tables, kind_cells
 
     def ev(fve0, fve1):
         return {"by_block": {"0": {ROW_ROUND_TRIP: {"n": 4, "fve": fve0, "recall": 0.25, "precision": 1.0,
-                                                    "claims_true": 1.0, "by_kind": {"person": [0.5, 1.0]}},
+                                                    "claims_true": 1.0, "by_kind": {"person": [0.5, 1.0]},
+                                                    "said": {"person": [2, 1.0]}},
                                    ROW_ORACLE: {"n": 4, "fve": 0.5}},
                              "1": {ROW_ROUND_TRIP: {"n": 4, "fve": fve1, "recall": 0.75, "precision": 0.5,
                                                     "claims_true": None, "by_kind": {"person": [1.0, 0.5],
-                                                                                     "other": [1.0, 0.0]}}}}}
+                                                                                     "other": [1.0, 0.0]},
+                                                    "said": {"person": [4, 0.5]}}}}}
 
-    probe = {"layers": [{"layer": 0, "mean_top1": 0.3, "kinds": [{"kind": "person", "top1": 0.4}]},
-                        {"layer": 1, "mean_top1": 0.8, "kinds": [{"kind": "person", "top1": 0.9}]}]}
+    probe = {"layers": [{"layer": 0, "mean_top1": 0.3, "kinds": [{"kind": "person", "top1": 0.4, "recall_top1": 0.35,
+                                                                  "recall_p90": 0.3}]},
+                        {"layer": 1, "mean_top1": 0.8, "kinds": [{"kind": "person", "top1": 0.9, "recall_top1": 0.95,
+                                                                  "recall_p90": 0.6}]}]}
     s = block_summary(ev(0.1, 0.2), ev(0.3, 0.4), probe)
     assert list(s) == [0, 1]
     assert s[0] == {"rows": 4, "fve_warmstart": 0.1, "fve_rl": 0.3, "oracle_fve_rl": 0.5, "recall_rl": 0.25,
                     "precision_rl": 1.0, "claims_true_rl": 1.0, "by_kind_rl": {"person": [0.5, 1.0]},
-                    "probe_mean_top1": 0.3, "probe_by_kind": {"person": 0.4}}
+                    "said_by_kind_rl": {"person": [2, 1.0]}, "probe_mean_top1": 0.3, "probe_by_kind": {"person": 0.4},
+                    "probe_recall_top1_by_kind": {"person": 0.35}, "probe_recall_p90_by_kind": {"person": 0.3}}
     assert s[1]["oracle_fve_rl"] is None and s[1]["probe_by_kind"] == {"person": 0.9}
+    # Block 0: recall 0.50, all its claims true: within 0.10 of the top-1 (0.40), 0.15 from it as fact recall
+    # (0.35), over the reader at 0.90 true (0.30). Block 1: half its claims false, so no rule meets it.
+    assert kind_cells(s) == {"cells": 2, "top1": 1, "top1_recall": 0, "p90": 1, "claims_true": 1,
+                             "misses": {"top1": ["person@1"], "top1_recall": ["person@0", "person@1"],
+                                        "p90": ["person@1"]}}
     lines = block_tables(s)
     assert lines[2] == "| 0 | 4 | 0.30 | 0.100 | 0.300 | 0.500 | 0.25 | 1.00 | 1.00 |"
     assert lines[3] == "| 1 | 4 | 0.80 | 0.200 | 0.400 | – | 0.75 | 0.50 | – |"
     # "other" (no claim form: its recall means nothing) is not a row; person once, each block beside its probe
-    assert lines[-1] == "| person | 0.40 · 0.50 / 1.00 | 0.90 · 1.00 / 0.50 |" and "other" not in "\n".join(lines)
-    assert block_summary({"rows": []}, {"rows": []}) == {} and block_tables({}) == []
+    text = "\n".join(lines)
+    assert "| person | 0.40 (0.35; 0.30) · 0.50 / 1.00 · 1.00 | 0.90 (0.95; 0.60) · 1.00 / 0.50 · 0.50 |" in lines
+    assert "other" not in text
+    assert ("against the probe's top-1, **1 of 2**; against it as fact recall, **0 of 2**; at least the reader's at "
+            "0.90 true less 0.10, **1 of 2**. Claims ≥ 0.90 true (or none made) in 1 of 2 cells.") in text
+    assert lines[-1] == "Missed at 0.90 true: person@1."
+    # a probe written before recall_top1 / recall_p90 were measured: those rules are not counted, not failed
+    old = {"layers": [{"layer": k, "mean_top1": 0.5, "kinds": [{"kind": "person", "top1": 0.5}]} for k in (0, 1)]}
+    c = kind_cells(block_summary(ev(0.1, 0.2), ev(0.3, 0.4), old))
+    assert (c["top1"], c["top1_recall"], c["p90"]) == (1, None, None) and set(c["misses"]) == {"top1"}
+    assert "not measured (a probe written before it)" in "\n".join(block_tables(block_summary(ev(0, 0), ev(0, 0), old)))
+    assert block_summary({"rows": []}, {"rows": []}) == {} and block_tables({}) == [] and kind_cells({}) == {}
 
 
 def test_the_quickstart_runs_a_pair_for_two_blocks_and_reports_each(tiny_quickstart_run, tmp_path):

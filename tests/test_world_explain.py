@@ -66,6 +66,14 @@ def test_grade_hand_example_with_one_wrong_fact():
         "mood": (0.0, 0.0),
         "time": (0.0, 0.0),
     }
+    # the claims made per kind and how many are true (time: none made, so not there)
+    assert g.said == {"person": (1, 1), "place": (1, 1), "mood": (1, 0)}
+    assert grade("Nothing specific.", {Fact("place", "park")}).said is None
+    # over rows: the claims of each kind named and the share true (a row naming no mood adds none)
+    from nla.core.graders import faithfulness
+
+    f = faithfulness([text, "Alice is at the park. She seems happy."], [sorted(map(str, truth))] * 2)
+    assert f.said == {"person": (2, 1.0), "place": (2, 0.5), "mood": (2, 0.5)}
 
 
 def test_grade_empty_conventions():

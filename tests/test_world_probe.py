@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 
 from nla.world.facts import VOCAB, Fact
-from nla.world.probe import KindProbe, LayerProbe, best_layer, probe_kinds, probe_quotes, probe_table_markdown
+from nla.world.probe import (
+    KindProbe,
+    LayerProbe,
+    best_layer,
+    probe_kinds,
+    probe_quotes,
+    probe_table_markdown,
+    recall_at_precision,
+)
 
 KINDS = ("place", "mood")
 
@@ -36,6 +44,31 @@ def test_planted_feature_is_recovered_and_noise_is_chance():
     noise = {p.kind: p for p in probe_kinds(rng.standard_normal((1500, d)), f_tr, rng.standard_normal((600, d)), f_te,
                                             kinds=KINDS)}
     assert abs(noise["place"].top1 - 1 / 12) < 0.05 and abs(noise["mood"].top1 - 1 / 8) < 0.05
+    # one fact a kind: the top-1 is its own fact recall; a planted kind keeps nearly all of it at 0.90 true, noise
+    # keeps at most the few surest rows that happen to be right (each 1 / 600 of recall)
+    assert got["place"].recall_top1 == pytest.approx(got["place"].top1) and got["place"].recall_p90 > 0.95
+    assert noise["place"].recall_top1 == pytest.approx(noise["place"].top1) and noise["mood"].recall_p90 < 0.02
+
+
+def test_recall_at_precision_by_hand():
+    import torch
+
+    # rows in order of the probe's top score: 3, 2, 1, 0.8, 0.5
+    scores = torch.tensor([[3.0, 0.0], [0.0, 2.0], [1.0, 0.0], [0.5, 0.0], [0.0, 0.8]])
+    y = torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 1.0], [0.0, 0.0], [0.0, 1.0]])
+    # named: right, right (one of two true: 1/2 of recall), wrong, right (row 4), wrong (row 3 holds no fact)
+    # true shares 1, 1, 2/3, 3/4, 3/5; recall over the 4 rows with a fact: 1/4, 1.5/4, 1.5/4, 2.5/4, 2.5/4
+    assert recall_at_precision(scores, y, 0.9) == pytest.approx(0.375)
+    assert recall_at_precision(scores, y, 0.7) == pytest.approx(0.625)
+    assert recall_at_precision(scores, y, 0.5) == pytest.approx(0.625)
+    assert recall_at_precision(-scores, y, 0.9) == 0.0  # its surest row is wrong: no prefix is 0.90 true
+    assert recall_at_precision(scores, torch.zeros_like(y)) == 0.0
+    with pytest.raises(ValueError, match=r"scores \(5, 2\) and truth \(5, 1\)"):
+        recall_at_precision(scores, y[:, :1])
+    # probe_kinds' recall_top1 on two persons: naming one of two is half the row's recall
+    got = probe_kinds(np.tile(np.eye(2, dtype=np.float32), (50, 1)), [["person=alice"], ["person=bruno"]] * 50,
+                      np.eye(2, dtype=np.float32), [["person=alice", "person=bruno"], ["person=bruno"]], kinds=("person",))
+    assert got[0].top1 == pytest.approx(1.0) and got[0].recall_top1 == pytest.approx(0.75)
 
 
 def test_only_present_rows_count_and_absent_kinds_are_skipped():

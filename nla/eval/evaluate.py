@@ -447,7 +447,11 @@ def _by_block(ev: _Eval) -> dict[int, dict[str, dict[str, float | None]]]:
                             "claims_true": _claims_true(ev, sub, idx) if faith is not None else None,
                             # kind -> [recall, precision] of this block's rows (the report sets them beside
                             # the probe's top-1 at that block)
-                            "by_kind": None if faith is None else {kd: list(rp) for kd, rp in faith.by_kind.items()}}
+                            "by_kind": None if faith is None else {kd: list(rp) for kd, rp in faith.by_kind.items()},
+                            # kind -> [claims of it named, share true]: precision over the claims made (issue 59's
+                            # bar; None: a grader whose grades do not count claims per kind)
+                            "said": None if faith is None or not faith.said else
+                            {kd: list(ns) for kd, ns in faith.said.items()}}
     return out
 
 

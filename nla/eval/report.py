@@ -147,25 +147,81 @@ def block_summary(warm: dict[str, Any], after: dict[str, Any],
                   probe: dict[str, Any] | None = None) -> dict[int, dict[str, Any]]:
     """Per block of a pair for several blocks (issue 59): the round trip's FVE (each block against its own
     baseline) warm-start and after RL, the oracle's after RL, recall / precision (overall and per kind) after
-    RL, and the probe's top-1 per kind at that block; {} for a pair of one block."""
+    RL, the claims of each kind made and the share true, and the probe at that block per kind: its top-1, that
+    as fact recall, and the most of it a reader keeps at 0.90 of its claims true (``nla.world.probe``; None in
+    a probe written before they were measured); {} for a pair of one block."""
     bw, ba = _blocks(warm), _blocks(after)
     layers = {r["layer"]: r for r in (probe or {}).get("layers") or []}
     out: dict[int, dict[str, Any]] = {}
     for k in sorted(set(bw) | set(ba)):
         w, a = (bw.get(k) or {}).get(ROUND_TRIP) or {}, (ba.get(k) or {}).get(ROUND_TRIP) or {}
         at = layers.get(k)
+        kinds = at["kinds"] if at else []
         out[k] = {"rows": a.get("n", w.get("n")), "fve_warmstart": w.get("fve"), "fve_rl": a.get("fve"),
                   "oracle_fve_rl": ((ba.get(k) or {}).get(ORACLE) or {}).get("fve"),
                   "recall_rl": a.get("recall"), "precision_rl": a.get("precision"), "claims_true_rl": a.get("claims_true"),
                   "by_kind_rl": a.get("by_kind") or {},
+                  "said_by_kind_rl": a.get("said") or {},
                   "probe_mean_top1": at["mean_top1"] if at else None,
-                  "probe_by_kind": {p["kind"]: p["top1"] for p in at["kinds"]} if at else {}}
+                  "probe_by_kind": {p["kind"]: p["top1"] for p in kinds},
+                  "probe_recall_top1_by_kind": {p["kind"]: p.get("recall_top1") for p in kinds},
+                  "probe_recall_p90_by_kind": {p["kind"]: p.get("recall_p90") for p in kinds}}
     return out
 
 
+# Issue 59's per-kind measure: a kind's recall within this of what the probe reads at that block, and at least
+# CLAIMS_TRUE_BAR of the claims of the kind made there true (a kind not named at all says nothing false).
+KIND_RECALL_MARGIN = 0.10
+CLAIMS_TRUE_BAR = 0.90
+
+
+def kind_cells(blocks: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Issue 59's per-kind measure over the (kind, block) cells of ``block_summary``, three ways, each with the
+    claims of the kind ≥ ``CLAIMS_TRUE_BAR`` true (or none made):
+
+    - ``top1``: recall within ``KIND_RECALL_MARGIN`` of the probe's top-1 either way (the issue's words; a kind
+      with two true facts, the world's persons, has a top-1 of one guess against a recall of both);
+    - ``top1_recall``: the same against the probe's top-1 as fact recall (``recall_top1``: the same units);
+    - ``p90``: recall at least the probe's ``recall_p90`` less the margin (the most a reader of the probe keeps
+      with 0.90 of its claims true; over it is met).
+
+    Returns ``{"cells": n, rule: met, "claims_true": met, "misses": {rule: ["kind@block", ...]}}``; a rule whose
+    probe figure is missing in a cell (a probe written before it) counts None. {} without per-kind figures."""
+    rules = ("top1", "top1_recall", "p90")
+    met = dict.fromkeys(rules, 0)
+    misses: dict[str, list[str]] = {r: [] for r in rules}
+    unknown: set[str] = set()
+    n = true_ok = 0
+    for k, b in blocks.items():
+        for kind, top1 in (b.get("probe_by_kind") or {}).items():
+            rp = (b.get("by_kind_rl") or {}).get(kind)
+            if kind in NO_RECALL_KINDS or not rp or rp[0] is None or top1 is None:
+                continue
+            n += 1
+            said = (b.get("said_by_kind_rl") or {}).get(kind)
+            true_enough = said is None or said[1] >= CLAIMS_TRUE_BAR
+            true_ok += true_enough
+            bound = {"top1": top1, "top1_recall": (b.get("probe_recall_top1_by_kind") or {}).get(kind),
+                     "p90": (b.get("probe_recall_p90_by_kind") or {}).get(kind)}
+            for rule in rules:
+                if bound[rule] is None:
+                    unknown.add(rule)
+                    continue
+                near = (abs(rp[0] - bound[rule]) if rule != "p90" else bound[rule] - rp[0]) <= KIND_RECALL_MARGIN
+                if near and true_enough:
+                    met[rule] += 1
+                else:
+                    misses[rule].append(f"{kind}@{k}")
+    if not n:
+        return {}
+    return {"cells": n, **{r: (None if r in unknown else met[r]) for r in rules}, "claims_true": true_ok,
+            "misses": {r: v for r, v in misses.items() if r not in unknown}}
+
+
 def block_tables(blocks: dict[int, dict[str, Any]]) -> list[str]:
-    """``block_summary`` as two Markdown tables: the figures of each block, then recall / precision per kind
-    after RL beside the probe's top-1 at that block (what a faithful verbalizer could name there)."""
+    """``block_summary`` as two Markdown tables: the figures of each block, then per kind after RL the probe at
+    that block (what a faithful verbalizer could name there) beside the AV's recall and its claims' truth, and
+    the count of (kind, block) cells meeting issue 59's per-kind measure (``kind_cells``)."""
     if not blocks:
         return []
     lines = ["| block | rows | probe mean top-1 | FVE warm | FVE RL | oracle RL | recall RL | precision RL | "
@@ -179,15 +235,35 @@ def block_tables(blocks: dict[int, dict[str, Any]]) -> list[str]:
         for k in [*b["probe_by_kind"], *b["by_kind_rl"]]:
             if k not in kinds and k not in NO_RECALL_KINDS:
                 kinds.append(k)
-    if kinds:
-        lines += ["", "Per kind after RL, each block: probe top-1 · recall / precision.", "",
-                  "| kind | " + " | ".join(f"block {k}" for k in blocks) + " |", "|---|" + "---|" * len(blocks)]
-        for kind in kinds:
-            cells = []
-            for b in blocks.values():
-                rp = b["by_kind_rl"].get(kind) or (None, None)
-                cells.append(f"{_f(b['probe_by_kind'].get(kind), 2)} · {_f(rp[0], 2)} / {_f(rp[1], 2)}")
-            lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    if not kinds:
+        return lines
+    said_any = any(b.get("said_by_kind_rl") for b in blocks.values())
+    lines += ["", "Per kind after RL, each block: the probe's top-1 (as fact recall; the most of that a reader keeps "
+              "with 0.90 of its claims true) · the AV's recall / precision"
+              + (" · the share of its claims of the kind that are true (– where it names none)" if said_any else "")
+              + ".", "", "| kind | " + " | ".join(f"block {k}" for k in blocks) + " |", "|---|" + "---|" * len(blocks)]
+    for kind in kinds:
+        cells = []
+        for b in blocks.values():
+            rp = b["by_kind_rl"].get(kind) or (None, None)
+            said = (b.get("said_by_kind_rl") or {}).get(kind)
+            extra = [b.get("probe_recall_top1_by_kind", {}).get(kind), b.get("probe_recall_p90_by_kind", {}).get(kind)]
+            probe = _f(b["probe_by_kind"].get(kind), 2) + (
+                f" ({_f(extra[0], 2)}; {_f(extra[1], 2)})" if any(v is not None for v in extra) else "")
+            cells.append(f"{probe} · {_f(rp[0], 2)} / {_f(rp[1], 2)}"
+                         + (f" · {_f(said[1], 2) if said else '–'}" if said_any else ""))
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    c = kind_cells(blocks)
+    if c:
+        def _n(rule: str) -> str:
+            return "not measured (a probe written before it)" if c[rule] is None else f"**{c[rule]} of {c['cells']}**"
+        lines += ["", f"Issue 59's per-kind measure, a cell met where its recall is within {KIND_RECALL_MARGIN:.2f} "
+                  f"of the probe and at least {CLAIMS_TRUE_BAR:.2f} of its claims are true: against the probe's top-1, "
+                  f"{_n('top1')}; against it as fact recall, {_n('top1_recall')}; at least the reader's at 0.90 true "
+                  f"less {KIND_RECALL_MARGIN:.2f}, {_n('p90')}. Claims ≥ {CLAIMS_TRUE_BAR:.2f} true (or none made) in "
+                  f"{c['claims_true']} of {c['cells']} cells."]
+        if c["misses"].get("p90"):
+            lines.append(f"Missed at 0.90 true: {', '.join(c['misses']['p90'])}.")
     return lines
 
 
@@ -420,6 +496,7 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
     blocks = block_summary(warm_eval, rl_eval, probe)
     if blocks:
         headline["by_block"] = blocks
+        headline["kind_cells"] = kind_cells(blocks)
     # a pair for several blocks pools its blocks' rows: each block against its own probe is "By block"
     kinds = kind_table(warm_eval, rl_eval, None if blocks else probe)
     quotes = quote_table(warm_eval, rl_eval)

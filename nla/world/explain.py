@@ -376,6 +376,9 @@ class Grade:
     ``by_kind[kind] = (recall, precision)`` for each kind present in truth or prediction.
     ``hedged[kind]``: for each kind the text names only unsure (``Perhaps …``; not counted above),
     whether the first such fact is true (``nla.core.graders.faithfulness`` reports the share).
+    ``said[kind] = (claims of it named, of those true)`` for each kind the text names: precision over
+    the claims made (``by_kind`` counts a row that names nothing of a true kind as precision 0, so a
+    short, true explanation of a vector that holds little reads as imprecise there; issue 59).
     """
 
     recall: float
@@ -385,6 +388,7 @@ class Grade:
     n_correct: int
     by_kind: dict[str, tuple[float, float]]
     hedged: dict[str, bool] | None = None
+    said: dict[str, tuple[int, int]] | None = None
 
     @property
     def f1(self) -> float:
@@ -408,16 +412,19 @@ def grade(text: str, truth: Iterable[Fact]) -> Grade:
     pred = parse_facts(text)
     recall, precision, n_correct = _recall_precision(pred, truth)
     by_kind: dict[str, tuple[float, float]] = {}
+    said: dict[str, tuple[int, int]] = {}
     for kind in KINDS:
         p = {f for f in pred if f.kind == kind}
         t = {f for f in truth if f.kind == kind}
         if p or t:
-            r, pr, _ = _recall_precision(p, t)
+            r, pr, n = _recall_precision(p, t)
             by_kind[kind] = (r, pr)
+            if p:
+                said[kind] = (len(p), n)
     hedged: dict[str, bool] = {}
     for f in parse_hedged_facts(text):
         hedged.setdefault(f.kind, f in truth)
-    return Grade(recall, precision, len(pred), len(truth), n_correct, by_kind, hedged or None)
+    return Grade(recall, precision, len(pred), len(truth), n_correct, by_kind, hedged or None, said or None)
 
 
 class TextExplainer:

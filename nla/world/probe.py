@@ -10,6 +10,15 @@ is fitted on training stories and scored on held-out stories:
    probe's highest-scoring fact of the kind is a true one.
 2. ``chance``: the same for a guess uniform over the kind's facts, i.e. the mean over
    those rows of ``n_true_of_kind / n_facts_of_kind``.
+2a. ``recall_top1``: the fact recall of a reader that names the probe's top fact on every such row, i.e. the
+   mean of ``[top fact true] / n_true_of_kind``: ``top1`` in the grader's units (a story with two persons
+   has two to recall; naming one is recall 0.5 there), what a verbalizer's per-kind recall is set against.
+2b. ``recall_p90``: the most of that recall a reader of the probe can keep while at least ``PRECISION_BAR``
+   of what it names is true: it names the probe's top fact on the held-out rows where the probe is
+   surest (its highest sigmoid), every row counted (one without the kind: a false claim), as many rows
+   as keep the share true at or over the bar; the cut is chosen on the held-out rows themselves, so
+   this is an upper bound on what such a reader reaches (issue 59: a vector that holds little gets a short,
+   true explanation; a kind the probe reads at chance has ``recall_p90`` 0).
 3. Vectors are L2-normalised (the NLA compares directions), then standardised with the
    training rows' mean and std, so every layer is probed on the same footing.
 
@@ -51,6 +60,36 @@ class KindProbe:
     n_rows: int  # held-out rows where the kind is present
     top1: float
     chance: float
+    recall_top1: float | None = None  # 2a above (None: the quotation's probes, and probes written before)
+    recall_p90: float | None = None  # 2b above
+
+
+# The share of a reader's claims that must be true for ``recall_p90`` (issue 59's precision bar).
+PRECISION_BAR = 0.90
+
+
+def recall_at_precision(scores: torch.Tensor, y: torch.Tensor, bar: float = PRECISION_BAR) -> float:
+    """``recall_p90`` of the module docstring: ``scores`` [N, F] a probe's logits on every held-out row, ``y``
+    [N, F] the facts true there (0/1). Rows are taken in order of the probe's top score, highest first; a
+    row named contributes ``[top fact true] / n_true`` to recall (over the rows where any fact is true) and
+    one claim, true or false, to precision. Returns the largest recall over the prefixes whose share of
+    true claims is at least ``bar`` (0.0 when none is)."""
+    if scores.shape != y.shape or scores.ndim != 2:
+        raise ValueError(f"recall_at_precision: scores {tuple(scores.shape)} and truth {tuple(y.shape)} must be the "
+                         "same [rows, facts] shape")
+    n_true = y.sum(1)
+    has = n_true > 0
+    if not bool(has.any()):
+        return 0.0
+    top = scores.argmax(1, keepdim=True)
+    hit = y.gather(1, top).squeeze(1)  # the named fact is true
+    gain = torch.where(has, hit / n_true.clamp(min=1), torch.zeros_like(hit))
+    order = torch.argsort(scores.max(1).values, descending=True, stable=True)
+    right = torch.cumsum(hit[order], 0)
+    named = torch.arange(1, len(order) + 1, dtype=right.dtype)
+    recall = torch.cumsum(gain[order], 0) / has.sum()
+    ok = right / named >= bar
+    return float(recall[ok].max()) if bool(ok.any()) else 0.0
 
 
 @dataclass(frozen=True)
@@ -107,10 +146,14 @@ def probe_kinds(
         if y_tr.sum() == 0 or not bool(has.any()):
             continue
         w, b = fit_logistic(x_tr, y_tr, l2, steps)
-        scores = x_te[has] @ w + b  # [N_has, F]
-        top1 = float(y_te[has].gather(1, scores.argmax(1, keepdim=True)).mean())
-        chance = float((y_te[has].sum(1) / len(facts)).mean())
-        out.append(KindProbe(kind, len(facts), int(has.sum()), top1, chance))
+        scores, y_has = x_te[has] @ w + b, y_te[has]  # [N_has, F]
+        every = x_te @ w + b  # [N, F]: every held-out row, for recall_p90
+        hit = y_has.gather(1, scores.argmax(1, keepdim=True)).squeeze(1)
+        top1 = float(hit.mean())
+        chance = float((y_has.sum(1) / len(facts)).mean())
+        out.append(KindProbe(kind, len(facts), int(has.sum()), top1, chance,
+                             recall_top1=float((hit / y_has.sum(1)).mean()),
+                             recall_p90=recall_at_precision(every, y_te)))
     return tuple(out)
 
 
