@@ -815,6 +815,11 @@ def _run_stages(out: Path, p: QuickstartPreset, preset: str, thr: dict[str, Any]
     # 8. report
     from nla.eval.report import write_report
 
+    k = configs["datagen"].get("layer_index")
+    if probe_info is not None and k is not None and configs["datagen"].get("layers") is None:
+        # a pair of one block read at another block than the world's default: its probe column is that block's
+        probe_info = {**probe_info, "extraction_layer": int(k)}
+
     return write_report(out, preset=preset, seed=seed, threads=threads, stages=stages, configs=configs, world=world_info, probe=probe_info,
                         warm_eval=warm["report"], rl_eval=after["report"], ar_info=ar_info, av_info=av_info,
                         rl_info=rl_info, suite=suite["report"],

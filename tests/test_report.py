@@ -184,3 +184,36 @@ def test_a_kind_said_unsure_and_read_is_noted_not_warned_about(tmp_path, caplog)
         "the warm-started AV does not read position (")
     head = json.loads((tmp_path / "report.json").read_text())["headline"]
     assert head["unsure_read_kinds_warmstart"] == {"topic": [1.0, 0.33, 0.18], "next": [1.0, 0.18, 0.02]}
+
+
+def test_a_one_block_pair_at_another_block_is_set_beside_the_probe_at_its_own_block(tmp_path):
+    """A pair of one block read at block 0 of a world whose default block is 1 (``datagen.layer_index=0``):
+    the per-kind probe figures and issue 59's per-kind measure are block 0's, not the default block's."""
+    warm, rl = _eval(0.5, 0.5, 0.8, 0.0), _eval(0.6, 0.6, 0.8, 0.0)
+    for ev in (warm, rl):
+        ev["rows"][0]["faithfulness"]["by_kind"] = {"place": [0.25, 0.5], "mood": [0.6, 1.0]}
+        ev["rows"][0]["faithfulness"]["said"] = {"place": [4, 0.5], "mood": [6, 1.0]}
+    kinds = [{"kind": "place", "top1": 0.3, "recall_top1": 0.3, "recall_p90": 0.05},
+             {"kind": "mood", "top1": 0.75, "recall_top1": 0.75, "recall_p90": 0.62}]
+    probe = {"default_layer": 1, "extraction_layer": 0, "layers": [
+        {"layer": 0, "mean_top1": 0.525, "mean_chance": 0.1, "kinds": kinds},
+        {"layer": 1, "mean_top1": 0.9, "mean_chance": 0.1, "kinds": [{**k, "top1": 0.9} for k in kinds]}]}
+    md = write_report(tmp_path, preset="x", stages=[], configs={}, world={}, warm_eval=warm, rl_eval=rl,
+                      ar_info={}, av_info={}, rl_info={}, probe=probe).read_text()
+    head = json.loads((tmp_path / "report.json").read_text())["headline"]
+    assert head["probe_by_kind"] == {"place": 0.3, "mood": 0.75} and head["probe_mean_top1"] == 0.525
+    assert "| 0 (extraction layer) |" in md and "| 1 (extraction layer) |" not in md
+    # place: recall 0.25 within 0.10 of 0.30 and over 0.05 - 0.10, but half its claims false: no rule meets it;
+    # mood: 0.60 within 0.10 of 0.62 (the reader at 0.90 true), 0.15 under its top-1 of 0.75, every claim true
+    assert head["kind_cells"] == {"cells": 2, "top1": 0, "top1_recall": 0, "p90": 1, "claims_true": 1,
+                                  "misses": {"top1": ["place@0", "mood@0"], "top1_recall": ["place@0", "mood@0"],
+                                             "p90": ["place@0"]}}
+    assert ("At block 0, each kind: the probe's top-1 (as fact recall; the most a reader keeps with 0.90 of its "
+            "claims true) · the share of the AV's claims of it true after RL (– where it names none): place 0.30 "
+            "(0.30; 0.05) · 0.50; mood 0.75 (0.75; 0.62) · 1.00.") in md
+    assert "at least the reader's at 0.90 true less 0.10, **1 of 2**" in md and "Missed at 0.90 true: place@0." in md
+    # without extraction_layer (a run at the world's default block): the default block's probe, as before
+    write_report(tmp_path, preset="x", stages=[], configs={}, world={}, warm_eval=warm, rl_eval=rl,
+                 ar_info={}, av_info={}, rl_info={}, probe={k: v for k, v in probe.items() if k != "extraction_layer"})
+    head = json.loads((tmp_path / "report.json").read_text())["headline"]
+    assert head["probe_by_kind"] == {"place": 0.9, "mood": 0.9} and head["kind_cells"]["top1"] == 0

@@ -66,6 +66,13 @@ def examples(warm: dict[str, Any], after: dict[str, Any], n: int = 6) -> list[st
     return lines
 
 
+def extraction_layer(probe: dict[str, Any] | None) -> int | None:
+    """The block the run's vectors were read at: ``extraction_layer`` where the quickstart set it (a one-block
+    pair at ``datagen.layer_index``), else the world's ``default_layer`` (the datagen's default)."""
+    probe = probe or {}
+    return probe.get("extraction_layer", probe.get("default_layer"))
+
+
 def probe_table(probe: dict[str, Any]) -> list[str]:
     """The per-layer probe (``nla.world.probe``) as Markdown, the extraction layer marked."""
     layers = probe.get("layers") or []
@@ -78,7 +85,7 @@ def probe_table(probe: dict[str, Any]) -> list[str]:
              "|---" * (len(kinds) + 3 + len(quotes)) + "|"]
     for r in layers:
         by = {k["kind"]: k["top1"] for k in r["kinds"] + (r.get("quotes") or [])}
-        mark = " (extraction layer)" if r["layer"] == probe.get("default_layer") else ""
+        mark = " (extraction layer)" if r["layer"] == extraction_layer(probe) else ""
         lines.append(f"| {r['layer']}{mark} | " + " | ".join(_f(by.get(k), 2) for k in kinds)
                      + f" | **{_f(r['mean_top1'])}** | {_f(r['mean_chance'])} |"
                      + "".join(f" {_f(by.get(q), 2)} |" for q in quotes))
@@ -103,7 +110,7 @@ def kind_table(warm: dict[str, Any], after: dict[str, Any], probe: dict[str, Any
     bw, ba = rt_w.get("by_kind") or {}, rt_a.get("by_kind") or {}
     if not bw and not ba:
         return []
-    at = [r for r in (probe or {}).get("layers") or [] if r["layer"] == (probe or {}).get("default_layer")]
+    at = [r for r in (probe or {}).get("layers") or [] if r["layer"] == extraction_layer(probe)]
     top1 = {k["kind"]: k["top1"] for k in at[0]["kinds"]} if at else {}
     order = list(top1) if top1 else []  # the probe's order (the dataset's own), then any other kind
     kinds = [k for k in order if k in bw or k in ba] + sorted((set(bw) | set(ba)) - set(order))
@@ -166,6 +173,53 @@ def block_summary(warm: dict[str, Any], after: dict[str, Any],
                   "probe_by_kind": {p["kind"]: p["top1"] for p in kinds},
                   "probe_recall_top1_by_kind": {p["kind"]: p.get("recall_top1") for p in kinds},
                   "probe_recall_p90_by_kind": {p["kind"]: p.get("recall_p90") for p in kinds}}
+    return out
+
+
+def one_block_summary(after: dict[str, Any], probe: dict[str, Any] | None) -> dict[int, dict[str, Any]]:
+    """A pair of one block as ``block_summary``'s per-kind entries at its extraction layer (``kind_cells`` reads
+    them): {} without a probe at that layer or per-kind figures."""
+    at = [r for r in (probe or {}).get("layers") or [] if r["layer"] == extraction_layer(probe)]
+    rt = (_rows(after).get(ROUND_TRIP) or {}).get("faithfulness") or {}
+    if not at or not rt.get("by_kind"):
+        return {}
+    kinds = at[0]["kinds"]
+    return {int(at[0]["layer"]): {"by_kind_rl": rt["by_kind"], "said_by_kind_rl": rt.get("said") or {},
+                                  "probe_by_kind": {p["kind"]: p["top1"] for p in kinds},
+                                  "probe_recall_top1_by_kind": {p["kind"]: p.get("recall_top1") for p in kinds},
+                                  "probe_recall_p90_by_kind": {p["kind"]: p.get("recall_p90") for p in kinds}}}
+
+
+def one_block_lines(one: dict[int, dict[str, Any]]) -> list[str]:
+    """A pair of one block's per-kind measure (``one_block_summary``) as the report's lines: each kind's probe
+    top-1 (as fact recall; the most a reader keeps at 0.90 true) and the share of the AV's claims of it that are
+    true after RL, then ``kind_cells_line``; empty without it."""
+    if not one:
+        return []
+    (k, b), = one.items()
+    said = b["said_by_kind_rl"]
+    cells = [f"{kind} {_f(top1, 2)} ({_f(b['probe_recall_top1_by_kind'].get(kind), 2)}; "
+             f"{_f(b['probe_recall_p90_by_kind'].get(kind), 2)}) · {_f(said[kind][1], 2) if kind in said else '–'}"
+             for kind, top1 in b["probe_by_kind"].items() if kind in b["by_kind_rl"]]
+    return [f"At block {k}, each kind: the probe's top-1 (as fact recall; the most a reader keeps with 0.90 of its "
+            f"claims true) · the share of the AV's claims of it true after RL (– where it names none): "
+            + "; ".join(cells) + ".", "", *kind_cells_line(kind_cells(one)), ""]
+
+
+def kind_cells_line(c: dict[str, Any]) -> list[str]:
+    """``kind_cells`` as the report's sentences (empty without cells)."""
+    if not c:
+        return []
+
+    def _n(rule: str) -> str:
+        return "not measured (a probe written before it)" if c[rule] is None else f"**{c[rule]} of {c['cells']}**"
+    out = [f"Issue 59's per-kind measure, a cell met where its recall is within {KIND_RECALL_MARGIN:.2f} of the probe "
+           f"and at least {CLAIMS_TRUE_BAR:.2f} of its claims are true: against the probe's top-1, {_n('top1')}; "
+           f"against it as fact recall, {_n('top1_recall')}; at least the reader's at 0.90 true less "
+           f"{KIND_RECALL_MARGIN:.2f}, {_n('p90')}. Claims ≥ {CLAIMS_TRUE_BAR:.2f} true (or none made) in "
+           f"{c['claims_true']} of {c['cells']} cells."]
+    if c["misses"].get("p90"):
+        out.append(f"Missed at 0.90 true: {', '.join(c['misses']['p90'])}.")
     return out
 
 
@@ -255,15 +309,7 @@ def block_tables(blocks: dict[int, dict[str, Any]]) -> list[str]:
         lines.append(f"| {kind} | " + " | ".join(cells) + " |")
     c = kind_cells(blocks)
     if c:
-        def _n(rule: str) -> str:
-            return "not measured (a probe written before it)" if c[rule] is None else f"**{c[rule]} of {c['cells']}**"
-        lines += ["", f"Issue 59's per-kind measure, a cell met where its recall is within {KIND_RECALL_MARGIN:.2f} "
-                  f"of the probe and at least {CLAIMS_TRUE_BAR:.2f} of its claims are true: against the probe's top-1, "
-                  f"{_n('top1')}; against it as fact recall, {_n('top1_recall')}; at least the reader's at 0.90 true "
-                  f"less {KIND_RECALL_MARGIN:.2f}, {_n('p90')}. Claims ≥ {CLAIMS_TRUE_BAR:.2f} true (or none made) in "
-                  f"{c['claims_true']} of {c['cells']} cells."]
-        if c["misses"].get("p90"):
-            lines.append(f"Missed at 0.90 true: {', '.join(c['misses']['p90'])}.")
+        lines += ["", *kind_cells_line(c)]
     return lines
 
 
@@ -485,7 +531,7 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
         headline["pair"] = pair
     probe = probe or {}
     if probe.get("layers"):
-        at = [r for r in probe["layers"] if r["layer"] == probe.get("default_layer")]
+        at = [r for r in probe["layers"] if r["layer"] == extraction_layer(probe)]
         headline["probe_mean_top1"] = at[0]["mean_top1"] if at else None
         headline["probe_mean_chance"] = at[0]["mean_chance"] if at else None
         headline["probe_by_kind"] = {k["kind"]: k["top1"] for k in at[0]["kinds"]} if at else {}
@@ -497,6 +543,9 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
     if blocks:
         headline["by_block"] = blocks
         headline["kind_cells"] = kind_cells(blocks)
+    one = one_block_summary(rl_eval, probe) if not blocks else {}
+    if one:  # a pair of one block against the probe at its block, by the same measure
+        headline["kind_cells"] = kind_cells(one)
     # a pair for several blocks pools its blocks' rows: each block against its own probe is "By block"
     kinds = kind_table(warm_eval, rl_eval, None if blocks else probe)
     quotes = quote_table(warm_eval, rl_eval)
@@ -577,7 +626,7 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
              + (" A fact said unsure (`Perhaps …`, `may`) is no claim: not in recall or precision; the unsure "
                 "columns give the share of rows that say the kind so, and how often it is true all the same."
                 if "unsure" in kinds[0] else ""), "",
-              *kinds, ""] if kinds else []),
+              *kinds, "", *one_block_lines(one)] if kinds else []),
           *(["### By block", "",
              f"One pair reads blocks {', '.join(map(str, blocks))} (`datagen.layers`), each row's block named in "
              "its prompt. FVE of each block's rows against that block's own baseline (the mean of its normalised "
