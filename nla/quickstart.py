@@ -815,18 +815,23 @@ def _run_stages(out: Path, p: QuickstartPreset, preset: str, thr: dict[str, Any]
     # 8. report
     from nla.eval.report import write_report
 
-    k = configs["datagen"].get("layer_index")
-    if probe_info is not None and k is not None and configs["datagen"].get("layers") is None:
-        # a pair of one block read at another block than the world's default: its probe column is that block's
-        probe_info = {**probe_info, "extraction_layer": int(k)}
-
-    return write_report(out, preset=preset, seed=seed, threads=threads, stages=stages, configs=configs, world=world_info, probe=probe_info,
+    return write_report(out, preset=preset, seed=seed, threads=threads, stages=stages, configs=configs, world=world_info,
+                        probe=report_probe(probe_info, configs["datagen"]),
                         warm_eval=warm["report"], rl_eval=after["report"], ar_info=ar_info, av_info=av_info,
                         rl_info=rl_info, suite=suite["report"],
                         **({"truth": "the rows' claims (nla.datagen.wiki: the text's end, the article's topic, the "
                                      "subject's next token, the position)"} if p.real else {}),
                         # the pair's models, for a cross-model or adapter run (the default's report is as it was)
                         pair=pair_summary(av_info["checkpoint"], ar_info["checkpoint"]) if pair else None)
+
+
+def report_probe(probe: dict[str, Any] | None, datagen: dict[str, Any]) -> dict[str, Any] | None:
+    """The probe stage's record as the report reads it: a pair of one block read at ``datagen.layer_index`` (not
+    the world's default block) gets ``extraction_layer``, so its per-kind probe column is its own block's."""
+    k = datagen.get("layer_index")
+    if probe is None or k is None or datagen.get("layers") is not None:
+        return probe
+    return {**probe, "extraction_layer": int(k)}
 
 
 def pair_summary(av: str | Path, ar: str | Path) -> dict[str, Any]:

@@ -217,3 +217,14 @@ def test_a_one_block_pair_at_another_block_is_set_beside_the_probe_at_its_own_bl
                  ar_info={}, av_info={}, rl_info={}, probe={k: v for k, v in probe.items() if k != "extraction_layer"})
     head = json.loads((tmp_path / "report.json").read_text())["headline"]
     assert head["probe_by_kind"] == {"place": 0.9, "mood": 0.9} and head["kind_cells"]["top1"] == 0
+
+
+def test_the_quickstart_names_a_one_block_pairs_own_block_to_the_report():
+    from nla.quickstart import report_probe
+
+    probe = {"default_layer": 2, "layers": []}
+    assert report_probe(probe, {"layer_index": 0}) == {"default_layer": 2, "layers": [], "extraction_layer": 0}
+    assert report_probe(probe, {}) is probe and report_probe(probe, {"layer_index": None}) is probe
+    # a pair of several blocks reads each block's probe itself ("By block"); a real subject has no world probe
+    assert report_probe(probe, {"layer_index": 0, "layers": [0, 1]}) is probe
+    assert report_probe(None, {"layer_index": 3}) is None
