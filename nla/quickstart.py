@@ -252,8 +252,8 @@ PRESETS["full"] = dataclasses.replace(
 # three"): these steps are kept for the better pair. Per (kind, block) it meets issue 59's per-kind measure on 48 of
 # 72 cells over three seeds, as often as one-block pairs; with the data naming every held fact and no wrong one
 # (fact_rate 1.0, wrong_rate 0) every block reads 0.008-0.023 better and 52 cells are met, at 1.19x the time, within
-# 0.011 of one-block pairs of that rule on seed 0 ("The data naming every held fact and no wrong one"; not taken until
-# seeds 1 and 2's one-block pairs of it are measured). The history of the setting is in dev/LOG.md. Opt-in. No suite
+# 0.011 of one-block pairs of that rule on seeds 0 and 1 ("The data naming every held fact and no wrong one"; not
+# taken until seed 2's one-block pairs of it are measured). The history of the setting is in dev/LOG.md. Opt-in. No suite
 # (it reads one block).
 WORLD_LAYERED_AV_TEMPLATE = "Explain the hidden state <<{injection_char}>> {layer} in a few short sentences."
 WORLD_LAYERED_AR_TEMPLATE = "{layer} Explanation: {explanation}\nSummary vector:"
