@@ -150,6 +150,13 @@ def _blocks(report: dict[str, Any]) -> dict[int, dict[str, Any]]:
     return {int(k): v for k, v in sorted((report.get("by_block") or {}).items(), key=lambda kv: int(kv[0]))}
 
 
+def _probe_by_kind(kinds: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """One block's probe figures per kind, as ``block_summary`` keys them (None: a probe written before the figure)."""
+    return {"probe_by_kind": {p["kind"]: p["top1"] for p in kinds},
+            "probe_recall_top1_by_kind": {p["kind"]: p.get("recall_top1") for p in kinds},
+            "probe_recall_p90_by_kind": {p["kind"]: p.get("recall_p90") for p in kinds}}
+
+
 def block_summary(warm: dict[str, Any], after: dict[str, Any],
                   probe: dict[str, Any] | None = None) -> dict[int, dict[str, Any]]:
     """Per block of a pair for several blocks (issue 59): the round trip's FVE (each block against its own
@@ -169,10 +176,7 @@ def block_summary(warm: dict[str, Any], after: dict[str, Any],
                   "recall_rl": a.get("recall"), "precision_rl": a.get("precision"), "claims_true_rl": a.get("claims_true"),
                   "by_kind_rl": a.get("by_kind") or {},
                   "said_by_kind_rl": a.get("said") or {},
-                  "probe_mean_top1": at["mean_top1"] if at else None,
-                  "probe_by_kind": {p["kind"]: p["top1"] for p in kinds},
-                  "probe_recall_top1_by_kind": {p["kind"]: p.get("recall_top1") for p in kinds},
-                  "probe_recall_p90_by_kind": {p["kind"]: p.get("recall_p90") for p in kinds}}
+                  "probe_mean_top1": at["mean_top1"] if at else None, **_probe_by_kind(kinds)}
     return out
 
 
@@ -183,11 +187,8 @@ def one_block_summary(after: dict[str, Any], probe: dict[str, Any] | None) -> di
     rt = (_rows(after).get(ROUND_TRIP) or {}).get("faithfulness") or {}
     if not at or not rt.get("by_kind"):
         return {}
-    kinds = at[0]["kinds"]
     return {int(at[0]["layer"]): {"by_kind_rl": rt["by_kind"], "said_by_kind_rl": rt.get("said") or {},
-                                  "probe_by_kind": {p["kind"]: p["top1"] for p in kinds},
-                                  "probe_recall_top1_by_kind": {p["kind"]: p.get("recall_top1") for p in kinds},
-                                  "probe_recall_p90_by_kind": {p["kind"]: p.get("recall_p90") for p in kinds}}}
+                                  **_probe_by_kind(at[0]["kinds"])}}
 
 
 def one_block_lines(one: dict[int, dict[str, Any]]) -> list[str]:
