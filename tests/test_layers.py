@@ -254,7 +254,7 @@ def test_by_block_runs_each_blocks_rows_alone_and_keeps_the_row_order():
     assert by_block({"t": one}, lambda tables: (tables, "whole"))[1] == "whole"
 
 
-def test_both_warm_starts_train_on_rows_of_several_blocks(tmp_path, tiny_model_dir):
+def test_both_warm_starts_train_on_rows_of_several_blocks(tmp_path, tiny_model_dir, capsys):
     from nla.train.ar import train_ar
     from nla.train.av import train_av
     from nla.train.config import ARTrainConfig, AVTrainConfig
@@ -369,6 +369,68 @@ def test_both_warm_starts_train_on_rows_of_several_blocks(tmp_path, tiny_model_d
         client.to_pair_space(raw)
     verbs = client.verbalize(vecs, layer=[1, 0, 1], max_new_tokens=4)
     assert [v.row for v in verbs] == [0, 1, 2]
+    # nla verbalize and nla score read each row's block from a parquet's activation_layer; --layer names one for
+    # every vector (a .npy says none: refused, as is a parquet without the column)
+    import json
+
+    from nla.cli import main
+    from nla.client import load_vectors
+
+    rl_pq = dg / "rl.parquet"
+    column = read_parquet(rl_pq).column("activation_layer").to_pylist()[:6]
+    assert sorted(set(column)) == [0, 1]  # both blocks among the rows read
+    raw6 = load_vectors(rl_pq, rows=6)
+    av_dir, ar_dir = str(rl.checkpoint_dir / "av"), str(rl.checkpoint_dir / "ar")
+
+    def cli_out(*argv: str) -> list[dict]:
+        out = tmp_path / "cli.jsonl"
+        assert main([*argv, "--device", "cpu", "--out", str(out)]) == 0
+        return [json.loads(line) for line in out.read_text().splitlines()]
+
+    verb = ["verbalize", "--av", av_dir, "--max-new-tokens", "4"]
+    own = cli_out(*verb, "--vectors", str(rl_pq), "--rows", "6")
+    assert [v["text"] for v in own] == [v.text for v in client.verbalize(raw6, layer=column, max_new_tokens=4)]
+    zero = cli_out(*verb, "--vectors", str(rl_pq), "--rows", "6", "--layer", "0")
+    assert [v["text"] for v in zero] == [v.text for v in client.verbalize(raw6, layer=0, max_new_tokens=4)]
+    texts6 = ["It rains.", "The dog sings.", "Hi.", "It rains.", "A cat.", "Hi."]
+    (tmp_path / "t.txt").write_text("\n".join(texts6) + "\n")
+    score = ["score", "--ar", ar_dir, "--texts", str(tmp_path / "t.txt"), "--rows", "6"]
+    for extra, layer in (((), column), (("--layer", "1"), 1)):
+        got6 = [r["mse_nrm"] for r in cli_out(*score, "--vectors", str(rl_pq), *extra)]
+        assert got6 == pytest.approx(client.score(texts6, raw6, layer=layer).mse_nrm.tolist(), rel=1e-6)
+    assert got6 != pytest.approx([r["mse_nrm"] for r in cli_out(*score, "--vectors", str(rl_pq))], rel=1e-6)
+    np.save(tmp_path / "v6.npy", raw6)
+    pa_pq = tmp_path / "no_blocks.parquet"
+    import pyarrow.parquet as pq
+
+    six = read_parquet(rl_pq).slice(0, 6)
+    pq.write_table(six.drop(["activation_layer"]), pa_pq)
+    holed = tmp_path / "holed.parquet"
+    pq.write_table(six.set_column(six.column_names.index("activation_layer"), "activation_layer",
+                                  pa.array([*column[:2], None, *column[3:]], pa.int64())), holed)
+    capsys.readouterr()
+    for argv, message in (
+            ((*verb, "--vectors", str(tmp_path / "v6.npy")),
+             "a .npy does not say which block its vectors come from; give --layer K (one of [0, 1])"),
+            ((*score, "--vectors", str(tmp_path / "v6.npy")), "a .npy does not say which block"),
+            ((*verb, "--vectors", str(pa_pq)), "but it has no activation_layer column; give --layer K (one of [0, 1])"),
+            ((*verb, "--vectors", str(holed)), f"--vectors {holed}: row 2: activation_layer is None, expected a block "
+                                                "number (one of [0, 1])"),
+            ((*verb, "--vectors", str(rl_pq), "--layer", "3"), "verbalize: block 3 is not one this pair was trained on"),
+            ((*verb, "--vectors", str(rl_pq), "--reference", str(rl_pq), "--directions"),
+             "--directions: this pair reads several blocks ([0, 1], extraction.layers); give --layer K")):
+        assert main([*argv, "--device", "cpu"]) == 2
+        assert message in capsys.readouterr().err, argv
+    # --directions places each direction by the --reference rows of its block only
+    from nla.eval.suite import verbalize_directions
+
+    ref = read_parquet(rl_pq)
+    ref_raw, ref_blocks = load_vectors(rl_pq), np.asarray(ref.column("activation_layer").to_pylist())
+    dirs = cli_out(*verb, "--vectors", str(tmp_path / "v6.npy"), "--rows", "2", "--reference", str(rl_pq),
+                   "--directions", "--layer", "0")
+    want_dirs, _ = verbalize_directions(client, torch.from_numpy(raw6[:2]), torch.from_numpy(ref_raw[ref_blocks == 0]),
+                                        layer=0, max_new_tokens=4)
+    assert [v["text"] for v in dirs] == [v.text for v in want_dirs]
     # nla eval reports each block against its own baseline
     from nla.core.vectors import fve_of_mse, predict_mean_baselines
     from nla.eval.evaluate import ROW_ROUND_TRIP, evaluate_pair

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Sequence
 
 from nla.util.flags import non_negative_int, positive_int, seed_flag, temperature_flag
 from nla.util.threads import THREADS_HELP, threads_flag
@@ -25,6 +26,40 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=threads_flag, help=f"torch CPU threads ({THREADS_HELP})")
+
+
+def add_layer_arg(p: argparse.ArgumentParser) -> None:
+    """``--layer``, shared by verbalize / score: the block the vectors come from (:func:`vector_blocks`)."""
+    p.add_argument("--layer", type=non_negative_int,
+                   help="the block every vector comes from; a pair of several blocks (extraction.layers) needs one, "
+                        "by default each row's activation_layer of a parquet nla datagen built")
+
+
+def vector_blocks(flag: int | None, layers: tuple[int, ...] | None, source: str, rows: Sequence[int],
+                  what: str = "--vectors") -> int | list[int] | None:
+    """The block of each vector, for the client's ``layer=``: ``--layer`` (``flag``) when given; for a pair of
+    several blocks (``layers``) without it, the ``activation_layer`` of ``source`` (a parquet) at ``rows`` (the
+    file's row numbers of the vectors used; ``what``: the flag that named the file); None for a pair of one (it reads its own block). A ValueError naming
+    the file, the row and what to pass when a pair of several blocks cannot be told which block a vector is of."""
+    if flag is not None or layers is None:
+        return flag
+    asks = f"give --layer K (one of {list(layers)}) or vectors from a parquet nla datagen built with those blocks"
+    head = f"{what} {source}: this pair reads several blocks ({list(layers)}, extraction.layers) and its prompts name the block"
+    if not str(source).endswith(".parquet"):
+        raise ValueError(f"{head}, but a .npy does not say which block its vectors come from; {asks}")
+    import pyarrow.parquet as pq
+
+    if "activation_layer" not in pq.read_schema(source).names:
+        raise ValueError(f"{head}, but it has no activation_layer column; {asks}")
+    column = pq.read_table(source, columns=["activation_layer"]).column(0).to_pylist()
+    out = []
+    for i in rows:
+        k = column[int(i)]
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise ValueError(f"{what} {source}: row {int(i)}: activation_layer is {k!r}, expected a block number "
+                             f"(one of {list(layers)}); {asks}")
+        out.append(k)
+    return out
 
 
 def apply_threads_flag(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ import logging
 
 import numpy as np
 
-from nla.commands.eval import add_model_args, apply_threads_flag
+from nla.commands.eval import add_layer_arg, add_model_args, apply_threads_flag, vector_blocks
 from nla.util.flags import positive_int
 
 log = logging.getLogger("nla.score")
@@ -34,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--skip-bad-rows", action="store_true",
                    help="drop vectors with NaN/Inf, zero or overflowing norms (counted and named) instead of refusing")
     p.add_argument("--batch-size", type=positive_int, default=64)
+    add_layer_arg(p)
     add_model_args(p)
     p.set_defaults(func=run)
 
@@ -157,7 +158,9 @@ def run(args: argparse.Namespace) -> int:
                        allow_mixed_provenance=args.allow_mixed_provenance)
     if str(source).endswith(".parquet"):
         client.check_data(source, width=int(raw.shape[1]))
-    res = client.score(texts, vectors, batch_size=args.batch_size)
+    layer = vector_blocks(args.layer, client.ar_sidecar.layers, source, kept,
+                          "--vectors" if args.vectors else "--dataset")  # each row's block: its AR text names it
+    res = client.score(texts, vectors, batch_size=args.batch_size, layer=layer)
     ok = ~res.failed
     summary = {"rows": res.n, "skipped_rows": int(raw.shape[0] - res.n), "failure_rate": res.failure_rate,
                "mse_nrm_mean": float(res.mse_nrm[ok].mean()) if ok.any() else None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from nla.commands.eval import add_model_args, apply_threads_flag
+from nla.commands.eval import add_layer_arg, add_model_args, apply_threads_flag, vector_blocks
 from nla.util.flags import positive_int, sample_count_flag, seed_flag, temperature_flag
 
 log = logging.getLogger("nla.verbalize")
@@ -38,12 +38,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="--directions: how far along each direction, in standard deviations of the reference")
     p.add_argument("--skip-bad-rows", action="store_true",
                    help="drop vectors with NaN/Inf, zero or overflowing norms (counted and named) instead of refusing")
+    add_layer_arg(p)
     add_model_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from collections import Counter
+
+    import numpy as np
 
     from nla.client import NLAClient, load_vectors
     from nla.util.fsutil import dumps_json, write_text_atomic
@@ -68,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
                        allow_mixed_provenance=args.allow_mixed_provenance)
     if str(args.vectors).endswith(".parquet"):
         client.check_data(args.vectors, width=int(vectors.shape[1]))  # vectors of another subject would be explained as if they were this one's
+    layers = client.av_sidecar.layers  # a pair of several blocks names each vector's block in its prompt
     kw = dict(max_new_tokens=args.max_new_tokens, greedy=not args.sample, temperature=args.temperature,
               n_samples=args.n_samples, seed=args.seed, batch_size=args.batch_size)
     if args.reference:
@@ -80,17 +84,43 @@ def run(args: argparse.Namespace) -> int:
         if reference.shape[1] != vectors.shape[1]:
             raise ValueError(f"--reference: {args.reference} holds {reference.shape[1]}-d vectors, --vectors "
                              f"{vectors.shape[1]}-d; give data of the same subject and layer")
+        # Blocks differ in norm and direction: a pair of several blocks places and checks each vector against
+        # the reference rows of its own block.
+        ref_blocks = (None if layers is None else
+                      np.asarray(vector_blocks(None, layers, args.reference, range(reference.shape[0]), "--reference")))
         if args.directions:
-            out, _ = verbalize_directions(client, torch.as_tensor(vectors), reference, strength=args.strength, **kw)
+            if layers is not None:
+                if args.layer is None:
+                    raise ValueError(f"--directions: this pair reads several blocks ({list(layers)}, extraction.layers); "
+                                     "give --layer K, the block whose --reference rows place the directions")
+                reference = reference[torch.from_numpy(ref_blocks == args.layer)]
+                if reference.shape[0] == 0:
+                    raise ValueError(f"--reference: {args.reference} holds no row of block {args.layer} "
+                                     "(activation_layer); give data of the block the directions are of")
+            out, _ = verbalize_directions(client, torch.as_tensor(vectors), reference, strength=args.strength,
+                                          layer=args.layer, **kw)
         else:
-            warnings = norm_warnings(torch.as_tensor(vectors), reference)
+            layer = vector_blocks(args.layer, layers, args.vectors, kept)
+            vecs = torch.as_tensor(vectors)
+            if layers is None:
+                warnings = norm_warnings(vecs, reference)
+            else:
+                per = [layer] * vecs.shape[0] if isinstance(layer, int) else layer
+                warnings = []
+                for k in sorted(set(per)):
+                    idx = [i for i, b in enumerate(per) if b == k]
+                    own = reference[torch.from_numpy(ref_blocks == k)]
+                    if own.shape[0] == 0:
+                        raise ValueError(f"--reference: {args.reference} holds no row of block {k} (activation_layer), "
+                                         f"the block of vector {int(kept[idx[0]])}; give data of every block explained")
+                    warnings += norm_warnings(vecs[idx], own, rows=[int(kept[i]) for i in idx])
             for w in warnings[:10]:
                 log.warning("%s", w)
             if len(warnings) > 10:
                 log.warning("... and %d more vectors outside the reference's norms", len(warnings) - 10)
-            out = client.verbalize(vectors, **kw)
+            out = client.verbalize(vectors, layer=layer, **kw)
     else:
-        out = client.verbalize(vectors, **kw)
+        out = client.verbalize(vectors, layer=vector_blocks(args.layer, layers, args.vectors, kept), **kw)
     # Rows are numbered as in the input file, skipped rows included.
     lines = "".join(dumps_json({**v.to_dict(), "row": int(kept[v.row])}, ensure_ascii=False) + "\n" for v in out)
     if args.out:

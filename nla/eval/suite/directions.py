@@ -18,16 +18,18 @@ logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------ 4. directions
-def norm_warnings(vectors: Tensor, reference: Tensor, factor: float = 2.0) -> list[str]:
+def norm_warnings(vectors: Tensor, reference: Tensor, factor: float = 2.0,
+                  rows: Sequence[int] | None = None) -> list[str]:
     """One warning per input whose norm is below ``1/factor`` x the reference's 1st percentile or
     above ``factor`` x its 99th (the AV never saw such a vector; with a fixed injection scale only
-    its direction is read, but a raw-scale AV reads noise)."""
+    its direction is read, but a raw-scale AV reads noise). ``rows``: the number each vector is named by
+    (default its index)."""
     rn = reference.float().norm(dim=-1)
     lo, hi = float(torch.quantile(rn, 0.01)) / factor, float(torch.quantile(rn, 0.99)) * factor
     out = []
     for i, n in enumerate(vectors.float().norm(dim=-1).tolist()):
         if not lo <= n <= hi:
-            out.append(f"vector {i}: norm {n:.3g} is outside the training data's range ({lo:.3g} .. {hi:.3g}, "
+            out.append(f"vector {i if rows is None else int(rows[i])}: norm {n:.3g} is outside the training data's range ({lo:.3g} .. {hi:.3g}, "
                        f"{factor:g}x beyond its 1st-99th percentiles); its explanation is off-distribution. Add the "
                        "data's mean activation and rescale to its typical norm (nla.eval.suite.direction_inputs)")
     return out
