@@ -17,6 +17,7 @@ import torch
 from test_client import FIXED_EXPLANATION, NLAClient, nla_pair  # noqa: F401 - nla_pair is a fixture
 
 from nla.cli import main
+from nla.core.graders import get_grader
 from nla.core.sidecar import write_sidecar
 from nla.core.vectors import cosine, fve, predict_mean_baselines
 from nla.datagen.explain import row_key
@@ -59,6 +60,9 @@ def client(nla_pair):  # noqa: F811
 
 def test_report_matches_direct_computation(nla_pair, client, tmp_path):  # noqa: F811
     path, gold = _dataset(tmp_path / "sft.parquet", nla_pair, with_explanation=True)
+    t = pq.read_table(path)  # row 5's text read named noon before night fell: its reference's "noon" is stale
+    contexts = [f"context of row {i}" for i in range(N - 1)] + ["At noon Bruno slept until the night"]
+    pq.write_table(t.set_column(t.column_names.index("context"), "context", pa.array(contexts)), path)
     report = evaluate_pair(client, path, max_new_tokens=14, n_show=3)
     scale = 32**0.5
     assert report.mse_scale == pytest.approx(scale)
@@ -92,6 +96,9 @@ def test_report_matches_direct_computation(nla_pair, client, tmp_path):  # noqa:
     assert ref.faithfulness.recall == pytest.approx(np.mean([grade(t, f).recall for t, f in zip(REFERENCE, truths, strict=True)
                                                              if f]))
     assert ref.faithfulness.by_kind["person"][0] == pytest.approx((1 + 1 + 0) / 3)  # rows 0, 2, 5
+    # time claimed twice: morning (row 1, true), noon (row 5: false, but its text read named it) -> 1 of 2 said earlier
+    assert ref.faithfulness.said["time"] == (2, 0.5) and ref.faithfulness.stale["time"] == 0.5
+    assert ref.faithfulness.stale["person"] == 0.0  # Alice twice, both true
 
     mean_raw = report.row("predict the mean (raw)")
     assert mean_raw.fve == pytest.approx(0.0, abs=1e-6)
@@ -104,6 +111,7 @@ def test_report_matches_direct_computation(nla_pair, client, tmp_path):  # noqa:
     assert js["rows"][0]["name"] == "AV → AR round trip"
     md = report.to_markdown()
     assert "| AR on reference explanations |" in md and "Fact recall / precision by kind" in md
+    assert "(and the share false but said earlier in the text read" in md and "time 2 (0.50; 0.50 earlier)" in md
 
 
 def test_frozen_ar_row_and_degeneracy(nla_pair, client, tmp_path):  # noqa: F811
@@ -217,7 +225,9 @@ def test_text_explainer_baseline_on_rl_split(nla_pair, client, tmp_path):  # noq
     texts = [te.explain(frozenset(Fact.parse(s) for s in f), row_key(d, p)) for f, d, p in zip(FACTS, docs, pos, strict=True)]
     row = report.row("text explainer → AR")
     assert row.fve == pytest.approx(fve(client.reconstruct(texts), gold, 32**0.5), abs=1e-5)
-    assert row.faithfulness == faithfulness(texts, FACTS)
+    # the text read ("context of row i") names no fact: nothing claimed was said earlier
+    assert row.faithfulness == faithfulness(texts, FACTS, get_grader("world"), earlier=[frozenset()] * N)
+    assert set(row.faithfulness.stale.values()) == {0.0}
     assert "AR on reference explanations" not in [r.name for r in report.rows]
 
 
@@ -296,7 +306,7 @@ def test_text_explainer_baseline_follows_the_datagen_explainer(nla_pair, client,
                      for f, d, p in zip(FACTS, docs, pos, strict=True)]  # the rule matters on these rows
     row = report.row("text explainer → AR")
     assert row.fve == pytest.approx(fve(client.reconstruct(texts), gold, 32**0.5), abs=1e-5)
-    assert row.faithfulness == faithfulness(texts, FACTS)
+    assert row.faithfulness == faithfulness(texts, FACTS, get_grader("world"), earlier=[frozenset()] * N)
 def test_text_diversity_by_hand():
     from nla.eval.evaluate import text_diversity
 

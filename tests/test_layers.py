@@ -605,7 +605,7 @@ def test_block_tables_set_each_blocks_figures_beside_its_probe():
                              "1": {ROW_ROUND_TRIP: {"n": 4, "fve": fve1, "recall": 0.75, "precision": 0.5,
                                                     "claims_true": None, "by_kind": {"person": [1.0, 0.5],
                                                                                      "other": [1.0, 0.0]},
-                                                    "said": {"person": [4, 0.5]}}}}}
+                                                    "said": {"person": [4, 0.5]}, "stale": {"person": 0.25}}}}}
 
     probe = {"layers": [{"layer": 0, "mean_top1": 0.3, "kinds": [{"kind": "person", "top1": 0.4, "recall_top1": 0.35,
                                                                   "recall_p90": 0.3}]},
@@ -615,9 +615,11 @@ def test_block_tables_set_each_blocks_figures_beside_its_probe():
     assert list(s) == [0, 1]
     assert s[0] == {"rows": 4, "fve_warmstart": 0.1, "fve_rl": 0.3, "oracle_fve_rl": 0.5, "recall_rl": 0.25,
                     "precision_rl": 1.0, "claims_true_rl": 1.0, "by_kind_rl": {"person": [0.5, 1.0]},
-                    "said_by_kind_rl": {"person": [2, 1.0]}, "probe_mean_top1": 0.3, "probe_by_kind": {"person": 0.4},
+                    "said_by_kind_rl": {"person": [2, 1.0]}, "stale_by_kind_rl": {}, "probe_mean_top1": 0.3,
+                    "probe_by_kind": {"person": 0.4},
                     "probe_recall_top1_by_kind": {"person": 0.35}, "probe_recall_p90_by_kind": {"person": 0.3}}
     assert s[1]["oracle_fve_rl"] is None and s[1]["probe_by_kind"] == {"person": 0.9}
+    assert s[1]["stale_by_kind_rl"] == {"person": 0.25}  # of its 4 person claims, 1 said of the past
     # Block 0: recall 0.50, all its claims true: within 0.10 of the top-1 (0.40), 0.15 from it as fact recall
     # (0.35), over the reader at 0.90 true (0.30). Block 1: half its claims false, so no rule meets it.
     assert kind_cells(s) == {"cells": 2, "top1": 1, "top1_recall": 0, "p90": 1, "claims_true": 1,
@@ -628,7 +630,9 @@ def test_block_tables_set_each_blocks_figures_beside_its_probe():
     assert lines[3] == "| 1 | 4 | 0.80 | 0.200 | 0.400 | – | 0.75 | 0.50 | – |"
     # "other" (no claim form: its recall means nothing) is not a row; person once, each block beside its probe
     text = "\n".join(lines)
-    assert "| person | 0.40 (0.35; 0.30) · 0.50 / 1.00 · 1.00 | 0.90 (0.95; 0.60) · 1.00 / 0.50 · 0.50 |" in lines
+    assert ("| person | 0.40 (0.35; 0.30) · 0.50 / 1.00 · 1.00 | 0.90 (0.95; 0.60) · 1.00 / 0.50 · 0.50 (0.25 "
+            "earlier) |") in lines
+    assert "(in brackets, the share false but said earlier in the text read" in text
     assert "other" not in text
     assert ("against the probe's top-1, **1 of 2**; against it as fact recall, **0 of 2**; at least the reader's at "
             "0.90 true less 0.10, **1 of 2**. Claims ≥ 0.90 true (or none made) in 1 of 2 cells.") in text

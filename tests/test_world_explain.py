@@ -76,6 +76,40 @@ def test_grade_hand_example_with_one_wrong_fact():
     assert f.said == {"person": (2, 1.0), "place": (2, 0.5), "mood": (2, 0.5)}
 
 
+def test_a_false_claim_of_something_the_text_said_earlier_is_told_from_one_made_up():
+    """An object put down no longer holds, but the text named it: a claim of it is false and said of the past
+    (stale); a claim of an object the text never named is made up. Counted by hand."""
+    import pyarrow as pa
+
+    from nla.core.graders import faithfulness
+    from nla.datagen.world_grader import WorldGrader
+    from nla.world.explain import named_in_text, stale_claims
+
+    context = "One morning, Alice went to the park with a kite. She put down the kite and felt happy."
+    truth = ["person=alice", "place=park", "time=morning", "mood=happy"]  # the kite was put down
+    assert named_in_text(context) == {Fact("person", "alice"), Fact("place", "park"), Fact("time", "morning"),
+                                      Fact("object", "kite"), Fact("mood", "happy")}
+    text = "There is a kite in the story. An object appears: a lantern. The mood is happy."
+    earlier = named_in_text(context)
+    # kite: false, named earlier (stale); lantern: false, never named; happy: true
+    assert stale_claims(text, [Fact.parse(f) for f in truth], earlier) == {"object": 1}
+    assert stale_claims("The mood is happy.", [Fact.parse(f) for f in truth], earlier) == {}
+    grader = WorldGrader()
+    table = pa.table({"context": [context, None, context], "facts": [truth, truth, truth]})
+    rows = grader.earlier(table)
+    assert rows == [earlier, None, earlier]
+    texts = [text, text, "There is a kite in the story. Someone has a kite."]
+    f = faithfulness(texts, [truth] * 3, grader, earlier=rows)
+    # object claims: row 0 two (kite, lantern), row 1 two, row 2 one (kite twice is one claim); none true;
+    # said earlier: row 0 the kite, row 1 not told (no context), row 2 the kite -> 2 of 5
+    assert f.said["object"] == (5, 0.0) and f.said["mood"] == (2, 1.0)
+    assert f.stale == {"object": pytest.approx(2 / 5), "mood": 0.0}
+    assert faithfulness(texts, [truth] * 3, grader).stale is None  # not told without the text read
+    assert grader.earlier(pa.table({"facts": [truth]})) is None
+    with pytest.raises(ValueError, match=r"faithfulness: 2 rows of what the text said earlier for 3 texts"):
+        faithfulness(texts, [truth] * 3, grader, earlier=rows[:2])
+
+
 def test_grade_empty_conventions():
     # empty prediction, empty truth: nothing claimed, nothing missed -> 1, 1
     g = grade("This is the start of a story.", set())

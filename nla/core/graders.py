@@ -88,6 +88,17 @@ class DatasetGrader:
     def grade(self, explanation: str, truth: Sequence[str]) -> FactGrade | None:
         return None
 
+    def earlier(self, table: Any) -> list[Any] | None:
+        """Per row of ``table``, what the text read had named up to its token, whether or not it still holds
+        (an object put down, a place left), for :meth:`stale`; None when the grader cannot tell (the base)."""
+        return None
+
+    def stale(self, explanation: str, truth: Sequence[str], earlier: Any) -> dict[str, int] | None:
+        """kind -> the claims of ``explanation`` that are false against ``truth`` but that the text read named
+        earlier (``earlier``: the row's entry of :meth:`earlier`): said of the past rather than made up; None
+        when the grader cannot tell (the base)."""
+        return None
+
     def degeneracy(self, text: str | None) -> dict[str, bool]:
         if not text or not text.strip():
             return dict.fromkeys(self.degeneracy_checks, False)
@@ -297,19 +308,26 @@ class Faithfulness:
     # carry ``said`` (the wiki's): precision over the claims made, where ``by_kind`` counts a row that does
     # not say the kind as precise
     said: dict[str, tuple[int, float]] | None = None
+    # kind -> the share of its claims (those ``said`` counts) that are false but name something the text read
+    # said earlier, no longer true at the token (an object put down), for a grader that tells them
+    # (``DatasetGrader.stale``: the world's); a row whose ``earlier`` is unknown counts none
+    stale: dict[str, float] | None = None
 
 
 def faithfulness(texts: list[str | None], facts: list[list[str]], grader: DatasetGrader | None = None,
-                 quotes: Sequence[Any] | None = None) -> Faithfulness | None:
+                 quotes: Sequence[Any] | None = None, earlier: Sequence[Any] | None = None) -> Faithfulness | None:
     """Mean recall / precision of ``texts`` (None = claimed nothing) against each row's ``facts``,
     graded by ``grader`` (the world grader when None: a ``facts`` column of "kind=value"
     strings); None when the grader grades no facts. A row whose facts are None (a null in the
     column) has no ground truth: it is left out, not graded as perfect; with none left, recall and
     precision are None and ``note`` says "no ground truth" (an empty list is a truth: nothing holds).
-    ``quotes``: each row's quote truth (the grader's ``quote_truths``), for ``Faithfulness.quote``."""
+    ``quotes``: each row's quote truth (the grader's ``quote_truths``), for ``Faithfulness.quote``;
+    ``earlier``: each row's entry of the grader's ``earlier``, for ``Faithfulness.stale``."""
     grader = grader or get_grader("world")
     if len(texts) != len(facts):
         raise ValueError(f"faithfulness: {len(texts)} texts for {len(facts)} fact lists")
+    if earlier is not None and len(earlier) != len(texts):
+        raise ValueError(f"faithfulness: {len(earlier)} rows of what the text said earlier for {len(texts)} texts")
     quote = quotation_summary(texts, quotes, grader) if quotes is not None else None
     recalls, precisions = [], []
     per_kind: dict[str, list[tuple[float, float]]] = {}
@@ -322,6 +340,8 @@ def faithfulness(texts: list[str | None], facts: list[list[str]], grader: Datase
     empty = 0
     hedged: dict[str, list[bool]] = {}
     said: dict[str, list[int]] = {}
+    stale: dict[str, int] = {}
+    told_rows = 0  # graded rows whose earlier facts the grader told apart
     for i, (t, fs) in enumerate(zip(texts, facts, strict=True)):
         if fs is None:
             continue
@@ -347,6 +367,12 @@ def faithfulness(texts: list[str | None], facts: list[list[str]], grader: Datase
             tot = said.setdefault(k, [0, 0])
             tot[0] += n_said
             tot[1] += n_true
+        if earlier is not None and earlier[i] is not None:
+            told = grader.stale(t or "", list(fs), earlier[i])
+            if told is not None:
+                told_rows += 1
+                for k, n_stale in told.items():
+                    stale[k] = stale.get(k, 0) + n_stale
     order = [k for k in grader.kinds if k in per_kind] + sorted(set(per_kind) - set(grader.kinds))
     by_kind = {k: (float(np.mean([r for r, _ in per_kind[k]])), float(np.mean([p for _, p in per_kind[k]])))
                for k in order}
@@ -360,7 +386,8 @@ def faithfulness(texts: list[str | None], facts: list[list[str]], grader: Datase
                         note="; ".join(notes) or None, quote=quote,
                         hedged={k: (len(v) / len(recalls), float(np.mean(v))) for k, v in hedged.items()}
                         if hedged and recalls else None,
-                        said={k: (n, t / n) for k, (n, t) in said.items()} if said else None)
+                        said={k: (n, t / n) for k, (n, t) in said.items()} if said else None,
+                        stale={k: stale.get(k, 0) / n for k, (n, _) in said.items()} if said and told_rows else None)
 
 
 # ------------------------------------------------------------------ text helpers (any language)

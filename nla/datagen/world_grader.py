@@ -31,9 +31,11 @@ from nla.world.explain import (
     grade_quote,
     hedge,
     is_hedged,
+    named_in_text,
     oracle_explanation,
     parse_facts,
     parse_hedged_facts,
+    stale_claims,
     table_quotes,
     unheld_quote,
 )
@@ -74,6 +76,16 @@ class WorldGrader(DatasetGrader):
 
     def grade(self, explanation: str, truth: Sequence[str]) -> Grade:
         return grade(explanation, _truth(truth))
+
+    def earlier(self, table: Any) -> list[frozenset[Fact] | None] | None:
+        """Per row, every fact the text read (its ``context``) named up to the token (``named_in_text``); None
+        for a table without ``context``, and in a row whose context is null."""
+        if "context" not in table.column_names:
+            return None
+        return [None if c is None else named_in_text(c) for c in table.column("context").to_pylist()]
+
+    def stale(self, explanation: str, truth: Sequence[str], earlier: Any) -> dict[str, int]:
+        return stale_claims(explanation, _truth(truth), earlier)
 
     def degeneracy(self, text: str | None) -> dict[str, bool]:
         d = degeneracy(text)

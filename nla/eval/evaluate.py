@@ -193,8 +193,12 @@ class EvalReport:
                 lines.append(f"| {r.name} | " + " | ".join(cells) + " |")
             counted = [r for r in kinds if r.faithfulness.said]
             if counted:  # precision over the claims made (the table counts a row not saying a kind as precise)
-                lines += ["", "Claims said, and the share true, per kind: " + "; ".join(
-                    f"{r.name}: " + ", ".join(f"{k} {n} ({p:.2f})" for k, (n, p) in r.faithfulness.said.items())
+                told = any(r.faithfulness.stale for r in counted)
+                lines += ["", "Claims said, and the share true, per kind"
+                          + (" (and the share false but said earlier in the text read, no longer true at the token: "
+                             "an object put down, a place left)" if told else "") + ": " + "; ".join(
+                    f"{r.name}: " + ", ".join(f"{k} {n} ({p:.2f}" + _earlier(r.faithfulness.stale, k) + ")"
+                                              for k, (n, p) in r.faithfulness.said.items())
                     for r in counted) + "."]
             unsure = [r for r in kinds if r.faithfulness.hedged]
             if unsure:  # wiki_explainer.unheld / world_explainer.fact_unheld hedge: not counted in the table
@@ -258,6 +262,12 @@ def quote_table(rows: list[EvalRow]) -> list[str]:
     return lines
 
 
+def _earlier(stale: dict[str, float] | None, kind: str) -> str:
+    """``; 0.20 earlier`` where some claims of ``kind`` were false but said earlier in the text read."""
+    share = (stale or {}).get(kind)
+    return f"; {share:.2f} earlier" if share else ""
+
+
 def _fmt2(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -316,13 +326,14 @@ class _Eval:
     max_new_tokens: int
     report: EvalReport
     blocks: list[int] | None = None  # [N] each row's block, for a pair of several blocks
+    earlier: list[Any] | None = None  # per row what the text read named up to the token (the grader's earlier)
     per_row: dict[str, tuple[Tensor, list[str | None]]] = field(default_factory=dict)  # name -> (mse [N], texts)
 
     def graded(self, texts: list[str | None]) -> tuple[Faithfulness | None, dict[str, float] | None]:
         """Faithfulness (rows with facts) and degeneracy (any grader) of ``texts``."""
         if self.grader is None:
             return None, None
-        faith = (faithfulness(texts, self.facts, self.grader, quotes=self.quote_truths)
+        faith = (faithfulness(texts, self.facts, self.grader, quotes=self.quote_truths, earlier=self.earlier)
                  if self.facts is not None else None)
         return faith, degeneracy_rates(texts, self.grader)
 
@@ -439,7 +450,8 @@ def _by_block(ev: _Eval) -> dict[int, dict[str, dict[str, float | None]]]:
         out[k] = {}
         for name, (mse, texts) in ev.per_row.items():
             sub = [texts[int(i)] for i in idx]
-            faith = (faithfulness(sub, [ev.facts[int(i)] for i in idx], ev.grader)
+            faith = (faithfulness(sub, [ev.facts[int(i)] for i in idx], ev.grader,
+                                  earlier=None if ev.earlier is None else [ev.earlier[int(i)] for i in idx])
                      if ev.grader is not None and ev.facts is not None else None)
             out[k][name] = {"n": len(idx), "fve": fve_of_mse(mse[torch.from_numpy(idx)], base.raw_mean),
                             "recall": None if faith is None else faith.recall,
@@ -451,7 +463,10 @@ def _by_block(ev: _Eval) -> dict[int, dict[str, dict[str, float | None]]]:
                             # kind -> [claims of it named, share true]: precision over the claims made (issue 59's
                             # bar; None: a grader whose grades do not count claims per kind)
                             "said": None if faith is None or not faith.said else
-                            {kd: list(ns) for kd, ns in faith.said.items()}}
+                            {kd: list(ns) for kd, ns in faith.said.items()},
+                            # kind -> share of those claims false but said earlier in the text read (an
+                            # object put down; None: a grader that does not tell them)
+                            "stale": None if faith is None or faith.stale is None else dict(faith.stale)}
     return out
 
 
@@ -547,7 +562,7 @@ def evaluate_pair(
                                  f"({list(ar_side.layers)}); evaluate on a dataset nla datagen built with those layers")
         blocks = [int(k) for k in table.column("activation_layer").to_pylist()]
     ev = _Eval(client, table, path, gold, dataset_rows, base, grader, facts, quote_truths, batch_size, max_new_tokens,
-               report, blocks)
+               report, blocks, grader.earlier(table) if grader is not None and facts is not None else None)
     verbs, rt = _av_rows(ev, frozen_ar, rng) if client.av_model is not None else (None, None)
     reference, te = _text_rows(ev, text_explainer_baseline)
     _mean_rows(ev)

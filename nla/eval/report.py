@@ -175,7 +175,7 @@ def block_summary(warm: dict[str, Any], after: dict[str, Any],
                   "oracle_fve_rl": ((ba.get(k) or {}).get(ORACLE) or {}).get("fve"),
                   "recall_rl": a.get("recall"), "precision_rl": a.get("precision"), "claims_true_rl": a.get("claims_true"),
                   "by_kind_rl": a.get("by_kind") or {},
-                  "said_by_kind_rl": a.get("said") or {},
+                  "said_by_kind_rl": a.get("said") or {}, "stale_by_kind_rl": a.get("stale") or {},
                   "probe_mean_top1": at["mean_top1"] if at else None, **_probe_by_kind(kinds)}
     return out
 
@@ -296,6 +296,8 @@ def block_tables(blocks: dict[int, dict[str, Any]]) -> list[str]:
     lines += ["", "Per kind after RL, each block: the probe's top-1 (as fact recall; the most of that a reader keeps "
               "with 0.90 of its claims true) · the AV's recall / precision"
               + (" · the share of its claims of the kind that are true (– where it names none)" if said_any else "")
+              + (" (in brackets, the share false but said earlier in the text read, no longer true at the token: "
+                 "an object put down)" if any(b.get("stale_by_kind_rl") for b in blocks.values()) else "")
               + ".", "", "| kind | " + " | ".join(f"block {k}" for k in blocks) + " |", "|---|" + "---|" * len(blocks)]
     for kind in kinds:
         cells = []
@@ -305,8 +307,10 @@ def block_tables(blocks: dict[int, dict[str, Any]]) -> list[str]:
             extra = [b.get("probe_recall_top1_by_kind", {}).get(kind), b.get("probe_recall_p90_by_kind", {}).get(kind)]
             probe = _f(b["probe_by_kind"].get(kind), 2) + (
                 f" ({_f(extra[0], 2)}; {_f(extra[1], 2)})" if any(v is not None for v in extra) else "")
+            stale = (b.get("stale_by_kind_rl") or {}).get(kind)
             cells.append(f"{probe} · {_f(rp[0], 2)} / {_f(rp[1], 2)}"
-                         + (f" · {_f(said[1], 2) if said else '–'}" if said_any else ""))
+                         + (f" · {_f(said[1], 2) if said else '–'}" if said_any else "")
+                         + (f" ({_f(stale, 2)} earlier)" if said and stale else ""))
         lines.append(f"| {kind} | " + " | ".join(cells) + " |")
     c = kind_cells(blocks)
     if c:

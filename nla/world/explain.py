@@ -146,6 +146,24 @@ def parse_facts(text: str) -> set[Fact]:
     return _facts_in(claims)
 
 
+def named_in_text(text: str) -> frozenset[Fact]:
+    """Every fact the story text ``text`` has named (each surface word reveals one fact, which held from that
+    word on, whether or not it still holds at the text's end: an object put down, a place left)."""
+    return frozenset(_facts_in(text))
+
+
+def stale_claims(text: str, truth: Iterable[Fact], earlier: Iterable[Fact]) -> dict[str, int]:
+    """kind -> the claims of ``text`` (``parse_facts``) that are false against ``truth`` (what holds now) but
+    that the text read named earlier (``earlier``: ``named_in_text`` of it): said of the past, not made up.
+    Kinds with none are left out."""
+    truth, earlier = set(truth), set(earlier)
+    out: dict[str, int] = {}
+    for f in parse_facts(text):
+        if f not in truth and f in earlier:
+            out[f.kind] = out.get(f.kind, 0) + 1
+    return out
+
+
 def parse_hedged_facts(text: str) -> list[Fact]:
     """The facts ``text`` names in sentences said unsure (``Perhaps …``), in order (quotations excepted)."""
     claims = _QUOTED.sub(" ", text)
