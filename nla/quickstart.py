@@ -243,27 +243,23 @@ PRESETS["full"] = dataclasses.replace(
 # AR text as a bare number (WORLD_LAYERED_*: two of the world tokenizer's tokens; the library's LAYERED_* take 7 and 8,
 # the tokenizer having no "block"), and its AR reads each row at its own block (ar.exits). A fact is named only where a
 # probe of its kind, fitted at the row's block on other documents, holds it at p >= 0.5 (world_explainer.fact_min_prob):
-# block 0 holds little, and its explanations say little rather than guess. Steps: 1.6x a one-block pair's (800 / 1,500
-# / 100). Over seeds 0-2, against one-block pairs with the same data rule: FVE after RL -0.012 / +0.004 / +0.001 /
-# +0.022 at blocks 0-3 on the mean, within 0.03 at every block on seeds 0 and 1, the same recall (BENCHMARKS.md, "The AR
-# read at each row's own block"), in 0.47x their training time timed on one CPU ("The pair's time against four
-# one-block pairs on the Zen 4"). At AR 1,000, AV 2,000 and RL 120 steps it takes 0.38-0.40x, within 0.03 on seeds 0
-# and 1, 0.01-0.03 under these steps' pooled FVE ("the four one-block pairs' time: within 0.03 on two seeds of
-# three"): these steps are kept for the better pair. Per (kind, block) it meets issue 59's per-kind measure on 48 of
-# 72 cells over three seeds, as often as one-block pairs; with the data naming every held fact and no wrong one
-# (fact_rate 1.0, wrong_rate 0) every block reads 0.008-0.023 better and 52 cells are met, at 1.19x the time, within
-# 0.011 of one-block pairs of that rule on seeds 0 and 1 ("The data naming every held fact and no wrong one"; not
-# taken until seed 2's one-block pairs of it are measured). The history of the setting is in dev/LOG.md. Opt-in. No suite
-# (it reads one block).
+# block 0 holds little, and its explanations say little rather than guess. The data names every held fact and no wrong
+# one (fact_rate 1.0, wrong_rate 0): over seeds 0-2 every block reads 0.008-0.023 better than with the rule it had (each
+# held fact on four rows of five, a wrong one on a tenth), and issue 59's per-kind measure is met on 52 of 72 cells
+# against 48 (BENCHMARKS.md, "The data naming every held fact and no wrong one"). Steps: 1.6x a one-block pair's (800 /
+# 1,500 / 100). Against one-block pairs of the same data rule: FVE after RL -0.012 / -0.004 / +0.001 / +0.011 at blocks
+# 0-3 on the mean over seeds 0-2, within 0.011 at every block on seeds 0 and 1 (seed 2: -0.032 at block 0), in
+# 0.45-0.49x their training time timed on one CPU. The history of the setting is in dev/LOG.md. Opt-in. No suite (it
+# reads one block).
 WORLD_LAYERED_AV_TEMPLATE = "Explain the hidden state <<{injection_char}>> {layer} in a few short sentences."
 WORLD_LAYERED_AR_TEMPLATE = "{layer} Explanation: {explanation}\nSummary vector:"
 PRESETS["layers"] = dataclasses.replace(
     PRESETS["default"],
     datagen={**PRESETS["default"].datagen, "layers": [0, 1, 2, 3],
              "av_template": WORLD_LAYERED_AV_TEMPLATE, "ar_template": WORLD_LAYERED_AR_TEMPLATE,
-             # fact_rate 0.8: the data explainer as measured against one-block pairs (the default's was 0.8
-             # then); an unheld fact left out, one a kind (fact_unheld omit), as measured
-             "world_explainer": {**PRESETS["default"].datagen["world_explainer"], "fact_rate": 0.8,
+             # every held fact named (the default's fact_rate 1.0) and no wrong one; an unheld fact left out, one
+             # a kind (fact_unheld omit), as measured
+             "world_explainer": {**PRESETS["default"].datagen["world_explainer"], "wrong_rate": 0.0,
                                  "fact_min_prob": 0.5, "fact_unheld": "omit", "fact_gate_below": None}},
     ar={**PRESETS["default"].ar, "max_steps": 1280, "eval_every": 640, "save_every": 1280, "exits": True},
     av={**PRESETS["default"].av, "max_steps": 2400, "eval_every": 800, "save_every": 2400},

@@ -573,9 +573,10 @@ def test_the_layers_preset_is_the_default_at_four_blocks_and_1_6x_the_steps():
 
     d, p = PRESETS["default"], PRESETS["layers"]
     assert p.datagen["layers"] == [0, 1, 2, 3] and p.datagen["world_explainer"]["fact_min_prob"] == 0.5
-    # the data explainer as measured against one-block pairs: the default's of then (fact_rate 0.8, an
-    # unheld fact left out)
-    assert p.datagen["world_explainer"] == {**d.datagen["world_explainer"], "fact_rate": 0.8, "fact_min_prob": 0.5,
+    # the data explainer as measured against one-block pairs of it: every held fact (the default's fact_rate 1.0),
+    # no wrong one (the default's wrong_rate is 0.1), an unheld fact left out
+    assert d.datagen["world_explainer"]["fact_rate"] == 1.0 and d.datagen["world_explainer"]["wrong_rate"] == 0.1
+    assert p.datagen["world_explainer"] == {**d.datagen["world_explainer"], "wrong_rate": 0.0, "fact_min_prob": 0.5,
                                             "fact_unheld": "omit", "fact_gate_below": None}
     assert {k: v for k, v in p.datagen.items() if k not in ("layers", "av_template", "ar_template")} == \
         {**d.datagen, "world_explainer": p.datagen["world_explainer"]}
