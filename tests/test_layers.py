@@ -621,6 +621,9 @@ def test_block_tables_set_each_blocks_figures_beside_its_probe():
                     "probe_recall_top1_by_kind": {"person": 0.35}, "probe_recall_p90_by_kind": {"person": 0.3}}
     assert s[1]["oracle_fve_rl"] is None and s[1]["probe_by_kind"] == {"person": 0.9}
     assert s[1]["stale_by_kind_rl"] == {"person": 0.25}  # of its 4 person claims, 1 said of the past
+    # a share that rounds to 0.00 is not written
+    tiny = block_tables({k: {**b, "stale_by_kind_rl": {"person": 0.004}} for k, b in s.items()})
+    assert "earlier" not in "\n".join(tiny[4:])
     # Block 0: recall 0.50, all its claims true: within 0.10 of the top-1 (0.40), 0.15 from it as fact recall
     # (0.35), over the reader at 0.90 true (0.30). Block 1: half its claims false, so no rule meets it.
     assert kind_cells(s) == {"cells": 2, "top1": 1, "top1_recall": 0, "p90": 1, "claims_true": 1,

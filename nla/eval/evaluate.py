@@ -263,9 +263,10 @@ def quote_table(rows: list[EvalRow]) -> list[str]:
 
 
 def _earlier(stale: dict[str, float] | None, kind: str) -> str:
-    """``; 0.20 earlier`` where some claims of ``kind`` were false but said earlier in the text read."""
+    """``; 0.20 earlier`` where claims of ``kind`` were false but said earlier in the text read (none where the
+    share rounds to 0.00)."""
     share = (stale or {}).get(kind)
-    return f"; {share:.2f} earlier" if share else ""
+    return f"; {share:.2f} earlier" if share and share >= 0.005 else ""
 
 
 def _fmt2(x: float | None) -> str:

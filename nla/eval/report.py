@@ -297,7 +297,8 @@ def block_tables(blocks: dict[int, dict[str, Any]]) -> list[str]:
               "with 0.90 of its claims true) · the AV's recall / precision"
               + (" · the share of its claims of the kind that are true (– where it names none)" if said_any else "")
               + (" (in brackets, the share false but said earlier in the text read, no longer true at the token: "
-                 "an object put down)" if any(b.get("stale_by_kind_rl") for b in blocks.values()) else "")
+                 "an object put down)" if any(v >= 0.005 for b in blocks.values()
+                                              for v in (b.get("stale_by_kind_rl") or {}).values()) else "")
               + ".", "", "| kind | " + " | ".join(f"block {k}" for k in blocks) + " |", "|---|" + "---|" * len(blocks)]
     for kind in kinds:
         cells = []
@@ -310,7 +311,7 @@ def block_tables(blocks: dict[int, dict[str, Any]]) -> list[str]:
             stale = (b.get("stale_by_kind_rl") or {}).get(kind)
             cells.append(f"{probe} · {_f(rp[0], 2)} / {_f(rp[1], 2)}"
                          + (f" · {_f(said[1], 2) if said else '–'}" if said_any else "")
-                         + (f" ({_f(stale, 2)} earlier)" if said and stale else ""))
+                         + (f" ({_f(stale, 2)} earlier)" if said and stale and stale >= 0.005 else ""))
         lines.append(f"| {kind} | " + " | ".join(cells) + " |")
     c = kind_cells(blocks)
     if c:
