@@ -39,8 +39,9 @@ def vector_blocks(flag: int | None, layers: tuple[int, ...] | None, source: str,
                   what: str = "--vectors") -> int | list[int] | None:
     """The block of each vector, for the client's ``layer=``: ``--layer`` (``flag``) when given; for a pair of
     several blocks (``layers``) without it, the ``activation_layer`` of ``source`` (a parquet) at ``rows`` (the
-    file's row numbers of the vectors used; ``what``: the flag that named the file); None for a pair of one (it reads its own block). A ValueError naming
-    the file, the row and what to pass when a pair of several blocks cannot be told which block a vector is of."""
+    file's row numbers of the vectors used; ``what``: the flag that named the file); None for a pair of one (it
+    reads its own block). A ValueError naming the file, the row and what to pass when a pair of several blocks
+    cannot be told which block a vector is of."""
     if flag is not None or layers is None:
         return flag
     asks = f"give --layer K (one of {list(layers)}) or vectors from a parquet nla datagen built with those blocks"
