@@ -193,7 +193,7 @@ class EvalReport:
                 lines.append(f"| {r.name} | " + " | ".join(cells) + " |")
             counted = [r for r in kinds if r.faithfulness.said]
             if counted:  # precision over the claims made (the table counts a row not saying a kind as precise)
-                told = any(r.faithfulness.stale for r in counted)
+                told = any(shows_earlier(v) for r in counted for v in (r.faithfulness.stale or {}).values())
                 lines += ["", "Claims said, and the share true, per kind"
                           + (" (and the share false but said earlier in the text read, no longer true at the token: "
                              "an object put down, a place left)" if told else "") + ": " + "; ".join(
@@ -262,11 +262,16 @@ def quote_table(rows: list[EvalRow]) -> list[str]:
     return lines
 
 
+def shows_earlier(share: float | None) -> bool:
+    """Whether a share of claims said earlier (``Faithfulness.stale``) is written: not where it rounds to 0.00
+    (eval.md here, the report's per-kind table in ``nla.eval.report``)."""
+    return share is not None and share >= 0.005
+
+
 def _earlier(stale: dict[str, float] | None, kind: str) -> str:
-    """``; 0.20 earlier`` where claims of ``kind`` were false but said earlier in the text read (none where the
-    share rounds to 0.00)."""
+    """``; 0.20 earlier`` where claims of ``kind`` were false but said earlier in the text read."""
     share = (stale or {}).get(kind)
-    return f"; {share:.2f} earlier" if share and share >= 0.005 else ""
+    return f"; {share:.2f} earlier" if shows_earlier(share) else ""
 
 
 def _fmt2(x: float | None) -> str:

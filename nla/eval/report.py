@@ -15,6 +15,7 @@ from nla.eval.evaluate import ROW_FROZEN as FROZEN
 from nla.eval.evaluate import ROW_ORACLE as ORACLE
 from nla.eval.evaluate import ROW_ROUND_TRIP as ROUND_TRIP
 from nla.eval.evaluate import ROW_SHUFFLED as SHUFFLED
+from nla.eval.evaluate import shows_earlier
 from nla.eval.suite import targets_table
 from nla.util.fsutil import copy_file_atomic
 from nla.util.numerics import cpu_kernels, cpu_paths, describe_cpu_paths, pin_shortfalls
@@ -297,7 +298,7 @@ def block_tables(blocks: dict[int, dict[str, Any]]) -> list[str]:
               "with 0.90 of its claims true) · the AV's recall / precision"
               + (" · the share of its claims of the kind that are true (– where it names none)" if said_any else "")
               + (" (in brackets, the share false but said earlier in the text read, no longer true at the token: "
-                 "an object put down)" if any(v >= 0.005 for b in blocks.values()
+                 "an object put down)" if any(shows_earlier(v) for b in blocks.values()
                                               for v in (b.get("stale_by_kind_rl") or {}).values()) else "")
               + ".", "", "| kind | " + " | ".join(f"block {k}" for k in blocks) + " |", "|---|" + "---|" * len(blocks)]
     for kind in kinds:
@@ -311,7 +312,7 @@ def block_tables(blocks: dict[int, dict[str, Any]]) -> list[str]:
             stale = (b.get("stale_by_kind_rl") or {}).get(kind)
             cells.append(f"{probe} · {_f(rp[0], 2)} / {_f(rp[1], 2)}"
                          + (f" · {_f(said[1], 2) if said else '–'}" if said_any else "")
-                         + (f" ({_f(stale, 2)} earlier)" if said and stale and stale >= 0.005 else ""))
+                         + (f" ({_f(stale, 2)} earlier)" if said and shows_earlier(stale) else ""))
         lines.append(f"| {kind} | " + " | ".join(cells) + " |")
     c = kind_cells(blocks)
     if c:
