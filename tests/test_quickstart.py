@@ -61,6 +61,9 @@ def test_report_has_every_section_with_finite_numbers(run_dir):
         assert paths["mkl"].split(" ")[0] == mkl_branch()  # AVX2 on Intel, "AUTO (...)" elsewhere
     for png in rep["plots"].values():
         assert (run_dir / png).stat().st_size > 1000
+    # --no-progress reached every stage that draws a bar, datagen's extraction too
+    for name in ("datagen", "ar", "av", "rl"):
+        assert json.loads((run_dir / f"{name}.stage_done.json").read_text())["config"]["progress"] is False, name
 
 
 def test_eval_numbers_match_a_direct_computation(run_dir):

@@ -33,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         )  # fmt: skip
         sp.add_argument("--threads", type=threads_flag,
                         help=f"torch CPU threads ({THREADS_HELP})")
+        sp.add_argument("--no-progress", action="store_true", help="hide progress bars (progress: false)")
         sp.add_argument("--force", action="store_true", help="redo the stage(s) even if done")
         sp.set_defaults(func=run)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
@@ -48,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
         overrides["out_dir"] = args.out
     if args.threads is not None:
         overrides["threads"] = args.threads
+    if args.no_progress:
+        overrides["progress"] = False
     cfg = DatagenConfig.from_yaml(args.config, overrides)
     from nla.util.checkpoint_files import check_model_source
     from nla.util.validation import check_device, check_output_path

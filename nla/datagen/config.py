@@ -315,6 +315,8 @@ class DatagenConfig:
                                                   "= $OMP_NUM_THREADS, else every core; \"auto\" follows the "
                                                   "machine's load and gives up reproducibility. Range: an "
                                                   "integer >= 1, \"auto\" or null.")
+    progress: bool = option(True, help="show progress bars (the extraction's and a world build's); false (--no-progress) "
+                                       "hides them. Changes nothing computed.")
     bad_vectors: str = option("error", help="an activation with NaN/Inf or zero norm: error (stop, naming it) "
                                             "or drop (drop the row and count it).")
     # split

@@ -270,6 +270,7 @@ def extract_activations(
     shard_index: int = 0,
     num_shards: int = 1,
     device: str = "cpu",
+    progress: bool = True,
 ) -> ExtractResult:
     """Extract activations of block `layer_index` into `out_dir/activations.parquet`; a list of
     blocks gives a row per block for every (document, position), from one forward pass each batch.
@@ -340,7 +341,8 @@ def extract_activations(
         )
     total_tokens = 0
     with tqdm(
-        total=sum(len(docs[c * chunk_docs : (c + 1) * chunk_docs]) for c in todo), desc="extract", unit="doc"
+        total=sum(len(docs[c * chunk_docs : (c + 1) * chunk_docs]) for c in todo), desc="extract", unit="doc",
+        disable=not progress,
     ) as bar:
         for c in todo:
             chunk = docs[c * chunk_docs : (c + 1) * chunk_docs]

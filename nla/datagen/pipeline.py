@@ -113,7 +113,7 @@ def resolve(cfg: DatagenConfig) -> Resolved:
             f"{world.seq_len} positions (its seq_len, the model's max_position_embeddings); activations past position "
             f"{world.seq_len - 1} are not what the model computes on text it was built for. Set max_len <= "
             f"{world.seq_len} (--set max_len={world.seq_len})")
-    arts = build_world(seeded_config(cfg.world_preset, cfg.world_seed), out=cfg.world_out)
+    arts = build_world(seeded_config(cfg.world_preset, cfg.world_seed), out=cfg.world_out, progress=cfg.progress)
     return Resolved(
         cfg.replace(
             model_dir=cfg.model_dir or str(arts.subject_dir),
@@ -145,6 +145,7 @@ def _extract(res: Resolved, out: Path) -> dict[str, Any]:
     r = extract_activations(
         c.model_dir, load_corpus(res), c.layers or c.layer_index, c.positions_per_doc, c.skip_first, c.seed, c.batch_size,
         out, c.max_len, bad_vectors=c.bad_vectors, batches_per_shard=c.batches_per_shard, device=c.device,
+        progress=c.progress,
     )  # fmt: skip
     shutil.rmtree(out / "shards", ignore_errors=True)  # consolidated; the shards were only for resume
     return {"rows": r.n_rows, "docs": r.n_docs, "d_model": r.d_model, "tokens": r.n_tokens, "dropped": r.dropped,
