@@ -154,6 +154,22 @@ def test_a_pair_whose_ar_reads_each_row_at_its_block_trains_runs_rl_and_is_read_
                                            r"set exits: true to go on training it"):
         train_ar(ARTrainConfig(dataset=str(dg / "ar_sft.parquet"), out_dir=str(tmp_path / "ar"), max_steps=2, **common),
                  resume=True)
+    # exit_min_block: block 0 read after block 2 (the deepest), through its own head; a resume must keep the map
+    deep = train_ar(ARTrainConfig(dataset=str(dg / "ar_sft.parquet"), out_dir=str(tmp_path / "ar_deep"), max_steps=1,
+                                  exits=True, exit_min_block=2, **common))
+    assert Reconstructor.from_pretrained(deep.checkpoint_dir).exits == {0: 2, 2: 2}
+    for m, where in ((None, r"1 reads the blocks after \{0: 1, 2: 2\}"), (1, r"1 reads the blocks after \{0: 1, 2: 2\}")):
+        with pytest.raises(ARTrainError, match=rf"exit_min_block: {where}, but the checkpoint resumed from .* reads "
+                                               r"them after \{0: 2, 2: 2\}; resume with the exit_min_block"):
+            train_ar(ARTrainConfig(dataset=str(dg / "ar_sft.parquet"), out_dir=str(tmp_path / "ar_deep"), max_steps=2,
+                                   exits=True, exit_min_block=m, **common), resume=True)
+    resumed = train_ar(ARTrainConfig(dataset=str(dg / "ar_sft.parquet"), out_dir=str(tmp_path / "ar_deep"), max_steps=2,
+                                     exits=True, exit_min_block=2, **common), resume=True)
+    assert Reconstructor.from_pretrained(resumed.checkpoint_dir).exits == {0: 2, 2: 2}
+    for bad, why in ((dict(exit_min_block=-1, exits=True), "an integer >= 0, or null"),
+                     (dict(exit_min_block=2), "null unless exits: true")):
+        with pytest.raises(ValueError, match=rf"exit_min_block.*{why}"):
+            ARTrainConfig(dataset=str(dg / "ar_sft.parquet"), out_dir=str(tmp_path / "ar_bad"), **bad, **common)
     one = tmp_path / "one"
     run(_cfg(one, tiny_model_dir("llama"), layer_index=2))
     with pytest.raises(ARTrainError, match=r"exits: dataset .* is for one block \(2\); an AR reads each row at its own "

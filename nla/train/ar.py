@@ -25,6 +25,7 @@ from nla.core import arch
 from nla.core.graders import shuffle_sentences
 from nla.core.lora import LORA_SUBDIR, apply_sft_lora, merged_state_dict, save_adapter
 from nla.core.reconstructor import (
+    EXIT_MIN_BLOCK,
     Reconstructor,
     check_ar_max_length,
     reconstruction_loss,
@@ -240,12 +241,19 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
         model = Reconstructor.from_base(base, layer, out_dim=side.d_model if own is not None else None)
         if resume_from is not None:  # LoRA resumes as base + the saved adapter; the head trains in full
             model.load_head(resume_from)
+    min_block = EXIT_MIN_BLOCK if cfg.exit_min_block is None else cfg.exit_min_block
     if cfg.exits and model.exits is None:  # (a resumed AR has them already)
         if side.layers is None:
             raise ARTrainError(f"exits: dataset {cfg.dataset} is for one block ({side.layer_index}); an AR reads each "
                                "row at its own block only for a pair of several (extraction.layers): set exits: false")
-        model.set_exits(side.layers)
+        model.set_exits(side.layers, min_block=min_block)
         logger.info("AR: each row read at its own block: block -> read after %s", model.exits)
+    elif cfg.exits:
+        want = {int(k): min(max(int(k), min_block), model.layer_index) for k in model.exits}
+        if want != model.exits:
+            raise ARTrainError(f"exit_min_block: {min_block} reads the blocks after {want}, but the checkpoint "
+                               f"resumed from ({resume_from}) reads them after {model.exits}; resume with the "
+                               "exit_min_block it was trained with, or start a new run")
     elif model.exits is not None and not cfg.exits:
         raise ARTrainError(f"exits: the checkpoint resumed from ({resume_from}) reads each row at its own block; "
                            "set exits: true to go on training it")

@@ -259,11 +259,24 @@ class ARTrainConfig(_TrainBase):
                                      "blocks past their exit), not every row after the deepest block through one "
                                      "head. The checkpoint holds the heads (exit_heads.safetensors) and RL, the "
                                      "client and nla eval read them.")
+    exit_min_block: int | None = option(None, help="with exits: a row of a block shallower than this is read after "
+                                                   "this block (at most the deepest), still through its own block's "
+                                                   "head; null = block 1 (nla.core.reconstructor.EXIT_MIN_BLOCK, "
+                                                   "measured on the world). The deepest block reads every row after "
+                                                   "it, each block through a head of its own. Range: an integer >= 0, "
+                                                   "or null.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.exits, bool):
             _bad("exits", "true or false", self.exits)
+        if self.exit_min_block is not None:
+            if isinstance(self.exit_min_block, bool) or not isinstance(self.exit_min_block, int) \
+                    or self.exit_min_block < 0:
+                _bad("exit_min_block", "an integer >= 0, or null", self.exit_min_block)
+            if not self.exits:
+                _bad("exit_min_block", "null unless exits: true (it sets where exits read a shallow block)",
+                     self.exit_min_block)
         if self.layer_index is not None and (not isinstance(self.layer_index, int) or self.layer_index < 0):
             _bad("layer_index", "an integer >= 0 or null (take it from the sidecar)", self.layer_index)
         if not isinstance(self.shuffle_sentences, bool):
