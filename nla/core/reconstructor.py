@@ -50,6 +50,11 @@ EXIT_HEADS_FILE = "exit_heads.safetensors"
 EXIT_MIN_BLOCK = 1
 
 
+def exit_map(blocks: Any, deepest: int, min_block: int = EXIT_MIN_BLOCK) -> dict[int, int]:
+    """Block -> the block its rows are read after: block k after ``max(k, min_block)``, at most ``deepest``."""
+    return {int(k): min(max(int(k), int(min_block)), int(deepest)) for k in blocks}
+
+
 def last_token_index(attention_mask: Tensor) -> Tensor:
     """Index of each row's last real token [B], for left or right padding (argmax takes the first max)."""
     if attention_mask.ndim != 2:
@@ -293,7 +298,7 @@ class Reconstructor(nn.Module):
         if len(blocks) < 2 or blocks != sorted(set(blocks)) or blocks[-1] != K or blocks[0] < 0:
             raise ValueError(f"exits: expected the pair's blocks in increasing order, the deepest this AR's K = {K}, "
                              f"found {blocks}; give extraction.layers of the dataset the AR reads")
-        self.exits = {k: min(max(k, int(min_block)), K) for k in blocks}
+        self.exits = exit_map(blocks, K, min_block)
         heads = {}
         for k in blocks:
             h = nn.Linear(self.value_head.in_features, self.value_head.out_features, bias=False,

@@ -28,6 +28,7 @@ from nla.core.reconstructor import (
     EXIT_MIN_BLOCK,
     Reconstructor,
     check_ar_max_length,
+    exit_map,
     reconstruction_loss,
     tokenize_ar_texts,
 )
@@ -249,7 +250,7 @@ def train_ar(cfg: ARTrainConfig, *, resume: bool = False) -> TrainResult:
         model.set_exits(side.layers, min_block=min_block)
         logger.info("AR: each row read at its own block: block -> read after %s", model.exits)
     elif cfg.exits:
-        want = {int(k): min(max(int(k), min_block), model.layer_index) for k in model.exits}
+        want = exit_map(model.exits, model.layer_index, min_block)
         if want != model.exits:
             raise ARTrainError(f"exit_min_block: {min_block} reads the blocks after {want}, but the checkpoint "
                                f"resumed from ({resume_from}) reads them after {model.exits}; resume with the "
