@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "STATUSES",
+    "BlockView",
     "NLAClient",
     "NLAClientError",
     "ScoreResult",
@@ -429,6 +430,11 @@ class NLAClient:
             )
         return self.av_sidecar
 
+    def at_block(self, layer: int) -> BlockView:
+        """This pair seen at one of its blocks (:class:`BlockView`): every call that takes ``layer`` gets
+        ``layer`` where it is given none. A block the pair was not trained on is refused here."""
+        return BlockView(self, layer)
+
     # ------------------------------------------------------------------ verbalize
     def verbalize(
         self,
@@ -606,6 +612,51 @@ class NLAClient:
         gold = vec[[v.row for v in verbs]]
         return verbs, self.score([v.explanation for v in verbs], gold,
                                  batch_size=verbalize_kwargs.get("batch_size", 64), layer=[blocks[v.row] for v in verbs])
+
+
+class BlockView:
+    """An :class:`NLAClient` at one block (``client.at_block(k)``): ``verbalize``, ``reconstruct``, ``score``,
+    ``round_trip``, ``to_pair_space`` and ``from_pair_space`` read their vectors and texts as block ``layer``'s
+    where the call names no block; everything else is the client's. Code written for a pair of one block (the
+    explanation suite, a user's loop) runs on one block of a pair for several this way, unchanged; a call that
+    names its blocks keeps them."""
+
+    def __init__(self, client: NLAClient, layer: int):
+        for side in (client.av_sidecar, client.ar_sidecar):
+            if side is not None:
+                try:
+                    side.check_layer(layer, "at_block")
+                except SidecarError as err:
+                    raise NLAClientError(str(err)) from None
+        self.client, self.layer = client, layer
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "client":  # not set yet (copy, pickle): no recursion through this method
+            raise AttributeError(name)
+        return getattr(self.client, name)
+
+    def _at(self, layer: Any) -> Any:
+        return self.layer if layer is None else layer
+
+    def verbalize(self, vectors: np.ndarray | Tensor, *, layer: Any = None, **kw: Any) -> list[Verbalization]:
+        return self.client.verbalize(vectors, layer=self._at(layer), **kw)
+
+    def reconstruct(self, texts: Sequence[str], batch_size: int = 64, layer: Any = None) -> Tensor:
+        return self.client.reconstruct(texts, batch_size=batch_size, layer=self._at(layer))
+
+    def score(self, texts: Sequence[str | None], vectors: np.ndarray | Tensor, batch_size: int = 64,
+              layer: Any = None) -> ScoreResult:
+        return self.client.score(texts, vectors, batch_size=batch_size, layer=self._at(layer))
+
+    def round_trip(self, vectors: np.ndarray | Tensor, **verbalize_kwargs: Any) -> tuple[list[Verbalization],
+                                                                                         ScoreResult]:
+        return self.client.round_trip(vectors, **{**verbalize_kwargs, "layer": self._at(verbalize_kwargs.get("layer"))})
+
+    def to_pair_space(self, raw: Any, layer: Any = None) -> Any:
+        return self.client.to_pair_space(raw, self._at(layer))
+
+    def from_pair_space(self, vectors: Any, layer: Any = None) -> Any:
+        return self.client.from_pair_space(vectors, self._at(layer))
 
 
 def load_checkpoint_sidecar(path: Path, role: str) -> NLAConfig:

@@ -249,8 +249,8 @@ PRESETS["full"] = dataclasses.replace(
 # against 48 (BENCHMARKS.md, "The data naming every held fact and no wrong one"). Steps: 1.6x a one-block pair's (800 /
 # 1,500 / 100). Against one-block pairs of the same data rule: FVE after RL -0.012 / -0.004 / +0.001 / +0.011 at blocks
 # 0-3 on the mean over seeds 0-2, within 0.011 at every block on seeds 0 and 1 (seed 2: -0.032 at block 0), in
-# 0.45-0.49x their training time timed on one CPU. The history of the setting is in dev/LOG.md. Opt-in. No suite (it
-# reads one block).
+# 0.45-0.49x their training time timed on one CPU. The history of the setting is in dev/LOG.md. Opt-in. The suite runs
+# a block at a time, the default's 800 rows of each.
 WORLD_LAYERED_AV_TEMPLATE = "Explain the hidden state <<{injection_char}>> {layer} in a few short sentences."
 WORLD_LAYERED_AR_TEMPLATE = "{layer} Explanation: {explanation}\nSummary vector:"
 PRESETS["layers"] = dataclasses.replace(
@@ -803,15 +803,13 @@ def _run_stages(out: Path, p: QuickstartPreset, preset: str, thr: dict[str, Any]
                               **thr},
                   lambda: evaluate_stage(rl_info["av"], rl_info["ar"], eval_ds, out / "eval_rl", ev_kw, frozen))
     # 7. does it explain? (nla.eval.suite on the RL'd pair; the warm-start AV for the confabulation rates)
+    # A pair for several blocks is tested a block at a time, each on its own held-out rows (max_rows of each).
     suite_kw = dict(max_new_tokens=p.max_new_tokens, **p.suite)
-    if p.datagen.get("layers") is not None:  # the suite reads one block: the report says it was not run
-        suite = {"report": None}
-    else:
-        suite = stage("suite", {"av": rl_info["av"], "ar": rl_info["ar"], "baseline_av": av_info["checkpoint"],
-                                "dataset": str(eval_ds), "made_by": [_hash(configs["ar"]), _hash(configs["av"]),
-                                                                     _hash(configs["rl"])], **suite_kw, **thr},
-                      lambda: _suite(rl_info["av"], rl_info["ar"], av_info["checkpoint"], eval_ds, out / "suite",
-                                     suite_kw))
+    suite = stage("suite", {"av": rl_info["av"], "ar": rl_info["ar"], "baseline_av": av_info["checkpoint"],
+                            "dataset": str(eval_ds), "made_by": [_hash(configs["ar"]), _hash(configs["av"]),
+                                                                 _hash(configs["rl"])], **suite_kw, **thr},
+                  lambda: _suite(rl_info["av"], rl_info["ar"], av_info["checkpoint"], eval_ds, out / "suite",
+                                 suite_kw))
     # 8. report
     from nla.eval.report import write_report
 
@@ -927,9 +925,11 @@ def evaluate_stage(av: str, ar: str, dataset: Path, out_dir: Path, kw: dict[str,
 
 def _suite(av: str, ar: str, baseline_av: str, dataset: Path, out_dir: Path, kw: dict[str, Any]) -> dict[str, Any]:
     from nla.client import NLAClient
-    from nla.eval.suite import run_suite
+    from nla.eval.suite import run_suite, run_suite_by_block
 
-    report = run_suite(NLAClient(av, ar), dataset, baseline_av=NLAClient(baseline_av, None), **kw)
+    client = NLAClient(av, ar)
+    run = run_suite if client.av_sidecar.layers is None else run_suite_by_block
+    report = run(client, dataset, baseline_av=NLAClient(baseline_av, None), **kw)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "suite.json").write_text(report.to_json())
     (out_dir / "suite.md").write_text(report.to_markdown())

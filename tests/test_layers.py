@@ -474,11 +474,58 @@ def test_both_warm_starts_train_on_rows_of_several_blocks(tmp_path, tiny_model_d
             assert [r["text"] for r in ok] == [v.text for v in verbs]
     finally:
         service.close()
-    # the suite does not take a block yet: refused by name, before any work
-    from nla.eval.suite.run import run_suite
+    # the suite runs a block at a time: that block's rows of the dataset, every call at that block. Its FVE as
+    # written is nla eval's FVE of the block (each block against its own baseline), made by eval's other path:
+    # all rows read at once with their blocks, split afterwards
+    from nla.eval.evaluate import ROW_ROUND_TRIP, evaluate_pair
+    from nla.eval.suite.run import run_suite, run_suite_by_block
 
-    with pytest.raises(NLAClientError, match=r"suite: the pair reads several blocks \(\[0, 1\]\)"):
-        run_suite(client, dg / "rl.parquet")
+    with pytest.raises(NLAClientError, match=r"suite: the pair reads several blocks \(\[0, 1\]\) and the suite reads "
+                                             r"one at a time: give layer=K"):
+        run_suite(client, rl_pq)
+    with pytest.raises(NLAClientError, match=r"at_block: block 3 is not one this pair was trained on"):
+        run_suite(client, rl_pq, layer=3)
+    import shutil
+
+    from nla.core.sidecar import sidecar_path_for
+
+    shutil.copy(sidecar_path_for(rl_pq), sidecar_path_for(pa_pq))  # a dataset with its sidecar, without the column
+    with pytest.raises(NLAClientError, match=r"has no activation_layer column, but the pair reads several blocks"):
+        run_suite(client, pa_pq, layer=0)
+    ev = evaluate_pair(client, rl_pq, max_new_tokens=4, text_explainer_baseline=False, n_show=0)
+    all_blocks = np.asarray(read_parquet(rl_pq).column("activation_layer").to_pylist())
+    kw = dict(parts=("hidden_code",), max_new_tokens=4)
+    each = run_suite_by_block(client, rl_pq, **kw)
+    assert list(each.reports) == [0, 1]
+    for k, rep in each.reports.items():
+        assert (rep.block, rep.n_rows) == (k, int((all_blocks == k).sum()))
+        assert rep.sections["hidden_code"]["fve"] == pytest.approx(ev.by_block[k][ROW_ROUND_TRIP]["fve"], rel=1e-5)
+        assert rep.to_dict() == run_suite(client, rl_pq, layer=k, **kw).to_dict()  # one block alone: the same
+    md = each.to_markdown()
+    assert (f"| test | block 0 ({each.reports[0].n_rows} rows) | block 1 ({each.reports[1].n_rows} rows) | target |"
+            in md)
+    assert f"## Does it explain? (block 1: {each.reports[1].n_rows} rows of {rl_pq}, seed 0)" in md
+    # max_rows: a seeded subset of the block's own rows (the parquet's row numbers kept in the samples)
+    three = run_suite(client, rl_pq, layer=1, parts=("claims",), max_new_tokens=4, max_rows=3, n_show=3)
+    rng = np.random.default_rng(0)
+    want_rows = np.sort(rng.choice(np.flatnonzero(all_blocks == 1), size=3, replace=False)).tolist()
+    assert three.n_rows == 3 and [smp["row"] for smp in three.samples] == want_rows
+    # nla eval --suite: every block, each its own report in one suite.json; --layer K that block alone
+    ev_args = ["eval", "--av", av_dir, "--ar", ar_dir, "--dataset", str(rl_pq), "--suite", "hidden_code",
+               "--max-new-tokens", "4", "--device", "cpu"]
+    assert main([*ev_args, "--out", str(tmp_path / "suite_all")]) == 0
+    got = json.loads((tmp_path / "suite_all" / "suite.json").read_text())
+    assert got == json.loads(each.to_json())
+    assert main([*ev_args, "--layer", "1", "--out", str(tmp_path / "suite_1")]) == 0
+    assert json.loads((tmp_path / "suite_1" / "suite.json").read_text()) == json.loads(each.reports[1].to_json())
+    capsys.readouterr()
+    assert main(["eval", "--av", av_dir, "--ar", ar_dir, "--dataset", str(rl_pq), "--layer", "1", "--device", "cpu"]) == 2
+    assert "--layer: only the suite is run a block at a time" in capsys.readouterr().err
+    # the view a block at a time: calls that name no block get it, calls that name one keep it
+    at1 = client.at_block(1)
+    torch.testing.assert_close(at1.reconstruct(["It rains."]), client.reconstruct(["It rains."], layer=1))
+    torch.testing.assert_close(at1.reconstruct(["It rains."], layer=0), client.reconstruct(["It rains."], layer=0))
+    assert at1.d_model == client.d_model and at1.ar_sidecar is client.ar_sidecar
     # the explorer reads the block a request names (the deepest when none): that block's output at the token,
     # verbalized and scored with the block named, as the client does
     from starlette.testclient import TestClient
@@ -652,7 +699,7 @@ def test_block_tables_set_each_blocks_figures_beside_its_probe():
 def test_the_quickstart_runs_a_pair_for_two_blocks_and_reports_each(tiny_quickstart_run, tmp_path):
     """The tiny preset at blocks 0 and 1, its world and probe taken from the shared tiny run (the same
     configs: cached stages), a few steps a stage: every stage runs on the rows of both blocks, the
-    report has each block's figures beside the probe at that block, and the suite (one block) is not run."""
+    report has each block's figures beside the probe at that block, and the suite runs a block at a time."""
     import json
     import shutil
     import subprocess
@@ -678,7 +725,13 @@ def test_the_quickstart_runs_a_pair_for_two_blocks_and_reports_each(tiny_quickst
                           env=user_environment(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
-    assert not (out / "suite").exists() and report["suite"] is None
+    suite = json.loads((out / "suite" / "suite.json").read_text())
+    assert report["suite"] == suite and sorted(suite["by_block"]) == ["0", "1"]
+    for k, one in suite["by_block"].items():  # the tiny preset's 24 held-out rows of each block (or all it has)
+        held_out = read_parquet(one["dataset"]).column("activation_layer").to_pylist()
+        assert one["block"] == int(k) and one["n_rows"] == min(24, held_out.count(int(k))) >= 2
+        for t in one["targets"]:
+            assert report["headline"][f"suite_block{k}_{t['section']}_{t['key']}"] == t["value"]
     assert [s["name"] for s in report["stages"]][:2] == ["world", "probe"]  # reused, not rebuilt
     assert all(s["cached"] for s in report["stages"][:2])
     blocks = report["headline"]["by_block"]
@@ -691,7 +744,9 @@ def test_the_quickstart_runs_a_pair_for_two_blocks_and_reports_each(tiny_quickst
     md = (out / "report.md").read_text()
     assert "### By block" in md and "| block | rows | probe mean top-1 |" in md
     assert "the probe: a linear probe of each kind at that block on held-out stories" in md  # the world's probe ran
-    assert "Not run: the explanation suite reads one block, and this pair reads 2 (issue 59)." in md
+    assert "The explanation suite (`nla eval --suite`; docs/suite.md) a block at a time" in md
+    assert (f"| test | block 0 ({suite['by_block']['0']['n_rows']} rows) | block 1 "
+            f"({suite['by_block']['1']['n_rows']} rows) | target |") in md
     (last,) = sorted((out / "rl" / "checkpoints").glob("step_*"))
     for role in ("av", "ar"):
         assert load_sidecar(last / role).layers == (0, 1)

@@ -92,6 +92,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--suite", nargs="?", const="all", metavar="PARTS",
                    help="run the explanation suite (does it explain?) instead of the eval table: all parts, or a "
                         "comma-separated list of claims, hidden_code, causal, directions, confabulation, best_of")
+    p.add_argument("--layer", type=non_negative_int,
+                   help="--suite, a pair for several blocks: test this block only (its rows of the dataset); default: "
+                        "every block, each on its own rows (the eval table always reports each block)")
     p.add_argument("--subject", help="--suite: the subject model dir for causal edits (default: the one the "
                                      "dataset's sidecar records)")
     p.add_argument("--baseline-av", help="--suite: the warm-start AV, whose false-claim rate is compared with the "
@@ -122,6 +125,9 @@ def run(args: argparse.Namespace) -> int:
     if args.best_of is not None and parts is None:  # it was ignored: the figure asked for never came
         raise ValueError("--best-of: only the suite's best_of part decodes best-of-N; add --suite best_of (or --suite)")
     best_of = _best_of(args.best_of or "1,4,8") if parts is not None else None
+    if args.layer is not None and parts is None:  # the eval table reports every block; the flag would be ignored
+        raise ValueError("--layer: only the suite is run a block at a time (nla eval reports each block of a pair for "
+                         "several blocks in one table); add --suite, or leave --layer out")
     if parts is not None and not args.av:
         raise ValueError("--suite: give the pair's AV (--av DIR) as well as its AR; the suite reads its explanations")
     if args.grader:
@@ -198,7 +204,7 @@ def _best_of(spec: str) -> list[int]:
 
 def _run_suite(args: argparse.Namespace, client, parts: list[str], best_of: list[int]) -> int:
     from nla.client import NLAClient
-    from nla.eval.suite import run_suite
+    from nla.eval.suite import run_suite, run_suite_by_block
 
     paraphraser = None
     if args.paraphrase_provider:
@@ -211,8 +217,12 @@ def _run_suite(args: argparse.Namespace, client, parts: list[str], best_of: list
                           allow_mixed_provenance=args.allow_mixed_provenance) if args.baseline_av else None)
     if baseline is not None:
         baseline.check_data(args.dataset)
-    report = run_suite(client, args.dataset, parts=parts, subject=args.subject, baseline_av=baseline,
-                       grader=args.grader, max_rows=args.max_rows, seed=args.seed, batch_size=args.batch_size,
-                       max_new_tokens=args.max_new_tokens, best_of=best_of, n_show=args.samples,
-                       paraphraser=paraphraser, temperature=args.temperature)
+    kw = dict(parts=parts, subject=args.subject, baseline_av=baseline, grader=args.grader, max_rows=args.max_rows,
+              seed=args.seed, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, best_of=best_of,
+              n_show=args.samples, paraphraser=paraphraser, temperature=args.temperature)
+    side = client.av_sidecar or client.ar_sidecar
+    if side.layers is not None and args.layer is None:  # a pair for several blocks: each block, one report
+        report = run_suite_by_block(client, args.dataset, **kw)
+    else:
+        report = run_suite(client, args.dataset, layer=args.layer, **kw)
     return _write_report(report, args.out, "suite")

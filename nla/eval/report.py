@@ -16,7 +16,7 @@ from nla.eval.evaluate import ROW_ORACLE as ORACLE
 from nla.eval.evaluate import ROW_ROUND_TRIP as ROUND_TRIP
 from nla.eval.evaluate import ROW_SHUFFLED as SHUFFLED
 from nla.eval.evaluate import shows_earlier
-from nla.eval.suite import targets_table
+from nla.eval.suite import block_targets_table, targets_table
 from nla.util.fsutil import copy_file_atomic
 from nla.util.numerics import cpu_kernels, cpu_paths, describe_cpu_paths, pin_shortfalls
 
@@ -433,7 +433,11 @@ def ceiling_line(headline: dict[str, Any]) -> list[str]:
 
 
 def suite_headline(suite: dict[str, Any] | None) -> dict[str, Any]:
-    """The suite's targets as headline keys ``suite_<section>_<key>`` (None where not measured)."""
+    """The suite's targets as headline keys ``suite_<section>_<key>`` (None where not measured); a pair for
+    several blocks: ``suite_block<K>_<section>_<key>`` for each block K."""
+    if suite and "by_block" in suite:
+        return {f"suite_block{k}_{t['section']}_{t['key']}": t["value"] for k, one in suite["by_block"].items()
+                for t in one.get("targets", [])}
     return {f"suite_{t['section']}_{t['key']}": t["value"] for t in (suite or {}).get("targets", [])}
 
 
@@ -441,11 +445,26 @@ def suite_section(suite: dict[str, Any] | None) -> list[str]:
     """"Does it explain?": the explanation suite's targets (``nla.eval.suite``) and what it measured."""
     if not suite:
         return []
-    s = suite.get("sections", {})
+    if "by_block" in suite:  # a pair for several blocks: the suite a block at a time (run_suite_by_block)
+        by = suite["by_block"]
+        md = ["## Does it explain?", "",
+              "The explanation suite (`nla eval --suite`; docs/suite.md) a block at a time, each on its own held-out "
+              "rows, every call at that block (the causal edits patch the subject's block): whether the RL'd pair's "
+              "explanations are a true, causal account of the vector, not only a text the AR can rebuild it from.",
+              "", *block_targets_table(by, _f), ""]
+        for k, one in by.items():
+            md += [f"Block {k} ({one['n_rows']} rows):", *suite_lines(one.get("sections", {})), ""]
+        return md
     md = ["## Does it explain?", "",
           f"The explanation suite (`nla eval --suite`, {suite['n_rows']} held-out rows; docs/suite.md): whether "
           "the RL'd pair's explanations are a true, causal account of the vector, not only a text the AR can "
           "rebuild it from.", "", *targets_table(suite.get("targets", []), _f)]
+    return md + suite_lines(suite.get("sections", {})) + [""]
+
+
+def suite_lines(s: dict[str, Any]) -> list[str]:
+    """The suite's figures as the report says them, a line a part (``sections`` of one block's report)."""
+    md: list[str] = []
     c, h, e = s.get("claims"), s.get("hidden_code"), s.get("causal")
     if c:
         md += ["", f"- Deleting one claim costs FVE {_f(c['fve_cost_true'])} when it is true, "
@@ -472,7 +491,7 @@ def suite_section(suite: dict[str, Any] | None) -> list[str]:
         top = max(int(k) for k in b if k.isdigit())
         md.append(f"- Best-of-{top}: FVE {_f(b['greedy']['fve'])} → {_f(b[str(top)]['fve'])}, precision "
                   f"{_f(b['greedy']['precision'])} → {_f(b[str(top)]['precision'])}.")
-    return md + [""]
+    return md
 
 
 def pair_lines(pair: dict[str, Any] | None) -> list[str]:
@@ -656,8 +675,6 @@ def write_report(out: Path, *, preset: str, seed: int = 0, threads: int | str | 
               "(not in the mean).", "",
               *probe_table(probe), ""] if probe.get("layers") else []),
           *suite_section(suite),
-          *(["## Does it explain?", "", "Not run: the explanation suite reads one block, and this pair reads "
-             f"{len(blocks)} (issue 59).", ""] if blocks and not suite else []),
           "## Training", "",
           (f"- subject model: {world['subject']} ({world.get('subject_dir')})" if world.get("subject") else
            f"- subject model: held-out loss {_f(world.get('heldout_loss'))} nats/token vs unigram entropy "

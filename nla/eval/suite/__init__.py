@@ -28,7 +28,9 @@ or that the vector does what the text says. The suite measures that, where the d
    reconstructs best; FVE, recall and precision at N = 1, 4, 8 against greedy decoding.
 
 ``run_suite`` runs them on a held-out dataset and returns a ``SuiteReport`` (JSON, markdown with
-each target met or missed); ``nla eval --suite`` is its command. Ground truth only grades here.
+each target met or missed); ``nla eval --suite`` is its command. A pair for several blocks is tested a
+block at a time (``run_suite(layer=K)`` on that block's rows; ``run_suite_by_block`` every block, a
+``SuiteByBlock``). Ground truth only grades here.
 
 Conventions: a claim is one sentence of the grader's ``claims``; facts are ``"kind=value"``
 strings (the kind is the part before ``=``); an explanation left without any claim is read by the
@@ -43,12 +45,13 @@ from nla.eval.suite.common import PARTS, TARGETS, fact_kind
 from nla.eval.suite.confabulation import confabulation
 from nla.eval.suite.directions import direction_inputs, fact_directions, norm_warnings, verbalize_directions
 from nla.eval.suite.hidden_code import hidden_code_variants
-from nla.eval.suite.report import SuiteReport, targets_table
-from nla.eval.suite.run import run_suite
+from nla.eval.suite.report import SuiteByBlock, SuiteReport, block_targets_table, targets_table
+from nla.eval.suite.run import run_suite, run_suite_by_block
 
 __all__ = [
-    "PARTS", "TARGETS", "Claim", "SuiteReport", "attribute_claims", "best_of_n", "causal_edits", "claims_summary",
+    "PARTS", "TARGETS", "Claim", "SuiteByBlock", "SuiteReport", "attribute_claims", "best_of_n", "causal_edits", "claims_summary",
     "confabulation", "direction_inputs", "fact_directions", "fact_kind", "hidden_code_variants", "norm_warnings",
-    "patch_residual", "patched_next_token_logits", "run_suite", "steering_vector", "targets_table",
+    "block_targets_table", "patch_residual", "patched_next_token_logits", "run_suite", "run_suite_by_block",
+    "steering_vector", "targets_table",
     "verbalize_directions",
 ]

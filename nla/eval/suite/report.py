@@ -14,7 +14,8 @@ from nla.eval.suite.common import TARGETS
 @dataclass
 class SuiteReport:
     """What ``run_suite`` measured, by part (``PARTS``); ``targets``: each of ``TARGETS`` with its
-    value and whether it is met (None: not measured)."""
+    value and whether it is met (None: not measured); ``block``: the block of a pair for several blocks it
+    was run at (None for a pair of one)."""
 
     dataset: str
     n_rows: int
@@ -22,6 +23,7 @@ class SuiteReport:
     sections: dict[str, Any] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)
+    block: int | None = None
 
     @property
     def targets(self) -> list[dict[str, Any]]:
@@ -40,7 +42,8 @@ class SuiteReport:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {"dataset": self.dataset, "n_rows": self.n_rows, "seed": self.seed, "sections": self.sections,
+        return {"dataset": self.dataset, "n_rows": self.n_rows, "seed": self.seed,
+                **({} if self.block is None else {"block": self.block}), "sections": self.sections,
                 "skipped": self.skipped, "targets": self.targets, "samples": self.samples}
 
     def to_json(self) -> str:
@@ -50,7 +53,8 @@ class SuiteReport:
 
     def to_markdown(self) -> str:
         s = self.sections
-        lines = [f"# Does it explain? ({self.n_rows} rows of {self.dataset}, seed {self.seed})", ""]
+        at = "" if self.block is None else f"block {self.block}: "
+        lines = [f"# Does it explain? ({at}{self.n_rows} rows of {self.dataset}, seed {self.seed})", ""]
         lines += targets_table(self.targets)
         if "claims" in s:
             c = s["claims"]
@@ -118,6 +122,48 @@ class SuiteReport:
         for part, why in self.skipped.items():
             lines += ["", f"- {part}: not run ({why})"]
         return "\n".join(lines) + "\n"
+
+
+@dataclass
+class SuiteByBlock:
+    """``run_suite`` at each block of a pair for several blocks (``run_suite_by_block``): block -> report."""
+
+    dataset: str
+    reports: dict[int, SuiteReport] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dataset": self.dataset, "by_block": {str(k): r.to_dict() for k, r in self.reports.items()}}
+
+    def to_json(self) -> str:
+        from nla.util.fsutil import dumps_json
+
+        return dumps_json(self.to_dict(), indent=2)
+
+    def to_markdown(self) -> str:
+        d = self.to_dict()["by_block"]
+        lines = [f"# Does it explain? Each block of the pair ({self.dataset})", "",
+                 "Each block's rows alone, every call at that block; the targets side by side, then each block's "
+                 "report.", "", *block_targets_table(d), ""]
+        for r in self.reports.values():  # each block's report, its headings a level down
+            lines += [f"#{x}" if x.startswith("#") else x for x in r.to_markdown().splitlines()]
+        return "\n".join(lines) + "\n"
+
+
+def block_targets_table(by_block: dict[str, dict[str, Any]], fmt: Callable[[Any], str] | None = None) -> list[str]:
+    """Markdown rows of each block's targets (the JSON of ``SuiteByBlock.to_dict()["by_block"]``): a test a row,
+    its value at each block (met or **missed**), then the target."""
+    fmt = fmt or _f
+    blocks = list(by_block)
+    lines = ["| test |" + "".join(f" block {k} ({by_block[k]['n_rows']} rows) |" for k in blocks) + " target |",
+             "|---|" + "---|" * len(blocks) + "---|"]
+    for i, t in enumerate(next(iter(by_block.values()))["targets"] if blocks else []):
+        cells = []
+        for k in blocks:
+            u = by_block[k]["targets"][i]
+            v = u.get("note") or fmt(u["value"])
+            cells.append(v if u["met"] is None else f"{v} ({'met' if u['met'] else '**missed**'})")
+        lines.append(f"| {t['what']} |" + "".join(f" {c} |" for c in cells) + f" {t['target']} |")
+    return lines
 
 
 def targets_table(targets: list[dict[str, Any]], fmt: Callable[[Any], str] | None = None) -> list[str]:

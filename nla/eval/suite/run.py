@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from nla.client import NLAClient, NLAClientError
+from nla.client import BlockView, NLAClient, NLAClientError
 from nla.core.graders import DatasetGrader, get_grader, grader_for_table
 from nla.core.vectors import check_spread
 from nla.eval.suite.best_of import best_of_n
@@ -22,7 +22,7 @@ from nla.eval.suite.common import PARTS, earlier_truths
 from nla.eval.suite.confabulation import confabulation
 from nla.eval.suite.directions import MIN_DIRECTION_ROWS, directions_summary
 from nla.eval.suite.hidden_code import Paraphraser, hidden_code_summary
-from nla.eval.suite.report import SuiteReport
+from nla.eval.suite.report import SuiteByBlock, SuiteReport
 from nla.util.validation import check_sampling
 
 logger = logging.getLogger(__name__)
@@ -94,22 +94,30 @@ def run_suite(
     strengths: Sequence[float] = (2.0, 4.0, 8.0),
     paraphraser: Paraphraser | None = None,
     n_show: int = 6,
+    layer: int | None = None,
 ) -> SuiteReport:
     """Run the suite's ``parts`` on a held-out dataset (module docstring). ``client`` holds the pair
     (AV and AR); ``temperature``: best-of-N's sampling temperature (0.7: on the default world best-of-8
     adds 0.056-0.061 FVE over greedy at 0.7 and 0.049-0.054 at 1.0 on the suite's first pass, dev/LOG.md); ``baseline_av`` a client with the warm-start AV (confabulation compares the two);
     ``subject``: the subject model's directory for causal edits (default: the one the dataset's
     sidecar records, when it exists). Parts that need truth the grader lacks, or a subject that
-    cannot be found, are listed in ``skipped`` with the reason."""
+    cannot be found, are listed in ``skipped`` with the reason. ``layer``: the block a pair for several
+    blocks is tested at (required there; :func:`run_suite_by_block` runs each): the dataset's rows of that
+    block (``activation_layer``), ``max_rows`` of them, every call at that block (``NLAClient.at_block``),
+    the causal edits patching the subject's block ``layer``."""
     from nla.eval.evaluate import load_eval_table
 
     bad = [p for p in parts if p not in PARTS]
     if bad:
         raise NLAClientError(f"suite parts: expected some of {list(PARTS)}, found {bad}")
     side = client.av_sidecar or client.ar_sidecar
-    if side is not None and side.layers is not None:
-        raise NLAClientError(f"suite: the pair reads several blocks ({list(side.layers)}); the suite does not take a "
-                             "block a row yet (issue 59): run nla eval, which reports each block")
+    blocks = None if side is None else side.layers
+    if blocks is not None and layer is None:
+        raise NLAClientError(f"suite: the pair reads several blocks ({list(blocks)}) and the suite reads one at a "
+                             "time: give layer=K (nla eval --suite --layer K), or run_suite_by_block for every block")
+    if layer is not None:  # every call at that block; one the pair was not trained on is refused here
+        client = client.at_block(layer)
+        baseline_av = None if baseline_av is None else baseline_av.at_block(layer)
     if subject is not None:
         check_subject_dir(subject)
     if "best_of" in parts:  # before any work (nla.util.validation.check_sampling, the one check)
@@ -121,7 +129,11 @@ def run_suite(
     side = client.require_ar("run_suite")
     path = Path(dataset_path)
     rng = np.random.default_rng(seed)
-    table, gold, dataset_rows = load_eval_table(client, path, max_rows, rng)
+    if blocks is None:
+        table, gold, dataset_rows = load_eval_table(client, path, max_rows, rng)
+    else:
+        table, gold, dataset_rows = block_rows(client, path, layer, max_rows, rng)
+    read_at = side.layer_index if blocks is None else layer  # the block the causal edits patch
     try:
         base = check_spread(gold, side.mse_scale_value(), f"dataset {path}")
     except ValueError as err:
@@ -144,7 +156,7 @@ def run_suite(
     if not has_truth:
         truths = None
     quotes = grader.quote_truths(table, Path(path)) if truths is not None else None  # what each row's text ends with
-    report = SuiteReport(dataset=str(path), n_rows=int(gold.shape[0]), seed=seed)
+    report = SuiteReport(dataset=str(path), n_rows=int(gold.shape[0]), seed=seed, block=None if blocks is None else layer)
     logger.info("suite: verbalizing %d rows", gold.shape[0])
     verbs = client.verbalize(gold, max_new_tokens=max_new_tokens, batch_size=batch_size)
     texts = [v.explanation for v in verbs]
@@ -184,19 +196,19 @@ def run_suite(
             logger.info("suite: causal edits on the subject %s", subject_dir)
             from nla.client import device_of
 
-            model, tok = load_subject(subject_dir, device_of(client.ar), side.d_model, side.layer_index)
-            slots = grader.recall_slots(table, path, model, tok, side.layer_index, max_rows, seed=seed)
+            model, tok = load_subject(subject_dir, device_of(client.ar), side.d_model, read_at)
+            slots = grader.recall_slots(table, path, model, tok, read_at, max_rows, seed=seed)
             if slots is not None and len(slots["context"]):
                 logger.info("suite: verbalizing %d recall slots of the dataset's documents", len(slots["context"]))
                 sv = slots["vectors"]
                 stexts = [v.explanation for v in client.verbalize(sv, max_new_tokens=max_new_tokens,
                                                                   batch_size=batch_size)]
                 res = causal_edits(client, model, tok, slots["context"], sv, stexts, slots["facts"], grader,
-                                   side.layer_index, seed=seed)
+                                   read_at, seed=seed)
                 res["source"] = "recall slots of the dataset's documents"
             else:
                 res = causal_edits(client, model, tok, table.column("context").to_pylist(), gold, texts, truths,
-                                   grader, side.layer_index, seed=seed)
+                                   grader, read_at, seed=seed)
                 res["source"] = "the dataset's rows"
             report.sections["causal"] = res
     if "directions" in parts:
@@ -231,3 +243,40 @@ def run_suite(
                                                greedy_texts=texts)
         report.sections["best_of"]["temperature"] = temperature
     return report
+
+
+def block_rows(client: NLAClient | BlockView, path: Path, layer: int, max_rows: int | None, rng: np.random.Generator
+               ) -> tuple[Any, Tensor, np.ndarray]:
+    """(table, RAW gold, parquet rows) of the dataset's rows of block ``layer`` (``activation_layer``), a
+    seeded subset of ``max_rows`` of them when there are more: ``load_eval_table`` a block at a time."""
+    from nla.eval.evaluate import load_eval_table
+
+    table, gold, rows = load_eval_table(client, path, None, rng)
+    if "activation_layer" not in table.column_names:
+        raise NLAClientError(f"dataset: {path} has no activation_layer column, but the pair reads several blocks; "
+                             "evaluate on a dataset nla datagen built with extraction layers (datagen.layers)")
+    idx = np.flatnonzero(np.asarray(table.column("activation_layer").to_pylist()) == layer)
+    if len(idx) < 2:
+        found = sorted(set(table.column("activation_layer").to_pylist()))
+        raise NLAClientError(f"dataset: {path} has {len(idx)} rows of block {layer} (its blocks: {found}); the suite "
+                             "needs at least 2 at the block it tests (FVE): give a block the dataset holds")
+    if max_rows is not None and max_rows < len(idx):
+        if max_rows < 2:
+            raise NLAClientError(f"max_rows: FVE needs at least 2 rows, found {max_rows}")
+        idx = np.sort(rng.choice(idx, size=max_rows, replace=False))
+    return table.take(idx), gold[torch.as_tensor(idx)], rows[idx]
+
+
+def run_suite_by_block(client: NLAClient, dataset_path: str | os.PathLike, **kwargs: Any) -> SuiteByBlock:
+    """:func:`run_suite` at every block of a pair for several blocks (``extraction.layers``), each on the
+    dataset's rows of its block (``max_rows`` of each), in the order the pair lists them."""
+    side = client.av_sidecar or client.ar_sidecar
+    if side is None or side.layers is None:
+        raise NLAClientError("suite by block: the pair reads one block (no extraction.layers); run run_suite")
+    if "layer" in kwargs:
+        raise NLAClientError("suite by block: runs every block of the pair; for one, call run_suite(layer=K)")
+    out = SuiteByBlock(dataset=str(dataset_path))
+    for k in side.layers:
+        logger.info("suite: block %d", k)
+        out.reports[int(k)] = run_suite(client, dataset_path, layer=int(k), **kwargs)
+    return out
