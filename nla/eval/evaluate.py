@@ -357,6 +357,15 @@ class _Eval:
                                           res.failure_rate if failure_rate is None else failure_rate, faith, degen))
 
 
+def row_blocks(table: Any, path: Path, layers: Sequence[int]) -> list[int]:
+    """The block of each row (``activation_layer``) of a dataset read by a pair for several blocks (``layers``);
+    a dataset without the column is refused by name."""
+    if "activation_layer" not in table.column_names:
+        raise NLAClientError(f"dataset: {path} has no activation_layer column, but the pair reads several blocks "
+                             f"({list(layers)}); evaluate on a dataset nla datagen built with those layers")
+    return [int(k) for k in table.column("activation_layer").to_pylist()]
+
+
 def load_eval_table(client: NLAClient, path: Path, max_rows: int | None, rng: np.random.Generator
                     ) -> tuple[Any, Tensor, np.ndarray]:
     """(table, RAW gold [N, d], parquet rows [N]) of the dataset, a seeded subset when ``max_rows``."""
@@ -561,12 +570,7 @@ def evaluate_pair(
     report = EvalReport(dataset=str(path), n_rows=n, d_model=client.d_model, mse_scale=scale,
                         baseline_raw_mean_mse=base.raw_mean, baseline_normalized_mean_mse=base.normalized_mean)
     quote_truths = grader.quote_truths(table, Path(path)) if grader is not None else None
-    blocks = None
-    if ar_side.layers is not None:
-        if "activation_layer" not in table.column_names:
-            raise NLAClientError(f"dataset: {path} has no activation_layer column, but the pair reads several blocks "
-                                 f"({list(ar_side.layers)}); evaluate on a dataset nla datagen built with those layers")
-        blocks = [int(k) for k in table.column("activation_layer").to_pylist()]
+    blocks = None if ar_side.layers is None else row_blocks(table, path, ar_side.layers)
     ev = _Eval(client, table, path, gold, dataset_rows, base, grader, facts, quote_truths, batch_size, max_new_tokens,
                report, blocks, grader.earlier(table) if grader is not None and facts is not None else None)
     verbs, rt = _av_rows(ev, frozen_ar, rng) if client.av_model is not None else (None, None)

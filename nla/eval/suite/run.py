@@ -249,15 +249,13 @@ def block_rows(client: NLAClient | BlockView, path: Path, layer: int, max_rows: 
                ) -> tuple[Any, Tensor, np.ndarray]:
     """(table, RAW gold, parquet rows) of the dataset's rows of block ``layer`` (``activation_layer``), a
     seeded subset of ``max_rows`` of them when there are more: ``load_eval_table`` a block at a time."""
-    from nla.eval.evaluate import load_eval_table
+    from nla.eval.evaluate import load_eval_table, row_blocks
 
     table, gold, rows = load_eval_table(client, path, None, rng)
-    if "activation_layer" not in table.column_names:
-        raise NLAClientError(f"dataset: {path} has no activation_layer column, but the pair reads several blocks; "
-                             "evaluate on a dataset nla datagen built with extraction layers (datagen.layers)")
-    idx = np.flatnonzero(np.asarray(table.column("activation_layer").to_pylist()) == layer)
+    blocks = row_blocks(table, path, client.require_ar("run_suite").layers)
+    idx = np.flatnonzero(np.asarray(blocks) == layer)
     if len(idx) < 2:
-        found = sorted(set(table.column("activation_layer").to_pylist()))
+        found = sorted(set(blocks))
         raise NLAClientError(f"dataset: {path} has {len(idx)} rows of block {layer} (its blocks: {found}); the suite "
                              "needs at least 2 at the block it tests (FVE): give a block the dataset holds")
     if max_rows is not None and max_rows < len(idx):
